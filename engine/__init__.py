@@ -1,0 +1,1 @@
+"""pagedserve engine: block manager, scheduler, model runner, worker. No torch import here."""

@@ -1,0 +1,1 @@
+"""pagedserve gateway: the OpenAI-compatible HTTP front end. Never imports torch."""

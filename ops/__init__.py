@@ -1,0 +1,1 @@
+"""Python face of the paged-attention kernels."""
