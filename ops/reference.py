@@ -1,0 +1,114 @@
+"""The four paged ops in plain torch: slow, obviously correct, the oracle for the kernels.
+
+Cache layout per layer: ``[num_blocks, num_kv_heads, block_size, head_size]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Bound the gathered K/V of one chunk of sequences (elements, fp32) so long contexts fit in memory.
+_MAX_GATHER_ELEMS = 1 << 26
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged K/V (fp32 math)."""
+    num_seqs, _, head_size = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    result = out if out is not None else torch.empty_like(query)
+    if num_seqs == 0:
+        return result
+    lens = context_lens.to(device=query.device, dtype=torch.int64)
+    max_blocks = max(1, (int(lens.max()) + block_size - 1) // block_size)
+    per_seq = max_blocks * block_size * num_kv_heads * head_size * 2
+    chunk = max(1, _MAX_GATHER_ELEMS // per_seq)
+    for start in range(0, num_seqs, chunk):
+        stop = min(num_seqs, start + chunk)
+        result[start:stop] = _attend_chunk(
+            query[start:stop], key_cache, value_cache, block_tables[start:stop, :max_blocks],
+            lens[start:stop], scale,
+        ).to(result.dtype)
+    return result
+
+
+def _attend_chunk(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_size = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+    max_len = max_blocks * block_size
+    pos = torch.arange(max_len, device=query.device)
+    valid = pos[None, :] < lens[:, None]  # [S, L]
+    # Table entries past a sequence's context may hold anything: never dereference them.
+    needed = torch.arange(max_blocks, device=query.device)[None, :] * block_size < lens[:, None]
+    table = block_tables.to(torch.int64).masked_fill(~needed, 0)
+    keys = _gather(key_cache, table)  # [S, kvh, L, D]
+    values = _gather(value_cache, table)
+    q = query.float().view(num_seqs, num_kv_heads, group, head_size)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, kvh, g, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty context -> zeros
+    return torch.matmul(probs, values).view(num_seqs, num_heads, head_size)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Gather ``[S, kv_heads, max_blocks * block_size, head]`` in fp32 from a paged cache."""
+    num_seqs, max_blocks = table.shape
+    _, num_kv_heads, block_size, head_size = cache.shape
+    blocks = cache[table].float()  # [S, B, kvh, bs, D]
+    return blocks.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each token's K/V ``[T, kv_heads, head]`` into its slot; slots < 0 are skipped."""
+    block_size = key_cache.shape[2]
+    slots = slot_mapping.to(device=key.device, dtype=torch.int64)
+    keep = slots >= 0
+    slots = slots[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, :, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, :, offsets] = value[keep].to(value_cache.dtype)
+
+
+def copy_blocks(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+) -> None:
+    """For every layer, copy block ``src`` onto block ``dst`` for each (src, dst) row."""
+    if block_mapping.numel() == 0:
+        return
+    mapping = block_mapping.to(torch.int64)
+    for cache in (*key_caches, *value_caches):
+        pairs = mapping.to(cache.device)
+        cache[pairs[:, 1]] = cache[pairs[:, 0]]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks of one cache tensor across devices: ``dst[d] = src[s]`` for each (s, d) row."""
+    if block_mapping.numel() == 0:
+        return
+    mapping = block_mapping.to(torch.int64)
+    gathered = src[mapping[:, 0].to(src.device)].to(dst.device, non_blocking=False)
+    dst[mapping[:, 1].to(dst.device)] = gathered
