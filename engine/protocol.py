@@ -1,0 +1,342 @@
+"""Wire protocol between gateways and engines: msgpack messages and Redis key names.
+
+The only module the gateway imports from `engine`; it must never import torch and never
+pickle. Every message carries `v` (PROTOCOL_VERSION); a message with another version is
+rejected with `ProtocolError`.
+
+Flow:
+- gateway ``XADD {prefix}:requests * m <EngineRequest.encode()>`` (consumer group ``engines``)
+- engine ``PUBLISH {prefix}:out:<gateway_id> <encode_outputs([RequestOutput, ...])>``, one
+  message per step per gateway; ``seq`` counts messages per request (0, 1, 2, ...).
+- gateway ``PUBLISH {prefix}:abort <AbortMessage.encode()>`` when a client leaves or a stop
+  string matched.
+- engine ``HSET {prefix}:engine:<engine_id>`` (EngineHeartbeat.to_hash()) with a TTL.
+- engine ``RPUSH {prefix}:progress:<request_id> <RequestOutput.encode()>`` in the same
+  MULTI/EXEC as each publish, with a TTL; `merge_progress` folds the list back.
+
+Token de-duplication: each `SeqOutput` says at which generated-token index (`offset`) its
+`token_ids` start, so a receiver drops tokens it already has (an engine resuming a dead
+engine's request may repeat some) and detects holes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DEFAULT_PREFIX = "ps"
+CONSUMER_GROUP = "engines"
+REQUEST_FIELD = "m"
+
+
+class ProtocolError(ValueError):
+    """A wire message that cannot be decoded (wrong version, missing or mistyped field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Redis stream, channel and key names derived from one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}:requests"
+
+    @property
+    def group(self) -> str:
+        return CONSUMER_GROUP
+
+    @property
+    def abort(self) -> str:
+        return f"{self.prefix}:abort"
+
+    @property
+    def engine_pattern(self) -> str:
+        """SCAN pattern matching every engine heartbeat hash."""
+        return f"{self.prefix}:engine:*"
+
+    def out(self, gateway_id: str) -> str:
+        return f"{self.prefix}:out:{gateway_id}"
+
+    def engine(self, engine_id: str) -> str:
+        return f"{self.prefix}:engine:{engine_id}"
+
+    def progress(self, request_id: str) -> str:
+        return f"{self.prefix}:progress:{request_id}"
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ProtocolError(f"not a msgpack message: {exc}") from exc
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _check_version(obj: Any, what: str) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what}: expected a map, got {type(obj).__name__}")
+    if obj.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        raise ProtocolError(f"{what}: protocol version {obj.get('v')!r}, expected {PROTOCOL_VERSION}")
+    return obj
+
+
+@dataclass(slots=True)
+class WireParams:
+    """Sampling parameters on the wire; `to_dict()` feeds `SamplingParams.from_dict()`.
+
+    `logprobs` is None (none returned) or the number of top alternatives per token (0 = only
+    the sampled token's logprob)."""
+
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WireParams:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request, XADDed to the request stream under field ``m``."""
+
+    id: str
+    gateway: str
+    model: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+    arrival: float
+    deadline: float | None = None
+
+    def encode(self) -> bytes:
+        return _pack({
+            "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
+            "prompt_token_ids": list(self.prompt_token_ids), "params": self.params,
+            "arrival": self.arrival, "deadline": self.deadline,
+        })
+
+    @classmethod
+    def decode(cls, data: bytes) -> EngineRequest:
+        obj = _check_version(_unpack(data), "request")
+        try:
+            return cls(
+                id=str(obj["id"]), gateway=str(obj["gateway"]), model=str(obj["model"]),
+                prompt_token_ids=[int(t) for t in obj["prompt_token_ids"]], params=dict(obj["params"]),
+                arrival=float(obj["arrival"]), deadline=None if obj.get("deadline") is None
+                else float(obj["deadline"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"request: bad field: {exc!r}") from exc
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """Logprob of one sampled token and its top alternatives as (token_id, logprob) pairs."""
+
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SeqOutput:
+    """New tokens of one choice (`index`), starting at generated-token index `offset`."""
+
+    index: int
+    token_ids: list[int]
+    offset: int = 0
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"index": self.index, "offset": self.offset, "token_ids": list(self.token_ids),
+                               "finish_reason": self.finish_reason}
+        if self.logprobs is not None:
+            obj["logprobs"] = [[lp.logprob, [[int(t), float(p)] for t, p in lp.top]] for lp in self.logprobs]
+        return obj
+
+    @classmethod
+    def from_obj(cls, obj: dict[str, Any]) -> SeqOutput:
+        logprobs = obj.get("logprobs")
+        return cls(
+            index=int(obj["index"]), token_ids=[int(t) for t in obj["token_ids"]],
+            offset=int(obj.get("offset", 0)), finish_reason=obj.get("finish_reason"),
+            logprobs=None if logprobs is None else [
+                TokenLogprob(float(lp), [(int(t), float(p)) for t, p in top]) for lp, top in logprobs],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    """An engine-side failure, mapped by the gateway to an OpenAI error body."""
+
+    message: str
+    type: str = "server_error"
+    code: str | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's part of an output batch. `usage` comes with the message that finishes
+    the last choice; `error` ends the request."""
+
+    id: str
+    seq: int
+    outputs: list[SeqOutput] = field(default_factory=list)
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+
+    def to_obj(self) -> dict[str, Any]:
+        obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": self.id, "seq": self.seq,
+                               "outputs": [o.to_obj() for o in self.outputs]}
+        if self.usage is not None:
+            obj["usage"] = {"prompt_tokens": self.usage.prompt_tokens,
+                            "completion_tokens": self.usage.completion_tokens}
+        if self.error is not None:
+            obj["error"] = {"message": self.error.message, "type": self.error.type, "code": self.error.code}
+        return obj
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> RequestOutput:
+        obj = _check_version(obj, "output")
+        try:
+            usage, error = obj.get("usage"), obj.get("error")
+            return cls(
+                id=str(obj["id"]), seq=int(obj["seq"]),
+                outputs=[SeqOutput.from_obj(o) for o in obj.get("outputs", [])],
+                usage=None if usage is None else Usage(int(usage["prompt_tokens"]),
+                                                       int(usage["completion_tokens"])),
+                error=None if error is None else ErrorInfo(str(error["message"]),
+                                                           str(error.get("type", "server_error")),
+                                                           error.get("code")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"output: bad field: {exc!r}") from exc
+
+    def encode(self) -> bytes:
+        """A single output (used for progress checkpoints)."""
+        return _pack(self.to_obj())
+
+    @classmethod
+    def decode(cls, data: bytes) -> RequestOutput:
+        return cls.from_obj(_unpack(data))
+
+
+def encode_outputs(outputs: list[RequestOutput]) -> bytes:
+    """One pub/sub message: a msgpack list of outputs for requests of one gateway."""
+    return _pack([o.to_obj() for o in outputs])
+
+
+def decode_outputs(data: bytes) -> list[RequestOutput]:
+    obj = _unpack(data)
+    if not isinstance(obj, list):
+        raise ProtocolError(f"output batch: expected a list, got {type(obj).__name__}")
+    return [RequestOutput.from_obj(o) for o in obj]
+
+
+@dataclass(slots=True)
+class AbortMessage:
+    """Request ids whose generation should stop (client left, stop string matched)."""
+
+    ids: list[str]
+
+    def encode(self) -> bytes:
+        return _pack({"v": PROTOCOL_VERSION, "ids": list(self.ids)})
+
+    @classmethod
+    def decode(cls, data: bytes) -> AbortMessage:
+        obj = _check_version(_unpack(data), "abort")
+        try:
+            return cls(ids=[str(i) for i in obj["ids"]])
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"abort: bad field: {exc!r}") from exc
+
+
+@dataclass(slots=True)
+class Progress:
+    """What a client has been sent for one request, folded from its progress list."""
+
+    last_seq: int = -1
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    finished: dict[int, str] = field(default_factory=dict)
+
+
+def merge_progress(entries: list[bytes]) -> Progress:
+    """Fold ``LRANGE {prefix}:progress:<id> 0 -1`` into tokens per choice (de-duplicated by offset)."""
+    progress = Progress()
+    for raw in entries:
+        out = RequestOutput.decode(raw)
+        progress.last_seq = max(progress.last_seq, out.seq)
+        for seq_out in out.outputs:
+            tokens = progress.token_ids.setdefault(seq_out.index, [])
+            skip = len(tokens) - seq_out.offset
+            if skip < 0:
+                raise ProtocolError(f"progress of {out.id}: hole before token {seq_out.offset}")
+            tokens.extend(seq_out.token_ids[skip:])
+            if seq_out.finish_reason is not None:
+                progress.finished[seq_out.index] = seq_out.finish_reason
+    return progress
+
+
+@dataclass(slots=True)
+class EngineHeartbeat:
+    """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
+    `tokenizer` the directory a gateway loads the tokenizer and chat template from."""
+
+    engine_id: str
+    model: str
+    tokenizer: str
+    max_model_len: int
+    time: float
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def to_hash(self) -> dict[str, str]:
+        fields = {"engine_id": self.engine_id, "model": self.model, "tokenizer": self.tokenizer,
+                  "max_model_len": str(self.max_model_len), "time": repr(self.time)}
+        fields.update({f"stat:{k}": repr(float(v)) for k, v in self.stats.items()})
+        return fields
+
+    @classmethod
+    def from_hash(cls, data: dict[Any, Any]) -> EngineHeartbeat:
+        text = {_text(k): _text(v) for k, v in data.items()}
+        try:
+            return cls(
+                engine_id=text["engine_id"], model=text["model"], tokenizer=text.get("tokenizer", ""),
+                max_model_len=int(text.get("max_model_len", "0")), time=float(text.get("time", "0")),
+                stats={k[5:]: float(v) for k, v in text.items() if k.startswith("stat:")},
+            )
+        except (KeyError, ValueError) as exc:
+            raise ProtocolError(f"heartbeat: bad field: {exc!r}") from exc

@@ -1,0 +1,116 @@
+"""Wire protocol: round-trips, versioning, key names, progress folding, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from engine.protocol import (
+    PROTOCOL_VERSION,
+    AbortMessage,
+    EngineHeartbeat,
+    EngineRequest,
+    ErrorInfo,
+    Keys,
+    ProtocolError,
+    RequestOutput,
+    SeqOutput,
+    TokenLogprob,
+    Usage,
+    WireParams,
+    decode_outputs,
+    encode_outputs,
+    merge_progress,
+)
+
+
+def test_keys_follow_prefix() -> None:
+    keys = Keys("tst")
+    assert keys.requests == "tst:requests"
+    assert keys.group == "engines"
+    assert keys.out("gw1") == "tst:out:gw1"
+    assert keys.abort == "tst:abort"
+    assert keys.engine("e0") == "tst:engine:e0"
+    assert keys.engine_pattern == "tst:engine:*"
+    assert keys.progress("r1") == "tst:progress:r1"
+    assert Keys().requests == "ps:requests"
+
+
+def test_request_round_trip() -> None:
+    params = WireParams(n=2, temperature=0.5, top_k=4, seed=7, max_tokens=9, stop_token_ids=[2], logprobs=3)
+    req = EngineRequest("r1", "gw", "m", [1, 2, 3], params.to_dict(), arrival=1.5, deadline=None)
+    data = req.encode()
+    assert isinstance(data, bytes)
+    assert msgpack.unpackb(data)["v"] == PROTOCOL_VERSION
+    back = EngineRequest.decode(data)
+    assert back == req
+    assert WireParams.from_dict(back.params) == params
+
+
+def test_wire_params_carry_every_sampling_field() -> None:
+    expected = {"n", "best_of", "use_beam_search", "length_penalty", "early_stopping", "temperature",
+                "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
+                "ignore_eos", "logprobs"}
+    assert set(WireParams().to_dict()) == expected
+    assert WireParams.from_dict({"n": 3, "unknown": 1}).n == 3
+
+
+def test_output_batch_round_trip() -> None:
+    outs = [
+        RequestOutput("a", 0, [SeqOutput(0, [5, 6], offset=0)]),
+        RequestOutput("b", 3, [SeqOutput(1, [7], offset=4, finish_reason="stop",
+                                         logprobs=[TokenLogprob(-0.5, [(7, -0.5), (8, -1.25)])])],
+                      usage=Usage(3, 5)),
+        RequestOutput("c", 1, error=ErrorInfo("prompt too long", "invalid_request_error", "context_length")),
+    ]
+    assert decode_outputs(encode_outputs(outs)) == outs
+
+
+@pytest.mark.parametrize("bad", [
+    msgpack.packb({"v": 99, "id": "x"}),
+    msgpack.packb({"v": PROTOCOL_VERSION, "id": "x"}),
+    msgpack.packb([1, 2]),
+    b"\xc1",
+])
+def test_request_rejects_bad_messages(bad: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        EngineRequest.decode(bad)
+
+
+def test_output_batch_rejects_wrong_version_and_shape() -> None:
+    with pytest.raises(ProtocolError):
+        decode_outputs(msgpack.packb([{"v": 2, "id": "a", "seq": 0, "outputs": []}]))
+    with pytest.raises(ProtocolError):
+        decode_outputs(msgpack.packb({"id": "a"}))
+
+
+def test_abort_round_trip() -> None:
+    assert AbortMessage.decode(AbortMessage(["a", "b"]).encode()).ids == ["a", "b"]
+
+
+def test_heartbeat_hash_round_trip_with_bytes() -> None:
+    hb = EngineHeartbeat("e0", "smollm2", "/models/smol", 2048, 12.5, {"kv_free": 10.0})
+    raw = {k.encode(): v.encode() for k, v in hb.to_hash().items()}
+    assert EngineHeartbeat.from_hash(raw) == hb
+
+
+def test_merge_progress_dedups_by_offset() -> None:
+    entries = [
+        RequestOutput("r", 0, [SeqOutput(0, [1, 2], 0), SeqOutput(1, [9], 0)]).encode(),
+        RequestOutput("r", 1, [SeqOutput(0, [2, 3], 1)]).encode(),  # resumed: token 2 repeated
+        RequestOutput("r", 2, [SeqOutput(0, [4], 3, finish_reason="length")]).encode(),
+    ]
+    progress = merge_progress(entries)
+    assert progress.last_seq == 2
+    assert progress.token_ids == {0: [1, 2, 3, 4], 1: [9]}
+    assert progress.finished == {0: "length"}
+    with pytest.raises(ProtocolError):
+        merge_progress([RequestOutput("r", 0, [SeqOutput(0, [1], 2)]).encode()])
+
+
+def test_protocol_import_is_torch_free() -> None:
+    code = "import sys, engine, engine.protocol; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
