@@ -1,0 +1,84 @@
+"""Physical KV blocks and the free list: an intrusive doubly linked list with O(1) pop,
+append and remove-from-middle. Freed blocks keep their prefix hash and sit in LRU order
+until they are reused, so a later request with the same prefix can revive them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One physical block of KV slots. No tensor lives here: the id indexes the cache."""
+
+    block_id: int
+    ref_count: int = 0
+    num_tokens: int = 0
+    hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    last_access: float = 0.0
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+    def forget_hash(self) -> None:
+        self.hash = None
+        self.parent_hash = None
+        self.token_ids = ()
+
+
+class FreeBlockQueue:
+    """Free blocks, least recently freed first. Membership is `block.prev is not None`."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Block]:
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            yield node
+            node = node.next
+
+    def __contains__(self, block: Block) -> bool:
+        return block.prev is not None
+
+    def append(self, block: Block) -> None:
+        """Put a block at the most-recently-freed end."""
+        last = self._tail.prev
+        assert last is not None and block.prev is None
+        block.prev, block.next = last, self._tail
+        last.next = block
+        self._tail.prev = block
+        self._len += 1
+
+    def popleft(self) -> Block:
+        """Take the least recently freed block."""
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        """Unlink a block from anywhere in the queue (prefix-cache revival)."""
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, "block is not in the free queue"
+        prev.next = nxt
+        nxt.prev = prev
+        block.prev = block.next = None
+        self._len -= 1
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: the previous block's hash chained with its tokens."""
+    return hash((parent_hash, token_ids))
