@@ -124,11 +124,18 @@ class BlockManager:
 
     def can_append_slot(self, seq_id: int) -> bool:
         """True when one more token fits (a new block or a CoW copy may be needed)."""
+        return self.num_append_blocks(seq_id) <= self.num_free_blocks
+
+    def num_append_blocks(self, seq_id: int) -> int:
+        """Blocks the next append_slot takes: 1 for a full or shared last block, else 0."""
         seq = self.seqs[seq_id]
         if len(seq.token_ids) % self.block_size == 0:
-            return self.num_free_blocks >= 1
-        last = self.blocks[seq.block_ids[-1]]
-        return last.ref_count == 1 or self.num_free_blocks >= 1
+            return 1
+        return 0 if self.blocks[seq.block_ids[-1]].ref_count == 1 else 1
+
+    def can_append_slots(self, seq_ids: Sequence[int]) -> bool:
+        """True when every listed sequence can take one more token at once."""
+        return sum(self.num_append_blocks(seq_id) for seq_id in seq_ids) <= self.num_free_blocks
 
     def append_slot(self, seq_id: int, token_id: int) -> tuple[int, int] | None:
         """Reserve the slot of one more token. Allocates when the last block is full; copies
