@@ -1,0 +1,155 @@
+// CPU decode paged attention: one task per (sequence, kv head), online softmax over K/V blocks.
+//
+// Every K or V row is read (and widened to fp32) once and used by all query heads of its
+// GQA group. Inner loops are `omp simd` so the compiler vectorizes them without -ffast-math.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "ops.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks, max_blocks;
+  int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
+  float scale;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+inline void scale_in_place(float* y, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// A row of the cache as fp32: the row itself for float, else widened into `buf`.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    return buf;
+  }
+}
+
+// Softmax bookkeeping for one block: turns logits into weights, rescales earlier sums.
+inline void online_softmax_step(float* logits, int64_t n, float& running_max, float& running_sum,
+                                float* acc, int64_t head_size) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, logits[t]);
+  const float new_max = std::max(running_max, block_max);
+  if (new_max > running_max) {
+    const float alpha = std::exp(running_max - new_max);  // exp(-inf) == 0 on the first block
+    running_sum *= alpha;
+    scale_in_place(acc, alpha, head_size);
+    running_max = new_max;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    logits[t] = std::exp(logits[t] - new_max);
+    running_sum += logits[t];
+  }
+}
+
+template <typename T>
+void attend_group(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
+                  int64_t context_len, int64_t kv_head, const Shape& s, std::vector<float>& work) {
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_size, bs = s.block_size;
+  work.assign(2 * group * dim + dim + group * bs + 2 * group, 0.f);
+  float* q = work.data();
+  float* acc = q + group * dim;
+  float* row = acc + group * dim;
+  float* logits = row + dim;
+  float* maxes = logits + group * bs;
+  float* sums = maxes + group;
+  for (int64_t h = 0; h < group; ++h) {
+    const T* src = query + (kv_head * group + h) * s.q_stride_head;
+    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * s.scale;
+    maxes[h] = -std::numeric_limits<float>::infinity();
+  }
+  const int64_t num_used = std::min(s.max_blocks, (context_len + bs - 1) / bs);
+  for (int64_t b = 0; b < num_used; ++b) {
+    const int64_t block = table[b];
+    TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
+                s.num_blocks, ")");
+    const int64_t n = std::min(bs, context_len - b * bs);
+    const int64_t base = (block * s.num_kv_heads + kv_head) * bs * dim;
+    for (int64_t t = 0; t < n; ++t) {
+      const float* k = as_float(key_cache + base + t * dim, row, dim);
+      for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot(q + h * dim, k, dim);
+    }
+    for (int64_t h = 0; h < group; ++h)
+      online_softmax_step(logits + h * bs, n, maxes[h], sums[h], acc + h * dim, dim);
+    for (int64_t t = 0; t < n; ++t) {
+      const float* v = as_float(value_cache + base + t * dim, row, dim);
+      for (int64_t h = 0; h < group; ++h) axpy(acc + h * dim, logits[h * bs + t], v, dim);
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;  // empty context -> zeros
+    T* dst = out + (kv_head * group + h) * s.out_stride_head;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[h * dim + d] * inv);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
+         const Shape& s) {
+  T* out_ptr = static_cast<T*>(out.data_ptr());
+  const T* q_ptr = static_cast<const T*>(query.data_ptr());
+  const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
+  const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t num_tasks = query.size(0) * s.num_kv_heads;
+  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
+      attend_group<T>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,
+                      tables + seq * table_stride, lens[seq], kv_head, s, work);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  const Shape s{query.size(1), key_cache.size(1), key_cache.size(3), key_cache.size(2),
+                key_cache.size(0), block_tables.size(1), query.stride(0), query.stride(1),
+                out.stride(0), out.stride(1), static_cast<float>(scale)};
+  switch (query.scalar_type()) {
+    case at::kFloat: return run<float>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    case at::kHalf: return run<c10::Half>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace pagedserve::cpu

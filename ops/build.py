@@ -1,0 +1,127 @@
+"""JIT build of the kernels with torch.utils.cpp_extension + ninja into a per-user cache.
+
+The build directory is keyed by the sources' hash, the torch version, the device kind and
+the compiler flags, so a changed source or another torch never reuses a stale library.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CPU_SOURCES = ("cpu/attention.cpp", "cpu/cache.cpp", "cpu/registration.cpp")
+CUDA_SOURCES = ("bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
+HEADERS = ("cpu/ops.h", "ops.h")
+
+log = structlog.get_logger(component="ops.build")
+
+
+class KernelBuildError(RuntimeError):
+    """Compiling the kernels failed; the message carries the compiler output."""
+
+
+def cache_root() -> Path:
+    """``$PAGEDSERVE_CACHE/kernels`` if set, else ``~/.cache/pagedserve/kernels``."""
+    base = os.environ.get("PAGEDSERVE_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "pagedserve"
+    return root / "kernels"
+
+
+def cpu_cflags() -> list[str]:
+    """-O3 and OpenMP (at::parallel_for is inlined OpenMP); -march=native on x86-64 unless disabled.
+
+    -march=native is safe because the cache key includes this CPU's feature flags, so a library
+    is never loaded on a machine whose CPU it was not built for. PAGEDSERVE_NATIVE=0 turns it off.
+    """
+    flags = ["-O3", "-fopenmp", "-std=c++17"]
+    if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDSERVE_NATIVE", "1") != "0":
+        flags.append("-march=native")
+    return flags
+
+
+def cuda_cflags() -> list[str]:
+    """nvcc flags for the CUDA kernels (the arch list comes from torch / TORCH_CUDA_ARCH_LIST)."""
+    return ["-O3", "-std=c++17", "-lineinfo"]
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    flags = next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
+    return platform.machine() + flags
+
+
+def build_key(kind: str, sources: tuple[str, ...], flags: list[str]) -> str:
+    """Hash of sources, headers, torch version, device kind, flags and the machine it targets."""
+    digest = hashlib.sha256()
+    for rel in (*sources, *HEADERS):
+        path = CSRC / rel
+        digest.update(rel.encode())
+        digest.update(path.read_bytes() if path.exists() else b"")
+    target = _cpu_fingerprint() if kind == "cpu" else f"cuda{torch.version.cuda}"
+    for part in (kind, torch.__version__, " ".join(flags), target):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _load(kind: str, sources: tuple[str, ...], **flags: Any) -> str:
+    name = f"pagedserve_{kind}"
+    key = build_key(kind, sources, [*flags.get("extra_cflags", []), *flags.get("extra_cuda_cflags", [])])
+    build_dir = cache_root() / f"{kind}-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    fresh = not (build_dir / f"{name}.so").exists()
+    if fresh:
+        log.info("building kernels (first use: ~10 s CPU, minutes CUDA)", kind=kind, dir=str(build_dir))
+    started = time.perf_counter()
+    from torch.utils.cpp_extension import load
+
+    try:
+        path = load(
+            name=name,
+            sources=[str(CSRC / s) for s in sources],
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+            **flags,
+        )
+    except Exception as exc:  # cpp_extension raises RuntimeError/CalledProcessError with the output
+        output = getattr(exc, "output", None)
+        detail = output.decode(errors="replace") if isinstance(output, bytes) else str(output or "")
+        raise KernelBuildError(
+            f"building the {kind} kernels in {build_dir} failed: {exc}\n{detail}\n"
+            "Fix the toolchain (a C++17 compiler, ninja; nvcc matching torch.version.cuda for CUDA) "
+            "or run with --attention-backend reference."
+        ) from exc
+    if fresh:
+        log.info("kernels built", kind=kind, seconds=round(time.perf_counter() - started, 1))
+    return str(path)
+
+
+@functools.cache
+def cpu_ops() -> Any:
+    """The compiled CPU ops (``torch.ops.pagedserve_cpu``), built on first call."""
+    _load("cpu", CPU_SOURCES, extra_cflags=cpu_cflags(), extra_ldflags=["-fopenmp"])
+    return torch.ops.pagedserve_cpu
+
+
+@functools.cache
+def cuda_ops() -> Any:
+    """The compiled CUDA ops (``torch.ops.pagedserve_cuda``); needs a CUDA build of torch."""
+    if torch.version.cuda is None:
+        raise KernelBuildError(
+            "this torch has no CUDA support (CPU wheel): install a CUDA torch to run on GPU tensors"
+        )
+    _load("cuda", CUDA_SOURCES, extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=cuda_cflags())
+    return torch.ops.pagedserve_cuda

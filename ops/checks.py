@@ -1,0 +1,157 @@
+"""Argument checks run before any kernel launch: errors a user can act on, never a crash inside C++."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CUDA_HEAD_SIZES = (64, 80, 96, 128, 256)
+CUDA_BLOCK_SIZES = (8, 16, 32)
+
+
+def _dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if tensor.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name} must have dtype {names}; got {str(tensor.dtype).removeprefix('torch.')}")
+
+
+def _ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}; got shape {tuple(tensor.shape)}")
+
+
+def _same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"tensors must be on one device; got {listing}")
+
+
+def check_cache(name: str, cache: torch.Tensor) -> None:
+    """A cache is a contiguous 4-D ``[num_blocks, num_kv_heads, block_size, head_size]`` float tensor."""
+    _ndim(name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
+    _dtype(name, cache, FLOAT_DTYPES)
+    if not cache.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (written in place); got strides {cache.stride()}")
+    if cache.is_cuda:
+        block_size, head_size = cache.shape[2], cache.shape[3]
+        if block_size not in CUDA_BLOCK_SIZES:
+            raise ValueError(f"{name}: CUDA block size must be one of {CUDA_BLOCK_SIZES}; got {block_size}")
+        if head_size not in CUDA_HEAD_SIZES:
+            raise ValueError(f"{name}: CUDA head size must be one of {CUDA_HEAD_SIZES}; got {head_size}")
+
+
+def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """Key and value caches of one layer: valid each, and alike in shape, dtype and device."""
+    check_cache("key_cache", key_cache)
+    check_cache("value_cache", value_cache)
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} {key_cache.dtype} and value_cache "
+            f"{tuple(value_cache.shape)} {value_cache.dtype} must match in shape and dtype"
+        )
+    _same_device(key_cache=key_cache, value_cache=value_cache)
+
+
+def check_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Everything ``paged_attention`` needs to be true of its arguments."""
+    check_cache_pair(key_cache, value_cache)
+    _ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[1]
+    if head_size != key_cache.shape[3]:
+        raise ValueError(f"query head_size {head_size} differs from the cache head_size {key_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if query.stride(2) != 1:
+        raise ValueError("query must be contiguous in its last (head_size) dimension")
+    _ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    _dtype("block_tables", block_tables, (torch.int32,))
+    _ndim("context_lens", context_lens, 1, "[num_seqs]")
+    _dtype("context_lens", context_lens, (torch.int32,))
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
+            f"must have num_seqs={num_seqs} rows"
+        )
+    _same_device(query=query, key_cache=key_cache, block_tables=block_tables, context_lens=context_lens)
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+            raise ValueError(f"out must match query {tuple(query.shape)} {query.dtype} on {query.device}")
+        if out.stride(2) != 1:
+            raise ValueError("out must be contiguous in its last (head_size) dimension")
+
+
+def check_cache_write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Everything ``reshape_and_cache`` needs to be true of its arguments."""
+    check_cache_pair(key_cache, value_cache)
+    for name, tensor in (("key", key), ("value", value)):
+        _ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_size]")
+        if tuple(tensor.shape[1:]) != (key_cache.shape[1], key_cache.shape[3]):
+            raise ValueError(
+                f"{name} {tuple(tensor.shape)} does not fit the cache: expected [*, {key_cache.shape[1]}, "
+                f"{key_cache.shape[3]}] (num_kv_heads, head_size)"
+            )
+        if tensor.dtype != key_cache.dtype:
+            raise TypeError(f"{name} dtype {tensor.dtype} differs from the cache dtype {key_cache.dtype}")
+        if tensor.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")
+    _ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    _dtype("slot_mapping", slot_mapping, (torch.int64,))
+    if not key.shape[0] == value.shape[0] == slot_mapping.shape[0]:
+        raise ValueError(
+            f"key ({key.shape[0]}), value ({value.shape[0]}) and slot_mapping ({slot_mapping.shape[0]}) "
+            "must have the same number of tokens"
+        )
+    _same_device(key=key, value=value, key_cache=key_cache, slot_mapping=slot_mapping)
+
+
+def check_block_mapping(block_mapping: torch.Tensor) -> None:
+    """An int64 ``[n, 2]`` tensor of (src, dst) block ids."""
+    _ndim("block_mapping", block_mapping, 2, "[n, 2] of (src, dst) block ids")
+    _dtype("block_mapping", block_mapping, (torch.int64,))
+    if block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [n, 2]; got {tuple(block_mapping.shape)}")
+
+
+def check_copy(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], mapping: torch.Tensor
+) -> None:
+    """Everything ``copy_blocks`` needs: one (key, value) cache pair per layer, all on one device."""
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"{len(key_caches)} key caches but {len(value_caches)} value caches")
+    check_block_mapping(mapping)
+    for key_cache, value_cache in zip(key_caches, value_caches, strict=True):
+        check_cache_pair(key_cache, value_cache)
+        _same_device(first_key_cache=key_caches[0], key_cache=key_cache)
+
+
+def check_swap(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Everything ``swap_blocks`` needs: same block layout and dtype, mapping on the CPU."""
+    check_cache("src", src)
+    check_cache("dst", dst)
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError(
+            f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} "
+            "must share block shape and dtype"
+        )
+    check_block_mapping(mapping)
+    if mapping.device.type != "cpu":
+        raise ValueError(f"block_mapping must be on the CPU; got {mapping.device}")
+    if src.is_cuda and dst.is_cuda and src.device != dst.device:
+        raise ValueError(f"swap_blocks between two GPUs ({src.device} -> {dst.device}) is not supported")
