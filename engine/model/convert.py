@@ -1,0 +1,72 @@
+"""Convert a GGUF checkpoint into a plain fp32 Hugging Face directory (safetensors)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.log import get_logger
+
+log = get_logger("convert")
+
+
+def load_gguf(path: Path, dtype: Any = None, progress: bool = True) -> Any:
+    """Dequantize a GGUF file through transformers' loader; returns the HF model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if progress:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype or torch.float32
+    )
+
+
+def _clean_config(config: Any) -> Any:
+    """Drop GGUF quantization leftovers so the saved directory loads as a plain model."""
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    return config
+
+
+def _fix_generation(model: Any, tokenizer: Any) -> None:
+    """Point generation at the chat end token (`<|im_end|>` for SmolLM2)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        return
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    if tokenizer.bos_token_id is not None:
+        model.config.bos_token_id = tokenizer.bos_token_id
+        model.generation_config.bos_token_id = tokenizer.bos_token_id
+    if tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def convert_gguf(gguf: Path, out: Path, progress: bool = True) -> Path:
+    """Write `out` as an fp32 safetensors HF directory with tokenizer and chat template."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.monotonic()
+    log.info("dequantizing", file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = load_gguf(gguf, torch.float32, progress)
+    config = _clean_config(loaded.config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF weights do not match the model: missing={missing} unexpected={unexpected}")
+    del loaded
+    _fix_generation(model, tokenizer)
+    log.info("saving", path=str(out), seconds=round(time.monotonic() - started, 1))
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    log.info("converted", path=str(out), seconds=round(time.monotonic() - started, 1))
+    return out

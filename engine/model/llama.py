@@ -1,0 +1,156 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) on the paged KV cache.
+
+Parameter names follow the HF checkpoints except for the fused `qkv_proj` and `gate_up_proj`,
+whose shards are stacked at load time by `load_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.layers import RMSNorm, SwiGLU
+from engine.model.rope import RotaryEmbedding
+from engine.model.spec import ModelSpec
+
+# HF shard name -> (fused parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, RoPE, paged attention, output projection; GQA when kv heads < heads."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.head_dim = spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+
+    def shard_sizes(self) -> list[int]:
+        """Rows of q, k, v inside `qkv_proj`."""
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
+                meta: AttentionMetadata) -> Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
+        heads = (-1, self.head_dim)
+        q, k = self.rotary_emb(positions, q.unflatten(-1, heads), k.unflatten(-1, heads))
+        v = v.unflatten(-1, heads)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm SwiGLU block, residual stream carried alongside."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec)
+        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None,
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaBackbone(nn.Module):
+    """Embedding, decoder layers and final norm (the HF `model.` prefix)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The paged Llama-family model: `forward` gives final hidden states, `compute_logits` fp32 logits."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaBackbone(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
+                meta: AttentionMetadata) -> Tensor:
+        """`input_ids [T]`, `positions [T]` → normed hidden states `[T, hidden]`."""
+        hidden = self.model.embed_tokens(input_ids)
+        residual: Tensor | None = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+        return self.model.norm(hidden, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Logits `[N, vocab]` in fp32 for the selected hidden rows."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors in (stacking q/k/v and gate/up); raise if a parameter stays unfilled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
+                continue
+            target, rows = self._destination(name, params)
+            if target is None:
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            dest = params[target] if rows is None else params[target].narrow(0, *rows)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                                 f"model {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target if rows is None else f"{target}[{rows[0]}]")
+        missing = sorted(self._expected_weights() - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _expected_weights(self) -> set[str]:
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():  # a tied lm_head is listed once, as the embedding
+            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+            if fused is None:
+                expected.add(name)
+                continue
+            sizes = self._shard_sizes(fused)
+            expected.update(f"{name}[{sum(sizes[:i])}]" for i in range(len(sizes)))
+        return expected
+
+    def _destination(
+        self, name: str, params: dict[str, nn.Parameter]
+    ) -> tuple[str | None, tuple[int, int] | None]:
+        """Parameter name (and row range, for a stacked shard) that checkpoint tensor `name` fills."""
+        if name in params:
+            return name, None
+        for shard, (fused, index) in _STACKED.items():
+            if f".{shard}." in name:
+                target = name.replace(shard, fused)
+                if target not in params:
+                    return None, None
+                sizes = self._shard_sizes(fused)
+                return target, (sum(sizes[:index]), sizes[index])
+        return None, None
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        if fused == "qkv_proj":
+            return self.model.layers[0].self_attn.shard_sizes()
+        return [self.spec.intermediate_size] * 2

@@ -1,0 +1,101 @@
+"""Build a paged model from a Hugging Face directory (safetensors / .bin) or a single GGUF file."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from engine.log import get_logger
+from engine.model.llama import LlamaForCausalLM
+from engine.model.spec import ModelSpec
+
+log = get_logger("loader")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model path or its contents cannot be used (message names the path and what is wrong)."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`"fp32" | "bf16" | "fp16"` (or long names, or a torch dtype) → torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of float32, bfloat16, float16")
+    return DTYPES[dtype]
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """The transformers config of a model directory or GGUF file; ModelLoadError if there is none."""
+    from transformers import AutoConfig
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(
+            f"model path {str(p)!r} does not exist (run `pagedserve fetch-model` for the default model)"
+        )
+    try:
+        if p.is_file():
+            if p.suffix != ".gguf":
+                raise ModelLoadError(f"model file {str(p)!r} is not a .gguf; pass a directory or a .gguf")
+            return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"model directory {str(p)!r} has no config.json")
+        return AutoConfig.from_pretrained(str(p))
+    except (OSError, ValueError, KeyError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"cannot read the model config at {str(p)!r}: {exc}") from exc
+
+
+def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
+    from safetensors.torch import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if files:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        return
+    bins = sorted(directory.glob("pytorch_model*.bin"))
+    if not bins:
+        raise ModelLoadError(f"model directory {str(directory)!r} has no *.safetensors or pytorch_model*.bin")
+    for file in bins:
+        yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
+    from engine.model.convert import load_gguf
+
+    yield from load_gguf(file, torch.float32, progress=False).state_dict().items()
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu"
+) -> LlamaForCausalLM:
+    """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError."""
+    p = Path(path).expanduser()
+    torch_dtype = resolve_dtype(dtype)
+    spec = ModelSpec.from_hf_config(load_hf_config(p))
+    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
+        log.warning("sliding window attention is not implemented; attention is exact only up to the window",
+                    sliding_window=spec.sliding_window)
+    with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
+        model = LlamaForCausalLM(spec).to(dtype=torch_dtype)
+    model.to_empty(device=device)
+    if spec.tie_word_embeddings:  # to_empty unties parameters; tie them again before loading
+        model.lm_head.weight = model.model.embed_tokens.weight
+    weights = _iter_gguf_weights(p) if p.is_file() else _iter_directory_weights(p)
+    model.load_weights(weights)
+    model.eval()
+    log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
+             dtype=str(torch_dtype))
+    return model

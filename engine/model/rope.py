@@ -1,0 +1,111 @@
+"""Rotary position embedding: inverse frequencies per `rope_type` and the cos/sin rotation.
+
+Supported: default, linear, llama3, yarn. `dynamic` (NTK rescaled by the running sequence
+length) would change the rotation of keys already in the paged cache, and `longrope` picks its
+factors by sequence length too; both are rejected with a clear error instead of being approximated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: scale long wavelengths by `factor`, keep short ones, blend in between."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(theta: float, dim: int, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale cos/sin."""
+    old_len = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_pos / old_len
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(params.get("beta_fast") or 32), correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    base = _base_inv_freq(theta, dim)
+    return base / factor * (1 - extrapolate) + base * extrapolate, float(attention)
+
+
+def rope_inv_freq(params: dict[str, Any], head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[head_dim // 2]` (fp32) and the cos/sin scale for these rope parameters."""
+    rope_type = params.get("rope_type", "default")
+    theta = float(params.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return _base_inv_freq(theta, head_dim), 1.0
+    if rope_type == "linear":
+        return _base_inv_freq(theta, head_dim) / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        return _llama3(_base_inv_freq(theta, head_dim), params), 1.0
+    if rope_type == "yarn":
+        return _yarn(theta, head_dim, params, max_pos)
+    supported = ", ".join(SUPPORTED_ROPE_TYPES)
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {supported}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE (the half-split layout of HF Llama) to `[T, heads, head_dim]` queries and keys."""
+
+    def __init__(self, params: dict[str, Any], head_dim: int, max_pos: int) -> None:
+        super().__init__()
+        with torch.device("cpu"):  # plain tensors, not buffers: real even when built on "meta"
+            self.inv_freq, self.scale = rope_inv_freq(params, head_dim, max_pos)
+            self._cache = torch.empty(0, head_dim * 2)  # [positions, cos | sin], fp32, grown on demand
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if self._cache.shape[0] < needed or self._cache.device != positions.device:
+            length = max(needed, 2 * self._cache.shape[0], 4096)
+            pos = torch.arange(length, dtype=torch.float32, device=positions.device)
+            freqs = torch.outer(pos, self.inv_freq.to(positions.device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cache = torch.cat((emb.cos(), emb.sin()), dim=-1) * self.scale
+        cos, sin = self._cache[positions].chunk(2, dim=-1)
+        return cos[:, None, :], sin[:, None, :]
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate `query [T, H, D]` and `key [T, KVH, D]` by their token positions."""
+        cos, sin = self._cos_sin(positions)
+        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin

@@ -1,0 +1,89 @@
+"""What the paged model reads from a Hugging Face config: one frozen record per architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not a Llama-family decoder this engine can run."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shapes and options of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: dict[str, Any] = field(default_factory=dict)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelSpec:
+        """Read a transformers `PretrainedConfig`; reject architectures we do not implement."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = getattr(config, "architectures", None)
+            raise UnsupportedModelError(
+                f"unsupported model architecture {model_type!r} ({archs}); "
+                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"unsupported activation {config.hidden_act!r} (only silu)")
+        heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=float(config.rms_norm_eps),
+            max_position_embeddings=config.max_position_embeddings,
+            rope=_rope_parameters(config),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            sliding_window=_sliding_window(config),
+        )
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (transformers 4)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    return params
+
+
+def _sliding_window(config: Any) -> int | None:
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None)
