@@ -1,0 +1,62 @@
+"""RoPE scaling variants agree with transformers' own definitions; unsupported ones fail clearly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.model.rope import RotaryEmbedding, rope_inv_freq
+from engine.model.spec import ModelSpec
+
+CASES: dict[str, dict[str, Any]] = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
+}
+
+
+def _config(params: dict[str, Any]) -> LlamaConfig:
+    return LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072,
+                       rope_parameters={"rope_theta": 500000.0, **params})
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_inverse_frequencies_match_transformers(case: str) -> None:
+    config = _config(CASES[case])
+    expected, expected_scale = ROPE_INIT_FUNCTIONS[CASES[case]["rope_type"]](config, "cpu")
+    spec = ModelSpec.from_hf_config(config)
+    inv_freq, scale = rope_inv_freq(spec.rope, spec.head_dim, spec.max_position_embeddings)
+    torch.testing.assert_close(inv_freq, expected.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(expected_scale)
+    default, _ = rope_inv_freq({"rope_theta": 500000.0}, spec.head_dim, spec.max_position_embeddings)
+    assert not torch.equal(inv_freq, default)
+
+
+def test_v4_style_rope_scaling_is_read() -> None:
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=1234.0,
+                         rope_scaling={"type": "linear", "factor": 2.0})
+    rope = ModelSpec.from_hf_config(config).rope
+    assert rope["rope_type"] == "linear" and rope["rope_theta"] == 1234.0 and rope["factor"] == 2.0
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "made-up"])
+def test_unsupported_rope_types_are_rejected(rope_type: str) -> None:
+    with pytest.raises(ValueError, match=f"unsupported rope_scaling type '{rope_type}'.*linear"):
+        RotaryEmbedding({"rope_type": rope_type, "factor": 2.0}, 64, 2048)
+
+
+def test_rotation_keeps_norms_and_relative_positions() -> None:
+    rope = RotaryEmbedding({"rope_theta": 10000.0}, 32, 512)
+    q, k = torch.randn(1, 2, 32).expand(6, 2, 32), torch.randn(1, 1, 32).expand(6, 1, 32)
+    positions = torch.tensor([0, 5, 100, 105, 3000, 3005])  # past the initial cache: it grows
+    rq, rk = rope(positions, q, k)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    dots = (rq[[0, 2, 4]] * rk[[1, 3, 5]]).sum(-1)  # same offset 5 at three absolute positions
+    torch.testing.assert_close(dots, dots[:1].expand_as(dots), rtol=1e-4, atol=1e-4)
