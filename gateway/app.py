@@ -1,0 +1,64 @@
+"""`create_app(config)`: the aiohttp application. No module-level state: the Redis client,
+the broker and its single listener task live in the app and die with it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from engine.protocol import Keys
+from gateway.broker import Broker
+from gateway.config import GatewayConfig
+from gateway.engines import EngineRegistry
+from gateway.errors import Handler, auth_middleware, error_middleware
+from gateway.metrics import GatewayMetrics
+from gateway.routes_misc import add_routes as add_misc_routes
+from gateway.routes_openai import add_routes as add_openai_routes
+from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
+
+
+async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Redis client, broker, engine registry and the listener task for the app's lifetime."""
+    cfg = app[CONFIG]
+    client = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
+                                     health_check_interval=10)
+    keys = Keys(cfg.redis_prefix)
+    broker = Broker(client, keys, cfg.gateway_id)
+    app[BROKER] = broker
+    app[REGISTRY] = EngineRegistry(client, keys, cfg.models, cfg.engine_stale_s)
+    listener = asyncio.create_task(broker.listen(), name=f"listener-{cfg.gateway_id}")
+    yield
+    listener.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await listener
+    await client.aclose()
+
+
+def _metrics_middleware(metrics: GatewayMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        response = await handler(request)
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        metrics.http_requests.labels(route=route, status=str(response.status)).inc()
+        return response
+
+    return middleware
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    """The gateway application for `config`."""
+    metrics = GatewayMetrics()
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[_metrics_middleware(metrics), error_middleware, auth_middleware(config.api_keys)],
+    )
+    app[CONFIG] = config
+    app[METRICS] = metrics
+    app.cleanup_ctx.append(_redis_ctx)
+    add_openai_routes(app)
+    add_misc_routes(app)
+    return app

@@ -1,0 +1,101 @@
+"""Per-request output collector: the listener feeds it, the HTTP handler drains it.
+
+`feed()` never blocks: it merges new tokens into pending deltas and sets an event, so a
+slow client never holds up the listener. Duplicated tokens (an engine resuming a dead
+engine's request) are dropped by token index; a hole in `seq` or in token offsets ends the
+request with an error instead of silently losing text."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from engine.protocol import ErrorInfo, RequestOutput, TokenLogprob, Usage
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """New tokens of one choice since the last drain."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Update:
+    """Everything that arrived since the last drain."""
+
+    choices: dict[int, ChoiceDelta]
+    usage: Usage | None = None
+    error: ErrorInfo | None = None
+    done: bool = False
+
+
+class RequestCollector:
+    """Merges the output messages of one request."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.n = n
+        self.next_seq = 0
+        self.received: dict[int, int] = {}
+        self.finished: set[int] = set()
+        self._pending: dict[int, ChoiceDelta] = {}
+        self._usage: Usage | None = None
+        self._error: ErrorInfo | None = None
+        self._event = asyncio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._error is not None or len(self.finished) >= self.n
+
+    def feed(self, out: RequestOutput) -> None:
+        """Merge one message (called by the listener; never blocks)."""
+        if self.done:
+            return
+        if out.seq > self.next_seq:
+            self.fail(ErrorInfo(f"lost engine output (expected message {self.next_seq}, got {out.seq})",
+                                "server_error", "output_gap"))
+            return
+        self.next_seq = max(self.next_seq, out.seq + 1)
+        for seq_out in out.outputs:
+            if seq_out.index in self.finished or not 0 <= seq_out.index < self.n:
+                continue
+            have = self.received.get(seq_out.index, 0)
+            skip = have - seq_out.offset
+            if skip < 0:
+                self.fail(ErrorInfo(f"lost engine output (choice {seq_out.index} token {have})",
+                                    "server_error", "output_gap"))
+                return
+            delta = self._pending.setdefault(seq_out.index, ChoiceDelta())
+            new_ids = seq_out.token_ids[skip:]
+            delta.token_ids.extend(new_ids)
+            if seq_out.logprobs is not None:
+                delta.logprobs.extend(seq_out.logprobs[skip:])
+            self.received[seq_out.index] = have + len(new_ids)
+            if seq_out.finish_reason is not None:
+                delta.finish_reason = seq_out.finish_reason
+                self.finished.add(seq_out.index)
+        if out.usage is not None:
+            self._usage = out.usage
+        if out.error is not None:
+            self._error = out.error
+        self._event.set()
+
+    def fail(self, error: ErrorInfo) -> None:
+        """End the request with an error (gap, Redis connection lost, timeout)."""
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+    async def next_update(self, timeout: float) -> Update | None:
+        """Wait up to `timeout` seconds; None when nothing arrived (an idle tick)."""
+        if not self._event.is_set():
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+        self._event.clear()
+        pending, self._pending = self._pending, {}
+        return Update(pending, self._usage, self._error, self.done)

@@ -1,0 +1,37 @@
+"""Gateway configuration: one frozen dataclass built by the CLI or by tests."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from engine.protocol import DEFAULT_PREFIX
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything `create_app` needs. `models` maps served model names to tokenizer
+    directories and overrides what engine heartbeats announce."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = DEFAULT_PREFIX
+    gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    api_keys: tuple[str, ...] = ()
+    models: tuple[tuple[str, str], ...] = ()
+    max_body_bytes: int = 1 << 20
+    max_n: int = 16
+    max_tokens_limit: int = 8192
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    max_top_logprobs: int = 20
+    request_timeout_s: float = 600.0
+    engine_stale_s: float = 15.0
+    sse_ping_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0 or self.max_n <= 0 or self.max_tokens_limit <= 0:
+            raise ValueError("max_body_bytes, max_n and max_tokens_limit must be positive")
+        if not self.redis_prefix or ":" in self.redis_prefix:
+            raise ValueError("redis_prefix must be a non-empty name without ':'")

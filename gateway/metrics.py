@@ -1,0 +1,45 @@
+"""Gateway metrics in a per-app CollectorRegistry (Prometheus text on GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class GatewayMetrics:
+    """Request counts and client-visible latencies, as seen by this gateway."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter("pagedserve_gateway_http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.in_flight = Gauge("pagedserve_gateway_requests_in_flight", "generation requests in progress",
+                               registry=r)
+        self.success = Counter("pagedserve_request_success", "finished requests by finish reason",
+                               ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds", "time per output token after the first",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "request latency end to end",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+
+    def observe_request(self, finish_reasons: list[str], prompt_tokens: int, completion_tokens: int,
+                        start: float, first_token: float | None, end: float) -> None:
+        for reason in finish_reasons:
+            self.success.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.e2e.observe(end - start)
+        if first_token is not None:
+            self.ttft.observe(first_token - start)
+            if completion_tokens > 1:
+                self.tpot.observe((end - first_token) / (completion_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,47 @@
+"""GET /v1/models, GET /health, GET /metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+
+from gateway.errors import OpenAIError
+from gateway.state import BROKER, METRICS, REGISTRY
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """Models served by at least one live engine, in OpenAI's list format."""
+    try:
+        models = await request.app[REGISTRY].models(refresh=True)
+    except RedisError as exc:
+        raise OpenAIError(503, f"cannot reach Redis: {exc}", code="redis_unavailable") from exc
+    data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "pagedserve",
+             "root": m.tokenizer_dir, "max_model_len": m.max_model_len, "engines": len(m.engines)}
+            for m in models.values()]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 when Redis answers and at least one engine is alive, else 503 with the reason."""
+    if not await request.app[BROKER].ping():
+        raise OpenAIError(503, "cannot reach Redis", code="redis_unavailable")
+    try:
+        engines = await request.app[REGISTRY].live_engines(refresh=True)
+    except RedisError as exc:
+        raise OpenAIError(503, f"cannot reach Redis: {exc}", code="redis_unavailable") from exc
+    if not engines:
+        raise OpenAIError(503, "no live engine", code="no_engine")
+    return web.json_response({"status": "ok", "engines": len(engines),
+                              "models": sorted({e.model for e in engines})})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,88 @@
+"""A torch-free tokenizer: `tokenizers` for tokenize/decode, jinja2 for the chat template.
+
+Reads a Hugging Face model directory (tokenizer.json, tokenizer_config.json and an optional
+chat_template.jinja) the way `transformers` would, without importing it (it imports torch)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    """The chat template refused the conversation (raise_exception in the template)."""
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class ModelTokenizer:
+    """Tokenizer and chat template of one model directory."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        path = Path(model_dir)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template_path = path / "chat_template.jinja"
+        template = template_path.read_text() if template_path.exists() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self._compiled: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        bos_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        if add_special_tokens and self.add_bos and bos_id is not None and ids[:1] != [bos_id]:
+            ids.insert(0, bos_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token for logprobs (may contain U+FFFD for partial UTF-8)."""
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        """Render the conversation; raises TemplateError when there is no template."""
+        if self._compiled is None:
+            if not self.chat_template:
+                raise TemplateError("this model has no chat template; use /v1/completions")
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._compiled = env.from_string(self.chat_template)
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        """Prompt token ids of a conversation (the template already holds special tokens)."""
+        return self.encode(self.apply_chat_template(messages, **extra), add_special_tokens=False)

@@ -1,0 +1,150 @@
+"""Typed field readers for request validation; each raises OpenAIError(400) naming the param."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gateway.errors import bad_request
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+_UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
+_UNSUPPORTED_PRESENT = ("tools", "functions", "logit_bias", "audio", "prediction")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def opt_int(body: dict[str, Any], name: str, lo: int, hi: int, prefix: str = "") -> int | None:
+    """An optional integer in [lo, hi]; None when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise bad_request(f"'{prefix}{name}' must be an integer", prefix + name, "invalid_type")
+    if not lo <= value <= hi:
+        raise bad_request(f"'{prefix}{name}' must be between {lo} and {hi}, got {value}", prefix + name)
+    return int(value)
+
+
+def as_int(body: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = opt_int(body, name, lo, hi)
+    return default if value is None else value
+
+
+def as_float(body: dict[str, Any], name: str, default: float, lo: float, hi: float,
+             open_low: bool = False) -> float:
+    """A number in [lo, hi] (or (lo, hi] with open_low); the default when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{name}' must be a number", name, "invalid_type")
+    if value > hi or value < lo or (open_low and value == lo):
+        bounds = f"({lo}, {hi}]" if open_low else f"[{lo}, {hi}]"
+        raise bad_request(f"'{name}' must be in {bounds}, got {value}", name)
+    return float(value)
+
+
+def as_bool(body: dict[str, Any], name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{prefix}{name}' must be a boolean", prefix + name, "invalid_type")
+    return value
+
+
+def reject_unsupported(body: dict[str, Any], kind: str) -> None:
+    for name in _UNSUPPORTED_NONZERO:
+        value = body.get(name)
+        if value not in (None, 0, 0.0) or isinstance(value, bool):
+            raise bad_request(f"'{name}' is not supported (only 0)", name, "unsupported_parameter")
+    for name in _UNSUPPORTED_PRESENT:
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
+    if kind == "completion" and body.get("echo"):
+        raise bad_request("'echo' is not supported", "echo", "unsupported_parameter")
+    if kind == "completion" and body.get("suffix"):
+        raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format",
+                          "unsupported_parameter")
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}.content: only text parts are supported", where + ".content",
+                                  "invalid_type")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"{where}.content must be a string or a list of text parts", where + ".content",
+                      "invalid_type")
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Chat messages with text content (parts joined) ready for the chat template."""
+    if messages is None:
+        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
+    if not isinstance(messages, list):
+        raise bad_request("'messages' must be an array", "messages", "invalid_type")
+    if not messages:
+        raise bad_request("'messages' must contain at least one message", "messages", "empty_array")
+    parsed = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"{where} must be an object", where, "invalid_type")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", where + ".role")
+        content = msg.get("content")
+        if content is None and role != "assistant":
+            raise bad_request(f"{where}.content is required", where + ".content", "missing_required_parameter")
+        out: dict[str, Any] = {"role": role, "content": "" if content is None else _content_text(content, where)}
+        if "name" in msg:
+            if not isinstance(msg["name"], str):
+                raise bad_request(f"{where}.name must be a string", where + ".name", "invalid_type")
+            out["name"] = msg["name"]
+        parsed.append(out)
+    return parsed
+
+
+def parse_prompt(prompt: Any) -> str | list[int]:
+    """A single prompt: a string, a list of token ids, or a one-element list of either."""
+    if prompt is None:
+        raise bad_request("'prompt' is required", "prompt", "missing_required_parameter")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return [int(t) for t in prompt]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("batched prompts are not supported; send one prompt per request", "prompt",
+                          "unsupported_parameter")
+    raise bad_request("'prompt' must be a string or a list of token ids", "prompt", "invalid_type")
+
+
+def parse_stop(stop: Any, max_count: int, max_len: int) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("'stop' must be a string or a list of strings", "stop", "invalid_type")
+    if len(stops) > max_count:
+        raise bad_request(f"'stop' accepts at most {max_count} strings", "stop")
+    if any(not s or len(s) > max_len for s in stops):
+        raise bad_request(f"each stop string must have 1 to {max_len} characters", "stop")
+    return list(stops)
