@@ -1,0 +1,55 @@
+"""Engine configuration: one validated dataclass; the parts get plain values from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to start. Sizes are bytes."""
+
+    model: str
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    swap_space: int = 1 << 30
+    num_gpu_blocks: int | None = None
+    num_cpu_blocks: int | None = None
+    preemption_mode: str = "auto"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    watermark: float = 0.01
+    debug_blocks: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32):
+            raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.attention_backend not in ("auto", "reference"):
+            raise ValueError("attention_backend must be 'auto' or 'reference'")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_cache_memory < 1 or self.swap_space < 0:
+            raise ValueError("kv_cache_memory must be > 0 and swap_space >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError("max_num_batched_tokens must be at least one block")

@@ -1,0 +1,119 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` runs the engine to completion."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling import SamplingParams
+
+
+class LLM:
+    """Batch generation in-process, with the same engine the server runs."""
+
+    def __init__(self, model: str, **config: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        self._tokenizer: Any = None
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer or self.engine.config.model)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results in input order. A prompt the engine refuses
+        raises ValueError before anything runs."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params must be one SamplingParams or one per prompt")
+        token_lists = [self._encode(p) for p in prompts]
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for request_id, tokens, p in zip(ids, token_lists, params_list, strict=True):
+                self.engine.add_request(request_id, tokens, p)
+                added.append(request_id)
+        except ValueError:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        results = {
+            request_id: RequestOutput(request_id, prompt_token_ids=t)
+            for request_id, t in zip(ids, token_lists, strict=True)
+        }
+        progress = _progress(len(prompts), use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                _merge(results[delta.request_id], delta)
+                if delta.finished and progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        out = [results[request_id] for request_id in ids]
+        if self._tokenizer is not None or any(isinstance(p, str) for p in prompts):
+            for result in out:
+                for choice in result.outputs:
+                    choice.text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        return out
+
+    def chat(self, conversations: list[list[dict[str, str]]],
+             params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        prompts = [
+            list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))
+            for messages in conversations
+        ]
+        outputs = self.generate(prompts, params)
+        for result in outputs:
+            for choice in result.outputs:
+                choice.text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+
+def _merge(result: RequestOutput, delta: RequestOutput) -> None:
+    """Fold a step delta into the accumulated result (final-only outputs replace)."""
+    result.finished = delta.finished
+    result.error = delta.error
+    result.num_prompt_tokens = delta.num_prompt_tokens
+    result.num_generated_tokens = delta.num_generated_tokens
+    by_index = {c.index: c for c in result.outputs}
+    for choice in delta.outputs:
+        have = by_index.get(choice.index)
+        if have is None:
+            have = by_index[choice.index] = CompletionOutput(choice.index, [], logprobs=None)
+            result.outputs.append(have)
+        have.token_ids.extend(choice.token_ids)
+        if choice.logprobs is not None:
+            have.logprobs = (have.logprobs or []) + choice.logprobs
+        have.finish_reason = choice.finish_reason
+        have.cumulative_logprob = choice.cumulative_logprob
+    result.outputs.sort(key=lambda c: c.index)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

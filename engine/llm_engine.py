@@ -1,0 +1,191 @@
+"""The synchronous engine: add_request / abort_request / step. No I/O; the worker and the
+offline `LLM` drive it. One step = schedule → move blocks + run the model → sample → emit."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import torch
+
+import ops
+from engine.block_manager import BlockManager
+from engine.capacity import (
+    log_capacity,
+    num_device_blocks,
+    num_host_blocks,
+    resolve_device,
+    resolve_model_dtype,
+)
+from engine.config import EngineConfig
+from engine.log import get_logger
+from engine.model.attention import AttentionMetadata
+from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from engine.model.loader import load_hf_config, load_model, resolve_dtype
+from engine.outputs import RequestOutput
+from engine.postprocess import OutputProcessor
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Request, Sequence
+
+log = get_logger("engine")
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for one model on one device."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        ops.set_backend(config.attention_backend)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(resolve_model_dtype(config.dtype, self.device))
+        self.hf_config = load_hf_config(config.model)
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.eos_token_ids = _eos_ids(config.model, self.hf_config)
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        block_bytes = kv_bytes_per_block(self.hf_config, config.block_size, self.dtype)
+        peak = self._profile_peak() if self.device.type == "cuda" else 0
+        num_blocks = num_device_blocks(config, block_bytes, self.device, peak)
+        if num_blocks < 1:
+            raise ValueError("no room for a single KV block: raise kv_cache_memory / gpu_memory_utilization")
+        num_cpu = num_host_blocks(config, block_bytes)
+        log_capacity(num_blocks, config.block_size, block_bytes, self.max_model_len)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, num_cpu, watermark=config.watermark,
+            enable_prefix_caching=config.enable_prefix_caching, debug=config.debug_blocks,
+        )
+        kv = allocate_kv_caches(self.hf_config, num_blocks, config.block_size, self.dtype, self.device)
+        host = allocate_kv_caches(self.hf_config, num_cpu, config.block_size, self.dtype, "cpu")
+        if self.device.type == "cuda":
+            host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
+        self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.preemption_mode)
+        self.processor = OutputProcessor(self.scheduler, Sampler(), self.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.counters: Counter[str] = Counter()
+        self._rng = random.Random(config.seed)
+
+    # ----- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (and queues nothing) when it can never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids)
+        if not params.is_greedy and params.seed is None:
+            params = SamplingParams.from_dict({**params.to_dict(), "seed": self._rng.getrandbits(31)})
+        request = Request(request_id, list(prompt_token_ids), params)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        request.seqs.append(Sequence(request, 0, list(prompt_token_ids), len(prompt_token_ids)))
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self.counters["prompt_tokens"] += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False when it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request)
+        self.counters["finished_abort"] += 1
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns the deltas of every request that changed."""
+        sched = self.scheduler.schedule()
+        outputs = [self.processor.reject(request) for request in sched.rejected]
+        for request in sched.rejected:
+            self.requests.pop(request.request_id, None)
+            self.counters["finished_error"] += 1
+        if sched.is_empty:
+            return outputs
+        sampling, logits = self.runner.execute(sched, self.block_manager)
+        for item in sched.scheduled:
+            item.seq.num_computed += item.num_new
+            self.block_manager.mark_computed(item.seq.seq_id, item.seq.num_computed)
+        outputs += self.processor.process(sampling, logits)
+        for out in outputs:
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+        self.counters["generation_tokens"] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        """Block-pool figures, queue lengths and counters, as plain values."""
+        s = self.scheduler
+        return {
+            **self.block_manager.stats().to_dict(),
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "swapped": len(s.swapped),
+            "preemptions": dict(s.num_preemptions),
+            "finished": dict(self.processor.finished) | {"abort": self.counters["finished_abort"]},
+            "prompt_tokens": self.counters["prompt_tokens"],
+            "generation_tokens": self.counters["generation_tokens"],
+        }
+
+    # ----- internals -----------------------------------------------------------------------
+    def _check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.max_model_len}")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if not self.block_manager.can_ever_allocate(len(prompt) + 1):
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens is larger than the whole KV cache "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})"
+            )
+
+    def _profile_peak(self) -> int:
+        """Peak activation bytes of the largest step, measured with an empty cache."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        empty = allocate_kv_caches(self.hf_config, 0, self.config.block_size, self.dtype, self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            num_prefills=1, num_prefill_tokens=n, prefill_query_start=[0, n], prefill_context_lens=[n],
+            prefill_block_tables=torch.zeros((1, 0), dtype=torch.int32, device=self.device),
+            decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=self.device),
+            decode_context_lens=torch.zeros((0,), dtype=torch.int32, device=self.device),
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), empty, meta)
+        self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        return int(peak)
+
+
+def _eos_ids(model_path: str, hf_config: Any) -> set[int]:
+    """EOS ids from generation_config.json when present, else config.json."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_path)
+        ids.update(_as_list(gen.eos_token_id))
+    except (OSError, ValueError):
+        pass
+    ids.update(_as_list(getattr(hf_config, "eos_token_id", None)))
+    return ids
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -1,0 +1,32 @@
+"""What the engine hands back: per step, the new tokens of each touched request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One choice: tokens produced (new ones in a step delta, all of them in a final result)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's delta for one step (engine.step) or its final result (LLM.generate)."""
+
+    request_id: str
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
