@@ -30,9 +30,9 @@ class FirstFitAllocator:
     def num_free(self) -> int:
         return sum(self._sizes)
 
-    @property
-    def largest_free(self) -> int:
-        return max(self._sizes, default=0)
+    def free_below(self, size: int) -> int:
+        """Free slots in holes smaller than `size`: unusable for a range of that size."""
+        return sum(hole for hole in self._sizes if hole < size)
 
     @property
     def holes(self) -> list[tuple[int, int]]:
@@ -113,12 +113,12 @@ class ContiguousPolicy:
         for start in starts:
             self.allocator.free(start)
 
-    def memory(self) -> MemoryState:
+    def memory(self, head: Group | None) -> MemoryState:
         tokens = reserved = future = 0
         for group, starts in self.groups.values():
             size, width = self.reservation(group), len(starts)
             tokens += width * group.length
             reserved += width * size
             future += width * (min(group.request.total_len, size) - group.length)
-        free = self.allocator.num_free
-        return MemoryState(tokens, reserved, future, free, self.allocator.largest_free, reserved)
+        unusable = self.allocator.free_below(self.reservation(head)) if head is not None else 0
+        return MemoryState(tokens, reserved, future, self.allocator.num_free, unusable, reserved)

@@ -5,7 +5,8 @@ denominator), so a nearly empty tail of the run does not swamp the busy middle. 
 tokens / reserved; internal fragmentation is the reserved slots that will never hold a token
 (paged: the unused slots of partly filled blocks; contiguous: beyond the final length);
 reservation waste the reserved slots that hold a token only later (contiguous only); external
-fragmentation the free memory outside the largest hole, as a share of the pool.
+fragmentation the free memory in holes too small for the request waiting at the head of the
+queue, as a share of the pool (paged: none, any free block serves any sequence).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class StepRecorder:
         sums["tokens"] += mem.tokens
         sums["reserved"] += mem.reserved
         sums["future"] += mem.future
-        sums["external"] += mem.free - mem.largest_free
+        sums["external"] += mem.unusable_free
         sums["logical"] += mem.logical
         sums["seqs"] += num_seqs
 

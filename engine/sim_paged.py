@@ -89,11 +89,11 @@ class PagedPolicy:
             self.bm.free(seq_id)
         group.seq_ids.clear()
 
-    def memory(self) -> MemoryState:
+    def memory(self, head: Group | None) -> MemoryState:
         bm, size = self.bm, self.block_size
         logical = sum(len(bm.block_table(seq_id)) for seq_id in bm.seqs) * size
         free = bm.num_free_blocks * size
-        return MemoryState(bm.num_stored_tokens, bm.num_used_blocks * size, 0, free, free, logical)
+        return MemoryState(bm.num_stored_tokens, bm.num_used_blocks * size, 0, free, 0, logical)
 
     def _reshuffle_beams(self, group: Group, make_room: MakeRoom) -> bool:
         """Drop the beams that lose; each is replaced by a child of a surviving beam."""

@@ -35,13 +35,14 @@ class Group:
 class MemoryState:
     """KV memory in token slots. `tokens` hold a real token (a shared slot counts once);
     `reserved` are handed to sequences; `future` of those will hold a token later (reservation);
-    `logical` is what the sequences would hold with nothing shared."""
+    `unusable_free` is free memory in pieces too small for the request at the head of the queue
+    (external fragmentation); `logical` is what the sequences would hold with nothing shared."""
 
     tokens: int
     reserved: int
     future: int
     free: int
-    largest_free: int
+    unusable_free: int
     logical: int
 
 
@@ -69,5 +70,6 @@ class Policy(Protocol):
         """Free everything the group holds."""
         ...
 
-    def memory(self) -> MemoryState:
+    def memory(self, head: Group | None) -> MemoryState:
+        """The memory now; `head` is the next waiting group (None when the queue is empty)."""
         ...

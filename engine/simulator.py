@@ -75,7 +75,8 @@ def simulate(policy: Policy, trace: list[Request], config: SimConfig,
                 waiting.append(Group(request))
         _admit(policy, waiting, running, result, config.max_num_seqs)
         _decode(policy, waiting, running, result)
-        recorder.record(step, sum(len(g.seq_ids) or g.request.width for g in running), policy.memory())
+        head = waiting[0] if waiting else None
+        recorder.record(step, sum(g.request.width for g in running), policy.memory(head))
         if on_step is not None:
             on_step(result.finished + result.rejected)
         step += 1
