@@ -314,7 +314,9 @@ def merge_progress(entries: list[bytes]) -> Progress:
 @dataclass(slots=True)
 class EngineHeartbeat:
     """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
-    `tokenizer` the directory a gateway loads the tokenizer and chat template from."""
+    `tokenizer` the directory a gateway loads the tokenizer and chat template from. `pool` is
+    the run-length snapshot of the device block pool (`engine.block_stats.pool_snapshot`:
+    ``[[state, run_length], ...]``), stored as ``"state:run,state:run"`` in field ``pool``."""
 
     engine_id: str
     model: str
@@ -322,11 +324,14 @@ class EngineHeartbeat:
     max_model_len: int
     time: float
     stats: dict[str, float] = field(default_factory=dict)
+    pool: list[list[int]] = field(default_factory=list)
 
     def to_hash(self) -> dict[str, str]:
         fields = {"engine_id": self.engine_id, "model": self.model, "tokenizer": self.tokenizer,
                   "max_model_len": str(self.max_model_len), "time": repr(self.time)}
         fields.update({f"stat:{k}": repr(float(v)) for k, v in self.stats.items()})
+        if self.pool:
+            fields["pool"] = ",".join(f"{state}:{run}" for state, run in self.pool)
         return fields
 
     @classmethod
@@ -337,6 +342,7 @@ class EngineHeartbeat:
                 engine_id=text["engine_id"], model=text["model"], tokenizer=text.get("tokenizer", ""),
                 max_model_len=int(text.get("max_model_len", "0")), time=float(text.get("time", "0")),
                 stats={k[5:]: float(v) for k, v in text.items() if k.startswith("stat:")},
+                pool=[[int(x) for x in run.split(":", 1)] for run in text.get("pool", "").split(",") if run],
             )
         except (KeyError, ValueError) as exc:
             raise ProtocolError(f"heartbeat: bad field: {exc!r}") from exc
