@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from aiohttp import web
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from engine.protocol import Keys
 from gateway.broker import Broker
@@ -24,8 +26,10 @@ from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     """Redis client, broker, engine registry and the listener task for the app's lifetime."""
     cfg = app[CONFIG]
+    # short retries: when Redis is down a client should get its 503 fast, not after seconds
+    retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2)
     client = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
-                                     health_check_interval=10)
+                                     health_check_interval=10, retry=retry)
     keys = Keys(cfg.redis_prefix)
     broker = Broker(client, keys, cfg.gateway_id)
     app[BROKER] = broker

@@ -1,0 +1,62 @@
+"""`pagedserve gateway`: run the OpenAI-compatible HTTP gateway."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from aiohttp import web
+
+from engine.log import get_logger
+from engine.protocol import DEFAULT_PREFIX
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+
+log = get_logger("gateway")
+
+
+def _model_spec(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError("expected NAME=TOKENIZER_DIR")
+    return name, path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = GatewayConfig()
+    parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="listen port (default %(default)s)")
+    parser.add_argument("--redis-url", default=os.environ.get("PAGEDSERVE_REDIS_URL", defaults.redis_url),
+                        help="Redis URL (default $PAGEDSERVE_REDIS_URL or %(default)s)")
+    parser.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="key prefix (default %(default)s)")
+    parser.add_argument("--api-key", action="append", default=[], dest="api_keys",
+                        help="accept this Bearer key (repeatable; also $PAGEDSERVE_API_KEYS, comma-separated); "
+                             "none = no auth")
+    parser.add_argument("--model", action="append", default=[], type=_model_spec, dest="models",
+                        metavar="NAME=TOKENIZER_DIR",
+                        help="tokenizer directory for a model name (repeatable); by default the gateway "
+                             "uses the directory each engine announces in its heartbeat")
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    parser.add_argument("--max-n", type=int, default=defaults.max_n)
+    parser.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens_limit)
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
+                        help="seconds before a request fails with 504 (default %(default)s)")
+    parser.add_argument("--gateway-id", default=None, help="id of this replica (default: random)")
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    keys = list(args.api_keys) + [k for k in os.environ.get("PAGEDSERVE_API_KEYS", "").split(",") if k]
+    extra = {"gateway_id": args.gateway_id} if args.gateway_id else {}
+    return GatewayConfig(
+        host=args.host, port=args.port, redis_url=args.redis_url, redis_prefix=args.redis_prefix,
+        api_keys=tuple(keys), models=tuple(args.models), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+        max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout, **extra,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    log.info("starting gateway", host=config.host, port=config.port, redis=config.redis_url,
+             gateway_id=config.gateway_id, auth=bool(config.api_keys))
+    web.run_app(create_app(config), host=config.host, port=config.port, print=None, access_log=None)
+    return 0
