@@ -42,7 +42,7 @@ def cpu_cflags() -> list[str]:
     -march=native is safe because the cache key includes this CPU's feature flags, so a library
     is never loaded on a machine whose CPU it was not built for. PAGEDSERVE_NATIVE=0 turns it off.
     """
-    flags = ["-O3", "-fopenmp", "-std=c++17"]
+    flags = ["-O3", "-fopenmp"]  # the C++ standard is torch's choice (C++20 for torch 2.13)
     if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDSERVE_NATIVE", "1") != "0":
         flags.append("-march=native")
     return flags
@@ -50,7 +50,7 @@ def cpu_cflags() -> list[str]:
 
 def cuda_cflags() -> list[str]:
     """nvcc flags for the CUDA kernels (the arch list comes from torch / TORCH_CUDA_ARCH_LIST)."""
-    return ["-O3", "-std=c++17", "-lineinfo"]
+    return ["-O3", "-lineinfo"]
 
 
 def _cpu_fingerprint() -> str:
@@ -123,5 +123,5 @@ def cuda_ops() -> Any:
         raise KernelBuildError(
             "this torch has no CUDA support (CPU wheel): install a CUDA torch to run on GPU tensors"
         )
-    _load("cuda", CUDA_SOURCES, extra_cflags=["-O3", "-std=c++17"], extra_cuda_cflags=cuda_cflags())
+    _load("cuda", CUDA_SOURCES, extra_cflags=["-O3"], extra_cuda_cflags=cuda_cflags())
     return torch.ops.pagedserve_cuda

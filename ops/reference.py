@@ -58,7 +58,8 @@ def _attend_chunk(
     needed = torch.arange(max_blocks, device=query.device)[None, :] * block_size < lens[:, None]
     table = block_tables.to(torch.int64).masked_fill(~needed, 0)
     keys = _gather(key_cache, table)  # [S, kvh, L, D]
-    values = _gather(value_cache, table)
+    # Slots past the context may hold stale data, even NaN: zero them so 0 * NaN never leaks.
+    values = _gather(value_cache, table).masked_fill(~valid[:, None, :, None], 0.0)
     q = query.float().view(num_seqs, num_kv_heads, group, head_size)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, kvh, g, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -1,0 +1,135 @@
+// TORCH_LIBRARY bindings of the CUDA paged ops (torch.ops.pagedserve_cuda.<op>).
+// Host code only: unpacks tensors into raw pointers and calls the launchers in ops.h on the
+// current stream. Shapes and dtypes were checked in Python (ops/checks.py) before we get here.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+namespace pc = pagedserve::cuda;
+
+pc::DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return pc::DType::kFloat32;
+    case at::kHalf: return pc::DType::kFloat16;
+    case at::kBFloat16: return pc::DType::kBFloat16;
+    default: TORCH_CHECK(false, "pagedserve CUDA ops: unsupported dtype ", t.scalar_type());
+  }
+}
+
+void check(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "pagedserve ", op, " failed: ", cudaGetErrorString(err));
+}
+
+void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens, double scale) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
+  const int64_t block_size = key_cache.size(2), max_blocks = block_tables.size(1);
+  // Bounded by the table width, so no device->host sync is needed to size the split.
+  const int64_t max_parts = std::max<int64_t>(1, (max_blocks * block_size + pc::kPartitionSize - 1) /
+                                                     pc::kPartitionSize);
+  at::Tensor tmp_out, max_logits, exp_sums;
+  if (max_parts > 1) {
+    const auto fp32 = query.options().dtype(at::kFloat);
+    tmp_out = query.new_empty({num_seqs, num_heads, max_parts, head_size}, fp32);
+    max_logits = query.new_empty({num_seqs, num_heads, max_parts}, fp32);
+    exp_sums = query.new_empty({num_seqs, num_heads, max_parts}, fp32);
+  }
+  pc::PagedAttentionArgs args{};
+  args.out = out.data_ptr();
+  args.query = query.data_ptr();
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = block_tables.data_ptr<int32_t>();
+  args.context_lens = context_lens.data_ptr<int32_t>();
+  args.tmp_out = max_parts > 1 ? tmp_out.data_ptr<float>() : nullptr;
+  args.max_logits = max_parts > 1 ? max_logits.data_ptr<float>() : nullptr;
+  args.exp_sums = max_parts > 1 ? exp_sums.data_ptr<float>() : nullptr;
+  args.num_seqs = static_cast<int>(num_seqs);
+  args.num_heads = static_cast<int>(num_heads);
+  args.num_kv_heads = static_cast<int>(key_cache.size(1));
+  args.head_size = static_cast<int>(head_size);
+  args.block_size = static_cast<int>(block_size);
+  args.max_blocks_per_seq = static_cast<int>(block_tables.stride(0));
+  args.max_num_partitions = static_cast<int>(max_parts);
+  args.q_stride_seq = query.stride(0);
+  args.q_stride_head = query.stride(1);
+  args.out_stride_seq = out.stride(0);
+  args.out_stride_head = out.stride(1);
+  args.scale = static_cast<float>(scale);
+  args.dtype = dtype_of(query);
+  check(pc::paged_attention(args, c10::cuda::getCurrentCUDAStream().stream()), "paged_attention");
+}
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const c10::cuda::CUDAGuard guard(key_cache.device());
+  check(pc::reshape_and_cache(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                              slot_mapping.data_ptr<int64_t>(), key.size(0), static_cast<int>(key.size(1)),
+                              static_cast<int>(key.size(2)), static_cast<int>(key_cache.size(2)),
+                              key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                              static_cast<int>(key.element_size()),
+                              c10::cuda::getCurrentCUDAStream().stream()),
+        "reshape_and_cache");
+}
+
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches and value_caches differ in length");
+  if (key_caches.empty() || block_mapping.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(key_caches[0].device());
+  const int64_t num_caches = static_cast<int64_t>(key_caches.size()) * 2;
+  at::Tensor ptrs = block_mapping.new_empty({num_caches}, block_mapping.options().device(at::kCPU));
+  int64_t* host = ptrs.data_ptr<int64_t>();
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    host[i] = reinterpret_cast<int64_t>(key_caches[i].data_ptr());
+    host[key_caches.size() + i] = reinterpret_cast<int64_t>(value_caches[i].data_ptr());
+  }
+  const at::Tensor device_ptrs = ptrs.to(key_caches[0].device());
+  const int64_t block_bytes = key_caches[0].stride(0) * key_caches[0].element_size();
+  check(pc::copy_blocks(device_ptrs.data_ptr<int64_t>(), block_mapping.data_ptr<int64_t>(),
+                        static_cast<int>(num_caches), static_cast<int>(block_mapping.size(0)), block_bytes,
+                        c10::cuda::getCurrentCUDAStream().stream()),
+        "copy_blocks");
+}
+
+void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping) {
+  TORCH_CHECK(block_mapping.device().is_cpu(), "swap_blocks: block_mapping must be on the CPU");
+  const bool src_cuda = src.is_cuda(), dst_cuda = dst.is_cuda();
+  const cudaMemcpyKind kind = src_cuda && dst_cuda ? cudaMemcpyDeviceToDevice
+                              : src_cuda           ? cudaMemcpyDeviceToHost
+                              : dst_cuda           ? cudaMemcpyHostToDevice
+                                                   : cudaMemcpyHostToHost;
+  const c10::cuda::CUDAGuard guard(src_cuda ? src.device() : dst.device());
+  check(pc::swap_blocks(src.data_ptr(), dst.data_ptr(), block_mapping.data_ptr<int64_t>(),
+                        static_cast<int>(block_mapping.size(0)), src.stride(0) * src.element_size(), kind,
+                        c10::cuda::getCurrentCUDAStream().stream()),
+        "swap_blocks");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cuda, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cuda, CUDA, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+  m.impl("copy_blocks", &copy_blocks);
+  m.impl("swap_blocks", &swap_blocks);
+}

@@ -1,0 +1,51 @@
+// CUDA launchers for the paged ops: raw pointers and a cudaStream_t, no torch headers, so the
+// .cu files compile in seconds and `nvcc -c` works on a machine without a GPU or CUDA torch.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace pagedserve::cuda {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Tokens per split-K partition; contexts longer than this are reduced by a second kernel.
+constexpr int kPartitionSize = 512;
+
+struct PagedAttentionArgs {
+  void* out;                   // [num_seqs, num_heads, head_size], strides below
+  const void* query;           // [num_seqs, num_heads, head_size], strides below
+  const void* key_cache;       // [num_blocks, num_kv_heads, block_size, head_size], contiguous
+  const void* value_cache;     // same layout as key_cache
+  const int32_t* block_tables; // [num_seqs, max_blocks_per_seq], contiguous
+  const int32_t* context_lens; // [num_seqs]
+  float* tmp_out;              // [num_seqs, num_heads, max_num_partitions, head_size] when partitioned
+  float* max_logits;           // [num_seqs, num_heads, max_num_partitions] when partitioned
+  float* exp_sums;             // [num_seqs, num_heads, max_num_partitions] when partitioned
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq, max_num_partitions;
+  int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
+  float scale;
+  DType dtype;
+};
+
+// Each returns cudaSuccess, cudaErrorInvalidValue for an unsupported shape, or the launch error.
+cudaError_t paged_attention(const PagedAttentionArgs& args, cudaStream_t stream);
+
+// key/value [num_tokens, num_kv_heads, head_size] with the given token/head strides (elements).
+cudaError_t reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,
+                              const int64_t* slot_mapping, int64_t num_tokens, int num_kv_heads,
+                              int head_size, int block_size, int64_t key_stride_token,
+                              int64_t key_stride_head, int64_t value_stride_token,
+                              int64_t value_stride_head, int element_size, cudaStream_t stream);
+
+// cache_ptrs: device array of 2 * num_layers base addresses (all key caches, then all value
+// caches); mapping: device int64 [num_pairs, 2]. One launch copies every layer.
+cudaError_t copy_blocks(const int64_t* cache_ptrs, const int64_t* mapping, int num_caches, int num_pairs,
+                        int64_t block_bytes, cudaStream_t stream);
+
+// mapping_host: host int64 [num_pairs, 2]; one cudaMemcpyAsync per block on `stream`.
+cudaError_t swap_blocks(const void* src, void* dst, const int64_t* mapping_host, int num_pairs,
+                        int64_t block_bytes, cudaMemcpyKind kind, cudaStream_t stream);
+
+}  // namespace pagedserve::cuda
