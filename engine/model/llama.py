@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.layers import RMSNorm, SwiGLU
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, apply_rotary
 from engine.model.spec import ModelSpec
 
 # HF shard name -> (fused parameter, shard index)
@@ -33,18 +33,17 @@ class LlamaAttention(nn.Module):
         self.head_dim = spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings)
         self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
 
     def shard_sizes(self) -> list[int]:
         """Rows of q, k, v inside `qkv_proj`."""
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(self, positions: Tensor, hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
+    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         q, k, v = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
         heads = (-1, self.head_dim)
-        q, k = self.rotary_emb(positions, q.unflatten(-1, heads), k.unflatten(-1, heads))
+        q, k = apply_rotary(q.unflatten(-1, heads), k.unflatten(-1, heads), *rope)
         v = v.unflatten(-1, heads)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
@@ -59,10 +58,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, positions: Tensor, hidden: Tensor, residual: Tensor | None,
+    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
                 kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -75,6 +74,7 @@ class LlamaBackbone(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,9 +93,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """`input_ids [T]`, `positions [T]` → normed hidden states `[T, hidden]`."""
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)  # shared by every layer
         residual: Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         return self.model.norm(hidden, residual)[0]
 
     @torch.inference_mode()

@@ -82,6 +82,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def apply_rotary(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate `query [T, H, D]` and `key [T, KVH, D]` by per-token `cos/sin [T, 1, D]`."""
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE (the half-split layout of HF Llama) to `[T, heads, head_dim]` queries and keys."""
 
@@ -91,7 +98,8 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq, self.scale = rope_inv_freq(params, head_dim, max_pos)
             self._cache = torch.empty(0, head_dim * 2)  # [positions, cos | sin], fp32, grown on demand
 
-    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos, sin [T, 1, head_dim]` for the positions, in `dtype` (computed once per step)."""
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if self._cache.shape[0] < needed or self._cache.device != positions.device:
             length = max(needed, 2 * self._cache.shape[0], 4096)
@@ -99,13 +107,11 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(pos, self.inv_freq.to(positions.device))
             emb = torch.cat((freqs, freqs), dim=-1)
             self._cache = torch.cat((emb.cos(), emb.sin()), dim=-1) * self.scale
-        cos, sin = self._cache[positions].chunk(2, dim=-1)
+        cos, sin = self._cache[positions].to(dtype).chunk(2, dim=-1)
         return cos[:, None, :], sin[:, None, :]
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate `query [T, H, D]` and `key [T, KVH, D]` by their token positions."""
-        cos, sin = self._cos_sin(positions)
-        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+        return apply_rotary(query, key, *self.cos_sin(positions, query.dtype))
