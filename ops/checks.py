@@ -39,6 +39,8 @@ def check_cache(name: str, cache: torch.Tensor) -> None:
             raise ValueError(f"{name}: CUDA block size must be one of {CUDA_BLOCK_SIZES}; got {block_size}")
         if head_size not in CUDA_HEAD_SIZES:
             raise ValueError(f"{name}: CUDA head size must be one of {CUDA_HEAD_SIZES}; got {head_size}")
+        if cache.data_ptr() % 16 != 0:
+            raise ValueError(f"{name} must be 16-byte aligned for vectorized loads (slice whole blocks)")
 
 
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:

@@ -1,0 +1,96 @@
+"""Argument checks: wrong shapes, dtypes and devices fail in Python with messages a user can act on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ops
+
+
+def attention_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
+    args = {
+        "query": torch.randn(2, 8, 64),
+        "key_cache": torch.randn(4, 2, 16, 64),
+        "value_cache": torch.randn(4, 2, 16, 64),
+        "block_tables": torch.zeros(2, 2, dtype=torch.int32),
+        "context_lens": torch.ones(2, dtype=torch.int32),
+    }
+    return {**args, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "message"),
+    [
+        ({"query": torch.randn(2, 8)}, ValueError, "query must be 3-D"),
+        ({"query": torch.randn(2, 8, 32)}, ValueError, "head_size 32"),
+        ({"query": torch.randn(2, 7, 64)}, ValueError, "multiple of num_kv_heads"),
+        ({"query": torch.randn(2, 8, 64).half()}, TypeError, "differs from the cache dtype"),
+        ({"block_tables": torch.zeros(2, 2, dtype=torch.int64)}, TypeError, "block_tables must have dtype int32"),
+        ({"context_lens": torch.ones(3, dtype=torch.int32)}, ValueError, "num_seqs=2"),
+        ({"key_cache": torch.randn(4, 16, 2, 64).transpose(1, 2)}, ValueError, "must be contiguous"),
+        ({"value_cache": torch.randn(4, 2, 8, 64)}, ValueError, "must match in shape"),
+        ({"key_cache": torch.randn(4, 2, 16, 64).int()}, TypeError, "key_cache must have dtype"),
+    ],
+)
+def test_paged_attention_rejects(override: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        ops.paged_attention(**attention_args(**override), scale=1.0)
+
+
+def test_paged_attention_rejects_wrong_out() -> None:
+    with pytest.raises(ValueError, match="out must match query"):
+        ops.paged_attention(**attention_args(), scale=1.0, out=torch.empty(2, 8, 32))
+
+
+def test_mixed_devices_are_named() -> None:
+    args = attention_args(context_lens=torch.ones(2, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="context_lens on meta"):
+        ops.paged_attention(**args, scale=1.0)
+
+
+def test_reshape_and_cache_rejects() -> None:
+    key_cache, value_cache = torch.zeros(4, 2, 16, 64), torch.zeros(4, 2, 16, 64)
+    key = torch.randn(3, 2, 64)
+    with pytest.raises(TypeError, match="slot_mapping must have dtype int64"):
+        ops.reshape_and_cache(key, key, key_cache, value_cache, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not fit the cache"):
+        ops.reshape_and_cache(torch.randn(3, 4, 64), key, key_cache, value_cache, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="same number of tokens"):
+        ops.reshape_and_cache(key, key, key_cache, value_cache, torch.zeros(2, dtype=torch.int64))
+
+
+def test_copy_and_swap_reject() -> None:
+    cache = torch.zeros(4, 2, 16, 64)
+    with pytest.raises(ValueError, match=r"block_mapping must be \[n, 2\]"):
+        ops.copy_blocks([cache], [cache], torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="1 key caches but 0 value caches"):
+        ops.copy_blocks([cache], [], torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="share block shape"):
+        ops.swap_blocks(cache, torch.zeros(4, 2, 8, 64), torch.zeros(1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="must be on the CPU"):
+        ops.swap_blocks(cache, cache.clone(), torch.zeros(1, 2, dtype=torch.int64, device="meta"))
+
+
+def test_out_of_range_block_is_an_error_not_a_crash() -> None:
+    args = attention_args(block_tables=torch.full((2, 2), 99, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.paged_attention(**args, scale=1.0)
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ops.set_backend("flash")
+
+
+def test_build_error_carries_compiler_output(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from ops import build
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    broken = tmp_path / "csrc"
+    (broken / "cpu").mkdir(parents=True)
+    (broken / "cpu" / "broken.cpp").write_text("this is not C++;\n")
+    monkeypatch.setattr(build, "CSRC", broken)
+    with pytest.raises(build.KernelBuildError, match="this is not C"):
+        build._load("cpu", ("cpu/broken.cpp",), extra_cflags=["-O0"])
+    assert build.cache_root() == tmp_path / "kernels"
