@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
@@ -42,7 +43,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     await client.aclose()
 
 
-def _metrics_middleware(metrics: GatewayMetrics) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _metrics_middleware(metrics: GatewayMetrics) -> Middleware:
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = await handler(request)

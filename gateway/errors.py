@@ -6,8 +6,10 @@ import hmac
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from engine.log import get_logger
+from gateway.state import CONFIG
 
 log = get_logger("gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -48,9 +50,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except OpenAIError as exc:
         return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
-        return OpenAIError(413, f"request body too large (limit {exc.max_size} bytes)",
-                           code="request_too_large").response()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].max_body_bytes
+        return OpenAIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large").response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -60,7 +62,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return OpenAIError(500, "internal server error", code="internal_error").response()
 
 
-def auth_middleware(api_keys: tuple[str, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def auth_middleware(api_keys: tuple[str, ...]) -> Middleware:
     """Require ``Authorization: Bearer <key>`` on /v1/* when keys are configured."""
     keys = [k.encode() for k in api_keys]
 
