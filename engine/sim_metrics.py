@@ -64,7 +64,8 @@ class StepRecorder:
     def record(self, step: int, num_seqs: int, mem: MemoryState) -> None:
         self.steps.append(step)
         self.running.append(num_seqs)
-        self.utilization.append(mem.tokens / mem.reserved if mem.reserved else 0.0)
+        previous = self.utilization[-1] if self.utilization else 0.0
+        self.utilization.append(mem.tokens / mem.reserved if mem.reserved else previous)  # empty: no change
         self.pool_usage.append(mem.reserved / self.capacity)
         sums = self._sums
         sums["tokens"] += mem.tokens

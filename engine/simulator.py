@@ -77,6 +77,10 @@ def simulate(policy: Policy, trace: list[Request], config: SimConfig,
         _decode(policy, waiting, running, result)
         head = waiting[0] if waiting else None
         recorder.record(step, sum(g.request.width for g in running), policy.memory(head))
+        for group in [g for g in running if g.done]:  # freed after the step that wrote their last token
+            running.remove(group)
+            policy.release(group)
+            result.finished += 1
         if on_step is not None:
             on_step(result.finished + result.rejected)
         step += 1
@@ -129,11 +133,7 @@ def _decode(policy: Policy, waiting: deque[Group], running: list[Group], result:
                 _preempt(policy, group, waiting, result)
             continue
         group.generated += 1
-        if group.done:
-            policy.release(running.pop(i))
-            result.finished += 1
-        else:
-            i += 1
+        i += 1
 
 
 def _preempt(policy: Policy, group: Group, waiting: deque[Group], result: PolicyResult) -> None:
