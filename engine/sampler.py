@@ -145,10 +145,10 @@ def _results(logits: torch.Tensor, tokens: torch.Tensor, specs: list[SampleSpec]
         rows = _rows(wanted, len(specs), logits.device)
         k = max(specs[i].num_logprobs or 0 for i in wanted)
         values, ids = torch.topk(logits[rows], min(k, logits.shape[-1]), dim=-1)
-        values = (values - lse[rows]).tolist()
+        top_values, top_ids = (values - lse[rows]).tolist(), ids.tolist()
         for row, i in enumerate(wanted):
             n = specs[i].num_logprobs or 0
-            top[i] = list(zip(ids[row, :n].tolist(), values[row][:n], strict=True))
+            top[i] = list(zip(top_ids[row][:n], top_values[row][:n], strict=True))
     return [
         SampleResult(token_ids[i], chosen[i], top.get(i, [] if s.num_logprobs == 0 else None))
         for i, s in enumerate(specs)
