@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from engine.sim_metrics import PolicyResult
 
@@ -28,7 +29,7 @@ def format_table(results: Sequence[PolicyResult]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -53,9 +53,13 @@ class Policy(Protocol):
     kind: str
     block_size: int
     sharing: bool
-    cow_copies: int
     prefix_hit_tokens: int
     fragmentation_blocks: int
+
+    @property
+    def cow_copies(self) -> int:
+        """Copy-on-write block copies so far."""
+        ...
 
     def try_admit(self, group: Group) -> bool:
         """Give a waiting group memory for its prompt (+ tokens generated before a preemption)."""

@@ -115,6 +115,8 @@ def _text_report(report: dict[str, Any], results: list[Any], out: Path, plots: P
                      f"{row['contiguous_utilization']:.1%}, paged-16 mean concurrency "
                      f"{row['mean_concurrency_gain']:.1f}x (max {row['max_concurrency_gain']:.1f}x)")
     for name, check in (report.get("expectations") or {}).items():
-        lines.append(f"{'ok  ' if check['ok'] else 'MISS'} {name}")
+        measured = check.get("measured", check.get("measured_mean"))
+        extra = "".join(f", {v:.1f}x at max_model_len {k}" for k, v in check.get("at_max_model_len", {}).items())
+        lines.append(f"{'ok  ' if check['ok'] else 'MISS'} {name}: measured {measured:.3g}{extra}")
     lines.append(f"\nJSON: {out}   plots: {plots}/utilization.png, block_sizes.png, breakdown.png")
     return "\n".join(lines)
