@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import ops
 from engine.model import AttentionMetadata, LlamaForCausalLM, allocate_kv_caches, load_model
 from tests.fixtures.models import PagedHarness, Seq, make_tiny_model_dir
 
-TOL = {"rtol": 1e-4, "atol": 1e-4}
-
-VARIANTS = {
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gqa": ("llama", {}),
     "mha": ("llama", {"num_key_value_heads": 4}),
     "mqa": ("llama", {"num_key_value_heads": 1}),
@@ -23,6 +23,10 @@ VARIANTS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
     "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}),
 }
+
+
+def _assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def _hf_logits(directory: Path, tokens: list[int]) -> torch.Tensor:
@@ -50,19 +54,26 @@ def reference(tiny_llama_dir: Path) -> dict[int, torch.Tensor]:
 
 def test_full_prefill_matches_hf(tiny: LlamaForCausalLM, reference: dict[int, torch.Tensor]) -> None:
     logits = PagedHarness(tiny).step([(Seq(_tokens(40, 0)), 40)], [])
-    torch.testing.assert_close(logits, reference[0], **TOL)
+    _assert_close(logits, reference[0])
 
 
 def test_chunked_prefill_matches_hf(tiny: LlamaForCausalLM, reference: dict[int, torch.Tensor]) -> None:
     harness, seq = PagedHarness(tiny, seed=1), Seq(_tokens(40, 0))
     logits = torch.cat([harness.step([(seq, n)], []) for n in (5, 11, 1, 16, 7)])
-    torch.testing.assert_close(logits, reference[0], **TOL)
+    _assert_close(logits, reference[0])
 
 
-def test_prefill_then_decode_matches_hf(tiny: LlamaForCausalLM, reference: dict[int, torch.Tensor]) -> None:
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_prefill_then_decode_matches_hf(
+    backend: str, tiny: LlamaForCausalLM, reference: dict[int, torch.Tensor]
+) -> None:
     harness, seq = PagedHarness(tiny, seed=2, block_size=8), Seq(_tokens(40, 1))
-    steps = [harness.step([(seq, 13)], [])] + [harness.step([], [seq]) for _ in range(27)]
-    torch.testing.assert_close(torch.cat(steps), reference[1], **TOL)
+    ops.set_backend(backend)
+    try:
+        steps = [harness.step([(seq, 13)], [])] + [harness.step([], [seq]) for _ in range(27)]
+    finally:
+        ops.set_backend("auto")
+    _assert_close(torch.cat(steps), reference[1])
 
 
 def _step(harness: PagedHarness, seqs: list[Seq], got: list[list[torch.Tensor]],
@@ -85,7 +96,7 @@ def test_mixed_batch_with_shuffled_blocks(tiny: LlamaForCausalLM, reference: dic
     while seqs[2].num_computed < 40:
         _step(harness, seqs, got, [], [i for i in (2, 3) if seqs[i].num_computed < 40])
     for i in range(4):
-        torch.testing.assert_close(torch.cat(got[i]), reference[i], **TOL)
+        _assert_close(torch.cat(got[i]), reference[i])
 
 
 def test_prefix_already_in_cache(tiny: LlamaForCausalLM, reference: dict[int, torch.Tensor]) -> None:
@@ -96,7 +107,7 @@ def test_prefix_already_in_cache(tiny: LlamaForCausalLM, reference: dict[int, to
     harness.step([(first, 24)], [])
     second = Seq(tokens, blocks=list(first.blocks[:5]), num_computed=20)  # 5 full blocks = 20 tokens
     logits = harness.step([(second, 20)], [])
-    torch.testing.assert_close(logits, reference[2][20:], **TOL)
+    _assert_close(logits, reference[2][20:])
 
 
 def test_prefill_writes_only_its_own_blocks(tiny: LlamaForCausalLM) -> None:
@@ -117,7 +128,7 @@ def test_skipped_slots_and_empty_cache(tiny: LlamaForCausalLM, reference: dict[i
         decode_context_lens=torch.zeros(0, dtype=torch.int32),
     )
     hidden = tiny(torch.tensor(_tokens(40, 0)), torch.arange(40), caches, meta)
-    torch.testing.assert_close(tiny.compute_logits(hidden), reference[0], **TOL)
+    _assert_close(tiny.compute_logits(hidden), reference[0])
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -130,4 +141,4 @@ def test_architecture_variants_match_hf(variant: str, tmp_path_factory: pytest.T
     harness, seq = PagedHarness(model, seed=4), Seq(tokens)
     logits = [harness.step([(seq, 10)], []), harness.step([(seq, 6)], [])]
     logits += [harness.step([], [seq]) for _ in range(8)]
-    torch.testing.assert_close(torch.cat(logits), reference, **TOL)
+    _assert_close(torch.cat(logits), reference)

@@ -40,8 +40,8 @@ def test_inverse_frequencies_match_transformers(case: str) -> None:
 
 
 def test_v4_style_rope_scaling_is_read() -> None:
-    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=1234.0,
-                         rope_scaling={"type": "linear", "factor": 2.0})
+    legacy: dict[str, Any] = {"rope_theta": 1234.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, **legacy)
     rope = ModelSpec.from_hf_config(config).rope
     assert rope["rope_type"] == "linear" and rope["rope_theta"] == 1234.0 and rope["factor"] == 2.0
 

