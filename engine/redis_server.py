@@ -69,7 +69,8 @@ class RedisServer:
         self._workdir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "no", "--dir", self._workdir.name]
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # Own session: a terminal Ctrl-C reaches the owner, which stops Redis last (after its clients).
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
