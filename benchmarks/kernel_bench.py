@@ -1,0 +1,128 @@
+"""Decode paged-attention benchmark: achieved K/V bandwidth of the kernel, with random and with
+contiguous (identity) block tables, of the torch reference, and of torch SDPA on contiguous K/V.
+
+Prints one JSON line per (point, implementation) and one summary line per point:
+    python benchmarks/kernel_bench.py --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import ops
+
+
+@dataclass(frozen=True)
+class Point:
+    """One decode shape: every sequence has the same context length."""
+
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+
+
+CPU_POINTS = [Point(b, c, 32, 8, 128, 16, "float32") for b, c in ((1, 4096), (8, 1024), (8, 4096), (32, 512))]
+CPU_POINTS.append(Point(16, 2048, 9, 3, 64, 16, "float32"))  # SmolLM2-135M shape
+CUDA_POINTS = [Point(16, 4096, 32, 8, 128, 16, "float16"), Point(64, 1024, 32, 8, 128, 16, "float16")]
+
+
+def make_inputs(p: Point, device: str, paged: bool) -> tuple[torch.Tensor, ...]:
+    """Query, caches, block tables (random or identity) and context lengths for one point."""
+    dtype = getattr(torch, p.dtype)
+    blocks_per_seq = (p.context + p.block_size - 1) // p.block_size
+    num_blocks = p.batch * blocks_per_seq
+    order = torch.randperm(num_blocks) if paged else torch.arange(num_blocks)
+    tables = order.view(p.batch, blocks_per_seq).to(device=device, dtype=torch.int32)
+    shape = (num_blocks, p.num_kv_heads, p.block_size, p.head_size)
+    key_cache = torch.randn(shape, device=device, dtype=dtype)
+    value_cache = torch.randn(shape, device=device, dtype=dtype)
+    query = torch.randn(p.batch, p.num_heads, p.head_size, device=device, dtype=dtype)
+    lens = torch.full((p.batch,), p.context, dtype=torch.int32, device=device)
+    return query, key_cache, value_cache, tables, lens
+
+
+def sdpa_call(p: Point, device: str) -> Callable[[], object]:
+    """torch SDPA over contiguous K/V of the same size (no paging at all)."""
+    dtype = getattr(torch, p.dtype)
+    q = torch.randn(p.batch, p.num_heads, 1, p.head_size, device=device, dtype=dtype)
+    k = torch.randn(p.batch, p.num_kv_heads, p.context, p.head_size, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def seconds_per_call(fn: Callable[[], object], device: str, budget_s: float) -> float:
+    """Best time per call (min over repeats: the least disturbed by other load on the machine)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best, spent = float("inf"), 0.0
+    while spent < budget_s or best == float("inf"):
+        start = time.perf_counter()
+        fn()
+        sync()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+    return best
+
+
+def bench_point(p: Point, device: str, budget_s: float, bar: tqdm) -> list[dict]:
+    """Time the four implementations at one point; return their JSON rows plus a summary."""
+    kv_bytes = 2 * p.batch * p.context * p.num_kv_heads * p.head_size * getattr(torch, p.dtype).itemsize
+    scale = p.head_size**-0.5
+    paged, contiguous = make_inputs(p, device, True), make_inputs(p, device, False)
+    out = torch.empty_like(paged[0])
+    calls = {
+        "kernel": lambda: ops.paged_attention(*paged, scale, out=out),
+        "kernel_contiguous_tables": lambda: ops.paged_attention(*contiguous, scale, out=out),
+        "reference": lambda: ops.reference.paged_attention(*paged, scale),
+        "sdpa_contiguous": sdpa_call(p, device),
+    }
+    rows, times = [], {}
+    for impl, fn in calls.items():
+        bar.set_description(f"{impl} b={p.batch} ctx={p.context}")
+        times[impl] = seconds_per_call(fn, device, budget_s)
+        rows.append({
+            "bench": "paged_attention_decode", "impl": impl, "device": device, **asdict(p),
+            "ms": round(times[impl] * 1e3, 3), "kv_gbps": round(kv_bytes / times[impl] / 1e9, 2),
+        })
+        bar.update()
+    rows.append({
+        "bench": "paged_attention_summary", "device": device, **asdict(p),
+        "speedup_vs_reference": round(times["reference"] / times["kernel"], 2),
+        "paging_overhead_pct": round(100 * (times["kernel"] / times["kernel_contiguous_tables"] - 1), 1),
+        "kernel_vs_sdpa": round(times["sdpa_contiguous"] / times["kernel"], 2),
+    })
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per implementation")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device")
+    torch.manual_seed(0)
+    points = CUDA_POINTS if args.device == "cuda" else CPU_POINTS
+    ops.paged_attention(*make_inputs(points[0], args.device, True), 1.0)  # build/load kernels first
+    with tqdm(total=4 * len(points), file=sys.stderr, unit="run") as bar:
+        for point in points:
+            for row in bench_point(point, args.device, args.budget, bar):
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
