@@ -58,7 +58,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   args.num_kv_heads = static_cast<int>(key_cache.size(1));
   args.head_size = static_cast<int>(head_size);
   args.block_size = static_cast<int>(block_size);
-  args.max_blocks_per_seq = static_cast<int>(block_tables.stride(0));
+  args.max_blocks_per_seq = static_cast<int>(max_blocks);  // tables are contiguous (ops/attention.py)
   args.max_num_partitions = static_cast<int>(max_parts);
   args.q_stride_seq = query.stride(0);
   args.q_stride_head = query.stride(1);

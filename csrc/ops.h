@@ -18,7 +18,7 @@ struct PagedAttentionArgs {
   const void* query;           // [num_seqs, num_heads, head_size], strides below
   const void* key_cache;       // [num_blocks, num_kv_heads, block_size, head_size], contiguous
   const void* value_cache;     // same layout as key_cache
-  const int32_t* block_tables; // [num_seqs, max_blocks_per_seq], contiguous
+  const int32_t* block_tables; // [num_seqs, max_blocks_per_seq], contiguous; entries must be valid
   const int32_t* context_lens; // [num_seqs]
   float* tmp_out;              // [num_seqs, num_heads, max_num_partitions, head_size] when partitioned
   float* max_logits;           // [num_seqs, num_heads, max_num_partitions] when partitioned

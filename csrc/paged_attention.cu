@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentio
   const int num_heads_here = min(kMaxHeads, kv_head * group + group - head0);
   const int seq = blockIdx.y;
   const int part = blockIdx.z;
-  const int context_len = a.context_lens[seq];
+  // A length beyond the table's capacity would read past the table: clamp it.
+  const int context_len = min(a.context_lens[seq], a.max_blocks_per_seq * BLOCK_SIZE);
   const int start = part * kPartitionSize;
   if (part > 0 && start >= context_len) return;  // whole CTA past the context: nothing to do
   const int n = max(0, min(context_len, start + kPartitionSize) - start);
@@ -190,7 +191,8 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const PagedAttentionAr
   __shared__ float scratch[kWarps];
   const int head = blockIdx.x, seq = blockIdx.y;
   const int context_len = a.context_lens[seq];
-  const int num_parts = max(1, (context_len + kPartitionSize - 1) / kPartitionSize);
+  const int num_parts =
+      min(a.max_num_partitions, max(1, (context_len + kPartitionSize - 1) / kPartitionSize));
   const int64_t row = static_cast<int64_t>(seq) * a.num_heads + head;
   const float* maxes = a.max_logits + row * a.max_num_partitions;
   const float* sums = a.exp_sums + row * a.max_num_partitions;

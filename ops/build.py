@@ -18,9 +18,11 @@ import structlog
 import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+# Sources, then headers: everything whose change must trigger a rebuild.
 CPU_SOURCES = ("cpu/attention.cpp", "cpu/cache.cpp", "cpu/registration.cpp")
+CPU_HEADERS = ("cpu/ops.h",)
 CUDA_SOURCES = ("bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
-HEADERS = ("cpu/ops.h", "ops.h")
+CUDA_HEADERS = ("ops.h", "dtype_utils.cuh")
 
 log = structlog.get_logger(component="ops.build")
 
@@ -62,10 +64,10 @@ def _cpu_fingerprint() -> str:
     return platform.machine() + flags
 
 
-def build_key(kind: str, sources: tuple[str, ...], flags: list[str]) -> str:
-    """Hash of sources, headers, torch version, device kind, flags and the machine it targets."""
+def build_key(kind: str, files: tuple[str, ...], flags: list[str]) -> str:
+    """Hash of sources and headers, torch version, device kind, flags and the machine it targets."""
     digest = hashlib.sha256()
-    for rel in (*sources, *HEADERS):
+    for rel in files:
         path = CSRC / rel
         digest.update(rel.encode())
         digest.update(path.read_bytes() if path.exists() else b"")
@@ -75,9 +77,9 @@ def build_key(kind: str, sources: tuple[str, ...], flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _load(kind: str, sources: tuple[str, ...], **flags: Any) -> str:
+def _load(kind: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), **flags: Any) -> str:
     name = f"pagedserve_{kind}"
-    key = build_key(kind, sources, [*flags.get("extra_cflags", []), *flags.get("extra_cuda_cflags", [])])
+    key = build_key(kind, (*sources, *headers), [*flags.get("extra_cflags", []), *flags.get("extra_cuda_cflags", [])])
     build_dir = cache_root() / f"{kind}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not (build_dir / f"{name}.so").exists()
@@ -112,7 +114,7 @@ def _load(kind: str, sources: tuple[str, ...], **flags: Any) -> str:
 @functools.cache
 def cpu_ops() -> Any:
     """The compiled CPU ops (``torch.ops.pagedserve_cpu``), built on first call."""
-    _load("cpu", CPU_SOURCES, extra_cflags=cpu_cflags(), extra_ldflags=["-fopenmp"])
+    _load("cpu", CPU_SOURCES, CPU_HEADERS, extra_cflags=cpu_cflags(), extra_ldflags=["-fopenmp"])
     return torch.ops.pagedserve_cpu
 
 
@@ -123,5 +125,5 @@ def cuda_ops() -> Any:
         raise KernelBuildError(
             "this torch has no CUDA support (CPU wheel): install a CUDA torch to run on GPU tensors"
         )
-    _load("cuda", CUDA_SOURCES, extra_cflags=["-O3"], extra_cuda_cflags=cuda_cflags())
+    _load("cuda", CUDA_SOURCES, CUDA_HEADERS, extra_cflags=["-O3"], extra_cuda_cflags=cuda_cflags())
     return torch.ops.pagedserve_cuda

@@ -86,6 +86,14 @@ def check_attention(
             f"must have num_seqs={num_seqs} rows"
         )
     _same_device(query=query, key_cache=key_cache, block_tables=block_tables, context_lens=context_lens)
+    if not query.is_cuda and num_seqs > 0:  # free on the CPU; on CUDA it would cost a device sync
+        capacity = block_tables.shape[1] * key_cache.shape[2]
+        longest, shortest = int(context_lens.max()), int(context_lens.min())
+        if longest > capacity or shortest < 0:
+            raise ValueError(
+                f"context_lens must lie in [0, {capacity}] (block_tables width x block_size); "
+                f"got [{shortest}, {longest}]"
+            )
     if out is not None:
         if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
             raise ValueError(f"out must match query {tuple(query.shape)} {query.dtype} on {query.device}")

@@ -28,6 +28,7 @@ def attention_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
         ({"query": torch.randn(2, 8, 64).half()}, TypeError, "differs from the cache dtype"),
         ({"block_tables": torch.zeros(2, 2, dtype=torch.int64)}, TypeError, "block_tables must have dtype int32"),
         ({"context_lens": torch.ones(3, dtype=torch.int32)}, ValueError, "num_seqs=2"),
+        ({"context_lens": torch.full((2,), 33, dtype=torch.int32)}, ValueError, r"lie in \[0, 32\]"),
         ({"key_cache": torch.randn(4, 16, 2, 64).transpose(1, 2)}, ValueError, "must be contiguous"),
         ({"value_cache": torch.randn(4, 2, 8, 64)}, ValueError, "must match in shape"),
         ({"key_cache": torch.randn(4, 2, 16, 64).int()}, TypeError, "key_cache must have dtype"),
