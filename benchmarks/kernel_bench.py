@@ -39,7 +39,10 @@ CPU_POINTS.append(Point(16, 2048, 9, 3, 64, 16, "float32"))  # SmolLM2-135M shap
 CUDA_POINTS = [Point(16, 4096, 32, 8, 128, 16, "float16"), Point(64, 1024, 32, 8, 128, 16, "float16")]
 
 
-def make_inputs(p: Point, device: str) -> tuple[torch.Tensor, ...]:
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def make_inputs(p: Point, device: str) -> Inputs:
     """Query, caches, random block tables and context lengths for one point."""
     dtype = getattr(torch, p.dtype)
     blocks_per_seq = (p.context + p.block_size - 1) // p.block_size
@@ -90,9 +93,9 @@ def bench_point(p: Point, device: str, budget_s: float, bar: tqdm) -> list[dict]
     paged = make_inputs(p, device)
     # The same caches read through identity tables: any difference is the cost of paging.
     identity = torch.arange(paged[3].numel(), device=device, dtype=torch.int32).view_as(paged[3])
-    contiguous = (*paged[:3], identity, paged[4])
+    contiguous: Inputs = (paged[0], paged[1], paged[2], identity, paged[4])
     out = torch.empty_like(paged[0])
-    groups = [
+    groups: list[dict[str, Callable[[], object]]] = [
         {
             "kernel": lambda: ops.paged_attention(*paged, scale, out=out),
             "kernel_contiguous_tables": lambda: ops.paged_attention(*contiguous, scale, out=out),
