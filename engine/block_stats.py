@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,3 +81,30 @@ def pool_snapshot(bm: BlockManager) -> list[list[int]]:
         else:
             runs.append([state, 1])
     return runs
+
+
+def block_id_runs(block_ids: list[int], max_runs: int) -> list[list[int]]:
+    """Consecutive ids folded into [[first_id, count], ...], at most `max_runs` runs."""
+    runs: list[list[int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        elif len(runs) < max_runs:
+            runs.append([block_id, 1])
+        else:
+            break
+    return runs
+
+
+def block_tables(bm: BlockManager, seqs: Iterable[tuple[str, int, int]], max_seqs: int = 64,
+                 max_runs: int = 64) -> list[dict[str, Any]]:
+    """Block tables of up to `max_seqs` sequences given as (request_id, sample index, seq_id):
+    ``{"id", "index", "host" (swapped out: host block ids), "num_blocks", "runs"}`` with the
+    ids run-length encoded, so a view of a 100k-block pool stays a few kilobytes."""
+    tables = []
+    for request_id, index, seq_id in itertools.islice(seqs, max_seqs):
+        entry = bm.seqs.get(seq_id)
+        if entry is not None:
+            tables.append({"id": request_id, "index": index, "host": entry.on_host,
+                           "num_blocks": len(entry.block_ids), "runs": block_id_runs(entry.block_ids, max_runs)})
+    return tables

@@ -37,9 +37,11 @@ class Heartbeat:
         self.started = time.time()
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
+        """`stats` may carry ``block_tables`` (a list, so `flatten_stats` leaves it out)."""
         now = time.time()
         figures = flatten_stats(stats) | extra | {"uptime_s": now - self.started}
-        return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool)
+        return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
+                               list(stats.get("block_tables", [])))
 
     async def beat(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> None:
         """Replace the hash (stale stat fields disappear) and set its TTL, atomically."""

@@ -21,6 +21,7 @@ engine's request may repeat some) and detects holes.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -316,7 +317,9 @@ class EngineHeartbeat:
     """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
     `tokenizer` the directory a gateway loads the tokenizer and chat template from. `pool` is
     the run-length snapshot of the device block pool (`engine.block_stats.pool_snapshot`:
-    ``[[state, run_length], ...]``), stored as ``"state:run,state:run"`` in field ``pool``."""
+    ``[[state, run_length], ...]``), stored as ``"state:run,state:run"`` in field ``pool``.
+    `tables` are the block tables of running and swapped sequences
+    (`engine.block_stats.block_tables`), JSON in field ``tables``."""
 
     engine_id: str
     model: str
@@ -325,6 +328,7 @@ class EngineHeartbeat:
     time: float
     stats: dict[str, float] = field(default_factory=dict)
     pool: list[list[int]] = field(default_factory=list)
+    tables: list[dict[str, Any]] = field(default_factory=list)
 
     def to_hash(self) -> dict[str, str]:
         fields = {"engine_id": self.engine_id, "model": self.model, "tokenizer": self.tokenizer,
@@ -332,6 +336,8 @@ class EngineHeartbeat:
         fields.update({f"stat:{k}": repr(float(v)) for k, v in self.stats.items()})
         if self.pool:
             fields["pool"] = ",".join(f"{state}:{run}" for state, run in self.pool)
+        if self.tables:
+            fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
         return fields
 
     @classmethod
@@ -343,6 +349,7 @@ class EngineHeartbeat:
                 max_model_len=int(text.get("max_model_len", "0")), time=float(text.get("time", "0")),
                 stats={k[5:]: float(v) for k, v in text.items() if k.startswith("stat:")},
                 pool=[[int(x) for x in run.split(":", 1)] for run in text.get("pool", "").split(",") if run],
+                tables=list(json.loads(text.get("tables", "[]"))),
             )
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, TypeError) as exc:
             raise ProtocolError(f"heartbeat: bad field: {exc!r}") from exc

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine.block_stats import pool_snapshot
+from engine.block_stats import block_tables, pool_snapshot
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput as EngineOutput
 from engine.sampling import SamplingParams
@@ -95,5 +95,11 @@ class EngineHost:
         return StepResult(outputs, rejected, aborted, self.engine.stats())
 
     def snapshot(self) -> tuple[dict[str, Any], list[list[int]]]:
-        """Current figures and the run-length block-pool snapshot."""
-        return self.engine.stats(), pool_snapshot(self.engine.block_manager)
+        """Current figures (with the running and swapped sequences' ``block_tables``) and the
+        run-length block-pool snapshot."""
+        scheduler = self.engine.scheduler
+        seqs = ((req.request_id, seq.index, seq.seq_id) for queue in (scheduler.running, scheduler.swapped)
+                for req in queue for seq in req.unfinished_seqs())
+        stats = self.engine.stats()
+        stats["block_tables"] = block_tables(self.engine.block_manager, seqs)
+        return stats, pool_snapshot(self.engine.block_manager)
