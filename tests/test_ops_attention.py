@@ -12,6 +12,7 @@ import ops
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
 HEAD_PAIRS = [(8, 8), (9, 3), (32, 8), (16, 1)]
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -33,7 +34,7 @@ def make_paged(
     dtype: torch.dtype,
     device: str,
     seed: int,
-) -> tuple[torch.Tensor, ...]:
+) -> Inputs:
     """Random query and caches; each sequence gets random, non-contiguous physical blocks.
 
     Table columns past a sequence's blocks hold -1 and every unused slot holds NaN, so a
@@ -60,11 +61,11 @@ def make_paged(
     value_cache.masked_fill_(stale[:, None, :, None], float("nan"))
     query = torch.randn(len(lens), num_heads, head_size, generator=gen)
     context_lens = torch.tensor(lens, dtype=torch.int32)
-    cast = [t.to(device=device, dtype=dtype) for t in (query, key_cache, value_cache)]
-    return (*cast, tables.to(device), context_lens.to(device))
+    query, key_cache, value_cache = (t.to(device=device, dtype=dtype) for t in (query, key_cache, value_cache))
+    return query, key_cache, value_cache, tables.to(device), context_lens.to(device)
 
 
-def check_against_reference(args: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
+def check_against_reference(args: Inputs, dtype: torch.dtype) -> None:
     scale = args[0].shape[-1] ** -0.5
     actual = ops.paged_attention(*args, scale)
     expected = ops.reference.paged_attention(*args, scale)

@@ -11,9 +11,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def caches(num_blocks: int, kv_heads: int, block_size: int, head: int, dtype: torch.dtype, device: str) -> list:
+def caches(
+    num_blocks: int, kv_heads: int, block_size: int, head: int, dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (num_blocks, kv_heads, block_size, head)
-    return [torch.randn(shape).to(device=device, dtype=dtype) for _ in range(2)]
+    return torch.randn(shape).to(device=device, dtype=dtype), torch.randn(shape).to(device=device, dtype=dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -28,7 +30,7 @@ def test_reshape_and_cache_matches_reference(dtype: torch.dtype, block_size: int
     slots = torch.randperm(num_blocks * block_size)[:tokens]
     slots[::7] = -1  # padding tokens are skipped
     expected = [key_cache.clone(), value_cache.clone()]
-    ops.reference.reshape_and_cache(key, value, *expected, slots)
+    ops.reference.reshape_and_cache(key, value, expected[0], expected[1], slots)
     ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
 
@@ -65,7 +67,7 @@ def test_cuda_cache_ops_match_reference(dtype: torch.dtype) -> None:
     slots = torch.randperm(20 * 16, device="cuda")[:50]
     slots[::5] = -1
     expected = [key_cache.clone(), value_cache.clone()]
-    ops.reference.reshape_and_cache(key, value, *expected, slots)
+    ops.reference.reshape_and_cache(key, value, expected[0], expected[1], slots)
     ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected[0]) and torch.equal(value_cache, expected[1])
 
