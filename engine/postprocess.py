@@ -45,7 +45,7 @@ class OutputProcessor:
                 beams.setdefault(request.request_id, []).append((seq, i))
             elif request.needs_fork:
                 for k in range(request.params.num_candidates):
-                    stream = f"{request.request_id}/{k}"
+                    stream = f"sample/{k}"
                     rows.append(i)
                     specs.append(SampleSpec.from_params(request.params, stream, 0))
                     owners.append((seq, k))

@@ -55,10 +55,11 @@ class Sequence:
 
     @property
     def stream(self) -> str:
-        """The name its random draws are keyed by: the request id, plus the index when n > 1."""
-        if self.request.params.num_candidates == 1:
-            return self.request.request_id
-        return f"{self.request.request_id}/{self.index}"
+        """The name its random draws are keyed by, with the seed and the token index: the
+        sample index. Not the request id, so one seed reproduces one output across requests
+        (as OpenAI's `seed` promises); an unseeded request gets a random seed at admission,
+        carried in its params, so a preempted or resumed request continues exactly."""
+        return f"sample/{self.index}"
 
     def fork(self, index: int) -> Sequence:
         """A copy with a new id (the block manager forks the blocks)."""

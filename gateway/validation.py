@@ -5,6 +5,7 @@ tools, images, echo) are rejected instead of silently ignored."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,10 @@ def _params(body: dict[str, Any], kind: str, cfg: GatewayConfig) -> tuple[WirePa
         max_tokens=max_tokens or 16, min_tokens=min_tokens, stop_token_ids=list(stop_ids),
         ignore_eos=as_bool(body, "ignore_eos", False),
     )
+    if params.seed is None and params.temperature > 0.0:
+        # A drawn seed travels with the request, so an engine that resumes it (after another
+        # engine died) draws the very same tokens.
+        params.seed = secrets.randbits(63)
     if not params.use_beam_search and params.length_penalty != 1.0:
         raise bad_request("'length_penalty' only applies to beam search", "length_penalty")
     if params.use_beam_search and params.temperature != 0.0:
