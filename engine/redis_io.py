@@ -102,6 +102,23 @@ class RequestStream:
             await self.ack(result.deleted)
         return result
 
+    async def consumers(self) -> dict[str, int]:
+        """Consumer names of the group and how many entries each holds un-acked."""
+        infos = await self.client.xinfo_consumers(self.keys.requests, self.keys.group)
+        return {_text(info["name"]): int(info["pending"]) for info in infos}
+
+    async def dead_consumers(self) -> list[str]:
+        """Other consumers holding entries while their heartbeat key is gone (crashed engines)."""
+        dead = []
+        for name, pending in (await self.consumers()).items():
+            if name != self.consumer and pending and not await self.client.exists(self.keys.engine(name)):
+                dead.append(name)
+        return dead
+
+    async def forget(self, consumer: str) -> None:
+        """Remove a dead consumer that holds nothing any more."""
+        await self.client.xgroup_delconsumer(self.keys.requests, self.keys.group, consumer)
+
     async def touch(self, entry_ids: list[str]) -> None:
         """Reset the idle time of entries this engine still works on, so nobody claims them."""
         if entry_ids:

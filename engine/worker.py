@@ -73,7 +73,7 @@ class EngineWorker:
         stream = RequestStream(client, self.keys, self.config.engine_id)
         intake = Intake(client, self.keys, stream)
         beat = Heartbeat(client, self.keys, self.config.engine_id, self.config.model_name, str(engine.config.model),
-                         engine.max_model_len, ttl_s=3 * self.config.heartbeat_interval_s)
+                         engine.max_model_len, ttl_s=self.config.claim_after_ms / 1000)
         runner = None
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -175,11 +175,15 @@ class EngineWorker:
     # ----- side tasks --------------------------------------------------------------------------
     async def _maintain(self, beat: Heartbeat, intake: Intake) -> None:
         """Every heartbeat interval: heartbeat, touch own entries, claim dead engines' entries."""
+        interval = self.config.heartbeat_interval_s
         while True:
-            await asyncio.sleep(self.config.heartbeat_interval_s)
+            last = time.monotonic()
+            await asyncio.sleep(interval)
+            if time.monotonic() - last > 2 * interval:
+                log.warning("event loop starved", late_s=round(time.monotonic() - last - interval, 2))
             try:
+                await intake.touch()  # first: it does not wait for the engine thread
                 await self._beat(beat, intake)
-                await intake.touch()
                 if not self.stop.is_set():
                     await intake.claim(self.config.claim_after_ms)
             except (RedisError, OSError) as exc:

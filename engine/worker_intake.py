@@ -93,16 +93,25 @@ class Intake:
         return len(entries)
 
     async def claim(self, min_idle_ms: int, rounds: int = 10) -> int:
-        """Take over idle entries of dead engines (a full scan is at most `rounds` calls)."""
+        """Take over idle entries when some engine holding entries has lost its heartbeat (a
+        full scan is at most `rounds` calls). Live engines keep theirs fresh with `touch`, so
+        only the dead engine's entries are idle long enough; a slow live engine is safe twice."""
+        dead = await self.stream.dead_consumers()
+        if not dead:
+            return 0
         total = 0
         for _ in range(rounds):
             result = await self.stream.claim_idle(min_idle_ms)
             if result.entries:
-                log.info("claimed entries", count=len(result.entries))
+                log.info("claimed entries", count=len(result.entries), dead_engines=dead)
                 await self.admit(result.entries, claimed=True)
             total += len(result.entries)
             if result.next_id == "0-0":
                 break
+        pending = await self.stream.consumers()
+        for name in dead:
+            if pending.get(name, 0) == 0:
+                await self.stream.forget(name)
         return total
 
     async def touch(self) -> None:

@@ -36,7 +36,7 @@ class EngineProcess:
         self.metrics_port = free_port()
         cmd = [sys.executable, "-m", "engine.cli", "engine", "--model", str(model), "--redis-url", redis_url,
                "--engine-id", engine_id, "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-               "--heartbeat-interval", "0.3", *extra]
+               "--heartbeat-interval", "0.5", *extra]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
