@@ -30,6 +30,7 @@ class ClaimResult:
     next_id: str
     entries: list[StreamEntry]
     deleted: list[str]
+    num_unknown: int = 0  # deleted entries whose id the client library dropped
 
 
 def _text(value: Any) -> str:
@@ -40,7 +41,8 @@ def parse_entries(raw: Any) -> list[StreamEntry]:
     """``[[id, {field: value}], ...]`` (or nil fields for a deleted entry) → entries."""
     entries = []
     for item in raw or []:
-        if item is None:
+        if item is None or item[0] is None:  # redis-py's (None, None) for a deleted entry on 6.2
+            entries.append(StreamEntry("", None))
             continue
         entry_id, fields = item[0], item[1] if len(item) > 1 else None
         if isinstance(fields, list):  # RESP without redis-py's pairs-to-dict callback
@@ -58,8 +60,9 @@ def parse_autoclaim(reply: Any) -> ClaimResult:
         raise ValueError(f"unexpected XAUTOCLAIM reply: {reply!r}")
     entries = parse_entries(reply[1])
     deleted = [_text(d) for d in reply[2]] if len(reply) == 3 and reply[2] else []
-    deleted += [e.entry_id for e in entries if e.payload is None]
-    return ClaimResult(_text(reply[0]), [e for e in entries if e.payload is not None], deleted)
+    deleted += [e.entry_id for e in entries if e.payload is None and e.entry_id]
+    unknown = sum(1 for e in entries if not e.entry_id)
+    return ClaimResult(_text(reply[0]), [e for e in entries if e.payload is not None], deleted, unknown)
 
 
 class RequestStream:
@@ -98,6 +101,8 @@ class RequestStream:
             self._claim_cursor, "COUNT", count)
         result = parse_autoclaim(reply)
         self._claim_cursor = result.next_id
+        if result.num_unknown:  # find their ids in our own pending list, where they now sit
+            result.deleted.extend(e.entry_id for e in await self.read_own_pending() if e.payload is None)
         if result.deleted:
             await self.ack(result.deleted)
         return result
@@ -135,5 +140,5 @@ class RequestStream:
         if isinstance(reply, dict):  # RESP3
             reply = list(reply.items())
         for _stream, raw in reply or []:
-            entries.extend(parse_entries(raw))
+            entries.extend(e for e in parse_entries(raw) if e.entry_id)
         return entries
