@@ -21,6 +21,7 @@ from gateway.errors import Handler, auth_middleware, error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.routes_misc import add_routes as add_misc_routes
 from gateway.routes_openai import add_routes as add_openai_routes
+from gateway.routes_ui import add_routes as add_ui_routes
 from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
 
 
@@ -66,4 +67,5 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.cleanup_ctx.append(_redis_ctx)
     add_openai_routes(app)
     add_misc_routes(app)
+    add_ui_routes(app)
     return app
