@@ -11,5 +11,8 @@ ruff check .
 echo "== nvcc compile check"
 bash scripts/check_cuda.sh
 
+echo "== docker-compose.yml (Compose v1 config -q)"
+bash scripts/check_compose.sh
+
 echo "== pytest"
 exec python -m pytest "$@"
