@@ -33,6 +33,7 @@ function requestBody(messages) {
     top_p: numberOf("top-p"),
     max_tokens: numberOf("max-tokens"),
     n: numberOf("n"),
+    ignore_eos: $("ignore-eos").checked, // run to max tokens: fills the KV cache for the /kv view
   };
 }
 
@@ -80,7 +81,10 @@ class Answer {
 
   apply(chunk) {
     if (chunk.error) throw new Error(chunk.error.message);
-    this.requestId = chunk.id || this.requestId;
+    if (chunk.id && !this.requestId) {
+      this.requestId = chunk.id; // the engine's request id too: its row on the /kv page
+      this.item.dataset.requestId = chunk.id;
+    }
     if (chunk.usage) this.usage = chunk.usage;
     for (const choice of chunk.choices || []) {
       const text = choice.delta?.content;
