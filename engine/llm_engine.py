@@ -4,6 +4,7 @@ offline `LLM` drive it. One step = schedule → move blocks + run the model → 
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -70,6 +71,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
         self._rng = random.Random(config.seed)
+        self.step_seconds = 0.0  # cumulative wall time in step(); runner.model_seconds is the model's share
+        self.num_steps = 0
 
     # ----- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -103,6 +106,15 @@ class LLMEngine:
     # ----- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the deltas of every request that changed."""
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - start
+            self.num_steps += 1
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         outputs = [self.processor.reject(request) for request in sched.rejected]
         for request in sched.rejected:
@@ -133,6 +145,9 @@ class LLMEngine:
             "finished": dict(self.processor.finished) | {"abort": self.counters["finished_abort"]},
             "prompt_tokens": self.counters["prompt_tokens"],
             "generation_tokens": self.counters["generation_tokens"],
+            "num_steps": self.num_steps,
+            "step_seconds": self.step_seconds,
+            "model_seconds": self.runner.model_seconds,
         }
 
     # ----- internals -----------------------------------------------------------------------

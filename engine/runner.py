@@ -3,6 +3,7 @@ and swaps run first; the model runs once; logits come back for the rows that sam
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,16 +39,23 @@ class ModelRunner:
         self.cpu_caches = cpu_caches
         self.block_size = block_size
         self.device = device
+        self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
 
     def execute(self, sched: SchedulerOutput, bm: BlockManager) -> tuple[list[ScheduledSeq], Tensor]:
         """Move blocks, run the model; returns the sampling sequences and their fp32 logits."""
         self.move_blocks(sched)
         batch = self.prepare(sched.scheduled, bm)
+        start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_rows:
-            return [], hidden.new_empty((0, 0), dtype=torch.float32)
-        rows = torch.tensor(batch.sample_rows, device=hidden.device)
-        return batch.sampling, self.model.compute_logits(hidden.index_select(0, rows))
+            logits = hidden.new_empty((0, 0), dtype=torch.float32)
+        else:
+            rows = torch.tensor(batch.sample_rows, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.model_seconds += time.perf_counter() - start
+        return batch.sampling, logits
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""
