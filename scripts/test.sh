@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: lint, CUDA compile check, model fetch, pytest.
+# The whole test suite, as CI runs it: lint, CUDA and compose checks, browser setup, pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -11,8 +11,14 @@ ruff check .
 echo "== nvcc compile check"
 bash scripts/check_cuda.sh
 
-echo "== docker-compose.yml (Compose v1 config -q)"
+echo "== docker-compose.yml check"
 bash scripts/check_compose.sh
+
+echo "== chromium (browser tests)"
+bash scripts/install_chromium.sh
+
+echo "== default model (SmolLM2-135M-Instruct; fetched once into the user cache)"
+pagedserve fetch-model
 
 echo "== pytest"
 exec python -m pytest "$@"
