@@ -43,7 +43,7 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     claim_after_s: float | None = None  # default: 5 heartbeat intervals
     progress_ttl_s: int = 3600
-    max_pull: int = 16
+    max_pull: int = 64
     idle_block_ms: int = 500
 
     @property
