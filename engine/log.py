@@ -24,7 +24,10 @@ def configure_logging(json: bool = False, level: str = "INFO") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # Look sys.stderr up at every write: it may be swapped after configuration (pytest's
+        # capture, a daemonized child), and a logger bound to the old one would write to a
+        # closed file.
+        logger_factory=_current_stderr_logger,
         cache_logger_on_first_use=False,
     )
 
@@ -32,3 +35,7 @@ def configure_logging(json: bool = False, level: str = "INFO") -> None:
 def get_logger(name: str) -> Any:
     """A bound structlog logger carrying the component name."""
     return structlog.get_logger(component=name)
+
+
+def _current_stderr_logger(*_args: Any) -> structlog.PrintLogger:
+    return structlog.PrintLogger(file=sys.stderr)
