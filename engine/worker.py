@@ -45,11 +45,6 @@ class WorkerConfig:
     progress_ttl_s: int = 3600
     max_pull: int = 64
     idle_block_ms: int = 500
-    # Waking from idle, wait this long for more of a burst before the first step, and again
-    # while entries keep arriving (at most `coalesce_rounds` times): one prefill step for the
-    # whole burst instead of one for the first request and another for the rest.
-    coalesce_ms: float = 5.0
-    coalesce_rounds: int = 4
 
     @property
     def claim_after_ms(self) -> int:
@@ -117,7 +112,6 @@ class EngineWorker:
                         await self._flush(client, intake.pending)
                         intake.pending = Outbox()
                         continue
-                    await self._coalesce(intake)
                 step = asyncio.ensure_future(self.host.call(self.host.step, *intake.take_jobs()))
             result = await step
             self.stats = result.stats
@@ -131,14 +125,6 @@ class EngineWorker:
                 if self._busy(intake):  # overlap: next step computes while this one is published
                     step = asyncio.ensure_future(self.host.call(self.host.step, *intake.take_jobs()))
             await self._flush(client, outbox)
-
-    async def _coalesce(self, intake: Intake) -> None:
-        for _ in range(self.config.coalesce_rounds):
-            before = len(intake.jobs)
-            await asyncio.sleep(self.config.coalesce_ms / 1000)
-            await self._pull(intake, block=False)
-            if len(intake.jobs) == before:
-                return
 
     def _busy(self, intake: Intake) -> bool:
         s = self.stats
