@@ -226,7 +226,8 @@ class BlockManager:
                 self._drop_ref(self.blocks[block_id], seq_id)
             seq.block_ids, seq.on_host = table, True
         self.swapped_out_blocks += len(mapping)
-        self._event("swap_out", seqs=list(seq_ids), mapping=list(mapping.items()))
+        for device_id, cpu_id in mapping.items():
+            self._event("swap_out", block=device_id, host_block=cpu_id, seq=seq_ids[0], seqs=list(seq_ids))
         return list(mapping.items())
 
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
@@ -251,7 +252,8 @@ class BlockManager:
                 self._drop_cpu_ref(cpu_id)
             seq.block_ids, seq.on_host, seq.hashes = table, False, []
         self.swapped_in_blocks += len(mapping)
-        self._event("swap_in", seqs=list(seq_ids), mapping=list(mapping.items()))
+        for cpu_id, device_id in mapping.items():
+            self._event("swap_in", block=device_id, host_block=cpu_id, seq=seq_ids[0], seqs=list(seq_ids))
         return list(mapping.items())
 
     # ----- internals -----------------------------------------------------------------------

@@ -127,6 +127,8 @@ class LLMEngine:
             item.seq.num_computed += item.num_new
             self.block_manager.mark_computed(item.seq.seq_id, item.seq.num_computed)
         outputs += self.processor.process(sampling, logits)
+        if self.config.debug_blocks:
+            self.block_manager.check_invariants()
         for out in outputs:
             if out.finished:
                 self.requests.pop(out.request_id, None)

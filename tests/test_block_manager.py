@@ -548,8 +548,10 @@ def test_debug_events_cover_the_block_lifecycle() -> None:
         assert kind in kinds, kind
     for event in events:
         assert isinstance(event["t"], float)
-        assert "seq" in event or "seqs" in event
-        assert "block" in event or "mapping" in event or {"src", "dst"} <= event.keys()
+        assert "seq" in event
+        assert "block" in event or {"src", "dst"} <= event.keys()
+    swaps = [e for e in events if e["event"] in ("block.swap_out", "block.swap_in")]
+    assert all("host_block" in e for e in swaps) and len(swaps) == 4  # two blocks out, two back
     allocs = [e for e in events if e["event"] == "block.allocate"]
     assert [(e["block"], e["seq"]) for e in allocs[:2]] == [(0, 0), (1, 0)]
     (cow,) = [e for e in events if e["event"] == "block.cow"]
