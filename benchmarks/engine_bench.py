@@ -5,7 +5,7 @@ the same for every system: HF's padded static batches waste the positions past e
 own length. Prints JSON lines: tokens/s per system, the ratio to HF's best, the peak KV memory
 against a contiguous cache, preemptions, block utilization and the step overhead share.
 
-    python benchmarks/engine_bench.py --num-requests 64
+    python benchmarks/engine_bench.py --num-requests 128
 """
 
 from __future__ import annotations
@@ -106,13 +106,14 @@ def run_hf(model_dir: str, trace: list[tuple[list[int], int]], batch_size: int) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF model directory (default: SmolLM2, fetched)")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--min-len", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-sizes", default="1,8,32")
-    parser.add_argument("--hf-batch1-requests", type=int, default=8,
-                        help="batch 1 is slow: run it on the first K requests (its tokens/s is a rate)")
+    parser.add_argument("--hf-requests", default="1=8,8=32",
+                        help="SIZE=K: run HF batch SIZE on the first K requests only (a rate; small batches "
+                             "are slow); sizes not listed run the whole trace")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -129,8 +130,9 @@ def main() -> int:
     ours = run_pagedserve(args.model, trace, args)
     emit(ours)
     best = 0.0
+    limits = {int(k): int(v) for k, v in (item.split("=") for item in args.hf_requests.split(",") if item)}
     for size in (int(s) for s in args.hf_batch_sizes.split(",") if s):
-        subset = trace[: args.hf_batch1_requests] if size == 1 else trace
+        subset = trace[: limits.get(size, len(trace))]
         result = run_hf(args.model, subset, size)
         emit(result)
         best = max(best, result["tokens_per_s"])

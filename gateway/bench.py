@@ -17,6 +17,7 @@ import aiohttp
 from tqdm import tqdm
 
 from gateway.bench_trace import BenchRequest, load_trace, poisson_arrivals, synthetic
+from gateway.sse_client import sse_events
 
 
 @dataclass(slots=True)
@@ -40,11 +41,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, req: BenchR
         async with session.post(url, json=payload, headers=headers) as resp:
             if resp.status != 200:
                 return Result(False, error=f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                obj = json.loads(line[6:])
+            async for obj in sse_events(resp):
                 if "error" in obj:
                     return Result(False, error=str(obj["error"].get("message")))
                 if obj.get("usage"):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from typing import Any
 
 import aiohttp
+
+from gateway.sse_client import sse_events
 
 
 async def stream_reply(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
@@ -19,11 +20,7 @@ async def stream_reply(session: aiohttp.ClientSession, url: str, payload: dict[s
         if resp.status != 200:
             body = await resp.json(content_type=None)
             raise RuntimeError(body.get("error", {}).get("message", f"HTTP {resp.status}"))
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj = json.loads(line[6:])
+        async for obj in sse_events(resp):
             if "error" in obj:
                 raise RuntimeError(obj["error"]["message"])
             for choice in obj.get("choices", []):
