@@ -50,6 +50,10 @@ inline void prefetch_block(const T* k, const T* v, int64_t elems) {
   }
 }
 
+// How many blocks ahead to prefetch: far enough to hide a TLB miss plus the fetch of a
+// scattered block, near enough to stay in L2 until used.
+constexpr int64_t kPrefetchAhead = 2;
+
 inline void axpy(float* y, float a, const float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
@@ -113,16 +117,20 @@ void attend_group(T* out, const T* query, const T* key_cache, const T* value_cac
     maxes[h] = -std::numeric_limits<float>::infinity();
   }
   const int64_t num_used = std::min(s.max_blocks, (context_len + bs - 1) / bs);
+  for (int64_t b = 1; b < std::min(num_used, kPrefetchAhead); ++b) {
+    const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * bs * dim;
+    if (table[b] >= 0 && table[b] < s.num_blocks) prefetch_block(key_cache + first, value_cache + first, bs * dim);
+  }
   for (int64_t b = 0; b < num_used; ++b) {
     const int64_t block = table[b];
     TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
                 s.num_blocks, ")");
     const int64_t n = std::min(bs, context_len - b * bs);
     const int64_t base = (block * s.num_kv_heads + kv_head) * bs * dim;
-    if (b + 1 < num_used) {
-      const int64_t next = (static_cast<int64_t>(table[b + 1]) * s.num_kv_heads + kv_head) * bs * dim;
-      if (table[b + 1] >= 0 && table[b + 1] < s.num_blocks)
-        prefetch_block(key_cache + next, value_cache + next, bs * dim);
+    if (b + kPrefetchAhead < num_used) {
+      const int64_t ahead = table[b + kPrefetchAhead];
+      const int64_t next = (ahead * s.num_kv_heads + kv_head) * bs * dim;
+      if (ahead >= 0 && ahead < s.num_blocks) prefetch_block(key_cache + next, value_cache + next, bs * dim);
     }
     for (int64_t t = 0; t < n; ++t) {
       const float* k = as_float(key_cache + base + t * dim, row, dim);
