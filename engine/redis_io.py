@@ -127,8 +127,8 @@ class RequestStream:
     async def touch(self, entry_ids: list[str]) -> None:
         """Reset the idle time of entries this engine still works on, so nobody claims them."""
         if entry_ids:
-            await self.client.xclaim(self.keys.requests, self.keys.group, self.consumer, 0, entry_ids,
-                                     justid=True)
+            ids: list[Any] = list(entry_ids)
+            await self.client.xclaim(self.keys.requests, self.keys.group, self.consumer, 0, ids, justid=True)
 
     async def ack(self, entry_ids: list[str]) -> None:
         if entry_ids:

@@ -151,19 +151,19 @@ class EngineWorker:
             outbox.add(tracked.gateway, error_output(tracked, message, "invalid_request_error", "invalid_parameter"))
             outbox.end(request_id, tracked.entry_id)
         for request_id in result.aborted:
-            tracked = intake.tracked.pop(request_id, None)
-            if tracked is not None:
-                outbox.end(request_id, tracked.entry_id)
+            aborted = intake.tracked.pop(request_id, None)
+            if aborted is not None:
+                outbox.end(request_id, aborted.entry_id)
         for out in result.outputs:
-            tracked = intake.tracked.get(out.request_id)
-            if tracked is None:
+            live = intake.tracked.get(out.request_id)
+            if live is None:
                 continue
-            outbox.add(tracked.gateway, to_wire(tracked, out))
+            outbox.add(live.gateway, to_wire(live, out))
             if out.finished:
                 intake.tracked.pop(out.request_id)
-                outbox.end(out.request_id, tracked.entry_id)
+                outbox.end(out.request_id, live.entry_id)
                 if self.metrics is not None and out.error is None:
-                    self.metrics.observe_finished(tracked.request.arrival, tracked.first_token_at, now,
+                    self.metrics.observe_finished(live.request.arrival, live.first_token_at, now,
                                                   out.num_generated_tokens)
 
     async def _flush(self, client: aioredis.Redis, outbox: Outbox) -> None:

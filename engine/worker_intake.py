@@ -67,7 +67,8 @@ class Intake:
 
     async def _progress(self, request_id: str) -> Progress:
         try:
-            return merge_progress(await self.client.lrange(self.keys.progress(request_id), 0, -1))
+            entries = await self.client.lrange(self.keys.progress(request_id), 0, -1)
+            return merge_progress([e if isinstance(e, bytes) else e.encode() for e in entries])
         except ProtocolError as exc:
             log.warning("unreadable progress, restarting request", request_id=request_id, error=str(exc))
             return Progress()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.outputs import RequestOutput as EngineOutput
 from engine.protocol import (
@@ -44,11 +45,11 @@ class Tracked:
         return seq
 
 
-def _logprobs(entries: list[dict[str, object]] | None) -> list[TokenLogprob] | None:
+def _logprobs(entries: list[dict[str, Any]] | None) -> list[TokenLogprob] | None:
     if entries is None:
         return None
     return [TokenLogprob(float(e["logprob"]), [(int(t), float(p)) for t, p in e.get("top_logprobs") or []])
-            for e in entries]  # type: ignore[union-attr, arg-type, call-overload]
+            for e in entries]
 
 
 def to_wire(tracked: Tracked, out: EngineOutput) -> RequestOutput:
@@ -81,7 +82,7 @@ def is_resumable_in_place(params: dict[str, object]) -> bool:
 
 def resume(request: EngineRequest, entry_id: str, progress: Progress) -> tuple[Tracked, AddJob] | None:
     """Bookkeeping and engine job for a claimed request; None when its client already has it all."""
-    n = int(request.params.get("n", 1))  # type: ignore[call-overload]
+    n = int(request.params.get("n", 1))
     if progress.last_seq >= 0 and len(progress.finished) >= n:
         return None
     tracked = Tracked(request, entry_id, seq=progress.last_seq + 1, resumed=progress.last_seq >= 0)

@@ -8,6 +8,9 @@ export PATH="$PWD/$VENV/bin:$PATH"
 echo "== ruff"
 ruff check .
 
+echo "== mypy"
+mypy engine gateway ops
+
 echo "== nvcc compile check"
 bash scripts/check_cuda.sh
 
