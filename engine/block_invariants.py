@@ -28,6 +28,8 @@ def check_invariants(bm: BlockManager) -> None:
     assert len(free_ids) + sum(1 for b in bm.blocks if b.ref_count > 0) == bm.num_blocks
     for key, block in bm.cached.items():
         assert block.hash == key, f"cache entry {key} points at block {block.block_id} with another hash"
+    cached_free = sum(1 for block in free if block.hash is not None)
+    assert cached_free == bm.num_cached_free_blocks, f"cached free blocks {bm.num_cached_free_blocks} != {cached_free}"
     stored = sum(block.num_tokens for block in bm.blocks if block.ref_count > 0)
     assert stored == bm.num_stored_tokens, f"stored tokens {bm.num_stored_tokens} != {stored}"
     for cpu_id in range(bm.num_cpu_blocks):

@@ -55,6 +55,7 @@ class BlockManager:
         self.free_cpu: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self.seqs: dict[int, SeqBlocks] = {}
         self.num_stored_tokens = 0
+        self.num_cached_free_blocks = 0  # free blocks still holding a prefix-cache entry
         self.cow_copies = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -284,6 +285,7 @@ class BlockManager:
             block = self.cached[key]
             if block.ref_count == 0:
                 self.free_queue.remove(block)
+                self.num_cached_free_blocks -= 1
                 self.num_stored_tokens += block.num_tokens
             self._add_ref(block, seq_id)
             seq.block_ids.append(block.block_id)
@@ -294,6 +296,7 @@ class BlockManager:
         block = self.free_queue.popleft()
         if block.hash is not None:  # evict the LRU cached block
             del self.cached[block.hash]
+            self.num_cached_free_blocks -= 1
             block.forget_hash()
         block.ref_count = 1
         block.last_access = time.monotonic()
@@ -313,6 +316,8 @@ class BlockManager:
         self.num_stored_tokens -= block.num_tokens
         if block.hash is None:
             block.num_tokens = 0
+        else:
+            self.num_cached_free_blocks += 1
         self.free_queue.append(block)
         self._event("free", block=block.block_id, seq=seq_id)
 
