@@ -62,12 +62,16 @@ class EngineProcess:
         return beat.stats
 
     def wait_drained(self, timeout: float = 30.0) -> dict[str, float]:
-        """Wait until the engine runs nothing and holds no block; returns its figures."""
+        """Wait until the engine runs nothing and holds no block; returns its figures. Only a
+        heartbeat written after this call counts: an older one may predate the caller's requests."""
+        since = time.time()
         deadline = time.monotonic() + timeout
         while True:
-            stats = self.stats()
+            beat = self.heartbeat()
+            assert beat is not None, f"engine {self.engine_id} has no heartbeat"
+            stats = beat.stats
             busy = stats["running"] + stats["waiting"] + stats["swapped"] + stats["in_flight"]
-            if busy == 0 and stats["num_used_blocks"] == 0:
+            if beat.time >= since and busy == 0 and stats["num_used_blocks"] == 0:
                 return stats
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine {self.engine_id} not drained: {stats}")
