@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 
 GOAL_DECODE_STEP_MS = 1.0
 

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 def make_trace(num_requests: int, vocab: int, seed: int, lo: int, hi: int) -> list[tuple[list[int], int]]:

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.redis_server import free_port
-from gateway.bench_trace import BenchRequest, synthetic
+from engine.launch.redis_server import free_port
+from gateway.clients.bench_trace import BenchRequest, synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def _cli(*args: str) -> list[str]:
 
 def _run(engine: Any, tok: Any, requests: list[BenchRequest], tag: str) -> dict[str, Any]:
     """Add `requests` at t=0 and step to completion; TTFT from add to the first token."""
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     first: dict[str, float] = {}
@@ -56,7 +56,7 @@ def _run(engine: Any, tok: Any, requests: list[BenchRequest], tag: str) -> dict[
 def _local_engine(model: str, args: argparse.Namespace) -> tuple[Any, Any]:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from gateway.tokenizer import ModelTokenizer
+    from gateway.text.tokenizer import ModelTokenizer
 
     engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=args.kv_bytes, max_num_seqs=args.max_num_seqs))
     tok = ModelTokenizer(model)
@@ -123,7 +123,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per path; the best is kept")
     args = parser.parse_args()
     from engine.sizes import parse_size
-    from engine.worker_cli import resolve_model
+    from engine.worker.cli import resolve_model
 
     args.kv_bytes = parse_size(args.kv_cache_memory)
     model = resolve_model(args.model)

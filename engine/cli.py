@@ -11,14 +11,14 @@ import sys
 from engine.log import configure_logging
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("engine.up", "run redis + engine + gateway on this machine (default model, port 8000)"),
-    "engine": ("engine.worker_cli", "run an engine worker consuming the Redis request stream"),
+    "up": ("engine.launch.up", "run redis + engine + gateway on this machine (default model, port 8000)"),
+    "engine": ("engine.worker.cli", "run an engine worker consuming the Redis request stream"),
     "gateway": ("gateway.cli", "run the OpenAI-compatible HTTP gateway"),
     "fetch-model": ("engine.model.fetch", "download and convert the default model (SmolLM2-135M-Instruct)"),
-    "simulate": ("engine.simulator_cli", "replay a request trace through contiguous and paged KV allocators"),
-    "plan": ("engine.planner", "KV-cache capacity arithmetic: blocks and max concurrency"),
-    "bench": ("gateway.bench", "serving benchmark against a running gateway"),
-    "chat": ("gateway.chat_client", "terminal streaming chat client"),
+    "simulate": ("engine.sim.cli", "replay a request trace through contiguous and paged KV allocators"),
+    "plan": ("engine.plan.planner", "KV-cache capacity arithmetic: blocks and max concurrency"),
+    "bench": ("gateway.clients.bench", "serving benchmark against a running gateway"),
+    "chat": ("gateway.clients.chat", "terminal streaming chat client"),
 }
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class LLM:

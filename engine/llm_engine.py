@@ -11,26 +11,26 @@ from typing import Any
 import torch
 
 import ops
-from engine.block_manager import BlockManager
-from engine.capacity import (
+from engine.config import EngineConfig
+from engine.kv.block_manager import BlockManager
+from engine.log import get_logger
+from engine.model.attention import AttentionMetadata
+from engine.model.capacity import (
     log_capacity,
     num_device_blocks,
     num_host_blocks,
     resolve_device,
     resolve_model_dtype,
 )
-from engine.config import EngineConfig
-from engine.log import get_logger
-from engine.model.attention import AttentionMetadata
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
+from engine.model.runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.postprocess import OutputProcessor
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
-from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Request, Sequence
+from engine.sample.output_processor import OutputProcessor
+from engine.sample.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.sched.scheduler import Scheduler
+from engine.sched.sequence import Request, Sequence
 
 log = get_logger("engine")
 

@@ -316,10 +316,10 @@ def merge_progress(entries: list[bytes]) -> Progress:
 class EngineHeartbeat:
     """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
     `tokenizer` the directory a gateway loads the tokenizer and chat template from. `pool` is
-    the run-length snapshot of the device block pool (`engine.block_stats.pool_snapshot`:
+    the run-length snapshot of the device block pool (`engine.kv.block_stats.pool_snapshot`:
     ``[[state, run_length], ...]``), stored as ``"state:run,state:run"`` in field ``pool``.
     `tables` are the block tables of running and swapped sequences
-    (`engine.block_stats.block_tables`), JSON in field ``tables``."""
+    (`engine.kv.block_stats.block_tables`), JSON in field ``tables``."""
 
     engine_id: str
     model: str

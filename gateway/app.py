@@ -14,15 +14,15 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from engine.protocol import Keys
-from gateway.broker import Broker
+from gateway.api.misc_routes import add_routes as add_misc_routes
+from gateway.api.openai_routes import add_routes as add_openai_routes
+from gateway.broker.broker import Broker
+from gateway.broker.engines import EngineRegistry
 from gateway.config import GatewayConfig
-from gateway.engines import EngineRegistry
 from gateway.errors import Handler, auth_middleware, error_middleware
 from gateway.metrics import GatewayMetrics
-from gateway.routes_misc import add_routes as add_misc_routes
-from gateway.routes_openai import add_routes as add_openai_routes
-from gateway.routes_ui import add_routes as add_ui_routes
 from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
+from gateway.ui.routes import add_routes as add_ui_routes
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:

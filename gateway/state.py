@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.broker import Broker
+from gateway.broker.broker import Broker
+from gateway.broker.engines import EngineRegistry
 from gateway.config import GatewayConfig
-from gateway.engines import EngineRegistry
 from gateway.metrics import GatewayMetrics
 
 CONFIG = web.AppKey("config", GatewayConfig)

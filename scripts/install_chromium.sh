@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Debian's chromium for the browser tests (tests/test_browser.py). Idempotent:
+# Installs Debian's chromium for the browser tests (tests/e2e/test_browser.py). Idempotent:
 # exits 0 at once when chromium is already on PATH; installs it with apt-get when run as
 # root; otherwise says what to run and exits 0 (the browser tests then skip, saying why).
 set -euo pipefail

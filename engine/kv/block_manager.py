@@ -1,0 +1,341 @@
+"""The paged KV block manager: per-sequence block tables over a pool of device blocks and a
+pool of host (swap) blocks, with on-demand allocation, copy-on-write forks, swapping and
+prefix caching. Sequences are plain int ids; no tensor is touched here: the manager returns
+the (src, dst) block copies the runner must perform."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.kv.block_pool import Block, FreeBlockQueue, hash_block
+from engine.kv.block_stats import BlockStats, compute_stats
+from engine.log import get_logger
+
+log = get_logger("blocks")
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """One sequence's block table (device ids, or host ids while swapped) and its tokens."""
+
+    block_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks
+    on_host: bool = False
+
+
+class BlockManager:
+    """Allocates, shares, copies-on-write, swaps and frees KV blocks for sequences."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        *,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+        debug: bool = False,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
+            raise ValueError("num_blocks and block_size must be >= 1, num_cpu_blocks >= 0")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.debug = debug
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, Block] = {}
+        self.cpu_ref = [0] * num_cpu_blocks
+        self.cpu_tokens = [0] * num_cpu_blocks
+        self.free_cpu: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self.seqs: dict[int, SeqBlocks] = {}
+        self.num_stored_tokens = 0
+        self.num_cached_free_blocks = 0  # free blocks still holding a prefix-cache entry
+        self.cow_copies = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+
+    # ----- figures -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.free_cpu)
+
+    def stats(self) -> BlockStats:
+        """Pool figures: free/used, usage ratio, block utilization, CoW copies, prefix hits."""
+        return compute_stats(self)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.seqs[seq_id].block_ids
+
+    def num_tokens(self, seq_id: int) -> int:
+        return len(self.seqs[seq_id].token_ids)
+
+    def has_seq(self, seq_id: int) -> bool:
+        return seq_id in self.seqs
+
+    def slot(self, seq_id: int, position: int) -> int:
+        """The flat cache slot holding token `position` of a sequence."""
+        table = self.seqs[seq_id].block_ids
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # ----- allocation ----------------------------------------------------------------------
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        """True when the prompt fits, after prefix hits, while keeping the watermark free."""
+        need = self._num_blocks_for(len(token_ids)) - self._num_active_hits(token_ids)
+        return self.num_free_blocks - need >= self.watermark_blocks
+
+    def can_ever_allocate(self, num_tokens: int) -> bool:
+        """False when the sequence could not fit even into an empty pool."""
+        return self._num_blocks_for(num_tokens) <= self.num_blocks - self.watermark_blocks
+
+    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Give every token of a new sequence a slot; returns the number of tokens whose K/V
+        are already cached (whole blocks, always leaving at least one token to compute)."""
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        seq = SeqBlocks(token_ids=list(token_ids))
+        self.seqs[seq_id] = seq
+        hits = self._take_cached_prefix(seq_id, seq) if self.enable_prefix_caching else 0
+        remaining = len(token_ids) - hits * self.block_size
+        while remaining > 0:
+            block = self._take_free(seq_id)
+            block.num_tokens = min(remaining, self.block_size)
+            self.num_stored_tokens += block.num_tokens
+            seq.block_ids.append(block.block_id)
+            remaining -= block.num_tokens
+        if self.enable_prefix_caching:
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += hits * self.block_size
+        return hits * self.block_size
+
+    def can_append_slot(self, seq_id: int) -> bool:
+        """True when one more token fits (a new block or a CoW copy may be needed)."""
+        return self.num_append_blocks(seq_id) <= self.num_free_blocks
+
+    def num_append_blocks(self, seq_id: int) -> int:
+        """Blocks the next append_slot takes: 1 for a full or shared last block, else 0."""
+        seq = self.seqs[seq_id]
+        if len(seq.token_ids) % self.block_size == 0:
+            return 1
+        return 0 if self.blocks[seq.block_ids[-1]].ref_count == 1 else 1
+
+    def can_append_slots(self, seq_ids: Sequence[int]) -> bool:
+        """True when every listed sequence can take one more token at once."""
+        return sum(self.num_append_blocks(seq_id) for seq_id in seq_ids) <= self.num_free_blocks
+
+    def append_slot(self, seq_id: int, token_id: int) -> tuple[int, int] | None:
+        """Reserve the slot of one more token. Allocates when the last block is full; copies
+        the last block on write when it is shared, returning the (src, dst) copy to perform."""
+        seq = self.seqs[seq_id]
+        seq.token_ids.append(token_id)
+        if (len(seq.token_ids) - 1) % self.block_size == 0:
+            block = self._take_free(seq_id)
+            block.num_tokens = 1
+            self.num_stored_tokens += 1
+            seq.block_ids.append(block.block_id)
+            return None
+        last = self.blocks[seq.block_ids[-1]]
+        if last.ref_count == 1:
+            last.num_tokens += 1
+            self.num_stored_tokens += 1
+            return None
+        copy = self._take_free(seq_id)
+        copy.num_tokens = last.num_tokens + 1
+        self.num_stored_tokens += copy.num_tokens
+        self._drop_ref(last, seq_id)
+        seq.block_ids[-1] = copy.block_id
+        self.cow_copies += 1
+        self._event("cow", src=last.block_id, dst=copy.block_id, seq=seq_id)
+        return last.block_id, copy.block_id
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (ref counts +1)."""
+        parent = self.seqs[parent_id]
+        if parent.on_host:
+            raise ValueError("cannot fork a swapped-out sequence")
+        if child_id in self.seqs:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        self.seqs[child_id] = SeqBlocks(list(parent.block_ids), list(parent.token_ids), list(parent.hashes))
+        for block_id in parent.block_ids:
+            block = self.blocks[block_id]
+            block.ref_count += 1
+            self._event("ref", block=block_id, seq=child_id, ref_count=block.ref_count)
+
+    def free(self, seq_id: int) -> None:
+        """Release a sequence's blocks; last block first so tails are evicted before heads."""
+        seq = self.seqs.pop(seq_id)
+        if seq.on_host:
+            for cpu_id in seq.block_ids:
+                self._drop_cpu_ref(cpu_id)
+            return
+        for block_id in reversed(seq.block_ids):
+            self._drop_ref(self.blocks[block_id], seq_id)
+
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """Publish the full blocks among the first `num_tokens` (K/V now written) to the
+        prefix cache, so later requests with the same prefix reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self.seqs[seq_id]
+        if seq.on_host:
+            return
+        num_full = min(num_tokens, len(seq.token_ids)) // self.block_size
+        for i in range(len(seq.hashes), num_full):
+            parent = seq.hashes[-1] if seq.hashes else None
+            tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            key = hash_block(parent, tokens)
+            seq.hashes.append(key)
+            block = self.blocks[seq.block_ids[i]]
+            if block.hash is None and key not in self.cached:
+                block.hash, block.parent_hash, block.token_ids = key, parent, tokens
+                self.cached[key] = block
+
+    # ----- swapping ------------------------------------------------------------------------
+    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
+        return len(self._distinct_blocks(seq_ids)) <= len(self.free_cpu)
+
+    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Move a group's blocks to host memory; shared blocks move once. Returns
+        (device block, host block) copies to perform before the device blocks are reused."""
+        mapping: dict[int, int] = {}
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            table: list[int] = []
+            for block_id in seq.block_ids:
+                if block_id not in mapping:
+                    mapping[block_id] = self.free_cpu.pop()
+                    self.cpu_tokens[mapping[block_id]] = self.blocks[block_id].num_tokens
+                cpu_id = mapping[block_id]
+                self.cpu_ref[cpu_id] += 1
+                table.append(cpu_id)
+            for block_id in reversed(seq.block_ids):
+                self._drop_ref(self.blocks[block_id], seq_id)
+            seq.block_ids, seq.on_host = table, True
+        self.swapped_out_blocks += len(mapping)
+        for device_id, cpu_id in mapping.items():
+            self._event("swap_out", block=device_id, host_block=cpu_id, seq=seq_ids[0], seqs=list(seq_ids))
+        return list(mapping.items())
+
+    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
+        need = len(self._distinct_blocks(seq_ids)) + len(seq_ids)  # + room for each to grow
+        return self.num_free_blocks - need >= self.watermark_blocks
+
+    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Bring a swapped group back into fresh device blocks. Returns (host, device) copies."""
+        mapping: dict[int, int] = {}
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            table: list[int] = []
+            for cpu_id in seq.block_ids:
+                if cpu_id not in mapping:
+                    block = self._take_free(seq_id)
+                    block.num_tokens = self.cpu_tokens[cpu_id]
+                    self.num_stored_tokens += block.num_tokens
+                    mapping[cpu_id] = block.block_id
+                else:
+                    self._add_ref(self.blocks[mapping[cpu_id]], seq_id)
+                table.append(mapping[cpu_id])
+                self._drop_cpu_ref(cpu_id)
+            seq.block_ids, seq.on_host, seq.hashes = table, False, []
+        self.swapped_in_blocks += len(mapping)
+        for cpu_id, device_id in mapping.items():
+            self._event("swap_in", block=device_id, host_block=cpu_id, seq=seq_ids[0], seqs=list(seq_ids))
+        return list(mapping.items())
+
+    # ----- internals -----------------------------------------------------------------------
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _prefix_keys(self, token_ids: Sequence[int]) -> list[int]:
+        """Hashes of the leading full blocks that may be reused (never the whole prompt)."""
+        keys: list[int] = []
+        parent: int | None = None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self.cached.get(key := hash_block(parent, tokens))
+            if block is None or block.token_ids != tokens or block.parent_hash != parent:
+                break
+            keys.append(key)
+            parent = key
+        return keys
+
+    def _num_active_hits(self, token_ids: Sequence[int]) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        return sum(1 for key in self._prefix_keys(token_ids) if self.cached[key].ref_count > 0)
+
+    def _take_cached_prefix(self, seq_id: int, seq: SeqBlocks) -> int:
+        keys = self._prefix_keys(seq.token_ids)
+        for key in keys:
+            block = self.cached[key]
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+                self.num_cached_free_blocks -= 1
+                self.num_stored_tokens += block.num_tokens
+            self._add_ref(block, seq_id)
+            seq.block_ids.append(block.block_id)
+        seq.hashes = keys
+        return len(keys)
+
+    def _take_free(self, seq_id: int) -> Block:
+        block = self.free_queue.popleft()
+        if block.hash is not None:  # evict the LRU cached block
+            del self.cached[block.hash]
+            self.num_cached_free_blocks -= 1
+            block.forget_hash()
+        block.ref_count = 1
+        block.last_access = time.monotonic()
+        self._event("allocate", block=block.block_id, seq=seq_id)
+        return block
+
+    def _add_ref(self, block: Block, seq_id: int) -> None:
+        block.ref_count += 1
+        block.last_access = time.monotonic()
+        self._event("ref", block=block.block_id, seq=seq_id, ref_count=block.ref_count)
+
+    def _drop_ref(self, block: Block, seq_id: int) -> None:
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            self._event("ref", block=block.block_id, seq=seq_id, ref_count=block.ref_count)
+            return
+        self.num_stored_tokens -= block.num_tokens
+        if block.hash is None:
+            block.num_tokens = 0
+        else:
+            self.num_cached_free_blocks += 1
+        self.free_queue.append(block)
+        self._event("free", block=block.block_id, seq=seq_id)
+
+    def _drop_cpu_ref(self, cpu_id: int) -> None:
+        self.cpu_ref[cpu_id] -= 1
+        if self.cpu_ref[cpu_id] == 0:
+            self.cpu_tokens[cpu_id] = 0
+            self.free_cpu.append(cpu_id)
+
+    def _distinct_blocks(self, seq_ids: Sequence[int]) -> set[int]:
+        return {b for seq_id in seq_ids for b in self.seqs[seq_id].block_ids}
+
+    def _event(self, kind: str, **fields: object) -> None:
+        if self.debug:
+            log.info(f"block.{kind}", t=time.time(), **fields)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the pool's bookkeeping is inconsistent."""
+        from engine.kv.block_invariants import check_invariants
+
+        check_invariants(self)

@@ -1,0 +1,213 @@
+"""Iteration-level (continuous) batching, FCFS, over three queues: running, swapped, waiting.
+
+Each step: running requests get their next tokens (preempting the newest running request
+when the pool is dry), then swapped requests come back, then waiting ones are admitted while
+memory and the token budget allow. Prompts longer than the token budget are chunked."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from engine.kv.block_manager import BlockManager
+from engine.log import get_logger
+from engine.sched.sequence import Request, SeqStatus, Sequence
+
+log = get_logger("scheduler")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """`num_new` tokens of `seq`, starting at position `seq.num_computed`, run this step."""
+
+    seq: Sequence
+    num_new: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class _Budget:
+    tokens: int
+    seqs: int
+
+    def fits(self, num_seqs: int) -> bool:
+        return self.seqs >= num_seqs and self.tokens >= num_seqs
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which sequences run, and moves blocks accordingly."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption_mode: str = "auto",
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Request] = deque()
+        self.running: deque[Request] = deque()
+        self.swapped: deque[Request] = deque()
+        self.num_preemptions: Counter[str] = Counter()
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request: Request) -> None:
+        """Drop a request from whichever queue holds it and free its blocks."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if request in queue:
+                queue.remove(request)
+        for seq in request.seqs:
+            self.free_seq(seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        if self.bm.has_seq(seq.seq_id):
+            self.bm.free(seq.seq_id)
+
+    def finish_request(self, request: Request) -> None:
+        """Remove a finished request from the running queue and free what it still holds."""
+        if request in self.running:
+            self.running.remove(request)
+        for seq in request.seqs:
+            self.free_seq(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
+        preempted = self._schedule_running(out, budget)
+        if not preempted:
+            self._schedule_swapped(out, budget)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
+        return out
+
+    # ----- running -------------------------------------------------------------------------
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> bool:
+        queue, self.running = self.running, deque()
+        preempted = False
+        while queue:
+            request = queue.popleft()
+            seqs = request.unfinished_seqs()
+            if not budget.fits(len(seqs)):
+                self.running.append(request)
+                continue
+            ids = [seq.seq_id for seq in seqs]
+            while not self.bm.can_append_slots(ids):
+                preempted = True
+                if not queue:
+                    self._preempt(request, out)
+                    return True
+                self._preempt(queue.pop(), out)
+            self._append_slots(seqs, out)
+            self._schedule_tokens(seqs, out, budget)
+            self.running.append(request)
+        return preempted
+
+    def _append_slots(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
+        for seq in seqs:
+            if self.bm.num_tokens(seq.seq_id) < len(seq.token_ids):
+                copy = self.bm.append_slot(seq.seq_id, seq.token_ids[-1])
+                if copy is not None:
+                    out.blocks_to_copy.append(copy)
+
+    def _schedule_tokens(self, seqs: list[Sequence], out: SchedulerOutput, budget: _Budget) -> None:
+        for seq in seqs:
+            num_new = min(len(seq.token_ids) - seq.num_computed, budget.tokens)
+            if num_new <= 0 or budget.seqs <= 0:
+                continue
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget.tokens -= num_new
+            budget.seqs -= 1
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        seqs = request.unfinished_seqs()
+        ids = [seq.seq_id for seq in seqs]
+        mode = self.preemption_mode
+        if mode == "auto":
+            mode = "recompute" if len(seqs) == 1 else "swap"
+        if mode == "swap" and not self.bm.can_swap_out(ids):
+            mode = "recompute"  # no host room left: recompute is the only way out
+        if mode == "swap":
+            out.blocks_to_swap_out.extend(self.bm.swap_out(ids))
+            for seq in seqs:
+                seq.status = SeqStatus.SWAPPED
+            self.swapped.append(request)
+        else:
+            for seq in seqs:
+                self.bm.free(seq.seq_id)
+                seq.num_computed = 0
+                seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(request)
+        self.num_preemptions[mode] += 1
+        log.info("preempt", request_id=request.request_id, mode=mode, num_seqs=len(seqs))
+
+    # ----- swapped -------------------------------------------------------------------------
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.swapped:
+            request = self.swapped[0]
+            seqs = request.unfinished_seqs()
+            ids = [seq.seq_id for seq in seqs]
+            if not budget.fits(len(seqs)) or not self.bm.can_swap_in(ids):
+                return
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.bm.swap_in(ids))
+            for seq in seqs:
+                seq.status = SeqStatus.RUNNING
+            self._append_slots(seqs, out)
+            self._schedule_tokens(seqs, out, budget)
+            self.running.append(request)
+
+    # ----- waiting -------------------------------------------------------------------------
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.waiting and budget.tokens > 0:
+            request = self.waiting[0]
+            seqs = request.unfinished_seqs()
+            if not budget.fits(len(seqs)):
+                return
+            if not all(self.bm.can_ever_allocate(len(seq.token_ids) + 1) for seq in seqs):
+                self.waiting.popleft()
+                request.error = (
+                    f"prompt of {len(seqs[0].token_ids)} tokens can never fit in the KV cache "
+                    f"({self.bm.num_blocks} blocks of {self.bm.block_size} tokens)"
+                )
+                out.rejected.append(request)
+                continue
+            if not self._allocate(seqs):
+                return
+            self.waiting.popleft()
+            self._schedule_tokens(seqs, out, budget)
+            self.running.append(request)
+
+    def _allocate(self, seqs: list[Sequence]) -> bool:
+        """Give every sequence of a request its blocks, or none of them."""
+        done: list[Sequence] = []
+        for seq in seqs:
+            if not self.bm.can_allocate(seq.token_ids):
+                for seq_done in done:
+                    self.bm.free(seq_done.seq_id)
+                    seq_done.num_computed = 0
+                    seq_done.status = SeqStatus.WAITING
+                return False
+            seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids)
+            seq.status = SeqStatus.RUNNING
+            done.append(seq)
+        return True

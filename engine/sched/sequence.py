@@ -1,0 +1,104 @@
+"""Request and sequence state. A request (one prompt) owns one or more sequences: n parallel
+samples, best_of candidates or beams, which share KV blocks copy-on-write."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sample.beam_search import BeamSearchState
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One token stream. `num_computed` tokens have K/V in the cache; the rest are scheduled."""
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    num_emitted: int = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def stream(self) -> str:
+        """The name its random draws are keyed by, with the seed and the token index: the
+        sample index. Not the request id, so one seed reproduces one output across requests
+        (as OpenAI's `seed` promises); an unseeded request gets a random seed at admission,
+        carried in its params, so a preempted or resumed request continues exactly."""
+        return f"sample/{self.index}"
+
+    def fork(self, index: int) -> Sequence:
+        """A copy with a new id (the block manager forks the blocks)."""
+        return Sequence(
+            request=self.request,
+            index=index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_computed=self.num_computed,
+            status=self.status,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs),
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A prompt and its sampling parameters; the scheduler's unit of admission and preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    beam: BeamSearchState | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    error: str | None = None
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished]
+
+    @property
+    def is_finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.is_done or not self.unfinished_seqs()
+        return bool(self.seqs) and not self.unfinished_seqs()
+
+    @property
+    def needs_fork(self) -> bool:
+        """True while one sequence stands for a request that will run several."""
+        return len(self.seqs) == 1 and self.params.num_candidates > 1 and self.seqs[0].num_output_tokens == 0

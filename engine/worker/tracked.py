@@ -1,0 +1,95 @@
+"""Requests an engine worker is serving: wire bookkeeping (message `seq`, token offsets),
+engine deltas → wire messages, and how a claimed request resumes from its progress."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestOutput as EngineOutput
+from engine.protocol import (
+    EngineRequest,
+    ErrorInfo,
+    Progress,
+    RequestOutput,
+    SeqOutput,
+    TokenLogprob,
+    Usage,
+)
+from engine.worker.engine_thread import AddJob
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One in-flight request: where it came from and what its client has been sent."""
+
+    request: EngineRequest
+    entry_id: str
+    seq: int = 0
+    sent: dict[int, int] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    first_token_at: float | None = None
+    resumed: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.id
+
+    @property
+    def gateway(self) -> str:
+        return self.request.gateway
+
+    def next_seq(self) -> int:
+        seq, self.seq = self.seq, self.seq + 1
+        return seq
+
+
+def _logprobs(entries: list[dict[str, Any]] | None) -> list[TokenLogprob] | None:
+    if entries is None:
+        return None
+    return [TokenLogprob(float(e["logprob"]), [(int(t), float(p)) for t, p in e.get("top_logprobs") or []])
+            for e in entries]
+
+
+def to_wire(tracked: Tracked, out: EngineOutput) -> RequestOutput:
+    """The wire message for one engine delta; advances `seq` and the per-choice offsets."""
+    outputs = []
+    for choice in out.outputs:
+        offset = tracked.sent.get(choice.index, 0)
+        outputs.append(SeqOutput(choice.index, list(choice.token_ids), offset, choice.finish_reason,
+                                 _logprobs(choice.logprobs)))
+        tracked.sent[choice.index] = offset + len(choice.token_ids)
+    if tracked.first_token_at is None and any(o.token_ids for o in outputs):
+        tracked.first_token_at = time.time()
+    usage = Usage(out.num_prompt_tokens, out.num_generated_tokens) if out.finished else None
+    error = None if out.error is None else ErrorInfo(out.error, "invalid_request_error", "context_length_exceeded")
+    return RequestOutput(tracked.request_id, tracked.next_seq(), outputs, usage, error)
+
+
+def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None) -> RequestOutput:
+    """A message that ends the request with an error."""
+    return RequestOutput(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code))
+
+
+def is_resumable_in_place(params: dict[str, object]) -> bool:
+    """One streamed sequence: it can continue from its checkpointed tokens. Others (n > 1,
+    best_of, beam search) restart; seeded draws repeat and the gateway drops duplicates."""
+    n, best_of = params.get("n", 1), params.get("best_of")
+    return n == 1 and best_of in (None, 1) and not params.get("use_beam_search", False)
+
+
+def resume(request: EngineRequest, entry_id: str, progress: Progress) -> tuple[Tracked, AddJob] | None:
+    """Bookkeeping and engine job for a claimed request; None when its client already has it all."""
+    n = int(request.params.get("n", 1))
+    if progress.last_seq >= 0 and len(progress.finished) >= n:
+        return None
+    tracked = Tracked(request, entry_id, seq=progress.last_seq + 1, resumed=progress.last_seq >= 0)
+    generated: list[int] = []
+    if is_resumable_in_place(request.params):
+        generated = list(progress.token_ids.get(0, []))
+        tracked.sent = {0: len(generated)}
+        if generated:
+            tracked.first_token_at = tracked.started
+    return tracked, AddJob(request.id, request.prompt_token_ids, request.params, generated)

@@ -1,0 +1,117 @@
+"""One request's generation as seen by a client: collector updates → per-choice text events.
+
+Each choice runs its own incremental detokenizer and stop matcher. When every choice has
+finished here (stop string) before the engine said so, the engine side is aborted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.protocol import ErrorInfo, TokenLogprob, Usage
+from gateway.broker.broker import Broker
+from gateway.broker.collector import ChoiceDelta, RequestCollector
+from gateway.text.detokenize import IncrementalDetokenizer
+from gateway.text.stop import StopMatcher
+from gateway.text.tokenizer import ModelTokenizer
+
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    """New text of one choice; `finish_reason` set on its last event."""
+
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class GenerationError(Exception):
+    """The engine side failed; carries the protocol's error info."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(info.message)
+        self.info = info
+
+
+class _Choice:
+    def __init__(self, index: int, tokenizer: ModelTokenizer, stops: list[str]) -> None:
+        self.index = index
+        self.detok = IncrementalDetokenizer(tokenizer.decode)
+        self.stop = StopMatcher(stops)
+        self.num_tokens = 0
+        self.finish_reason: str | None = None
+
+    def advance(self, delta: ChoiceDelta) -> ChoiceEvent:
+        self.num_tokens += len(delta.token_ids)
+        text = self.stop.feed(self.detok.add(delta.token_ids))
+        if self.stop.matched is not None:
+            self.finish_reason = "stop"
+        elif delta.finish_reason is not None:
+            text += self.stop.feed(self.detok.flush())
+            text += "" if self.stop.matched is not None else self.stop.flush()
+            self.finish_reason = "stop" if self.stop.matched is not None else delta.finish_reason
+        return ChoiceEvent(self.index, text, delta.token_ids, delta.logprobs, self.finish_reason)
+
+
+class Generation:
+    """Drives one submitted request; iterate `events()` until it ends."""
+
+    def __init__(self, broker: Broker, collector: RequestCollector, tokenizer: ModelTokenizer,
+                 stops: list[str], prompt_tokens: int, timeout_s: float, tick_s: float) -> None:
+        self.broker = broker
+        self.collector = collector
+        self.choices = [_Choice(i, tokenizer, stops) for i in range(collector.n)]
+        self.prompt_tokens = prompt_tokens
+        self.timeout_s = timeout_s
+        self.tick_s = tick_s
+        self.engine_usage: Usage | None = None
+        self.first_token_at: float | None = None
+        self.finished = False
+
+    @property
+    def request_id(self) -> str:
+        return self.collector.request_id
+
+    @property
+    def usage(self) -> Usage:
+        completion = sum(c.num_tokens for c in self.choices)
+        if self.engine_usage is not None:
+            completion = max(completion, self.engine_usage.completion_tokens)
+        return Usage(self.prompt_tokens, completion)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent | None]:
+        """Yields choice events, and None on idle ticks (time for an SSE ping / disconnect check).
+        Raises GenerationError on engine errors and timeouts."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self.finished:
+            update = await self.collector.next_update(min(self.tick_s, max(0.0, deadline - time.monotonic())))
+            if update is None:
+                if time.monotonic() >= deadline:
+                    raise GenerationError(ErrorInfo("request timed out", "timeout", "timeout"))
+                yield None
+                continue
+            self.engine_usage = update.usage or self.engine_usage
+            for index, delta in sorted(update.choices.items()):
+                choice = self.choices[index]
+                if choice.finish_reason is not None:
+                    continue
+                if self.first_token_at is None and delta.token_ids:
+                    self.first_token_at = time.monotonic()
+                event = choice.advance(delta)
+                if event.text or event.finish_reason or event.logprobs:
+                    yield event
+            if update.error is not None:
+                raise GenerationError(update.error)
+            if all(c.finish_reason is not None for c in self.choices):
+                self.finished = True
+                if not update.done:  # stopped here by a stop string: stop the engine too
+                    await self.broker.abort([self.request_id])
+
+    async def close(self) -> None:
+        """Release the collector; abort on the engine when the client left early."""
+        self.broker.release(self.request_id)
+        if not self.finished and not self.collector.done:
+            await self.broker.abort([self.request_id])

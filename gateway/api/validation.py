@@ -1,0 +1,157 @@
+"""OpenAI request bodies → a validated `GenerationRequest`, or OpenAIError(400).
+
+Unknown fields are ignored (as vLLM does); fields we cannot honour (penalties, logit_bias,
+tools, images, echo) are rejected instead of silently ignored."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.protocol import WireParams
+from gateway.api.fields import (
+    as_bool,
+    as_float,
+    as_int,
+    opt_int,
+    parse_messages,
+    parse_prompt,
+    parse_stop,
+    reject_unsupported,
+)
+from gateway.config import GatewayConfig
+from gateway.errors import OpenAIError, bad_request
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A chat or completion request after validation."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    prompt: str | list[int] = ""
+    params: WireParams = field(default_factory=WireParams)
+    max_tokens_given: bool = False
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    top_logprobs: int | None = None  # None: no logprobs; k: k alternatives per token
+    extra_template_args: dict[str, Any] = field(default_factory=dict)
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_type")
+    return body
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("'model' is required", "model", "missing_required_parameter")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' must be a non-empty string", "model", "invalid_type")
+    return model
+
+
+def _logprobs(body: dict[str, Any], kind: str, cfg: GatewayConfig) -> int | None:
+    if kind == "completion":
+        return opt_int(body, "logprobs", 0, cfg.max_top_logprobs)
+    wanted = as_bool(body, "logprobs", False)
+    top = opt_int(body, "top_logprobs", 0, cfg.max_top_logprobs)
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = as_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options", "invalid_type")
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    return stream, as_bool(options, "include_usage", False, prefix="stream_options.")
+
+
+def _params(body: dict[str, Any], kind: str, cfg: GatewayConfig) -> tuple[WireParams, bool]:
+    n = as_int(body, "n", 1, 1, cfg.max_n)
+    best_of = opt_int(body, "best_of", 1, cfg.max_n) if kind == "completion" else None
+    if best_of is not None and best_of < n:
+        raise bad_request("'best_of' must be at least 'n'", "best_of")
+    name = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
+    max_tokens = opt_int(body, name, 1, cfg.max_tokens_limit)
+    min_tokens = as_int(body, "min_tokens", 0, 0, cfg.max_tokens_limit)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad_request("'min_tokens' must not exceed 'max_tokens'", "min_tokens")
+    top_k = as_int(body, "top_k", -1, -1, 1 << 20)
+    stop_ids = body.get("stop_token_ids", [])
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                 for t in stop_ids):
+        raise bad_request("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
+    params = WireParams(
+        n=n, best_of=best_of, use_beam_search=as_bool(body, "use_beam_search", False),
+        length_penalty=as_float(body, "length_penalty", 1.0, -10.0, 10.0),
+        temperature=as_float(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=as_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+        top_k=-1 if top_k == 0 else top_k, min_p=as_float(body, "min_p", 0.0, 0.0, 1.0),
+        seed=opt_int(body, "seed", -(1 << 63), (1 << 64) - 1),
+        max_tokens=max_tokens or 16, min_tokens=min_tokens, stop_token_ids=list(stop_ids),
+        ignore_eos=as_bool(body, "ignore_eos", False),
+    )
+    if params.seed is None and params.temperature > 0.0:
+        # A drawn seed travels with the request, so an engine that resumes it (after another
+        # engine died) draws the very same tokens.
+        params.seed = secrets.randbits(63)
+    if not params.use_beam_search and params.length_penalty != 1.0:
+        raise bad_request("'length_penalty' only applies to beam search", "length_penalty")
+    if params.use_beam_search and params.temperature != 0.0:
+        raise bad_request("beam search needs 'temperature': 0", "temperature")
+    return params, max_tokens is not None
+
+
+def parse_request(body: Any, kind: str, cfg: GatewayConfig) -> GenerationRequest:
+    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body."""
+    body = _require_object(body)
+    model = _model(body)
+    reject_unsupported(body, kind)
+    req = GenerationRequest(kind=kind, model=model)
+    if kind == "chat":
+        req.messages = parse_messages(body.get("messages"))
+        kwargs = body.get("chat_template_kwargs", {})
+        if not isinstance(kwargs, dict):
+            raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
+        req.extra_template_args = kwargs
+    else:
+        req.prompt = parse_prompt(body.get("prompt"))
+    req.params, req.max_tokens_given = _params(body, kind, cfg)
+    req.stop = parse_stop(body.get("stop"), cfg.max_stop_strings, cfg.max_stop_length)
+    req.stream, req.include_usage = _stream(body)
+    req.top_logprobs = _logprobs(body, kind, cfg)
+    req.params.logprobs = req.top_logprobs
+    if req.stream and req.params.best_of is not None and req.params.best_of > req.params.n:
+        raise bad_request("'best_of' greater than 'n' cannot be streamed", "best_of")
+    if req.params.use_beam_search and req.stream:
+        raise bad_request("beam search cannot be streamed", "use_beam_search")
+    return req
+
+
+def check_context(req: GenerationRequest, prompt_len: int, max_model_len: int, cfg: GatewayConfig) -> None:
+    """Fit prompt + max_tokens into the model's context; fills in the default max_tokens."""
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", "prompt" if req.kind == "completion" else "messages")
+    if max_model_len <= 0:
+        return
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise OpenAIError(400, f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
+                          "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
+    if not req.max_tokens_given:
+        req.params.max_tokens = min(room, cfg.max_tokens_limit) if req.kind == "chat" else min(16, room)
+    elif req.params.max_tokens > room:
+        raise OpenAIError(400, f"max_tokens {req.params.max_tokens} + prompt {prompt_len} tokens exceeds the "
+                          f"context length {max_model_len}", "max_tokens", "context_length_exceeded")

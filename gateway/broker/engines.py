@@ -1,0 +1,96 @@
+"""Which models are served: live engines' heartbeats (plus `--model NAME=DIR` overrides),
+and the tokenizer of each model, loaded once per directory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from engine.log import get_logger
+from engine.protocol import EngineHeartbeat, Keys, ProtocolError
+from gateway.text.tokenizer import ModelTokenizer
+
+log = get_logger("gateway.engines")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A served model: its name, tokenizer directory, context length, owning engines."""
+
+    name: str
+    tokenizer_dir: str
+    max_model_len: int
+    engines: tuple[str, ...]
+    created: int
+
+
+class EngineRegistry:
+    """Reads engine heartbeats from Redis, cached for `cache_s` seconds."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, static_models: tuple[tuple[str, str], ...],
+                 stale_s: float, cache_s: float = 1.0) -> None:
+        self.client = client
+        self.keys = keys
+        self.static_models = dict(static_models)
+        self.stale_s = stale_s
+        self.cache_s = cache_s
+        self._cached: list[EngineHeartbeat] = []
+        self._cached_at = -1e9
+        self._tokenizers: dict[str, ModelTokenizer] = {}
+        self._tokenizer_lock = asyncio.Lock()
+
+    async def live_engines(self, refresh: bool = False) -> list[EngineHeartbeat]:
+        """Heartbeats younger than `stale_s`. Raises RedisError when Redis is down."""
+        if not refresh and time.monotonic() - self._cached_at < self.cache_s:
+            return self._cached
+        keys = [key async for key in self.client.scan_iter(match=self.keys.engine_pattern, count=100)]
+        async with self.client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            hashes = await pipe.execute() if keys else []
+        now = time.time()
+        engines = []
+        for raw in hashes:
+            try:
+                beat = EngineHeartbeat.from_hash(raw)
+            except ProtocolError as exc:
+                log.warning("bad heartbeat", error=str(exc))
+                continue
+            if now - beat.time <= self.stale_s:
+                engines.append(beat)
+        self._cached, self._cached_at = engines, time.monotonic()
+        return engines
+
+    async def models(self, refresh: bool = False) -> dict[str, ModelInfo]:
+        """Served models by name (only models with at least one live engine)."""
+        by_name: dict[str, list[EngineHeartbeat]] = {}
+        for beat in await self.live_engines(refresh):
+            by_name.setdefault(beat.model, []).append(beat)
+        models = {}
+        for name, beats in sorted(by_name.items()):
+            tokenizer_dir = self.static_models.get(name) or beats[0].tokenizer
+            max_len = min((b.max_model_len for b in beats if b.max_model_len > 0), default=0)
+            models[name] = ModelInfo(name, tokenizer_dir, max_len, tuple(b.engine_id for b in beats),
+                                     int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)))
+        return models
+
+    async def find(self, name: str) -> ModelInfo | None:
+        """The model called `name`; refreshes the cache once before giving up."""
+        model = (await self.models()).get(name)
+        return model if model is not None else (await self.models(refresh=True)).get(name)
+
+    async def tokenizer(self, model: ModelInfo) -> ModelTokenizer:
+        """The model's tokenizer, loaded off the event loop the first time."""
+        cached = self._tokenizers.get(model.tokenizer_dir)
+        if cached is not None:
+            return cached
+        async with self._tokenizer_lock:
+            if model.tokenizer_dir not in self._tokenizers:
+                loop = asyncio.get_running_loop()
+                self._tokenizers[model.tokenizer_dir] = await loop.run_in_executor(
+                    None, ModelTokenizer, model.tokenizer_dir)
+            return self._tokenizers[model.tokenizer_dir]
+
