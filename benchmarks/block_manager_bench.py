@@ -38,40 +38,40 @@ def rate(name: str, run: Callable[[], int], calls: int, blocks_per_call: float) 
 
 
 def bench_allocate_free(block_size: int, prompt_len: int, calls: int) -> None:
-    bm = BlockManager(4096, block_size)
+    manager = BlockManager(4096, block_size)
     prompt = list(range(prompt_len))
     blocks = -(-prompt_len // block_size)
 
     def run() -> int:
         for i in range(calls):
-            bm.allocate(i, prompt)
-            bm.free(i)
+            manager.allocate(i, prompt)
+            manager.free(i)
         return calls
 
     rate("allocate+free", run, calls, 2 * blocks)
 
 
 def bench_append(block_size: int, calls: int) -> None:
-    bm = BlockManager(-(-calls // block_size) + 1, block_size)
-    bm.allocate(0, [0])
+    manager = BlockManager(-(-calls // block_size) + 1, block_size)
+    manager.allocate(0, [0])
 
     def run() -> int:
         for token in range(calls):
-            bm.append_slot(0, token)
+            manager.append_slot(0, token)
         return calls
 
     rate("append_slot", run, calls, 1 / block_size)  # one block allocated every block_size calls
 
 
 def bench_fork(block_size: int, prompt_len: int, calls: int) -> None:
-    bm = BlockManager(4096, block_size)
-    bm.allocate(0, list(range(prompt_len)))
+    manager = BlockManager(4096, block_size)
+    manager.allocate(0, list(range(prompt_len)))
     blocks = -(-prompt_len // block_size)
 
     def run() -> int:
         for i in range(1, calls + 1):
-            bm.fork(0, i)
-            bm.free(i)
+            manager.fork(0, i)
+            manager.free(i)
         return calls
 
     rate("fork+free", run, calls, 2 * blocks)  # ref count up and down per block
@@ -79,45 +79,45 @@ def bench_fork(block_size: int, prompt_len: int, calls: int) -> None:
 
 def bench_swap(block_size: int, prompt_len: int, calls: int) -> None:
     blocks = -(-prompt_len // block_size)
-    bm = BlockManager(4 * blocks, block_size, 2 * blocks, watermark=0.0)
-    bm.allocate(0, list(range(prompt_len)))
+    manager = BlockManager(4 * blocks, block_size, 2 * blocks, watermark=0.0)
+    manager.allocate(0, list(range(prompt_len)))
 
     def run() -> int:
         for _ in range(calls):
-            bm.swap_out([0])
-            bm.swap_in([0])
+            manager.swap_out([0])
+            manager.swap_in([0])
         return calls
 
     rate("swap_out+swap_in", run, calls, 2 * blocks)
-    bm.check_invariants()
+    manager.check_invariants()
 
 
 def bench_decode_step(block_size: int, num_seqs: int, prompt_len: int, steps: int, prefix_caching: bool) -> None:
     """Median time of one decode step's block work: can_append_slot + append_slot for every
     running sequence (and mark_computed, which publishes newly full blocks, when caching)."""
     per_seq = -(-(prompt_len + steps) // block_size)
-    bm = BlockManager(num_seqs * per_seq + 16, block_size, enable_prefix_caching=prefix_caching)
+    manager = BlockManager(num_seqs * per_seq + 16, block_size, enable_prefix_caching=prefix_caching)
     shared = list(range(prompt_len // 2))  # half of every prompt is a common system prompt
     for seq_id in range(num_seqs):
         prompt = shared + [100_000 + seq_id] * (prompt_len - len(shared))
-        bm.allocate(seq_id, prompt)
-        bm.mark_computed(seq_id, prompt_len)
+        manager.allocate(seq_id, prompt)
+        manager.mark_computed(seq_id, prompt_len)
     seq_ids = list(range(num_seqs))
     step_ns: list[int] = []
     for step in range(steps):
         start = time.perf_counter_ns()
         for seq_id in seq_ids:
-            if bm.can_append_slot(seq_id):
-                bm.append_slot(seq_id, step)
+            if manager.can_append_slot(seq_id):
+                manager.append_slot(seq_id, step)
         if prefix_caching:
             for seq_id in seq_ids:
-                bm.mark_computed(seq_id, prompt_len + step)
+                manager.mark_computed(seq_id, prompt_len + step)
         step_ns.append(time.perf_counter_ns() - start)
-    bm.check_invariants()
-    assert all(bm.num_tokens(s) == prompt_len + steps for s in seq_ids), "a sequence did not grow"
+    manager.check_invariants()
+    assert all(manager.num_tokens(s) == prompt_len + steps for s in seq_ids), "a sequence did not grow"
     step_ns.sort()
     median_ms = statistics.median(step_ns) / 1e6
-    stats = bm.stats()
+    stats = manager.stats()
     emit(
         bench="decode_step_block_work",
         prefix_caching=prefix_caching,

@@ -47,7 +47,7 @@ def run_pagedserve(model: str, trace: list[tuple[list[int], int]], args: argpars
     for i, (prompt, out_len) in enumerate(trace):
         params = SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
         engine.add_request(f"bench-{i}", prompt, params)
-    bm = engine.block_manager
+    manager = engine.block_manager
     peak_blocks, util_samples, useful = 0, [], 0
     start = time.perf_counter()
     with tqdm(total=len(trace), desc="pagedserve", unit="req", file=sys.stderr) as bar:
@@ -55,14 +55,14 @@ def run_pagedserve(model: str, trace: list[tuple[list[int], int]], args: argpars
             for out in engine.step():
                 useful += sum(len(c.token_ids) for c in out.outputs)
                 bar.update(int(out.finished))
-            peak_blocks = max(peak_blocks, bm.num_used_blocks)
-            if bm.num_used_blocks:
-                util_samples.append(bm.stats().block_utilization)
+            peak_blocks = max(peak_blocks, manager.num_used_blocks)
+            if manager.num_used_blocks:
+                util_samples.append(manager.stats().block_utilization)
     elapsed = time.perf_counter() - start
     stats = engine.stats()
     block_bytes = engine.runner.kv_caches[0][0][0].numel() * engine.runner.kv_caches[0][0].element_size() * 2
     block_bytes *= len(engine.runner.kv_caches)
-    bytes_per_token = block_bytes // bm.block_size
+    bytes_per_token = block_bytes // manager.block_size
     concurrent = min(len(trace), args.max_num_seqs)
     contiguous = concurrent * engine.max_model_len * bytes_per_token
     return {

@@ -30,7 +30,6 @@ class EngineConfig:
     attention_backend: str = "auto"
     watermark: float = 0.01
     debug_blocks: bool = False
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):

@@ -97,6 +97,7 @@ def _merge(result: RequestOutput, delta: RequestOutput) -> None:
     result.error = delta.error
     result.num_prompt_tokens = delta.num_prompt_tokens
     result.num_generated_tokens = delta.num_generated_tokens
+    result.num_cached_tokens = delta.num_cached_tokens
     by_index = {c.index: c for c in result.outputs}
     for choice in delta.outputs:
         have = by_index.get(choice.index)

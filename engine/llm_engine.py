@@ -3,7 +3,6 @@ offline `LLM` drive it. One step = schedule → move blocks + run the model → 
 
 from __future__ import annotations
 
-import random
 import time
 from collections import Counter
 from typing import Any
@@ -29,6 +28,7 @@ from engine.outputs import RequestOutput
 from engine.sample.output_processor import OutputProcessor
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
+from engine.sched.admission import check_request
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 
@@ -70,7 +70,6 @@ class LLMEngine:
         self.processor = OutputProcessor(self.scheduler, Sampler(), self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
-        self._rng = random.Random(config.seed)
         self.step_seconds = 0.0  # cumulative wall time in step(); runner.model_seconds is the model's share
         self.num_steps = 0
 
@@ -80,9 +79,8 @@ class LLMEngine:
         """Queue a request; raises ValueError (and queues nothing) when it can never run."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_prompt(prompt_token_ids)
-        if not params.is_greedy and params.seed is None:
-            params = SamplingParams.from_dict({**params.to_dict(), "seed": self._rng.getrandbits(31)})
+        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.block_manager)
+        params = params.with_default_seed(request_id)
         request = Request(request_id, list(prompt_token_ids), params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -153,19 +151,6 @@ class LLMEngine:
         }
 
     # ----- internals -----------------------------------------------------------------------
-    def _check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {self.max_model_len}")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if not self.block_manager.can_ever_allocate(len(prompt) + 1):
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens is larger than the whole KV cache "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})"
-            )
-
     def _profile_peak(self) -> int:
         """Peak activation bytes of the largest step, measured with an empty cache."""
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -27,6 +27,9 @@ class RequestOutput:
     finished: bool = False
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs, on the first delta: per prompt token (None for the
+    # first) {"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]}
+    prompt_logprobs: list[dict[str, Any] | None] | None = None

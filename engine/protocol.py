@@ -1,17 +1,17 @@
 """Wire protocol between gateways and engines: msgpack messages and Redis key names.
 
-The only module the gateway imports from `engine`; it must never import torch and never
-pickle. Every message carries `v` (PROTOCOL_VERSION); a message with another version is
-rejected with `ProtocolError`.
+The gateway imports this module, `engine.sampling_params` and `engine.log` from `engine`
+(none of them imports torch); nothing here pickles. Every message carries `v`
+(PROTOCOL_VERSION); a message with another version is rejected with `ProtocolError`.
 
 Flow:
 - gateway ``XADD {prefix}:requests * m <EngineRequest.encode()>`` (consumer group ``engines``)
-- engine ``PUBLISH {prefix}:out:<gateway_id> <encode_outputs([RequestOutput, ...])>``, one
+- engine ``PUBLISH {prefix}:out:<gateway_id> <encode_outputs([OutputMessage, ...])>``, one
   message per step per gateway; ``seq`` counts messages per request (0, 1, 2, ...).
 - gateway ``PUBLISH {prefix}:abort <AbortMessage.encode()>`` when a client leaves or a stop
   string matched.
 - engine ``HSET {prefix}:engine:<engine_id>`` (EngineHeartbeat.to_hash()) with a TTL.
-- engine ``RPUSH {prefix}:progress:<request_id> <RequestOutput.encode()>`` in the same
+- engine ``RPUSH {prefix}:progress:<request_id> <OutputMessage.encode()>`` in the same
   MULTI/EXEC as each publish, with a TTL; `merge_progress` folds the list back.
 
 Token de-duplication: each `SeqOutput` says at which generated-token index (`offset`) its
@@ -22,7 +22,7 @@ engine's request may repeat some) and detects holes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -35,6 +35,18 @@ REQUEST_FIELD = "m"
 
 class ProtocolError(ValueError):
     """A wire message that cannot be decoded (wrong version, missing or mistyped field)."""
+
+
+class OutputGap(ProtocolError):
+    """Tokens that start past what the receiver holds: some output was lost in between."""
+
+
+def num_repeated(have: int, offset: int) -> int:
+    """How many leading tokens of a `SeqOutput` starting at generated-token index `offset` a
+    receiver holding `have` tokens already has (and must drop). Raises OutputGap on a hole."""
+    if offset > have:
+        raise OutputGap(f"tokens start at index {offset} but only {have} arrived before")
+    return have - offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,40 +106,9 @@ def _check_version(obj: Any, what: str) -> dict[str, Any]:
 
 
 @dataclass(slots=True)
-class WireParams:
-    """Sampling parameters on the wire; `to_dict()` feeds `SamplingParams.from_dict()`.
-
-    `logprobs` is None (none returned) or the number of top alternatives per token (0 = only
-    the sampled token's logprob)."""
-
-    n: int = 1
-    best_of: int | None = None
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> WireParams:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
-
-
-@dataclass(slots=True)
 class EngineRequest:
-    """One generation request, XADDed to the request stream under field ``m``."""
+    """One generation request, XADDed to the request stream under field ``m``. `params` is
+    `engine.sampling_params.SamplingParams.to_dict()`: one type from gateway to engine."""
 
     id: str
     gateway: str
@@ -165,6 +146,14 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
 
+    def to_obj(self) -> list[Any]:
+        return [self.logprob, [[int(t), float(p)] for t, p in self.top]]
+
+    @classmethod
+    def from_obj(cls, obj: Any) -> TokenLogprob:
+        logprob, top = obj
+        return cls(float(logprob), [(int(t), float(p)) for t, p in top])
+
 
 @dataclass(slots=True)
 class SeqOutput:
@@ -180,7 +169,7 @@ class SeqOutput:
         obj: dict[str, Any] = {"index": self.index, "offset": self.offset, "token_ids": list(self.token_ids),
                                "finish_reason": self.finish_reason}
         if self.logprobs is not None:
-            obj["logprobs"] = [[lp.logprob, [[int(t), float(p)] for t, p in lp.top]] for lp in self.logprobs]
+            obj["logprobs"] = [lp.to_obj() for lp in self.logprobs]
         return obj
 
     @classmethod
@@ -189,15 +178,17 @@ class SeqOutput:
         return cls(
             index=int(obj["index"]), token_ids=[int(t) for t in obj["token_ids"]],
             offset=int(obj.get("offset", 0)), finish_reason=obj.get("finish_reason"),
-            logprobs=None if logprobs is None else [
-                TokenLogprob(float(lp), [(int(t), float(p)) for t, p in top]) for lp, top in logprobs],
+            logprobs=None if logprobs is None else [TokenLogprob.from_obj(lp) for lp in logprobs],
         )
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """Token counts of a finished request; `cached_tokens` of the prompt came from the prefix cache."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,39 +201,48 @@ class ErrorInfo:
 
 
 @dataclass(slots=True)
-class RequestOutput:
+class OutputMessage:
     """One request's part of an output batch. `usage` comes with the message that finishes
-    the last choice; `error` ends the request."""
+    the last choice; `error` ends the request. `prompt_logprobs` (asked for with
+    `SamplingParams.prompt_logprobs`) comes once, with the first message: one entry per prompt
+    token, None for the first (nothing predicts it)."""
 
     id: str
     seq: int
     outputs: list[SeqOutput] = field(default_factory=list)
     usage: Usage | None = None
     error: ErrorInfo | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_obj(self) -> dict[str, Any]:
         obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": self.id, "seq": self.seq,
                                "outputs": [o.to_obj() for o in self.outputs]}
         if self.usage is not None:
             obj["usage"] = {"prompt_tokens": self.usage.prompt_tokens,
-                            "completion_tokens": self.usage.completion_tokens}
+                            "completion_tokens": self.usage.completion_tokens,
+                            "cached_tokens": self.usage.cached_tokens}
         if self.error is not None:
             obj["error"] = {"message": self.error.message, "type": self.error.type, "code": self.error.code}
+        if self.prompt_logprobs is not None:
+            obj["prompt_logprobs"] = [None if lp is None else lp.to_obj() for lp in self.prompt_logprobs]
         return obj
 
     @classmethod
-    def from_obj(cls, obj: Any) -> RequestOutput:
+    def from_obj(cls, obj: Any) -> OutputMessage:
         obj = _check_version(obj, "output")
         try:
-            usage, error = obj.get("usage"), obj.get("error")
+            usage, error, prompt = obj.get("usage"), obj.get("error"), obj.get("prompt_logprobs")
             return cls(
                 id=str(obj["id"]), seq=int(obj["seq"]),
                 outputs=[SeqOutput.from_obj(o) for o in obj.get("outputs", [])],
                 usage=None if usage is None else Usage(int(usage["prompt_tokens"]),
-                                                       int(usage["completion_tokens"])),
+                                                       int(usage["completion_tokens"]),
+                                                       int(usage.get("cached_tokens", 0))),
                 error=None if error is None else ErrorInfo(str(error["message"]),
                                                            str(error.get("type", "server_error")),
                                                            error.get("code")),
+                prompt_logprobs=None if prompt is None else [
+                    None if lp is None else TokenLogprob.from_obj(lp) for lp in prompt],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"output: bad field: {exc!r}") from exc
@@ -252,20 +252,20 @@ class RequestOutput:
         return _pack(self.to_obj())
 
     @classmethod
-    def decode(cls, data: bytes) -> RequestOutput:
+    def decode(cls, data: bytes) -> OutputMessage:
         return cls.from_obj(_unpack(data))
 
 
-def encode_outputs(outputs: list[RequestOutput]) -> bytes:
+def encode_outputs(outputs: list[OutputMessage]) -> bytes:
     """One pub/sub message: a msgpack list of outputs for requests of one gateway."""
     return _pack([o.to_obj() for o in outputs])
 
 
-def decode_outputs(data: bytes) -> list[RequestOutput]:
+def decode_outputs(data: bytes) -> list[OutputMessage]:
     obj = _unpack(data)
     if not isinstance(obj, list):
         raise ProtocolError(f"output batch: expected a list, got {type(obj).__name__}")
-    return [RequestOutput.from_obj(o) for o in obj]
+    return [OutputMessage.from_obj(o) for o in obj]
 
 
 @dataclass(slots=True)
@@ -299,14 +299,11 @@ def merge_progress(entries: list[bytes]) -> Progress:
     """Fold ``LRANGE {prefix}:progress:<id> 0 -1`` into tokens per choice (de-duplicated by offset)."""
     progress = Progress()
     for raw in entries:
-        out = RequestOutput.decode(raw)
+        out = OutputMessage.decode(raw)
         progress.last_seq = max(progress.last_seq, out.seq)
         for seq_out in out.outputs:
             tokens = progress.token_ids.setdefault(seq_out.index, [])
-            skip = len(tokens) - seq_out.offset
-            if skip < 0:
-                raise ProtocolError(f"progress of {out.id}: hole before token {seq_out.offset}")
-            tokens.extend(seq_out.token_ids[skip:])
+            tokens.extend(seq_out.token_ids[num_repeated(len(tokens), seq_out.offset):])
             if seq_out.finish_reason is not None:
                 progress.finished[seq_out.index] = seq_out.finish_reason
     return progress

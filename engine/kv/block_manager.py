@@ -140,7 +140,18 @@ class BlockManager:
 
     def append_slot(self, seq_id: int, token_id: int) -> tuple[int, int] | None:
         """Reserve the slot of one more token. Allocates when the last block is full; copies
-        the last block on write when it is shared, returning the (src, dst) copy to perform."""
+        the last block on write when it is shared, returning the (src, dst) copy to perform.
+
+        Copy-on-write of a shared last block (n = 2 samples forked after the prompt; block
+        size 4, prompt of 6 tokens, `|` separates blocks, `r` is the ref count)::
+
+            before   parent: [7 r2 | 9 r2: t4 t5 _ _ ]      child: [7 r2 | 9 r2]
+            append_slot(child, x)   → 9 is shared: take 12, return (9, 12)
+            after    parent: [7 r2 | 9 r1: t4 t5 _ _ ]      child: [7 r2 | 12 r1: t4 t5 x _]
+
+        Block 12 gets the token count of 9 plus one; the runner copies 9's K/V rows into 12
+        before the step writes slot 2 of block 12. Full blocks are never written again, so
+        they stay shared (7 here) until every owner frees them."""
         seq = self.seqs[seq_id]
         seq.token_ids.append(token_id)
         if (len(seq.token_ids) - 1) % self.block_size == 0:
@@ -188,7 +199,16 @@ class BlockManager:
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
         """Publish the full blocks among the first `num_tokens` (K/V now written) to the
-        prefix cache, so later requests with the same prefix reuse them."""
+        prefix cache, so later requests with the same prefix reuse them.
+
+        Keys chain, so a block is found only behind the very same prefix::
+
+            tokens   [a b c d | e f g h | i j]        (block size 4)
+            keys     k0 = H(None, abcd)  k1 = H(k0, efgh)   (the partial block has none)
+
+        A later prompt `abcd efgh xyz` finds k0 then k1 (two blocks, 8 tokens not recomputed);
+        `zzzz efgh ...` finds nothing, although its second block holds the same tokens. A freed
+        block keeps its key in the LRU free list until it is reused for something else."""
         if not self.enable_prefix_caching:
             return
         seq = self.seqs[seq_id]
@@ -211,7 +231,16 @@ class BlockManager:
 
     def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Move a group's blocks to host memory; shared blocks move once. Returns
-        (device block, host block) copies to perform before the device blocks are reused."""
+        (device block, host block) copies to perform before the device blocks are reused.
+
+        Swapping a group whose sequences share blocks (beams or samples of one request)::
+
+            device   seq A: [3 | 5 | 8]     seq B: [3 | 5 | 9]      (3 and 5 have ref 2)
+            host     seq A: [h0 | h1 | h2]  seq B: [h0 | h1 | h3]   copies: 3→h0 5→h1 8→h2 9→h3
+
+        Sharing survives on the host (h0 and h1 have host ref 2), and `swap_in` maps each host
+        block to one fresh device block, so the group comes back with the same sharing and
+        every shared block is copied once each way."""
         mapping: dict[int, int] = {}
         for seq_id in seq_ids:
             seq = self.seqs[seq_id]
@@ -299,13 +328,11 @@ class BlockManager:
             self.num_cached_free_blocks -= 1
             block.forget_hash()
         block.ref_count = 1
-        block.last_access = time.monotonic()
         self._event("allocate", block=block.block_id, seq=seq_id)
         return block
 
     def _add_ref(self, block: Block, seq_id: int) -> None:
         block.ref_count += 1
-        block.last_access = time.monotonic()
         self._event("ref", block=block.block_id, seq=seq_id, ref_count=block.ref_count)
 
     def _drop_ref(self, block: Block, seq_id: int) -> None:

@@ -4,6 +4,8 @@ until they are reused, so a later request with the same prefix can revive them."
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -18,7 +20,6 @@ class Block:
     hash: int | None = None
     parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
-    last_access: float = 0.0
     prev: Block | None = field(default=None, repr=False)
     next: Block | None = field(default=None, repr=False)
 
@@ -80,5 +81,12 @@ class FreeBlockQueue:
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of a full block: the previous block's hash chained with its tokens."""
-    return hash((parent_hash, token_ids))
+    """The prefix-cache key of a full block: the previous block's hash chained with its tokens.
+
+    A stable hash (blake2b over the parent key and the token ids as little-endian int64), not
+    Python's per-process `hash()`: the same prefix has the same keys in every engine process,
+    the basis for routing a request to the engine that holds its prefix."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(b"root" if parent_hash is None else parent_hash.to_bytes(8, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little")

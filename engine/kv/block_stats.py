@@ -42,33 +42,33 @@ class BlockStats:
         return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
 
 
-def compute_stats(bm: BlockManager) -> BlockStats:
+def compute_stats(manager: BlockManager) -> BlockStats:
     """Figures of a block manager; O(1), cheap enough for every step."""
-    used = bm.num_used_blocks
+    used = manager.num_used_blocks
     return BlockStats(
-        block_size=bm.block_size,
-        num_blocks=bm.num_blocks,
-        num_free_blocks=bm.num_free_blocks,
+        block_size=manager.block_size,
+        num_blocks=manager.num_blocks,
+        num_free_blocks=manager.num_free_blocks,
         num_used_blocks=used,
-        num_cached_free_blocks=bm.num_cached_free_blocks,
-        usage_ratio=used / bm.num_blocks,
-        block_utilization=bm.num_stored_tokens / (used * bm.block_size) if used else 0.0,
-        num_cpu_blocks=bm.num_cpu_blocks,
-        num_free_cpu_blocks=bm.num_free_cpu_blocks,
-        num_seqs=len(bm.seqs),
-        cow_copies=bm.cow_copies,
-        prefix_queries=bm.prefix_queries,
-        prefix_hits=bm.prefix_hits,
-        swapped_out_blocks=bm.swapped_out_blocks,
-        swapped_in_blocks=bm.swapped_in_blocks,
+        num_cached_free_blocks=manager.num_cached_free_blocks,
+        usage_ratio=used / manager.num_blocks,
+        block_utilization=manager.num_stored_tokens / (used * manager.block_size) if used else 0.0,
+        num_cpu_blocks=manager.num_cpu_blocks,
+        num_free_cpu_blocks=manager.num_free_cpu_blocks,
+        num_seqs=len(manager.seqs),
+        cow_copies=manager.cow_copies,
+        prefix_queries=manager.prefix_queries,
+        prefix_hits=manager.prefix_hits,
+        swapped_out_blocks=manager.swapped_out_blocks,
+        swapped_in_blocks=manager.swapped_in_blocks,
     )
 
 
-def pool_snapshot(bm: BlockManager) -> list[list[int]]:
+def pool_snapshot(manager: BlockManager) -> list[list[int]]:
     """Run-length encoded state of every device block: [[state, run_length], ...] with states
     FREE, USED, SHARED (ref count > 1) and CACHED (free but still a prefix-cache entry)."""
     runs: list[list[int]] = []
-    for block in bm.blocks:
+    for block in manager.blocks:
         if block.ref_count > 1:
             state = SHARED
         elif block.ref_count == 1:
@@ -95,14 +95,14 @@ def block_id_runs(block_ids: list[int], max_runs: int) -> list[list[int]]:
     return runs
 
 
-def block_tables(bm: BlockManager, seqs: Iterable[tuple[str, int, int]], max_seqs: int = 64,
+def block_tables(manager: BlockManager, seqs: Iterable[tuple[str, int, int]], max_seqs: int = 64,
                  max_runs: int = 64) -> list[dict[str, Any]]:
     """Block tables of up to `max_seqs` sequences given as (request_id, sample index, seq_id):
     ``{"id", "index", "host" (swapped out: host block ids), "num_blocks", "runs"}`` with the
     ids run-length encoded, so a view of a 100k-block pool stays a few kilobytes."""
     tables = []
     for request_id, index, seq_id in itertools.islice(seqs, max_seqs):
-        entry = bm.seqs.get(seq_id)
+        entry = manager.seqs.get(seq_id)
         if entry is not None:
             tables.append({"id": request_id, "index": index, "host": entry.on_host,
                            "num_blocks": len(entry.block_ids), "runs": block_id_runs(entry.block_ids, max_runs)})

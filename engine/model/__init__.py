@@ -1,6 +1,10 @@
-"""The Llama-family model on the paged KV cache, its loader, and the default-model fetch.
+"""The Llama-family model on the paged KV cache, its loader, the model runner (a scheduled
+batch → flattened tensors → logits), KV-cache allocation and sizing, and the default-model
+fetch.
 
-Names are imported lazily so `pagedserve fetch-model` (engine.model.fetch) does not pull in torch.
+May import torch, transformers and `ops`; never the scheduler, the block manager or the
+worker. Names are imported lazily so `pagedserve fetch-model` (engine.model.fetch) and the
+planner (engine.model.spec) do not pull in torch.
 """
 
 from __future__ import annotations

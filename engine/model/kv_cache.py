@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from engine.model.spec import ModelSpec
+from engine.model.spec import ModelSpec, kv_bytes_per_token
 
 
 def _spec(source: Any) -> ModelSpec:
@@ -25,10 +25,10 @@ def kv_cache_shape(source: Any, num_blocks: int, block_size: int) -> tuple[int, 
 
 
 def kv_bytes_per_block(source: Any, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers, K and V: 2 × layers × block × kv_heads × head × size."""
+    """Bytes of one block over all layers, K and V."""
     spec = _spec(source)
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+    return block_size * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim, element)
 
 
 def allocate_kv_caches(

@@ -41,10 +41,10 @@ class ModelRunner:
         self.device = device
         self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
 
-    def execute(self, sched: SchedulerOutput, bm: BlockManager) -> tuple[list[ScheduledSeq], Tensor]:
+    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[list[ScheduledSeq], Tensor]:
         """Move blocks, run the model; returns the sampling sequences and their fp32 logits."""
         self.move_blocks(sched)
-        batch = self.prepare(sched.scheduled, bm)
+        batch = self.prepare(sched.scheduled, block_manager)
         start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sample_rows:
@@ -73,7 +73,7 @@ class ModelRunner:
             ops.swap_blocks(src_k, dst_k, mapping)
             ops.swap_blocks(src_v, dst_v, mapping)
 
-    def prepare(self, scheduled: list[ScheduledSeq], bm: BlockManager) -> StepBatch:
+    def prepare(self, scheduled: list[ScheduledSeq], block_manager: BlockManager) -> StepBatch:
         """Prefill chunks (more than one new token) first, then one token per decode sequence."""
         prefills = [s for s in scheduled if s.num_new > 1]
         decodes = [s for s in scheduled if s.num_new == 1]
@@ -87,7 +87,7 @@ class ModelRunner:
         for item in prefills + decodes:
             seq, start = item.seq, item.seq.num_computed
             end = start + item.num_new
-            table = bm.block_table(seq.seq_id)
+            table = block_manager.block_table(seq.seq_id)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -102,8 +102,8 @@ class ModelRunner:
             num_prefill_tokens=query_start[-1],
             prefill_query_start=query_start,
             prefill_context_lens=[s.seq.num_computed + s.num_new for s in prefills],
-            prefill_block_tables=self._block_tables([bm.block_table(s.seq.seq_id) for s in prefills]),
-            decode_block_tables=self._block_tables([bm.block_table(s.seq.seq_id) for s in decodes]),
+            prefill_block_tables=self._block_tables([block_manager.block_table(s.seq.seq_id) for s in prefills]),
+            decode_block_tables=self._block_tables([block_manager.block_table(s.seq.seq_id) for s in decodes]),
             decode_context_lens=self._tensor([s.seq.num_computed + 1 for s in decodes], torch.int32),
         )
         return StepBatch(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),

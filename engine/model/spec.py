@@ -1,4 +1,5 @@
-"""What the paged model reads from a Hugging Face config: one frozen record per architecture."""
+"""What the paged model reads from a Hugging Face config: one frozen record per architecture,
+and the KV-cache geometry every size computation uses (the planner's too). Torch-free."""
 
 from __future__ import annotations
 
@@ -10,6 +11,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 class UnsupportedModelError(ValueError):
     """The checkpoint is not a Llama-family decoder this engine can run."""
+
+
+def kv_geometry(config: Any) -> tuple[int, int, int]:
+    """`(layers, kv_heads, head_dim)` of any HF config object (attribute access)."""
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    return int(config.num_hidden_layers), kv_heads, head_dim
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """One token's K and V over all layers: 2 x layers x kv_heads x head_dim x dtype bytes."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +66,17 @@ class ModelSpec:
             )
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported activation {config.hidden_act!r} (only silu)")
-        heads = config.num_attention_heads
+        num_layers, num_kv_heads, head_dim = kv_geometry(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            num_layers=num_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(config.rms_norm_eps),
             max_position_embeddings=config.max_position_embeddings,
             rope=_rope_parameters(config),

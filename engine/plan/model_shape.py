@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+from engine.model.spec import kv_bytes_per_token, kv_geometry
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4, "float32": 4, "float": 4,
@@ -45,7 +48,7 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
 
     @classmethod
     def from_parts(cls, layers: Any, kv_heads: Any, head_dim: Any, dtype: str) -> KVShape:
@@ -77,11 +80,8 @@ def read_model_dir(path: Path) -> ModelInfo:
         raise PlanError(f"cannot read model config {config_path}: {exc}") from None
     config = config.get("text_config", config) if "num_hidden_layers" not in config else config
     try:
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        shape_parts = (int(config["num_hidden_layers"]), kv_heads, head_dim)
-    except (KeyError, TypeError, ValueError) as exc:
+        shape_parts = kv_geometry(SimpleNamespace(**config))
+    except (AttributeError, TypeError, ValueError) as exc:
         raise PlanError(f"{config_path} lacks a usable field: {exc}") from None
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "fp16")
     shape = KVShape(*shape_parts, dtype_bytes(dtype))

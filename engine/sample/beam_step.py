@@ -38,7 +38,7 @@ def beam_step(request: Request, items: list[tuple[Sequence, int]], logits: torch
         parent = beams[parent_row]
         if parent_row in used:
             child = parent.fork(index)
-            processor.scheduler.bm.fork(parent.seq_id, child.seq_id)
+            processor.scheduler.block_manager.fork(parent.seq_id, child.seq_id)
             next_beams.append((child, token))
         else:
             used.add(parent_row)

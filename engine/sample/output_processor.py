@@ -12,7 +12,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sample.beam_step import beam_outputs, beam_step
 from engine.sample.sampler import Sampler, SampleResult, SampleSpec
 from engine.sched.scheduler import ScheduledSeq, Scheduler
-from engine.sched.sequence import Request, SeqStatus, Sequence
+from engine.sched.sequence import Request, SeqStatus, Sequence, sample_stream
 
 
 class OutputProcessor:
@@ -45,9 +45,8 @@ class OutputProcessor:
                 beams.setdefault(request.request_id, []).append((seq, i))
             elif request.needs_fork:
                 for k in range(request.params.num_candidates):
-                    stream = f"sample/{k}"
                     rows.append(i)
-                    specs.append(SampleSpec.from_params(request.params, stream, 0))
+                    specs.append(SampleSpec.from_params(request.params, sample_stream(k), 0))
                     owners.append((seq, k))
             else:
                 rows.append(i)
@@ -81,7 +80,7 @@ class OutputProcessor:
         request = parent.request
         for k in range(1, request.params.num_candidates):
             child = parent.fork(k)
-            self.scheduler.bm.fork(parent.seq_id, child.seq_id)
+            self.scheduler.block_manager.fork(parent.seq_id, child.seq_id)
             request.seqs.append(child)
 
     def append_token(self, seq: Sequence, result: SampleResult) -> None:
@@ -132,7 +131,7 @@ class OutputProcessor:
             return None
         return RequestOutput(
             request.request_id, outputs, finished, len(request.prompt_token_ids),
-            sum(seq.num_output_tokens for seq in request.seqs),
+            sum(seq.num_output_tokens for seq in request.seqs), request.num_cached_tokens or 0,
         )
 
     def _delta(self, seq: Sequence) -> CompletionOutput:

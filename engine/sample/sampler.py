@@ -1,6 +1,6 @@
 """Turn a batch of logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded.
 
-Every random row draws one uniform number derived only from (seed, request id, token index)
+Every random row draws one uniform number derived only from (seed, sample stream, token index)
 and inverts the CDF of its filtered distribution in token-id order. Filters are value
 thresholds (ties at the cut are kept), so a row's token depends on nothing but its own
 logits and key, never on the other rows, their order, or which code path the batch took.
@@ -24,8 +24,8 @@ TOP_P_PROBE = 1024  # top-p first looks at this many most likely tokens, sorts t
 
 @dataclass(frozen=True, slots=True)
 class SeedKey:
-    """Where a random draw comes from. `stream` names the sequence: the request id, plus the
-    sample index when a request has several (n > 1), e.g. "req-7/2"."""
+    """Where a random draw comes from: the request's seed, the sample's stream
+    (`engine.sched.sequence.sample_stream`, e.g. "sample/2") and the generated-token index."""
 
     seed: int | None
     stream: str

@@ -56,7 +56,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption_mode: str = "auto",
     ) -> None:
-        self.bm = block_manager
+        self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -80,8 +80,8 @@ class Scheduler:
             self.free_seq(seq)
 
     def free_seq(self, seq: Sequence) -> None:
-        if self.bm.has_seq(seq.seq_id):
-            self.bm.free(seq.seq_id)
+        if self.block_manager.has_seq(seq.seq_id):
+            self.block_manager.free(seq.seq_id)
 
     def finish_request(self, request: Request) -> None:
         """Remove a finished request from the running queue and free what it still holds."""
@@ -111,7 +111,7 @@ class Scheduler:
                 self.running.append(request)
                 continue
             ids = [seq.seq_id for seq in seqs]
-            while not self.bm.can_append_slots(ids):
+            while not self.block_manager.can_append_slots(ids):
                 preempted = True
                 if not queue:
                     self._preempt(request, out)
@@ -124,8 +124,8 @@ class Scheduler:
 
     def _append_slots(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
         for seq in seqs:
-            if self.bm.num_tokens(seq.seq_id) < len(seq.token_ids):
-                copy = self.bm.append_slot(seq.seq_id, seq.token_ids[-1])
+            if self.block_manager.num_tokens(seq.seq_id) < len(seq.token_ids):
+                copy = self.block_manager.append_slot(seq.seq_id, seq.token_ids[-1])
                 if copy is not None:
                     out.blocks_to_copy.append(copy)
 
@@ -144,16 +144,16 @@ class Scheduler:
         mode = self.preemption_mode
         if mode == "auto":
             mode = "recompute" if len(seqs) == 1 else "swap"
-        if mode == "swap" and not self.bm.can_swap_out(ids):
+        if mode == "swap" and not self.block_manager.can_swap_out(ids):
             mode = "recompute"  # no host room left: recompute is the only way out
         if mode == "swap":
-            out.blocks_to_swap_out.extend(self.bm.swap_out(ids))
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(ids))
             for seq in seqs:
                 seq.status = SeqStatus.SWAPPED
             self.swapped.append(request)
         else:
             for seq in seqs:
-                self.bm.free(seq.seq_id)
+                self.block_manager.free(seq.seq_id)
                 seq.num_computed = 0
                 seq.status = SeqStatus.WAITING
             self.waiting.appendleft(request)
@@ -166,10 +166,10 @@ class Scheduler:
             request = self.swapped[0]
             seqs = request.unfinished_seqs()
             ids = [seq.seq_id for seq in seqs]
-            if not budget.fits(len(seqs)) or not self.bm.can_swap_in(ids):
+            if not budget.fits(len(seqs)) or not self.block_manager.can_swap_in(ids):
                 return
             self.swapped.popleft()
-            out.blocks_to_swap_in.extend(self.bm.swap_in(ids))
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(ids))
             for seq in seqs:
                 seq.status = SeqStatus.RUNNING
             self._append_slots(seqs, out)
@@ -183,11 +183,11 @@ class Scheduler:
             seqs = request.unfinished_seqs()
             if not budget.fits(len(seqs)):
                 return
-            if not all(self.bm.can_ever_allocate(len(seq.token_ids) + 1) for seq in seqs):
+            if not all(self.block_manager.can_ever_allocate(len(seq.token_ids) + 1) for seq in seqs):
                 self.waiting.popleft()
                 request.error = (
                     f"prompt of {len(seqs[0].token_ids)} tokens can never fit in the KV cache "
-                    f"({self.bm.num_blocks} blocks of {self.bm.block_size} tokens)"
+                    f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)"
                 )
                 out.rejected.append(request)
                 continue
@@ -201,13 +201,15 @@ class Scheduler:
         """Give every sequence of a request its blocks, or none of them."""
         done: list[Sequence] = []
         for seq in seqs:
-            if not self.bm.can_allocate(seq.token_ids):
+            if not self.block_manager.can_allocate(seq.token_ids):
                 for seq_done in done:
-                    self.bm.free(seq_done.seq_id)
+                    self.block_manager.free(seq_done.seq_id)
                     seq_done.num_computed = 0
                     seq_done.status = SeqStatus.WAITING
                 return False
-            seq.num_computed = self.bm.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            if seq.request.num_cached_tokens is None:
+                seq.request.num_cached_tokens = seq.num_computed
             seq.status = SeqStatus.RUNNING
             done.append(seq)
         return True

@@ -25,6 +25,14 @@ class SeqStatus(enum.Enum):
 _seq_ids = itertools.count()
 
 
+def sample_stream(index: int) -> str:
+    """The name sample `index`'s random draws are keyed by, with the seed and the token index.
+    Not the request id, so one seed reproduces one output across requests (as OpenAI's `seed`
+    promises); an unseeded request gets a seed derived from its id at admission, carried in
+    its params, so a preempted or resumed request continues exactly."""
+    return f"sample/{index}"
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One token stream. `num_computed` tokens have K/V in the cache; the rest are scheduled."""
@@ -55,11 +63,8 @@ class Sequence:
 
     @property
     def stream(self) -> str:
-        """The name its random draws are keyed by, with the seed and the token index: the
-        sample index. Not the request id, so one seed reproduces one output across requests
-        (as OpenAI's `seed` promises); an unseeded request gets a random seed at admission,
-        carried in its params, so a preempted or resumed request continues exactly."""
-        return f"sample/{self.index}"
+        """What its random draws are keyed by: `sample_stream(index)`."""
+        return sample_stream(self.index)
 
     def fork(self, index: int) -> Sequence:
         """A copy with a new id (the block manager forks the blocks)."""
@@ -85,6 +90,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
     beam: BeamSearchState | None = None
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None

@@ -44,7 +44,7 @@ class PagedPolicy:
         self.block_size = block_size
         self.sharing = sharing
         self.name = f"paged-{block_size}" + ("" if sharing else "-noshare")
-        self.bm = BlockManager(capacity // block_size, block_size, enable_prefix_caching=sharing)
+        self.block_manager = BlockManager(capacity // block_size, block_size, enable_prefix_caching=sharing)
         self.beam_keep = beam_keep
         self.rng = random.Random(seed)
         self.prefix_hit_tokens = 0
@@ -52,7 +52,7 @@ class PagedPolicy:
 
     @property
     def cow_copies(self) -> int:
-        return self.bm.cow_copies
+        return self.block_manager.cow_copies
 
     def try_admit(self, group: Group) -> bool:
         prompt = prompt_token_ids(group.request)
@@ -60,59 +60,59 @@ class PagedPolicy:
         for i in range(group.request.width):
             seq_id = self._new_seq_id()
             if fork and i > 0:
-                self.bm.fork(group.seq_ids[0], seq_id)
-            elif self.bm.can_allocate(prompt):
-                self.prefix_hit_tokens += self.bm.allocate(seq_id, prompt)
-                self.bm.mark_computed(seq_id, len(prompt))
+                self.block_manager.fork(group.seq_ids[0], seq_id)
+            elif self.block_manager.can_allocate(prompt):
+                self.prefix_hit_tokens += self.block_manager.allocate(seq_id, prompt)
+                self.block_manager.mark_computed(seq_id, len(prompt))
             else:
                 return self._rollback(group)
             group.seq_ids.append(seq_id)
         for seq_id in group.seq_ids:  # tokens generated before a preemption, re-prefilled
             for _ in range(group.generated):
-                if not self.bm.can_append_slot(seq_id):
+                if not self.block_manager.can_append_slot(seq_id):
                     return self._rollback(group)
-                self.bm.append_slot(seq_id, DECODE_TOKEN)
+                self.block_manager.append_slot(seq_id, DECODE_TOKEN)
         return True
 
     def step(self, group: Group, make_room: MakeRoom) -> bool:
         if group.request.beam_width > 1 and not self._reshuffle_beams(group, make_room):
             return False
         for seq_id in group.seq_ids:
-            while not self.bm.can_append_slot(seq_id):
+            while not self.block_manager.can_append_slot(seq_id):
                 if not make_room():
                     return False
-            self.bm.append_slot(seq_id, DECODE_TOKEN)
+            self.block_manager.append_slot(seq_id, DECODE_TOKEN)
         return True
 
     def release(self, group: Group) -> None:
         for seq_id in group.seq_ids:
-            self.bm.free(seq_id)
+            self.block_manager.free(seq_id)
         group.seq_ids.clear()
 
     def memory(self, head: Group | None) -> MemoryState:
-        bm, size = self.bm, self.block_size
-        logical = sum(len(bm.block_table(seq_id)) for seq_id in bm.seqs) * size
-        free = bm.num_free_blocks * size
-        return MemoryState(bm.num_stored_tokens, bm.num_used_blocks * size, 0, free, 0, logical)
+        block_manager, size = self.block_manager, self.block_size
+        logical = sum(len(block_manager.block_table(seq_id)) for seq_id in block_manager.seqs) * size
+        free = block_manager.num_free_blocks * size
+        return MemoryState(block_manager.num_stored_tokens, block_manager.num_used_blocks * size, 0, free, 0, logical)
 
     def _reshuffle_beams(self, group: Group, make_room: MakeRoom) -> bool:
         """Drop the beams that lose; each is replaced by a child of a surviving beam."""
         survivors = [s for s in group.seq_ids if self.rng.random() < self.beam_keep] or [group.seq_ids[0]]
         losers = [s for s in group.seq_ids if s not in survivors]
         for seq_id in losers:
-            self.bm.free(seq_id)
+            self.block_manager.free(seq_id)
         children: list[int] = []
         for _ in losers:
             parent, child = self.rng.choice(survivors), self._new_seq_id()
             if self.sharing:
-                self.bm.fork(parent, child)
+                self.block_manager.fork(parent, child)
             else:
-                tokens = [DECODE_TOKEN] * self.bm.num_tokens(parent)
-                while not self.bm.can_allocate(tokens):
+                tokens = [DECODE_TOKEN] * self.block_manager.num_tokens(parent)
+                while not self.block_manager.can_allocate(tokens):
                     if not make_room():
                         group.seq_ids = survivors + children
                         return False
-                self.bm.allocate(child, tokens)  # a private copy of the parent's whole history
+                self.block_manager.allocate(child, tokens)  # a private copy of the parent's whole history
             children.append(child)
         group.seq_ids = survivors + children
         return True

@@ -7,7 +7,6 @@ two threads."""
 from __future__ import annotations
 
 import asyncio
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.kv.block_stats import block_tables, pool_snapshot
-from engine.outputs import RequestOutput as EngineOutput
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -35,22 +34,13 @@ class AddJob:
 class StepResult:
     """What one trip to the engine thread produced."""
 
-    outputs: list[EngineOutput]
+    outputs: list[RequestOutput]
     rejected: dict[str, str]
     aborted: list[str]
     stats: dict[str, Any]
 
 
-def engine_params(request_id: str, params: dict[str, Any]) -> SamplingParams:
-    """Validated sampling parameters. An unseeded random request gets a seed derived from its
-    id, so an engine resuming it after a crash draws the same tokens."""
-    sampling = SamplingParams.from_dict(params)
-    if sampling.seed is None and not sampling.is_greedy:
-        sampling = SamplingParams.from_dict({**sampling.to_dict(), "seed": zlib.crc32(request_id.encode())})
-    return sampling
-
-
-class EngineHost:
+class EngineThread:
     """Owns the `LLMEngine` and the single thread it lives on."""
 
     def __init__(self) -> None:
@@ -75,7 +65,7 @@ class EngineHost:
 
     def add(self, job: AddJob) -> None:
         """Queue a request; a resumed one restarts by recompute from prompt + generated tokens."""
-        params = engine_params(job.request_id, job.params)
+        params = SamplingParams.from_dict(job.params)
         self.engine.add_request(job.request_id, job.prompt_token_ids, params)
         if job.generated:
             seq = self.engine.requests[job.request_id].seqs[0]

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 from engine.config import EngineConfig
 from engine.log import get_logger
 from engine.protocol import DEFAULT_PREFIX, Keys
-from engine.worker.engine_thread import EngineHost, StepResult
+from engine.worker.engine_thread import EngineThread, StepResult
 from engine.worker.heartbeat import Heartbeat
 from engine.worker.intake import Intake
 from engine.worker.metrics import EngineMetrics, start_metrics_server
@@ -58,16 +58,15 @@ class EngineWorker:
         self.config = config
         self.engine_config = engine_config
         self.keys = Keys(config.redis_prefix)
-        self.host = EngineHost()
+        self.thread = EngineThread()
         self.stop = asyncio.Event()
-        self.ready = asyncio.Event()
         self.stats: dict[str, Any] = {}
         self.metrics: EngineMetrics | None = None
 
     async def run(self) -> None:
         """Load the model, then serve until `stop` is set."""
-        await self.host.start(self.engine_config)
-        engine = self.host.engine
+        await self.thread.start(self.engine_config)
+        engine = self.thread.engine
         client = aioredis.Redis.from_url(self.config.redis_url, health_check_interval=10)
         self.metrics = EngineMetrics(engine.device.type)
         stream = RequestStream(client, self.keys, self.config.engine_id)
@@ -86,7 +85,6 @@ class EngineWorker:
                      asyncio.create_task(self._maintain(beat, intake), name="maintenance")]
             log.info("engine serving", engine_id=self.config.engine_id, model=self.config.model_name,
                      stream=self.keys.requests)
-            self.ready.set()
             await self._loop(client, intake)
         finally:
             for task in tasks:
@@ -99,10 +97,19 @@ class EngineWorker:
             if runner is not None:
                 await runner.cleanup()
             await client.aclose()
-            self.host.close()
+            self.thread.close()
 
     # ----- the main loop -----------------------------------------------------------------------
     async def _loop(self, client: aioredis.Redis, intake: Intake) -> None:
+        """Steps run on the engine thread; the loop publishes one step while the next runs::
+
+            engine thread   | step N        | step N+1        | step N+2  ...
+            event loop      pull ─┘ publish N (MULTI/EXEC) ─┘ publish N+1 ...
+
+        After step N returns, its outputs go to an outbox, new entries are pulled, and step
+        N+1 starts before the outbox of N is flushed, so Redis round trips hide behind the
+        model. Step N+1 never needs N's publish: the engine holds the tokens itself. When
+        nothing is left to run, the loop blocks on XREADGROUP instead of spinning."""
         step: asyncio.Future[StepResult] | None = None
         while not self.stop.is_set() or step is not None:
             if step is None:
@@ -112,7 +119,7 @@ class EngineWorker:
                         await self._flush(client, intake.pending)
                         intake.pending = Outbox()
                         continue
-                step = asyncio.ensure_future(self.host.call(self.host.step, *intake.take_jobs()))
+                step = asyncio.ensure_future(self.thread.call(self.thread.step, *intake.take_jobs()))
             result = await step
             self.stats = result.stats
             assert self.metrics is not None
@@ -123,7 +130,7 @@ class EngineWorker:
             if not self.stop.is_set():
                 await self._pull(intake, block=False)
                 if self._busy(intake):  # overlap: next step computes while this one is published
-                    step = asyncio.ensure_future(self.host.call(self.host.step, *intake.take_jobs()))
+                    step = asyncio.ensure_future(self.thread.call(self.thread.step, *intake.take_jobs()))
             await self._flush(client, outbox)
 
     def _busy(self, intake: Intake) -> bool:
@@ -190,5 +197,5 @@ class EngineWorker:
                 log.warning("maintenance failed", error=str(exc))
 
     async def _beat(self, beat: Heartbeat, intake: Intake) -> None:
-        stats, pool = await self.host.call(self.host.snapshot)
+        stats, pool = await self.thread.call(self.thread.snapshot)
         await beat.beat(stats, pool, {"in_flight": float(len(intake.tracked))})

@@ -3,15 +3,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from engine.log import get_logger
 from engine.protocol import AbortMessage, EngineRequest, Keys, Progress, ProtocolError, merge_progress
+from engine.pubsub import subscribe_forever
 from engine.worker.engine_thread import AddJob
 from engine.worker.outbox import Outbox
 from engine.worker.request_stream import RequestStream, StreamEntry
@@ -130,20 +129,10 @@ class Intake:
             cutoff = now - ABORT_MEMORY_S
             self.recent_aborts = {k: t for k, t in self.recent_aborts.items() if t >= cutoff}
 
+    def _on_abort_message(self, data: bytes) -> None:
+        with contextlib.suppress(ProtocolError):
+            self.on_abort(AbortMessage.decode(data).ids)
+
     async def listen_aborts(self) -> None:
-        """Run forever: subscribe to the abort channel (resubscribing after errors)."""
-        while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(self.keys.abort)
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None and message.get("type") == "message":
-                        with contextlib.suppress(ProtocolError):
-                            self.on_abort(AbortMessage.decode(message["data"]).ids)
-            except (RedisError, OSError) as exc:
-                log.warning("abort listener disconnected", error=str(exc))
-                await asyncio.sleep(0.5)
-            finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+        """Run forever: the abort channel (resubscribing after errors)."""
+        await subscribe_forever(self.client, self.keys.abort, self._on_abort_message)

@@ -8,18 +8,18 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from engine.protocol import Keys, RequestOutput, encode_outputs
+from engine.protocol import Keys, OutputMessage, encode_outputs
 
 
 @dataclass(slots=True)
 class Outbox:
     """Messages of one step, grouped by gateway, plus the stream entries to acknowledge."""
 
-    by_gateway: dict[str, list[RequestOutput]] = field(default_factory=dict)
+    by_gateway: dict[str, list[OutputMessage]] = field(default_factory=dict)
     ended: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
     ack_only: list[str] = field(default_factory=list)
 
-    def add(self, gateway: str, message: RequestOutput) -> None:
+    def add(self, gateway: str, message: OutputMessage) -> None:
         self.by_gateway.setdefault(gateway, []).append(message)
 
     def end(self, request_id: str, entry_id: str) -> None:

@@ -7,12 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import RequestOutput as EngineOutput
+from engine.outputs import RequestOutput
 from engine.protocol import (
     EngineRequest,
     ErrorInfo,
+    OutputMessage,
     Progress,
-    RequestOutput,
     SeqOutput,
     TokenLogprob,
     Usage,
@@ -45,14 +45,15 @@ class Tracked:
         return seq
 
 
+def _token_logprob(entry: dict[str, Any]) -> TokenLogprob:
+    return TokenLogprob(float(entry["logprob"]), [(int(t), float(p)) for t, p in entry.get("top_logprobs") or []])
+
+
 def _logprobs(entries: list[dict[str, Any]] | None) -> list[TokenLogprob] | None:
-    if entries is None:
-        return None
-    return [TokenLogprob(float(e["logprob"]), [(int(t), float(p)) for t, p in e.get("top_logprobs") or []])
-            for e in entries]
+    return None if entries is None else [_token_logprob(e) for e in entries]
 
 
-def to_wire(tracked: Tracked, out: EngineOutput) -> RequestOutput:
+def to_wire(tracked: Tracked, out: RequestOutput) -> OutputMessage:
     """The wire message for one engine delta; advances `seq` and the per-choice offsets."""
     outputs = []
     for choice in out.outputs:
@@ -62,15 +63,17 @@ def to_wire(tracked: Tracked, out: EngineOutput) -> RequestOutput:
         tracked.sent[choice.index] = offset + len(choice.token_ids)
     if tracked.first_token_at is None and any(o.token_ids for o in outputs):
         tracked.first_token_at = time.time()
-    usage = Usage(out.num_prompt_tokens, out.num_generated_tokens) if out.finished else None
+    usage = Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_cached_tokens) if out.finished else None
     error = None if out.error is None else ErrorInfo(out.error, "invalid_request_error", "context_length_exceeded")
-    return RequestOutput(tracked.request_id, tracked.next_seq(), outputs, usage, error)
+    prompt = None if out.prompt_logprobs is None else [
+        None if e is None else _token_logprob(e) for e in out.prompt_logprobs]
+    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt)
 
 
 def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None) -> RequestOutput:
+                 code: str | None = None) -> OutputMessage:
     """A message that ends the request with an error."""
-    return RequestOutput(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code))
+    return OutputMessage(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code))
 
 
 def is_resumable_in_place(params: dict[str, object]) -> bool:

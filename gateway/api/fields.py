@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gateway.api.endpoint import Endpoint
 from gateway.errors import bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -58,7 +59,7 @@ def as_bool(body: dict[str, Any], name: str, default: bool, prefix: str = "") ->
     return value
 
 
-def reject_unsupported(body: dict[str, Any], kind: str) -> None:
+def reject_unsupported(body: dict[str, Any], kind: Endpoint) -> None:
     for name in _UNSUPPORTED_NONZERO:
         value = body.get(name)
         if value not in (None, 0, 0.0) or isinstance(value, bool):
@@ -66,9 +67,9 @@ def reject_unsupported(body: dict[str, Any], kind: str) -> None:
     for name in _UNSUPPORTED_PRESENT:
         if body.get(name):
             raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
-    if kind == "completion" and body.get("echo"):
+    if kind is Endpoint.COMPLETION and body.get("echo"):
         raise bad_request("'echo' is not supported", "echo", "unsupported_parameter")
-    if kind == "completion" and body.get("suffix"):
+    if kind is Endpoint.COMPLETION and body.get("suffix"):
         raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):

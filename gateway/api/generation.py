@@ -80,7 +80,8 @@ class Generation:
         completion = sum(c.num_tokens for c in self.choices)
         if self.engine_usage is not None:
             completion = max(completion, self.engine_usage.completion_tokens)
-        return Usage(self.prompt_tokens, completion)
+        cached = self.engine_usage.cached_tokens if self.engine_usage is not None else 0
+        return Usage(self.prompt_tokens, completion, cached)
 
     async def events(self) -> AsyncIterator[ChoiceEvent | None]:
         """Yields choice events, and None on idle ticks (time for an SSE ping / disconnect check).

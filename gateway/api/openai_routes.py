@@ -11,6 +11,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from engine.protocol import EngineRequest
+from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
 from gateway.api.streaming import ClientGone, complete, stream
 from gateway.api.validation import GenerationRequest, check_context, parse_request
@@ -51,7 +52,7 @@ async def find_model(request: web.Request, name: str) -> ModelInfo:
 
 def prompt_ids(req: GenerationRequest, tokenizer: ModelTokenizer) -> list[int]:
     try:
-        if req.kind == "chat":
+        if req.kind is Endpoint.CHAT:
             return tokenizer.encode_chat(req.messages, **req.extra_template_args)
     except TemplateError as exc:
         raise bad_request(str(exc), "messages", "invalid_messages") from exc
@@ -62,7 +63,7 @@ def prompt_ids(req: GenerationRequest, tokenizer: ModelTokenizer) -> list[int]:
     return tokenizer.encode(req.prompt)
 
 
-async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     start = time.monotonic()
     cfg, broker, metrics = request.app[CONFIG], request.app[BROKER], request.app[METRICS]
     req = parse_request(await read_json(request), kind, cfg)
@@ -70,7 +71,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     tokenizer = await request.app[REGISTRY].tokenizer(model)
     ids = prompt_ids(req, tokenizer)
     check_context(req, len(ids), model.max_model_len, cfg)
-    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    rid = kind.id_prefix + uuid.uuid4().hex
     now = time.time()
     engine_req = EngineRequest(rid, cfg.gateway_id, model.name, ids, req.params.to_dict(), now,
                                now + cfg.request_timeout_s)
@@ -102,11 +103,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "chat")
+    return await _generate(request, Endpoint.CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "completion")
+    return await _generate(request, Endpoint.COMPLETION)
 
 
 def add_routes(app: web.Application) -> None:

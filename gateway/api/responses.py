@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from engine.protocol import TokenLogprob, Usage
+from gateway.api.endpoint import Endpoint
 from gateway.text.tokenizer import ModelTokenizer
 
 
-def usage_obj(usage: Usage) -> dict[str, int]:
+def usage_obj(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 def _token_entry(tokenizer: ModelTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
@@ -69,16 +71,14 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
     return chunk
 
 
-def usage_chunk(kind: str, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
+def usage_chunk(kind: Endpoint, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
     """The last chunk with stream_options.include_usage: empty choices, the usage."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+    return {"id": rid, "object": kind.chunk_object, "created": created, "model": model, "system_fingerprint": None,
             "choices": [], "usage": usage_obj(usage)}
 
 
-def full_response(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]],
+def full_response(kind: Endpoint, rid: str, created: int, model: str, choices: list[dict[str, Any]],
                   usage: Usage) -> dict[str, Any]:
     """A non-streaming chat.completion or text_completion."""
-    obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+    return {"id": rid, "object": kind.object, "created": created, "model": model, "system_fingerprint": None,
             "choices": choices, "usage": usage_obj(usage)}

@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from engine.protocol import TokenLogprob
+from gateway.api.endpoint import Endpoint
 from gateway.api.generation import ChoiceEvent, Generation, GenerationError
 from gateway.api.responses import (
     chat_chunk,
@@ -35,14 +36,14 @@ def _logprobs(req: GenerationRequest, tok: ModelTokenizer, ids: list[int], lps: 
               offset: int) -> dict[str, Any] | None:
     if req.top_logprobs is None:
         return None
-    if req.kind == "chat":
+    if req.kind is Endpoint.CHAT:
         return chat_logprobs(tok, ids, lps, req.top_logprobs)
     return completion_logprobs(tok, ids, lps, req.top_logprobs, offset)
 
 
 def _chunk(req: GenerationRequest, rid: str, created: int, ev: ChoiceEvent,
            logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    if req.kind == "chat":
+    if req.kind is Endpoint.CHAT:
         delta = {"content": ev.text} if ev.text else {}
         return chat_chunk(rid, created, req.model, ev.index, delta, ev.finish_reason, logprobs, req.include_usage)
     return completion_chunk(rid, created, req.model, ev.index, ev.text, ev.finish_reason, logprobs,
@@ -57,7 +58,7 @@ async def stream(request: web.Request, req: GenerationRequest, gen: Generation,
     offsets = [0] * req.params.n
     reasons: list[str] = []
     try:
-        if req.kind == "chat":
+        if req.kind is Endpoint.CHAT:
             for i in range(req.params.n):
                 await sse.send(chat_chunk(rid, created, req.model, i, {"role": "assistant", "content": ""},
                                           include_usage=req.include_usage))
@@ -102,7 +103,7 @@ async def complete(request: web.Request, req: GenerationRequest, gen: Generation
     choices = []
     for i in range(n):
         logprobs = _logprobs(req, tok, ids[i], lps[i], 0)
-        if req.kind == "chat":
+        if req.kind is Endpoint.CHAT:
             message = {"role": "assistant", "content": texts[i], "refusal": None}
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reasons[i]})
         else:

@@ -5,11 +5,11 @@ tools, images, echo) are rejected instead of silently ignored."""
 
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.protocol import WireParams
+from engine.sampling_params import ParamError, SamplingParams
+from gateway.api.endpoint import Endpoint
 from gateway.api.fields import (
     as_bool,
     as_float,
@@ -28,11 +28,11 @@ from gateway.errors import OpenAIError, bad_request
 class GenerationRequest:
     """A chat or completion request after validation."""
 
-    kind: str  # "chat" | "completion"
+    kind: Endpoint
     model: str
     messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str | list[int] = ""
-    params: WireParams = field(default_factory=WireParams)
+    params: SamplingParams = field(default_factory=SamplingParams)
     max_tokens_given: bool = False
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -56,8 +56,8 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _logprobs(body: dict[str, Any], kind: str, cfg: GatewayConfig) -> int | None:
-    if kind == "completion":
+def _logprobs(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig) -> int | None:
+    if kind is Endpoint.COMPLETION:
         return opt_int(body, "logprobs", 0, cfg.max_top_logprobs)
     wanted = as_bool(body, "logprobs", False)
     top = opt_int(body, "top_logprobs", 0, cfg.max_top_logprobs)
@@ -78,12 +78,13 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, as_bool(options, "include_usage", False, prefix="stream_options.")
 
 
-def _params(body: dict[str, Any], kind: str, cfg: GatewayConfig) -> tuple[WireParams, bool]:
+def _params(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig, logprobs: int | None
+            ) -> tuple[SamplingParams, bool]:
+    """The engine's SamplingParams (its own checks run too: a ParamError becomes a 400), and
+    whether max_tokens was given."""
     n = as_int(body, "n", 1, 1, cfg.max_n)
-    best_of = opt_int(body, "best_of", 1, cfg.max_n) if kind == "completion" else None
-    if best_of is not None and best_of < n:
-        raise bad_request("'best_of' must be at least 'n'", "best_of")
-    name = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
+    best_of = opt_int(body, "best_of", 1, cfg.max_n) if kind is Endpoint.COMPLETION else None
+    name = "max_completion_tokens" if kind is Endpoint.CHAT and "max_completion_tokens" in body else "max_tokens"
     max_tokens = opt_int(body, name, 1, cfg.max_tokens_limit)
     min_tokens = as_int(body, "min_tokens", 0, 0, cfg.max_tokens_limit)
     if max_tokens is not None and min_tokens > max_tokens:
@@ -93,34 +94,30 @@ def _params(body: dict[str, Any], kind: str, cfg: GatewayConfig) -> tuple[WirePa
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  for t in stop_ids):
         raise bad_request("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
-    params = WireParams(
-        n=n, best_of=best_of, use_beam_search=as_bool(body, "use_beam_search", False),
-        length_penalty=as_float(body, "length_penalty", 1.0, -10.0, 10.0),
-        temperature=as_float(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=as_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-        top_k=-1 if top_k == 0 else top_k, min_p=as_float(body, "min_p", 0.0, 0.0, 1.0),
-        seed=opt_int(body, "seed", -(1 << 63), (1 << 64) - 1),
-        max_tokens=max_tokens or 16, min_tokens=min_tokens, stop_token_ids=list(stop_ids),
-        ignore_eos=as_bool(body, "ignore_eos", False),
-    )
-    if params.seed is None and params.temperature > 0.0:
-        # A drawn seed travels with the request, so an engine that resumes it (after another
-        # engine died) draws the very same tokens.
-        params.seed = secrets.randbits(63)
-    if not params.use_beam_search and params.length_penalty != 1.0:
-        raise bad_request("'length_penalty' only applies to beam search", "length_penalty")
-    if params.use_beam_search and params.temperature != 0.0:
-        raise bad_request("beam search needs 'temperature': 0", "temperature")
+    try:
+        params = SamplingParams(
+            n=n, best_of=best_of, use_beam_search=as_bool(body, "use_beam_search", False),
+            length_penalty=as_float(body, "length_penalty", 1.0, -10.0, 10.0),
+            temperature=as_float(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=as_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
+            top_k=-1 if top_k == 0 else top_k, min_p=as_float(body, "min_p", 0.0, 0.0, 1.0),
+            seed=opt_int(body, "seed", -(1 << 63), (1 << 64) - 1),
+            # without max_tokens, check_context fills in the default once the prompt is known
+            max_tokens=max_tokens or cfg.max_tokens_limit, min_tokens=min_tokens, stop_token_ids=list(stop_ids),
+            ignore_eos=as_bool(body, "ignore_eos", False), logprobs=logprobs,
+        )
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.param) from exc
     return params, max_tokens is not None
 
 
-def parse_request(body: Any, kind: str, cfg: GatewayConfig) -> GenerationRequest:
-    """Validate a /v1/chat/completions (kind "chat") or /v1/completions body."""
+def parse_request(body: Any, kind: Endpoint, cfg: GatewayConfig) -> GenerationRequest:
+    """Validate a /v1/chat/completions or /v1/completions body."""
     body = _require_object(body)
     model = _model(body)
     reject_unsupported(body, kind)
     req = GenerationRequest(kind=kind, model=model)
-    if kind == "chat":
+    if kind is Endpoint.CHAT:
         req.messages = parse_messages(body.get("messages"))
         kwargs = body.get("chat_template_kwargs", {})
         if not isinstance(kwargs, dict):
@@ -128,11 +125,10 @@ def parse_request(body: Any, kind: str, cfg: GatewayConfig) -> GenerationRequest
         req.extra_template_args = kwargs
     else:
         req.prompt = parse_prompt(body.get("prompt"))
-    req.params, req.max_tokens_given = _params(body, kind, cfg)
+    req.top_logprobs = _logprobs(body, kind, cfg)
+    req.params, req.max_tokens_given = _params(body, kind, cfg, req.top_logprobs)
     req.stop = parse_stop(body.get("stop"), cfg.max_stop_strings, cfg.max_stop_length)
     req.stream, req.include_usage = _stream(body)
-    req.top_logprobs = _logprobs(body, kind, cfg)
-    req.params.logprobs = req.top_logprobs
     if req.stream and req.params.best_of is not None and req.params.best_of > req.params.n:
         raise bad_request("'best_of' greater than 'n' cannot be streamed", "best_of")
     if req.params.use_beam_search and req.stream:
@@ -143,15 +139,19 @@ def parse_request(body: Any, kind: str, cfg: GatewayConfig) -> GenerationRequest
 def check_context(req: GenerationRequest, prompt_len: int, max_model_len: int, cfg: GatewayConfig) -> None:
     """Fit prompt + max_tokens into the model's context; fills in the default max_tokens."""
     if prompt_len == 0:
-        raise bad_request("the prompt is empty", "prompt" if req.kind == "completion" else "messages")
+        raise bad_request("the prompt is empty", req.kind.prompt_param)
     if max_model_len <= 0:
         return
     room = max_model_len - prompt_len
     if room <= 0:
         raise OpenAIError(400, f"the prompt has {prompt_len} tokens; this model's context is {max_model_len}",
-                          "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
+                          req.kind.prompt_param, "context_length_exceeded")
     if not req.max_tokens_given:
-        req.params.max_tokens = min(room, cfg.max_tokens_limit) if req.kind == "chat" else min(16, room)
+        default = min(room, cfg.max_tokens_limit) if req.kind is Endpoint.CHAT else min(16, room)
+        if req.params.min_tokens > default:
+            raise bad_request(f"'min_tokens' {req.params.min_tokens} exceeds the default max_tokens {default}",
+                              "min_tokens")
+        req.params = replace(req.params, max_tokens=default)
     elif req.params.max_tokens > room:
         raise OpenAIError(400, f"max_tokens {req.params.max_tokens} + prompt {prompt_len} tokens exceeds the "
                           f"context length {max_model_len}", "max_tokens", "context_length_exceeded")

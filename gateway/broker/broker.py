@@ -4,7 +4,6 @@ demultiplexes this gateway's output channel into per-request collectors."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -19,6 +18,7 @@ from engine.protocol import (
     ProtocolError,
     decode_outputs,
 )
+from engine.pubsub import subscribe_forever
 from gateway.broker.collector import RequestCollector
 
 log = get_logger("gateway.broker")
@@ -81,27 +81,20 @@ class Broker:
         for collector in self.collectors.values():
             collector.fail(ErrorInfo(message, "service_unavailable", "redis_unavailable"))
 
+    def _on_subscribed(self) -> None:
+        self.subscribed.set()
+        log.info("listening", channel=self.keys.out(self.gateway_id))
+
+    def _on_lost(self, exc: Exception) -> None:
+        """In-flight requests fail: their outputs may have been published while we were away."""
+        self.subscribed.clear()
+        if self.collectors:
+            self._fail_all(f"lost connection to Redis: {exc}")
+
     async def listen(self, retry_s: float = 0.5) -> None:
-        """Run forever: subscribe, dispatch, and on connection loss fail in-flight requests
-        (their outputs may be gone) and resubscribe."""
-        channel = self.keys.out(self.gateway_id)
-        while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(channel)
-                self.subscribed.set()
-                log.info("listening", channel=channel)
-                while True:
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is not None and message.get("type") == "message":
-                        self.dispatch(message["data"])
-            except (RedisError, OSError) as exc:
-                self.subscribed.clear()
-                if self.collectors:
-                    self._fail_all(f"lost connection to Redis: {exc}")
-                log.warning("listener disconnected", error=str(exc))
-                await asyncio.sleep(retry_s)
-            finally:
-                self.subscribed.clear()
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+        """Run forever: subscribe to this gateway's output channel and dispatch."""
+        try:
+            await subscribe_forever(self.client, self.keys.out(self.gateway_id), self.dispatch,
+                                    on_subscribed=self._on_subscribed, on_lost=self._on_lost, retry_s=retry_s)
+        finally:
+            self.subscribed.clear()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.protocol import ErrorInfo, RequestOutput, TokenLogprob, Usage
+from engine.protocol import ErrorInfo, OutputGap, OutputMessage, TokenLogprob, Usage, num_repeated
 
 
 @dataclass(slots=True)
@@ -50,7 +50,7 @@ class RequestCollector:
     def done(self) -> bool:
         return self._error is not None or len(self.finished) >= self.n
 
-    def feed(self, out: RequestOutput) -> None:
+    def feed(self, out: OutputMessage) -> None:
         """Merge one message (called by the listener; never blocks)."""
         if self.done:
             return
@@ -63,8 +63,9 @@ class RequestCollector:
             if seq_out.index in self.finished or not 0 <= seq_out.index < self.n:
                 continue
             have = self.received.get(seq_out.index, 0)
-            skip = have - seq_out.offset
-            if skip < 0:
+            try:
+                skip = num_repeated(have, seq_out.offset)
+            except OutputGap:
                 self.fail(ErrorInfo(f"lost engine output (choice {seq_out.index} token {have})",
                                     "server_error", "output_gap"))
                 return

@@ -58,10 +58,10 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
 
 def assert_no_leaks(llm: LLM) -> None:
     """Every block back on the free list; no request left in any queue."""
-    bm = llm.engine.block_manager
-    bm.check_invariants()
-    assert bm.num_used_blocks == 0, f"{bm.num_used_blocks} blocks still held"
-    assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_used_blocks == 0, f"{manager.num_used_blocks} blocks still held"
+    assert manager.num_free_cpu_blocks == manager.num_cpu_blocks
     assert not llm.engine.has_unfinished_requests()
     assert not llm.engine.requests
 

@@ -49,6 +49,12 @@ def test_bad_prompts_are_rejected_and_others_still_served(llm: LLM) -> None:
         engine.add_request("bad-id", [1, 100000], OK)
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("good-1", [1, 2, 3], OK)
+    # stop_token_ids past the vocabulary once crashed the step that masked them (min_tokens)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad-stop", [1, 2], SamplingParams(max_tokens=4, min_tokens=1, stop_token_ids=[10**9]))
+    with pytest.raises(ValueError, match=r"need \d+ KV blocks .* the whole cache has 8"):
+        engine.add_request("never-fits", [1, 2], SamplingParams(n=4, temperature=1.0, max_tokens=100,
+                                                                ignore_eos=True))
     engine.add_request("good-2", [4, 5, 6], OK)
     done = []
     while engine.has_unfinished_requests():

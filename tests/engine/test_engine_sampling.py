@@ -139,3 +139,14 @@ def test_abort_mid_generation_frees_blocks(llm: LLM) -> None:
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["to-keep"]
     assert_no_leaks(llm)
+
+
+def test_prefix_cache_hits_are_reported_as_cached_prompt_tokens(llm: LLM) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, *range(250, 292)]  # 50 tokens: three full blocks of 16 reused
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == 48
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_no_leaks(llm)

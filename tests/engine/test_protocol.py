@@ -15,16 +15,16 @@ from engine.protocol import (
     EngineRequest,
     ErrorInfo,
     Keys,
+    OutputMessage,
     ProtocolError,
-    RequestOutput,
     SeqOutput,
     TokenLogprob,
     Usage,
-    WireParams,
     decode_outputs,
     encode_outputs,
     merge_progress,
 )
+from engine.sampling_params import SamplingParams
 
 
 def test_keys_follow_prefix() -> None:
@@ -40,31 +40,31 @@ def test_keys_follow_prefix() -> None:
 
 
 def test_request_round_trip() -> None:
-    params = WireParams(n=2, temperature=0.5, top_k=4, seed=7, max_tokens=9, stop_token_ids=[2], logprobs=3)
+    params = SamplingParams(n=2, temperature=0.5, top_k=4, seed=7, max_tokens=9, stop_token_ids=[2], logprobs=3)
     req = EngineRequest("r1", "gw", "m", [1, 2, 3], params.to_dict(), arrival=1.5, deadline=None)
     data = req.encode()
     assert isinstance(data, bytes)
     assert msgpack.unpackb(data)["v"] == PROTOCOL_VERSION
     back = EngineRequest.decode(data)
     assert back == req
-    assert WireParams.from_dict(back.params) == params
+    assert SamplingParams.from_dict(back.params) == params
 
 
-def test_wire_params_carry_every_sampling_field() -> None:
-    expected = {"n", "best_of", "use_beam_search", "length_penalty", "early_stopping", "temperature",
-                "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
-                "ignore_eos", "logprobs"}
-    assert set(WireParams().to_dict()) == expected
-    assert WireParams.from_dict({"n": 3, "unknown": 1}).n == 3
+def test_sampling_params_travel_whole_and_unknown_keys_are_ignored() -> None:
+    params = SamplingParams(n=2, best_of=3, temperature=0.5, top_k=4, top_p=0.9, min_p=0.1, seed=7,
+                            max_tokens=9, min_tokens=2, stop_token_ids=[2], ignore_eos=True, logprobs=3)
+    back = EngineRequest.decode(EngineRequest("r", "gw", "m", [1], params.to_dict(), 0.0).encode())
+    assert SamplingParams.from_dict(back.params) == params
+    assert SamplingParams.from_dict({"n": 3, "unknown": 1}).n == 3
 
 
 def test_output_batch_round_trip() -> None:
     outs = [
-        RequestOutput("a", 0, [SeqOutput(0, [5, 6], offset=0)]),
-        RequestOutput("b", 3, [SeqOutput(1, [7], offset=4, finish_reason="stop",
+        OutputMessage("a", 0, [SeqOutput(0, [5, 6], offset=0)]),
+        OutputMessage("b", 3, [SeqOutput(1, [7], offset=4, finish_reason="stop",
                                          logprobs=[TokenLogprob(-0.5, [(7, -0.5), (8, -1.25)])])],
                       usage=Usage(3, 5)),
-        RequestOutput("c", 1, error=ErrorInfo("prompt too long", "invalid_request_error", "context_length")),
+        OutputMessage("c", 1, error=ErrorInfo("prompt too long", "invalid_request_error", "context_length")),
     ]
     assert decode_outputs(encode_outputs(outs)) == outs
 
@@ -99,18 +99,26 @@ def test_heartbeat_hash_round_trip_with_bytes() -> None:
 
 def test_merge_progress_dedups_by_offset() -> None:
     entries = [
-        RequestOutput("r", 0, [SeqOutput(0, [1, 2], 0), SeqOutput(1, [9], 0)]).encode(),
-        RequestOutput("r", 1, [SeqOutput(0, [2, 3], 1)]).encode(),  # resumed: token 2 repeated
-        RequestOutput("r", 2, [SeqOutput(0, [4], 3, finish_reason="length")]).encode(),
+        OutputMessage("r", 0, [SeqOutput(0, [1, 2], 0), SeqOutput(1, [9], 0)]).encode(),
+        OutputMessage("r", 1, [SeqOutput(0, [2, 3], 1)]).encode(),  # resumed: token 2 repeated
+        OutputMessage("r", 2, [SeqOutput(0, [4], 3, finish_reason="length")]).encode(),
     ]
     progress = merge_progress(entries)
     assert progress.last_seq == 2
     assert progress.token_ids == {0: [1, 2, 3, 4], 1: [9]}
     assert progress.finished == {0: "length"}
     with pytest.raises(ProtocolError):
-        merge_progress([RequestOutput("r", 0, [SeqOutput(0, [1], 2)]).encode()])
+        merge_progress([OutputMessage("r", 0, [SeqOutput(0, [1], 2)]).encode()])
 
 
 def test_protocol_import_is_torch_free() -> None:
     code = "import sys, engine, engine.protocol; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prompt_logprobs_and_cached_tokens_round_trip() -> None:
+    message = OutputMessage("r", 0, [], Usage(4, 1, cached_tokens=16),
+                            prompt_logprobs=[None, TokenLogprob(-1.5, [(7, -0.5)]), TokenLogprob(-0.25)])
+    back = OutputMessage.decode(message.encode())
+    assert back == message
+    assert OutputMessage.decode(OutputMessage("r", 1).encode()).prompt_logprobs is None

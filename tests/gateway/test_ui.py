@@ -31,11 +31,11 @@ async def first_event(resp: ClientResponse) -> dict[str, Any]:
 
 def busy_pool() -> tuple[list[list[int]], list[dict[str, Any]]]:
     """A real block manager with a forked request: shared and used blocks, two tables."""
-    bm = BlockManager(32, 4, watermark=0.0)
-    bm.allocate(7, list(range(9)))  # 3 blocks
-    bm.fork(7, 8)
-    bm.append_slot(8, 1)  # copy-on-write of the shared last block
-    return pool_snapshot(bm), block_tables(bm, [("req-a", 0, 7), ("req-a", 1, 8), ("gone", 0, 99)])
+    manager = BlockManager(32, 4, watermark=0.0)
+    manager.allocate(7, list(range(9)))  # 3 blocks
+    manager.fork(7, 8)
+    manager.append_slot(8, 1)  # copy-on-write of the shared last block
+    return pool_snapshot(manager), block_tables(manager, [("req-a", 0, 7), ("req-a", 1, 8), ("gone", 0, 99)])
 
 
 async def test_pages_served_without_key(redis_server: str, tiny_tokenizer_dir: Path) -> None:

@@ -29,7 +29,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.bm = BlockManager(
+        self.manager = BlockManager(
             NUM_BLOCKS,
             BLOCK_SIZE,
             NUM_CPU_BLOCKS,
@@ -45,7 +45,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @initialize()
     def start_empty(self) -> None:
-        assert self.bm.num_free_blocks == NUM_BLOCKS
+        assert self.manager.num_free_blocks == NUM_BLOCKS
 
     # ----- helpers ------------------------------------------------------------------------
     def _new_id(self) -> int:
@@ -53,13 +53,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         return self.next_id
 
     def _on_device(self) -> list[int]:
-        return sorted(s for s in self.tokens if not self.bm.seqs[s].on_host)
+        return sorted(s for s in self.tokens if not self.manager.seqs[s].on_host)
 
     def _on_host(self) -> list[int]:
-        return sorted(s for s in self.tokens if self.bm.seqs[s].on_host)
+        return sorted(s for s in self.tokens if self.manager.seqs[s].on_host)
 
     def _write(self, seq_id: int, position: int) -> None:
-        self.device_kv[self.bm.slot(seq_id, position)] = self.tokens[seq_id][position]
+        self.device_kv[self.manager.slot(seq_id, position)] = self.tokens[seq_id][position]
 
     @staticmethod
     def _copy(src_kv: list[int | None], src: int, dst_kv: list[int | None], dst: int) -> None:
@@ -75,16 +75,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     )
     def allocate(self, prefix: list[int], suffix: list[int]) -> None:
         prompt = prefix + suffix
-        if not prompt or not self.bm.can_allocate(prompt):
+        if not prompt or not self.manager.can_allocate(prompt):
             return
         seq_id = self._new_id()
-        cached = self.bm.allocate(seq_id, prompt)
+        cached = self.manager.allocate(seq_id, prompt)
         assert cached % BLOCK_SIZE == 0 and 0 <= cached < len(prompt)
         if not self.prefix_caching:
             assert cached == 0
         self.tokens[seq_id] = list(prompt)
         self.family[seq_id] = seq_id
-        assert len(self.bm.block_table(seq_id)) == -(-len(prompt) // BLOCK_SIZE)
+        assert len(self.manager.block_table(seq_id)) == -(-len(prompt) // BLOCK_SIZE)
         for position in range(cached, len(prompt)):  # the prefill writes only uncached tokens
             self._write(seq_id, position)
 
@@ -92,20 +92,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def append(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(self._on_device()), label="seq")
-        if not self.bm.can_append_slot(seq_id):
+        if not self.manager.can_append_slot(seq_id):
             return
-        table_before = list(self.bm.block_table(seq_id))
-        last_shared = bool(table_before) and self.bm.blocks[table_before[-1]].ref_count > 1
+        table_before = list(self.manager.block_table(seq_id))
+        last_shared = bool(table_before) and self.manager.blocks[table_before[-1]].ref_count > 1
         boundary = len(self.tokens[seq_id]) % BLOCK_SIZE == 0
         self.next_token += 1
-        copy = self.bm.append_slot(seq_id, self.next_token)
+        copy = self.manager.append_slot(seq_id, self.next_token)
         self.tokens[seq_id].append(self.next_token)
         if boundary or not last_shared:
             assert copy is None
         else:
             assert copy is not None
             src, dst = copy
-            assert src == table_before[-1] and dst == self.bm.block_table(seq_id)[-1] and src != dst
+            assert src == table_before[-1] and dst == self.manager.block_table(seq_id)[-1] and src != dst
             self._copy(self.device_kv, src, self.device_kv, dst)
         self._write(seq_id, len(self.tokens[seq_id]) - 1)
 
@@ -114,32 +114,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def fork(self, data: st.DataObject) -> None:
         parent = data.draw(st.sampled_from(self._on_device()), label="parent")
         child = self._new_id()
-        self.bm.fork(parent, child)
+        self.manager.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
         self.family[child] = self.family[parent]
-        assert self.bm.block_table(child) == self.bm.block_table(parent)
+        assert self.manager.block_table(child) == self.manager.block_table(parent)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.tokens)), label="seq")
-        self.bm.free(seq_id)
+        self.manager.free(seq_id)
         del self.tokens[seq_id]
-        assert not self.bm.has_seq(seq_id)
+        assert not self.manager.has_seq(seq_id)
 
     @precondition(lambda self: self._on_device())
     @rule(data=st.data(), whole_family=st.booleans())
     def swap_out(self, data: st.DataObject, whole_family: bool) -> None:
         seq_id = data.draw(st.sampled_from(self._on_device()), label="seq")
         group = self._group(seq_id, self._on_device()) if whole_family else [seq_id]
-        if not self.bm.can_swap_out(group):
+        if not self.manager.can_swap_out(group):
             return
-        distinct = {b for s in group for b in self.bm.block_table(s)}
-        free_host = self.bm.num_free_cpu_blocks
-        mapping = self.bm.swap_out(group)
+        distinct = {b for s in group for b in self.manager.block_table(s)}
+        free_host = self.manager.num_free_cpu_blocks
+        mapping = self.manager.swap_out(group)
         assert {dev for dev, _ in mapping} == distinct  # shared blocks move once
         assert len({host for _, host in mapping}) == len(mapping)
-        assert self.bm.num_free_cpu_blocks == free_host - len(mapping)
+        assert self.manager.num_free_cpu_blocks == free_host - len(mapping)
         for dev, host in mapping:
             self._copy(self.device_kv, dev, self.host_kv, host)
 
@@ -148,11 +148,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_in(self, data: st.DataObject, whole_family: bool) -> None:
         seq_id = data.draw(st.sampled_from(self._on_host()), label="seq")
         group = self._group(seq_id, self._on_host()) if whole_family else [seq_id]
-        if not self.bm.can_swap_in(group):
+        if not self.manager.can_swap_in(group):
             return
-        free_ids = {block.block_id for block in self.bm.free_queue}
-        distinct = {b for s in group for b in self.bm.block_table(s)}
-        mapping = self.bm.swap_in(group)
+        free_ids = {block.block_id for block in self.manager.free_queue}
+        distinct = {b for s in group for b in self.manager.block_table(s)}
+        mapping = self.manager.swap_in(group)
         assert {host for host, _ in mapping} == distinct
         assert {dev for _, dev in mapping} <= free_ids  # fresh device blocks only
         for host, dev in mapping:
@@ -163,18 +163,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def mark_computed(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(self._on_device()), label="seq")
         num_tokens = data.draw(st.integers(0, len(self.tokens[seq_id])), label="num_tokens")
-        self.bm.mark_computed(seq_id, num_tokens)
+        self.manager.mark_computed(seq_id, num_tokens)
 
     # ----- invariants ---------------------------------------------------------------------
     @invariant()
     def bookkeeping_is_consistent(self) -> None:
-        self.bm.check_invariants()
+        self.manager.check_invariants()
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self) -> None:
-        assert set(self.bm.seqs) == set(self.tokens)
+        assert set(self.manager.seqs) == set(self.tokens)
         for seq_id, expected in self.tokens.items():
-            seq = self.bm.seqs[seq_id]
+            seq = self.manager.seqs[seq_id]
             assert seq.token_ids == expected
             kv = self.host_kv if seq.on_host else self.device_kv
             table = seq.block_ids
@@ -183,20 +183,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def figures_agree(self) -> None:
-        stats = self.bm.stats()
+        stats = self.manager.stats()
         assert stats.num_free_blocks + stats.num_used_blocks == NUM_BLOCKS
         assert 0.0 <= stats.usage_ratio <= 1.0 and 0.0 <= stats.block_utilization <= 1.0
         assert stats.prefix_hits <= stats.prefix_queries
 
     def teardown(self) -> None:
         for seq_id in sorted(self.tokens):
-            self.bm.free(seq_id)
+            self.manager.free(seq_id)
         self.tokens.clear()
-        self.bm.check_invariants()
-        assert self.bm.num_used_blocks == 0  # cached free blocks count as free
-        assert self.bm.num_free_blocks == NUM_BLOCKS
-        assert self.bm.num_stored_tokens == 0
-        assert self.bm.num_free_cpu_blocks == NUM_CPU_BLOCKS
+        self.manager.check_invariants()
+        assert self.manager.num_used_blocks == 0  # cached free blocks count as free
+        assert self.manager.num_free_blocks == NUM_BLOCKS
+        assert self.manager.num_stored_tokens == 0
+        assert self.manager.num_free_cpu_blocks == NUM_CPU_BLOCKS
 
 
 class BlockManagerNoPrefixMachine(BlockManagerMachine):

@@ -83,8 +83,8 @@ def test_block_manager_stays_consistent_under_beams_and_prefixes() -> None:
         policy = PagedPolicy(1024, 8, sharing=sharing, seed=3)
         result = simulate(policy, trace, SimConfig(capacity_tokens=1024, max_model_len=512, step_time=0.01))
         assert result.finished == 12 and result.rejected == 0
-        policy.bm.check_invariants()
-        assert policy.bm.num_free_blocks == policy.bm.num_blocks
+        policy.block_manager.check_invariants()
+        assert policy.block_manager.num_free_blocks == policy.block_manager.num_blocks
         assert (result.prefix_hit_tokens > 0) == sharing
 
 

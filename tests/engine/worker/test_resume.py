@@ -11,19 +11,19 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.protocol import EngineRequest, Progress
-from engine.worker.engine_thread import AddJob, EngineHost
+from engine.worker.engine_thread import AddJob, EngineThread
 from engine.worker.tracked import Tracked, resume, to_wire
 
 
 @pytest.fixture(scope="module")
-def host(tiny_llama_dir: Path) -> Iterator[EngineHost]:
-    engine_host = EngineHost()
+def host(tiny_llama_dir: Path) -> Iterator[EngineThread]:
+    engine_host = EngineThread()
     engine_host._build(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 << 20, device="cpu"))
     yield engine_host
     engine_host.close()
 
 
-def _run(host: EngineHost, job: AddJob) -> list[int]:
+def _run(host: EngineThread, job: AddJob) -> list[int]:
     """Tokens the request produces after `job.generated`, stepping on this thread."""
     tokens: list[int] = []
     result = host.step([job], [])
@@ -40,7 +40,7 @@ def _run(host: EngineHost, job: AddJob) -> list[int]:
     {"temperature": 1.0, "seed": 11, "max_tokens": 24, "ignore_eos": True},
     {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True},  # unseeded: seed derived from the id
 ])
-def test_resume_continues_the_same_tokens(host: EngineHost, params: dict[str, Any]) -> None:
+def test_resume_continues_the_same_tokens(host: EngineThread, params: dict[str, Any]) -> None:
     prompt = [5, 80, 17, 33, 101, 7]
     full = _run(host, AddJob("req-a", prompt, params))
     assert len(full) == 24
@@ -59,7 +59,7 @@ def test_resume_bookkeeping_from_progress() -> None:
     assert (tracked2.seq, tracked2.sent, job2.generated) == (2, {}, [])  # restarts; gateway de-dups
 
 
-def test_to_wire_numbers_messages_and_offsets(host: EngineHost) -> None:
+def test_to_wire_numbers_messages_and_offsets(host: EngineThread) -> None:
     tracked = Tracked(EngineRequest("req-w", "gw", "tiny", [4, 5, 6], {"max_tokens": 3, "ignore_eos": True,
                                                                        "temperature": 0.0}, 0.0), "1-0")
     messages = []

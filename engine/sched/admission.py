@@ -1,0 +1,57 @@
+"""What a request must satisfy before it is queued: a prompt that fits the context and the
+vocabulary, token ids the model has, and a worst case that fits the whole KV pool. A request
+that fails here is refused with the numbers, never queued to hang or to crash a step."""
+
+from __future__ import annotations
+
+from engine.kv.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+
+# Parameters the engine accepts on the wire but does not implement yet: refused, never ignored.
+_NOT_YET = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
+            "structured_output": None, "prompt_logprobs": None}
+
+
+def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  block_manager: BlockManager) -> None:
+    """Raise ValueError (message for the client) when the request can never run correctly."""
+    _check_prompt(prompt, vocab_size, max_model_len, block_manager)
+    outside = sorted(t for t in params.token_ids_to_check if t >= vocab_size)
+    if outside:
+        raise ValueError(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
+    for name, default in _NOT_YET.items():
+        if getattr(params, name) != default:
+            raise ValueError(f"{name} is not supported by this engine yet")
+    _check_fits_pool(len(prompt), params, max_model_len, block_manager)
+
+
+def _check_prompt(prompt: list[int], vocab_size: int, max_model_len: int, block_manager: BlockManager) -> None:
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {max_model_len}")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+    if not block_manager.can_ever_allocate(len(prompt) + 1):
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens is larger than the whole KV cache "
+            f"({block_manager.num_blocks} blocks of {block_manager.block_size})"
+        )
+
+
+def _check_fits_pool(prompt_len: int, params: SamplingParams, max_model_len: int,
+                     block_manager: BlockManager) -> None:
+    """All `num_candidates` sequences at full length, sharing the prompt's full blocks, must fit
+    the pool: otherwise the request would preempt itself forever."""
+    size = block_manager.block_size
+    length = min(prompt_len + params.max_tokens, max_model_len)
+    shared = prompt_len // size
+    per_seq = -(-length // size) - shared
+    need = shared + params.num_candidates * per_seq
+    have = block_manager.num_blocks - block_manager.watermark_blocks
+    if need > have:
+        raise ValueError(
+            f"{params.num_candidates} sequence(s) of up to {length} tokens (prompt {prompt_len} + max_tokens "
+            f"{params.max_tokens}) need {need} KV blocks of {size} tokens; the whole cache has {have}: "
+            f"lower n, best_of or max_tokens"
+        )
