@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
                         help="seconds before a request fails with 504 (default %(default)s)")
     parser.add_argument("--gateway-id", default=None, help="id of this replica (default: random)")
+    parser.add_argument("--sse-keepalive", type=float, default=defaults.sse_keepalive_s, metavar="SECONDS",
+                        help="send an SSE comment frame on a stream idle this long, for proxies that cut idle "
+                             "connections (default 0 = never: some SSE clients mis-parse comments)")
+    parser.add_argument("--write-timeout", type=float, default=defaults.write_timeout_s, metavar="SECONDS",
+                        help="abort a request whose client reads nothing for this long (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -50,7 +55,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(
         host=args.host, port=args.port, redis_url=args.redis_url, redis_prefix=args.redis_prefix,
         api_keys=tuple(keys), models=tuple(args.models), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
-        max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout, **extra,
+        max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout,
+        sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout, **extra,
     )
 
 

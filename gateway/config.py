@@ -28,10 +28,14 @@ class GatewayConfig:
     max_top_logprobs: int = 20
     request_timeout_s: float = 600.0
     engine_stale_s: float = 15.0
-    sse_ping_s: float = 15.0
+    sse_ping_s: float = 15.0  # how often a waiting request checks its client (and deadline)
+    sse_keepalive_s: float = 0.0  # SSE comment frames after this many idle seconds; 0 = never
+    write_timeout_s: float = 30.0  # a client that reads nothing this long has its request aborted
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_n <= 0 or self.max_tokens_limit <= 0:
             raise ValueError("max_body_bytes, max_n and max_tokens_limit must be positive")
+        if self.sse_keepalive_s < 0 or self.write_timeout_s <= 0:
+            raise ValueError("sse_keepalive_s must be >= 0 and write_timeout_s positive")
         if not self.redis_prefix or ":" in self.redis_prefix:
             raise ValueError("redis_prefix must be a non-empty name without ':'")
