@@ -11,7 +11,13 @@ from typing import Any
 from engine.protocol import TokenLogprob
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import ChoiceEvent
-from gateway.api.responses import chat_logprobs, completion_logprobs, prompt_completion_logprobs
+from gateway.api.responses import (
+    TokenIdNames,
+    TokenNames,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_completion_logprobs,
+)
 from gateway.api.validation import GenerationRequest
 from gateway.text.tokenizer import ModelTokenizer
 from gateway.text.tool_parser import ToolCall, ToolCallParser
@@ -38,6 +44,7 @@ class ChoiceOutput:
     def __init__(self, req: GenerationRequest, tokenizer: ModelTokenizer) -> None:
         self.req = req
         self.tok = tokenizer
+        self.names: TokenNames = TokenIdNames() if req.tokens_as_ids else tokenizer
         self.parser = ToolCallParser() if req.tools.active else None
         self.text = ""  # everything shown as content/text
         self.token_ids: list[int] = []
@@ -70,7 +77,7 @@ class ChoiceOutput:
         """Logprobs of the whole choice (non-streaming), echoed prompt first."""
         echo_lps = None
         if self.req.echo and self.req.top_logprobs is not None:
-            echo_lps = prompt_completion_logprobs(self.tok, self.req.prompt_token_ids, prompt_logprobs,
+            echo_lps = prompt_completion_logprobs(self.names, self.req.prompt_token_ids, prompt_logprobs,
                                                   self.req.top_logprobs)
         start = len(self.prompt_text()) if self.req.echo else 0
         return self._logprobs(self.token_ids, self.logprobs, start, echo_lps)
@@ -85,7 +92,7 @@ class ChoiceOutput:
         self.echo_pending = False
         lps = None
         if self.req.top_logprobs is not None:
-            lps = prompt_completion_logprobs(self.tok, self.req.prompt_token_ids, prompt_logprobs,
+            lps = prompt_completion_logprobs(self.names, self.req.prompt_token_ids, prompt_logprobs,
                                              self.req.top_logprobs)
         return self.prompt_text(), lps
 
@@ -95,8 +102,8 @@ class ChoiceOutput:
         if req.top_logprobs is None:
             return None
         if req.kind is Endpoint.CHAT:
-            return chat_logprobs(self.tok, ids, lps, req.top_logprobs)
-        out = completion_logprobs(self.tok, ids, lps, req.top_logprobs, text_offset)
+            return chat_logprobs(self.names, ids, lps, req.top_logprobs)
+        out = completion_logprobs(self.names, ids, lps, req.top_logprobs, text_offset)
         if echo_lps is None:
             return out
         return {key: echo_lps[key] + out[key] for key in out}

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from engine.protocol import TokenLogprob, Usage
 from gateway.api.endpoint import Endpoint
-from gateway.text.tokenizer import ModelTokenizer
 from gateway.text.tool_parser import ToolCall
+
+
+class TokenNames(Protocol):
+    """How logprobs name tokens: their text (a ModelTokenizer) or `TokenIdNames`."""
+
+    def token_text(self, token_id: int) -> str: ...
+
+
+class TokenIdNames:
+    """vLLM's `return_tokens_as_token_ids`: tokens named ``token_id:<id>``, unambiguous where
+    byte-level tokens decode to the same text (partial UTF-8)."""
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 def usage_obj(usage: Usage) -> dict[str, Any]:
@@ -16,12 +29,12 @@ def usage_obj(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def _token_entry(tokenizer: ModelTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _token_entry(tokenizer: TokenNames, token_id: int, logprob: float) -> dict[str, Any]:
     text = tokenizer.token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprobs: list[TokenLogprob],
+def chat_logprobs(tokenizer: TokenNames, token_ids: list[int], logprobs: list[TokenLogprob],
                   top: int) -> dict[str, Any]:
     """`choices[i].logprobs` of a chat completion: {"content": [...]}."""
     content = []
@@ -32,7 +45,7 @@ def chat_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprobs: lis
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprobs: list[TokenLogprob],
+def completion_logprobs(tokenizer: TokenNames, token_ids: list[int], logprobs: list[TokenLogprob],
                         top: int, text_offset: int) -> dict[str, Any]:
     """`choices[i].logprobs` of a legacy completion: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -46,7 +59,7 @@ def completion_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprob
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def prompt_completion_logprobs(tokenizer: ModelTokenizer, prompt_ids: list[int],
+def prompt_completion_logprobs(tokenizer: TokenNames, prompt_ids: list[int],
                                logprobs: list[TokenLogprob | None] | None, top: int) -> dict[str, Any]:
     """The echoed prompt's part of a legacy completion's logprobs: the first token's are null
     (nothing predicts it), as are all when the engine sent none."""
@@ -64,7 +77,7 @@ def prompt_completion_logprobs(tokenizer: ModelTokenizer, prompt_ids: list[int],
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def vllm_prompt_logprobs(tokenizer: ModelTokenizer, prompt_ids: list[int],
+def vllm_prompt_logprobs(tokenizer: TokenNames, prompt_ids: list[int],
                          logprobs: list[TokenLogprob | None] | None, top: int) -> list[dict[str, Any] | None]:
     """vLLM's top-level `prompt_logprobs`: per prompt token None (the first) or
     ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` for the token and its top alternatives

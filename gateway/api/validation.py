@@ -47,6 +47,7 @@ class GenerationRequest:
     tools: ToolConfig = field(default_factory=ToolConfig)
     structured_param: str | None = None  # the body field the output constraint came from
     echo: bool = False  # completions: the prompt goes before each choice's text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     prompt_token_ids: list[int] = field(default_factory=list)  # set once tokenized
 
 
@@ -175,6 +176,7 @@ def parse_request(body: Any, kind: Endpoint, cfg: GatewayConfig) -> GenerationRe
         req.prompt = parse_prompt(body.get("prompt"))
         req.echo = as_bool(body, "echo", False)
     req.top_logprobs = _logprobs(body, kind, cfg)
+    req.tokens_as_ids = as_bool(body, "return_tokens_as_token_ids", False)
     req.params, req.max_tokens_given = _params(body, kind, cfg, req.top_logprobs)
     _constraint(body, req)
     req.stop = parse_stop(body.get("stop"), cfg.max_stop_strings, cfg.max_stop_length)

@@ -63,3 +63,11 @@ async def test_prompt_logprobs_extra(gateway: Gateway) -> None:
     assert plp[1][str(ids[1])]["logprob"] == -0.5 and plp[1][str(ids[1])]["decoded_token"] == tok.token_text(ids[1])
     assert plp[1]["1"] == {"logprob": -0.5, "rank": 1, "decoded_token": tok.token_text(1)}
     assert body["choices"][0]["text"] == tok.decode([72, 73])  # type: ignore[index]
+
+
+async def test_tokens_as_token_ids(gateway: Gateway) -> None:
+    ids, body = await _answer(gateway, {"prompt": "Hi", "echo": True, "logprobs": 1,
+                                        "return_tokens_as_token_ids": True})
+    lp = body["choices"][0]["logprobs"]  # type: ignore[index]
+    assert lp["tokens"] == [f"token_id:{t}" for t in [*ids, 72, 73]]
+    assert lp["top_logprobs"][-1] == {"token_id:73": -0.2}
