@@ -10,6 +10,7 @@ dialect, ``%json`` allowed) or GBNF, choice → one of the strings."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -115,12 +116,21 @@ def llguidance_grammar(structured: dict[str, Any]) -> str:
 
 def check_structured(structured: dict[str, Any], param: str | None) -> None:
     """400 naming what llguidance cannot compile (an unsupported schema keyword, a bad regex...).
-    May take a while on a huge grammar: call it off the event loop."""
-    try:
-        error = LLMatcher.validate_grammar(llguidance_grammar(structured))
-    except ValueError as exc:
-        error = str(exc)
+    May take a while on a huge grammar: call it off the event loop. Verdicts are cached: agent
+    loops send the same tools and schemas with every request."""
+    spec = structured["spec"]
+    error = _grammar_error(structured["kind"], tuple(spec) if isinstance(spec, list) else spec)
     if error:
         what = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
                 "grammar": "grammar", "choice": "choice list"}[structured["kind"]]
         raise bad_request(f"unsupported {what}: {error.strip()[:500]}", param, "unsupported_schema")
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_error(kind: str, spec: str | tuple[str, ...] | None) -> str:
+    """llguidance's complaint about a constraint, "" when it compiles."""
+    structured = {"kind": kind, "spec": list(spec) if isinstance(spec, tuple) else spec}
+    try:
+        return str(LLMatcher.validate_grammar(llguidance_grammar(structured)))
+    except ValueError as exc:
+        return str(exc)
