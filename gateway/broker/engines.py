@@ -62,6 +62,9 @@ class EngineRegistry:
             if now - beat.time <= self.stale_s:
                 engines.append(beat)
         self._cached, self._cached_at = engines, time.monotonic()
+        for name, ids in self.conflicts(engines).items():
+            log.error("engines serve one model name with different weights/tokenizer/length", model=name,
+                      engines=ids)
         return engines
 
     async def models(self, refresh: bool = False) -> dict[str, ModelInfo]:
@@ -76,6 +79,16 @@ class EngineRegistry:
             models[name] = ModelInfo(name, tokenizer_dir, max_len, tuple(b.engine_id for b in beats),
                                      int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)))
         return models
+
+    @staticmethod
+    def conflicts(engines: list[EngineHeartbeat]) -> dict[str, list[str]]:
+        """Model names announced by engines that disagree on weights, tokenizer or length
+        (failover between them would change answers): name -> engine ids."""
+        by_name: dict[str, list[EngineHeartbeat]] = {}
+        for beat in engines:
+            by_name.setdefault(beat.model, []).append(beat)
+        return {name: sorted(b.engine_id for b in beats) for name, beats in by_name.items()
+                if len({b.identity() for b in beats}) > 1}
 
     async def find(self, name: str) -> ModelInfo | None:
         """The model called `name`; refreshes the cache once before giving up."""
