@@ -269,7 +269,7 @@ class EngineWorker:
         lost = set(intake.tracked)
         log.error("Redis lost its data (epoch changed): dropping in-flight requests", requests=len(lost))
         guards.lose(lost, "Redis lost its data")
-        intake.pending = Outbox()
+        intake.pending = Outbox(forget_progress=sorted(lost))  # checkpoints written since the loss
         self.unsent = Outbox()
 
     async def _redis_lost(self, client: aioredis.Redis, intake: Intake, guards: Guards) -> None:

@@ -24,6 +24,7 @@ class Outbox:
     ended: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
     ack_only: list[str] = field(default_factory=list)
     requeue: list[bytes] = field(default_factory=list)  # payloads handed back to the stream (drain)
+    forget_progress: list[str] = field(default_factory=list)  # checkpoints of requests dropped here
 
     def add(self, gateway: str, message: OutputMessage) -> None:
         self.by_gateway.setdefault(gateway, []).append(message)
@@ -39,9 +40,10 @@ class Outbox:
         self.ended += later.ended
         self.ack_only += later.ack_only
         self.requeue += later.requeue
+        self.forget_progress += later.forget_progress
 
     def __bool__(self) -> bool:
-        return bool(self.by_gateway or self.ended or self.ack_only or self.requeue)
+        return bool(self.by_gateway or self.ended or self.ack_only or self.requeue or self.forget_progress)
 
 
 @dataclass(slots=True)
@@ -69,8 +71,8 @@ async def flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox,
                     pipe.expire(key, progress_ttl_s)
         for payload in outbox.requeue:
             pipe.xadd(stream, {REQUEST_FIELD: payload})
-        if ended:
-            pipe.delete(*(keys.progress(request_id) for request_id in ended))
+        if ended or outbox.forget_progress:
+            pipe.delete(*(keys.progress(request_id) for request_id in ended | set(outbox.forget_progress)))
         entry_ids = [entry_id for _, entry_id in outbox.ended] + outbox.ack_only
         if entry_ids:
             pipe.xack(stream, keys.group, *entry_ids)
