@@ -29,7 +29,7 @@ from tests.e2e.support import EngineProcess, GatewayProcess
 
 MODEL = "tiny"
 KEYS = Keys()
-ENGINE_ARGS = ("--served-model-name", MODEL, "--kv-cache-memory", "16MiB", "--drain-timeout", "1")
+ENGINE_ARGS = ("--served-model-name", MODEL, "--kv-cache-memory", "16MiB", "--drain-timeout", "0")
 
 
 @dataclass

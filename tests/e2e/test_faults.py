@@ -6,7 +6,8 @@ request stream is empty and no checkpoint is left. The table of verdicts is prin
 end of the module (and written to artifacts/faults.md).
 
 The tests share one cluster and run in file order; a fault that removes a process puts a
-fresh one back before the next test."""
+fresh one back before the next test. About 5 minutes on a quiet 2-core machine (9 under
+load): marked `slow`, CI runs them in a second pytest call (scripts/test.sh)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import pytest
 from tests.e2e.faults import Cluster, Tally, judge, reference_texts, run_with_fault
 from tests.e2e.support import EngineProcess
 
+pytestmark = pytest.mark.slow
 COUNT = 50
 MAX_TOKENS = 160
 TALLIES: list[Tally] = []
@@ -135,7 +137,7 @@ async def test_sigterm_drain_hands_requests_back(cluster: Cluster, reference: li
 
     async def fault() -> None:
         victims.append(victim := busiest(cluster))
-        victim.proc.send_signal(signal.SIGTERM)  # --drain-timeout 1: most requests are handed back
+        victim.proc.send_signal(signal.SIGTERM)  # --drain-timeout 0: what runs is handed back at once
 
     outcomes = await run_with_fault(cluster, COUNT, MAX_TOKENS, fault)
     victim = victims[0]
