@@ -31,16 +31,35 @@ def flatten_stats(stats: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
+_SAMPLE = 1 << 20
+_WEIGHTS = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def _sample_file(digest: Any, path: Path) -> None:
+    """Size, first and last MiB of a weights file: different checkpoints of one architecture
+    differ there, and reading a whole multi-GB file at every start would be too slow."""
+    size = path.stat().st_size
+    digest.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_SAMPLE))
+        if size > 2 * _SAMPLE:
+            f.seek(size - _SAMPLE)
+            digest.update(f.read(_SAMPLE))
+
+
 def model_config_hash(model_dir: str) -> str:
-    """A short hash of the files that decide a model's answers (config and tokenizer)."""
+    """A short hash of what decides a model's answers: config, tokenizer and (sampled) weights."""
     digest = hashlib.blake2b(digest_size=8)
     root = Path(model_dir)
+    if root.is_file():  # a .gguf file
+        _sample_file(digest, root)
+        return digest.hexdigest()
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        path = root / name if root.is_dir() else None
-        if path is not None and path.is_file():
+        path = root / name
+        if path.is_file():
             digest.update(name.encode() + b"\0" + path.read_bytes())
-    if root.is_file():  # a .gguf file: its size and name stand for it
-        digest.update(f"{root.name}:{root.stat().st_size}".encode())
+    for path in sorted(p for p in root.iterdir() if p.suffix in _WEIGHTS and p.is_file()):
+        _sample_file(digest, path)
     return digest.hexdigest()
 
 
