@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -32,8 +33,12 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     cfg = app[CONFIG]
     # short retries: when Redis is down a client should get its 503 fast, not after seconds
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2)
-    client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, socket_connect_timeout=2.0,
-                           socket_timeout=10.0, health_check_interval=10, retry=retry)
+    options: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 10.0,
+                               "health_check_interval": 10, "retry": retry}
+    if cfg.redis_pool == "plain":  # the pool before issue 13, kept to measure against
+        client = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.redis_pool_size, **options)
+    else:
+        client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, **options)
     # the output reader blocks on XREAD: its own connection, named so operators (and tests) can find it
     reader = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
                                      client_name=f"{cfg.redis_prefix}-out-{cfg.gateway_id}")

@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Redis connections of this gateway (default %(default)s)")
     parser.add_argument("--redis-pool-timeout", type=float, default=defaults.redis_pool_timeout_s,
                         help="seconds a request waits for a free Redis connection before a 429 (default %(default)s)")
+    parser.add_argument("--redis-pool", choices=("blocking", "plain"), default=defaults.redis_pool,
+                        help=argparse.SUPPRESS)  # "plain": the pre-issue-13 pool, for benchmarks
     parser.add_argument("--max-queued", type=int, default=defaults.max_queued_per_model,
                         help="requests waiting or running per model before new ones get 429 (default %(default)s)")
 
@@ -59,7 +61,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=tuple(keys), models=tuple(args.models), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout,
         redis_pool_size=args.redis_pool_size, redis_pool_timeout_s=args.redis_pool_timeout,
-        max_queued_per_model=args.max_queued, **extra,
+        max_queued_per_model=args.max_queued, redis_pool=args.redis_pool, **extra,
     )
 
 

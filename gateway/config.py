@@ -31,6 +31,7 @@ class GatewayConfig:
     sse_ping_s: float = 15.0
     # Redis: a pool that waits (bounded) for a free connection instead of failing a burst
     redis_pool_size: int = 64
+    redis_pool: str = "blocking"  # "plain": redis-py's default pool, which fails a burst at once (benchmarks)
     redis_pool_timeout_s: float = 20.0
     max_queued_per_model: int = 4096  # un-finished requests in a model's stream; past it 429
     retry_after_s: int = 1
