@@ -41,11 +41,19 @@ class EngineRegistry:
         self._cached_at = -1e9
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._tokenizer_lock = asyncio.Lock()
+        self._refresh_lock = asyncio.Lock()  # one SCAN at a time: a burst must not scan once per request
 
     async def live_engines(self, refresh: bool = False) -> list[EngineHeartbeat]:
         """Heartbeats younger than `stale_s`. Raises RedisError when Redis is down."""
         if not refresh and time.monotonic() - self._cached_at < self.cache_s:
             return self._cached
+        asked = time.monotonic()
+        async with self._refresh_lock:
+            if self._cached_at >= asked:  # refreshed by another caller while we waited
+                return self._cached
+            return await self._scan()
+
+    async def _scan(self) -> list[EngineHeartbeat]:
         keys = [key async for key in self.client.scan_iter(match=self.keys.engine_pattern, count=100)]
         async with self.client.pipeline(transaction=False) as pipe:
             for key in keys:
