@@ -110,7 +110,8 @@ class EngineThread:
         return StepResult(outputs, rejected, aborted, self._refresh_cache(), failed)
 
     def _refresh_cache(self) -> dict[str, Any]:
-        if self.want_snapshot:
+        # idle after this trip: no later step would refresh it, so take the full snapshot now
+        if self.want_snapshot or not self.engine.has_unfinished_requests():
             self.want_snapshot = False
             self.snapshot_cache = self.snapshot()
         else:
