@@ -4,15 +4,24 @@ The gateway imports this module, `engine.sampling_params` and `engine.log` from 
 (none of them imports torch); nothing here pickles. Every message carries `v`
 (PROTOCOL_VERSION); a message with another version is rejected with `ProtocolError`.
 
-Flow:
-- gateway ``XADD {prefix}:requests * m <EngineRequest.encode()>`` (consumer group ``engines``)
-- engine ``PUBLISH {prefix}:out:<gateway_id> <encode_outputs([OutputMessage, ...])>``, one
-  message per step per gateway; ``seq`` counts messages per request (0, 1, 2, ...).
+Flow (protocol version 2; see `docs/stream-layout.md` for the layout and the migration from 1):
+- gateway ``XADD {prefix}:requests:<model> * m <EngineRequest.encode()>``: one stream and one
+  consumer group ``engines`` per served model name, so a request only reaches engines of its
+  model and only they take over each other's entries. The gateway's submit script refuses
+  the XADD past the model's queue bound (429) and when Redis lost its data (epoch changed).
+- engine ``XADD {prefix}:out:<gateway_id> MAXLEN ~ N * m <encode_outputs([...])>``: one entry
+  per step per gateway on the gateway's output *stream*, read by id, so output written while
+  a gateway reconnects is read afterwards, never lost; ``seq`` counts messages per request.
 - gateway ``PUBLISH {prefix}:abort <AbortMessage.encode()>`` when a client leaves or a stop
   string matched.
+- gateway ``SET {prefix}:gateway:<gateway_id> PX ttl``: liveness; engines drop the requests
+  of a gateway whose key is gone.
+- ``{prefix}:epoch``: a random token set once per Redis dataset; a changed or missing token
+  means Redis restarted without persistence and every in-flight request is lost.
 - engine ``HSET {prefix}:engine:<engine_id>`` (EngineHeartbeat.to_hash()) with a TTL.
 - engine ``RPUSH {prefix}:progress:<request_id> <OutputMessage.encode()>`` in the same
-  MULTI/EXEC as each publish, with a TTL; `merge_progress` folds the list back.
+  MULTI/EXEC as each output, with a TTL; `merge_progress` folds the list back.
+- ``{prefix}:dead:<model>``: dead-letter stream of requests taken over too many times.
 
 Token de-duplication: each `SeqOutput` says at which generated-token index (`offset`) its
 `token_ids` start, so a receiver drops tokens it already has (an engine resuming a dead
@@ -27,7 +36,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_PREFIX = "ps"
 CONSUMER_GROUP = "engines"
 REQUEST_FIELD = "m"
@@ -55,9 +64,17 @@ class Keys:
 
     prefix: str = DEFAULT_PREFIX
 
+    def requests(self, model: str) -> str:
+        """The request stream of one served model name."""
+        return f"{self.prefix}:requests:{model}"
+
+    def dead(self, model: str) -> str:
+        """Dead-letter stream: requests of `model` that were taken over too many times."""
+        return f"{self.prefix}:dead:{model}"
+
     @property
-    def requests(self) -> str:
-        return f"{self.prefix}:requests"
+    def epoch(self) -> str:
+        return f"{self.prefix}:epoch"
 
     @property
     def group(self) -> str:
@@ -73,7 +90,12 @@ class Keys:
         return f"{self.prefix}:engine:*"
 
     def out(self, gateway_id: str) -> str:
+        """The gateway's output stream (read by id)."""
         return f"{self.prefix}:out:{gateway_id}"
+
+    def gateway(self, gateway_id: str) -> str:
+        """The gateway's liveness key (with a TTL)."""
+        return f"{self.prefix}:gateway:{gateway_id}"
 
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"
@@ -107,8 +129,12 @@ def _check_version(obj: Any, what: str) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class EngineRequest:
-    """One generation request, XADDed to the request stream under field ``m``. `params` is
-    `engine.sampling_params.SamplingParams.to_dict()`: one type from gateway to engine."""
+    """One generation request, XADDed to its model's request stream under field ``m``. `params`
+    is `engine.sampling_params.SamplingParams.to_dict()`: one type from gateway to engine.
+    `handoffs` counts how often a draining engine put the request back on the stream (the
+    reader then resumes it from its progress checkpoint). `epoch` is the dataset token the
+    gateway saw when it submitted: an engine reading a request of a newer epoch knows Redis
+    lost its data and drops what it was running before admitting it."""
 
     id: str
     gateway: str
@@ -117,12 +143,15 @@ class EngineRequest:
     params: dict[str, Any]
     arrival: float
     deadline: float | None = None
+    handoffs: int = 0
+    epoch: str = ""
 
     def encode(self) -> bytes:
         return _pack({
             "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
             "prompt_token_ids": list(self.prompt_token_ids), "params": self.params,
-            "arrival": self.arrival, "deadline": self.deadline,
+            "arrival": self.arrival, "deadline": self.deadline, "handoffs": self.handoffs,
+            "epoch": self.epoch,
         })
 
     @classmethod
@@ -133,7 +162,8 @@ class EngineRequest:
                 id=str(obj["id"]), gateway=str(obj["gateway"]), model=str(obj["model"]),
                 prompt_token_ids=[int(t) for t in obj["prompt_token_ids"]], params=dict(obj["params"]),
                 arrival=float(obj["arrival"]), deadline=None if obj.get("deadline") is None
-                else float(obj["deadline"]),
+                else float(obj["deadline"]), handoffs=int(obj.get("handoffs", 0)),
+                epoch=str(obj.get("epoch", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"request: bad field: {exc!r}") from exc
@@ -316,7 +346,9 @@ class EngineHeartbeat:
     the run-length snapshot of the device block pool (`engine.kv.block_stats.pool_snapshot`:
     ``[[state, run_length], ...]``), stored as ``"state:run,state:run"`` in field ``pool``.
     `tables` are the block tables of running and swapped sequences
-    (`engine.kv.block_stats.block_tables`), JSON in field ``tables``."""
+    (`engine.kv.block_stats.block_tables`), JSON in field ``tables``. `config_hash` and
+    `vocab_size` identify the weights and tokenizer: engines announcing one name must agree,
+    or failover between them would change answers. `draining` is set after SIGTERM."""
 
     engine_id: str
     model: str
@@ -326,10 +358,19 @@ class EngineHeartbeat:
     stats: dict[str, float] = field(default_factory=dict)
     pool: list[list[int]] = field(default_factory=list)
     tables: list[dict[str, Any]] = field(default_factory=list)
+    config_hash: str = ""
+    vocab_size: int = 0
+    draining: bool = False
+
+    def identity(self) -> tuple[str, int, int]:
+        """What must be equal between engines serving one model name."""
+        return self.config_hash, self.vocab_size, self.max_model_len
 
     def to_hash(self) -> dict[str, str]:
         fields = {"engine_id": self.engine_id, "model": self.model, "tokenizer": self.tokenizer,
-                  "max_model_len": str(self.max_model_len), "time": repr(self.time)}
+                  "max_model_len": str(self.max_model_len), "time": repr(self.time),
+                  "config_hash": self.config_hash, "vocab_size": str(self.vocab_size),
+                  "draining": "1" if self.draining else "0"}
         fields.update({f"stat:{k}": repr(float(v)) for k, v in self.stats.items()})
         if self.pool:
             fields["pool"] = ",".join(f"{state}:{run}" for state, run in self.pool)
@@ -347,6 +388,8 @@ class EngineHeartbeat:
                 stats={k[5:]: float(v) for k, v in text.items() if k.startswith("stat:")},
                 pool=[[int(x) for x in run.split(":", 1)] for run in text.get("pool", "").split(",") if run],
                 tables=list(json.loads(text.get("tables", "[]"))),
+                config_hash=text.get("config_hash", ""), vocab_size=int(text.get("vocab_size", "0")),
+                draining=text.get("draining", "0") == "1",
             )
         except (KeyError, ValueError, TypeError) as exc:
             raise ProtocolError(f"heartbeat: bad field: {exc!r}") from exc

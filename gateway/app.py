@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -14,10 +15,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from engine.protocol import Keys
+from engine.redis_conn import MeteredPool, pooled_client
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.openai_routes import add_routes as add_openai_routes
 from gateway.broker.broker import Broker
 from gateway.broker.engines import EngineRegistry
+from gateway.broker.watch import Watch
 from gateway.config import GatewayConfig
 from gateway.errors import Handler, auth_middleware, error_middleware
 from gateway.metrics import GatewayMetrics
@@ -26,21 +29,39 @@ from gateway.ui.routes import add_routes as add_ui_routes
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Redis client, broker, engine registry and the listener task for the app's lifetime."""
+    """Redis clients, broker, engine registry, the reader and watch tasks for the app's lifetime."""
     cfg = app[CONFIG]
     # short retries: when Redis is down a client should get its 503 fast, not after seconds
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2)
-    client = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
-                                     health_check_interval=10, retry=retry)
+    options: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 10.0,
+                               "health_check_interval": 10, "retry": retry}
+    if cfg.redis_pool == "plain":  # the pool before issue 13, kept to measure against
+        client = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.redis_pool_size, **options)
+    else:
+        client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, **options)
+    # the output reader blocks on XREAD: its own connection, named so operators (and tests) can find it
+    reader = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
+                                     client_name=f"{cfg.redis_prefix}-out-{cfg.gateway_id}")
     keys = Keys(cfg.redis_prefix)
-    broker = Broker(client, keys, cfg.gateway_id)
+    broker = Broker(client, keys, cfg.gateway_id, reader, cfg.max_queued_per_model)
+    registry = EngineRegistry(client, keys, cfg.models, cfg.engine_stale_s)
     app[BROKER] = broker
-    app[REGISTRY] = EngineRegistry(client, keys, cfg.models, cfg.engine_stale_s)
-    listener = asyncio.create_task(broker.listen(), name=f"listener-{cfg.gateway_id}")
+    app[REGISTRY] = registry
+    pool = client.connection_pool
+    if isinstance(pool, MeteredPool):
+        app[METRICS].watch_pool(pool)
+    watch = Watch(broker, registry, cfg.watch_interval_s, cfg.orphan_after_s)
+    tasks = [asyncio.create_task(broker.listen(), name=f"reader-{cfg.gateway_id}"),
+             asyncio.create_task(watch.run(), name=f"watch-{cfg.gateway_id}")]
     yield
-    listener.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await listener
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    with contextlib.suppress(Exception):
+        await client.delete(keys.gateway(cfg.gateway_id), keys.out(cfg.gateway_id))
+    await reader.aclose()
     await client.aclose()
 
 

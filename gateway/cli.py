@@ -9,6 +9,7 @@ from aiohttp import web
 
 from engine.log import get_logger
 from engine.protocol import DEFAULT_PREFIX
+from engine.redis_conn import redact_url
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
@@ -42,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
                         help="seconds before a request fails with 504 (default %(default)s)")
     parser.add_argument("--gateway-id", default=None, help="id of this replica (default: random)")
+    parser.add_argument("--redis-pool-size", type=int, default=defaults.redis_pool_size,
+                        help="Redis connections of this gateway (default %(default)s)")
+    parser.add_argument("--redis-pool-timeout", type=float, default=defaults.redis_pool_timeout_s,
+                        help="seconds a request waits for a free Redis connection before a 429 (default %(default)s)")
+    parser.add_argument("--redis-pool", choices=("blocking", "plain"), default=defaults.redis_pool,
+                        help=argparse.SUPPRESS)  # "plain": the pre-issue-13 pool, for benchmarks
+    parser.add_argument("--max-queued", type=int, default=defaults.max_queued_per_model,
+                        help="requests waiting or running per model before new ones get 429 (default %(default)s)")
     parser.add_argument("--sse-keepalive", type=float, default=defaults.sse_keepalive_s, metavar="SECONDS",
                         help="send an SSE comment frame on a stream idle this long, for proxies that cut idle "
                              "connections (default 0 = never: some SSE clients mis-parse comments)")
@@ -56,13 +65,15 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host, port=args.port, redis_url=args.redis_url, redis_prefix=args.redis_prefix,
         api_keys=tuple(keys), models=tuple(args.models), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout,
+        redis_pool_size=args.redis_pool_size, redis_pool_timeout_s=args.redis_pool_timeout,
+        max_queued_per_model=args.max_queued, redis_pool=args.redis_pool,
         sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout, **extra,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    log.info("starting gateway", host=config.host, port=config.port, redis=config.redis_url,
+    log.info("starting gateway", host=config.host, port=config.port, redis=redact_url(config.redis_url),
              gateway_id=config.gateway_id, auth=bool(config.api_keys))
     web.run_app(create_app(config), host=config.host, port=config.port, print=None, access_log=None)
     return 0

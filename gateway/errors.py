@@ -24,8 +24,9 @@ class OpenAIError(Exception):
     """An error the client should see as ``{"error": {message, type, param, code}}``."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -36,8 +37,8 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        return web.json_response(self.body(), status=self.status, headers=headers | (self.headers or {}))
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> OpenAIError:

@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.redis_conn import MeteredPool
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_POOL_WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 20.0)
+
+
+class _PoolCollector(Collector):
+    """The Redis connection pool as gauges: connections in use, callers waiting, limits."""
+
+    def __init__(self, pool: MeteredPool, wait: Histogram) -> None:
+        self.pool = pool
+        self.wait = wait
+
+    def collect(self) -> Iterator[Metric]:
+        pool, figures = self.pool, self.pool.figures
+        waits, figures.waits = figures.waits, []
+        for seconds in waits:
+            self.wait.observe(seconds)
+        yield GaugeMetricFamily("pagedserve_redis_pool_in_use", "Redis connections in use", value=pool.in_use)
+        yield GaugeMetricFamily("pagedserve_redis_pool_waiting", "callers waiting for a Redis connection",
+                                value=figures.waiting)
+        yield GaugeMetricFamily("pagedserve_redis_pool_max", "Redis connection pool size",
+                                value=pool.max_connections)
+        yield CounterMetricFamily("pagedserve_redis_pool_timeouts", "waits for a connection that timed out",
+                                  value=figures.timeouts)
+        yield GaugeMetricFamily("pagedserve_redis_pool_max_wait_seconds", "longest wait for a connection so far",
+                                value=figures.max_wait_seconds)
 
 
 class GatewayMetrics:
@@ -18,6 +48,8 @@ class GatewayMetrics:
                                      ["route", "status"], registry=r)
         self.in_flight = Gauge("pagedserve_gateway_requests_in_flight", "generation requests in progress",
                                registry=r)
+        self.rejected = Counter("pagedserve_gateway_rejected", "requests refused before submission, by reason",
+                                ["reason"], registry=r)
         self.success = Counter("pagedserve_request_success", "finished requests by finish reason",
                                ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)
@@ -28,6 +60,13 @@ class GatewayMetrics:
                               buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "request latency end to end",
                              buckets=_LATENCY_BUCKETS, registry=r)
+
+    def watch_pool(self, pool: MeteredPool) -> None:
+        """Export the Redis pool's use; the wait histogram fills at each scrape."""
+        wait = Histogram("pagedserve_redis_pool_wait_seconds", "time to get a Redis connection",
+                         buckets=_POOL_WAIT_BUCKETS, registry=None)
+        self.registry.register(_PoolCollector(pool, wait))
+        self.registry.register(wait)
 
     def observe_request(self, finish_reasons: list[str], prompt_tokens: int, completion_tokens: int,
                         start: float, first_token: float | None, end: float) -> None:

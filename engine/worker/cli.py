@@ -57,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug-blocks", action="store_true", help="log every block event, check invariants")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between heartbeats; a silent engine's requests move after 5 intervals")
+    parser.add_argument("--max-claims", type=int, default=3,
+                        help="a request taken over more often goes to the dead-letter stream (default %(default)s)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="after SIGTERM, seconds to finish running requests before handing the rest back "
+                             "to the stream (default %(default)s)")
+    parser.add_argument("--redis-pool-size", type=int, default=16, help="Redis connections (default %(default)s)")
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -81,7 +87,7 @@ def resolve_model(model: str | None) -> str:
 
 async def _serve(worker: EngineWorker) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM):  # drain: finish or hand back running requests
         loop.add_signal_handler(sig, worker.stop.set)
     try:
         await worker.run()
@@ -106,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
         engine_id=args.engine_id or f"{socket.gethostname()}-{os.getpid()}",
         model_name=args.served_model_name or Path(model).name,
         redis_url=args.redis_url, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval,
+        metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval, max_claims=args.max_claims,
+        drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size,
     ), config)
     try:
         asyncio.run(_serve(worker))

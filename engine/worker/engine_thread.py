@@ -2,11 +2,17 @@
 
 Every engine call (construction included) runs on one dedicated thread, so the asyncio
 loop stays free for Redis while a model step runs, and the engine is never touched from
-two threads."""
+two threads.
+
+Containment: a step that raises fails only the requests that step ran (they are aborted,
+their blocks freed, their clients get an error); the engine keeps serving the others. The
+figures the heartbeat sends are cached at the end of every trip, so a heartbeat never waits
+for a long step."""
 
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -14,10 +20,12 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.kv.block_stats import block_tables, pool_snapshot
+from engine.log import get_logger
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
+log = get_logger("worker.engine")
 
 
 @dataclass(slots=True)
@@ -38,6 +46,7 @@ class StepResult:
     rejected: dict[str, str]
     aborted: list[str]
     stats: dict[str, Any]
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step raised
 
 
 class EngineThread:
@@ -46,6 +55,10 @@ class EngineThread:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Any = None
+        # (figures, pool snapshot) as of the end of the last trip; replaced, never mutated.
+        # The pool snapshot and block tables are rebuilt only when the heartbeat asked.
+        self.snapshot_cache: tuple[dict[str, Any], list[list[int]]] = ({}, [])
+        self.want_snapshot = True
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the engine thread."""
@@ -62,6 +75,7 @@ class EngineThread:
         from engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(config)
+        self.snapshot_cache = self.snapshot()
 
     def add(self, job: AddJob) -> None:
         """Queue a request; a resumed one restarts by recompute from prompt + generated tokens."""
@@ -81,8 +95,51 @@ class EngineThread:
                 self.add(job)
             except ValueError as exc:  # nothing was queued
                 rejected[job.request_id] = str(exc)
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-        return StepResult(outputs, rejected, aborted, self.engine.stats())
+            except Exception as exc:  # a request the engine cannot even queue: only it fails
+                self.engine.abort_request(job.request_id)
+                rejected[job.request_id] = f"the engine could not queue this request: {exc!r}"
+        outputs: list[RequestOutput] = []
+        failed: dict[str, str] = {}
+        if self.engine.has_unfinished_requests():
+            in_step = [req.request_id for req in self.engine.scheduler.running]
+            in_step += [req.request_id for req in self.engine.scheduler.waiting]
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                failed = self._fail_step(in_step, exc)
+        return StepResult(outputs, rejected, aborted, self._refresh_cache(), failed)
+
+    def _refresh_cache(self) -> dict[str, Any]:
+        # idle after this trip: no later step would refresh it, so take the full snapshot now
+        if self.want_snapshot or not self.engine.has_unfinished_requests():
+            self.want_snapshot = False
+            self.snapshot_cache = self.snapshot()
+        else:
+            old_stats, pool = self.snapshot_cache
+            self.snapshot_cache = (self.engine.stats() | {"block_tables": old_stats.get("block_tables", [])}, pool)
+        return self.snapshot_cache[0]
+
+    def _fail_step(self, candidates: list[str], exc: Exception) -> dict[str, str]:
+        """A step raised: abort what it ran (running after the failed schedule, plus the
+        candidates it may have admitted), so their blocks return and the engine goes on."""
+        log.error("engine step failed; failing its requests", error=repr(exc),
+                  traceback=traceback.format_exc(limit=8))
+        ran = {req.request_id for req in self.engine.scheduler.running}
+        ran |= {rid for rid in candidates if rid in self.engine.requests and rid not in
+                {req.request_id for req in self.engine.scheduler.waiting}}
+        message = f"the engine failed while running this request: {exc!r}"
+        failed = {}
+        for request_id in sorted(ran):
+            if self.engine.abort_request(request_id):
+                failed[request_id] = message
+        return failed
+
+    def abort_all(self, request_ids: list[str]) -> list[str]:
+        """Abort these requests (lost ownership, Redis lost its data); returns those aborted."""
+        aborted = [rid for rid in request_ids if self.engine.abort_request(rid)]
+        self.want_snapshot = True
+        self._refresh_cache()
+        return aborted
 
     def snapshot(self) -> tuple[dict[str, Any], list[list[int]]]:
         """Current figures (with the running and swapped sequences' ``block_tables``) and the

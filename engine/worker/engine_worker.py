@@ -1,9 +1,12 @@
-"""The engine worker: consumes the Redis request stream and runs the engine.
+"""The engine worker: consumes its model's request stream and runs the engine.
 
 Loop: pull new entries (blocking only when there is nothing to run) → start the next engine
 step on the engine thread → while it runs, publish the previous step's tokens in one
-MULTI/EXEC per step. Side tasks: heartbeat + touching own pending entries + claiming dead
-engines' entries (one maintenance task), and the abort listener."""
+MULTI/EXEC per step. Around every step the guards run (deadlines, gone gateways, ownership,
+Redis data loss). Side tasks: the heartbeat (its own task, on cached figures), takeover of
+dead engines' entries, and the abort listener. SIGTERM drains: no new work, running
+requests finish within `drain_timeout_s`, the rest go back on the stream with their
+checkpoints."""
 
 from __future__ import annotations
 
@@ -19,8 +22,10 @@ from redis.exceptions import RedisError
 from engine.config import EngineConfig
 from engine.log import get_logger
 from engine.protocol import DEFAULT_PREFIX, Keys
+from engine.redis_conn import Epoch, pooled_client
 from engine.worker.engine_thread import EngineThread, StepResult
-from engine.worker.heartbeat import Heartbeat
+from engine.worker.guards import Guards, without
+from engine.worker.heartbeat import Heartbeat, model_config_hash
 from engine.worker.intake import Intake
 from engine.worker.metrics import EngineMetrics, start_metrics_server
 from engine.worker.outbox import Outbox, flush
@@ -28,6 +33,10 @@ from engine.worker.request_stream import RequestStream
 from engine.worker.tracked import error_output, to_wire
 
 log = get_logger("worker")
+
+
+class ConflictingEngine(ValueError):
+    """Another live engine serves this model name with other weights, tokenizer or length."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,11 @@ class WorkerConfig:
     progress_ttl_s: int = 3600
     max_pull: int = 64
     idle_block_ms: int = 500
+    max_claims: int = 3
+    gateway_grace_s: float = 3.0
+    drain_timeout_s: float = 30.0
+    redis_pool_size: int = 16
+    redis_pool_timeout_s: float = 10.0
 
     @property
     def claim_after_ms(self) -> int:
@@ -52,7 +66,7 @@ class WorkerConfig:
 
 
 class EngineWorker:
-    """One engine serving the request stream as consumer `engine_id` of group `engines`."""
+    """One engine serving its model's request stream as consumer `engine_id` of group `engines`."""
 
     def __init__(self, config: WorkerConfig, engine_config: EngineConfig) -> None:
         self.config = config
@@ -62,30 +76,42 @@ class EngineWorker:
         self.stop = asyncio.Event()
         self.stats: dict[str, Any] = {}
         self.metrics: EngineMetrics | None = None
+        self.epoch = Epoch(self.keys.epoch)
+        self.unsent = Outbox()  # outboxes whose flush failed, retried first
+        self._drain_deadline: float | None = None
 
     async def run(self) -> None:
-        """Load the model, then serve until `stop` is set."""
+        """Load the model, then serve until `stop` is set and the drain is over."""
         await self.thread.start(self.engine_config)
         engine = self.thread.engine
-        client = aioredis.Redis.from_url(self.config.redis_url, health_check_interval=10)
+        cfg = self.config
+        client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, health_check_interval=10)
         self.metrics = EngineMetrics(engine.device.type)
-        stream = RequestStream(client, self.keys, self.config.engine_id)
-        intake = Intake(client, self.keys, stream)
-        beat = Heartbeat(client, self.keys, self.config.engine_id, self.config.model_name, str(engine.config.model),
-                         engine.max_model_len, ttl_s=self.config.claim_after_ms / 1000)
+        stream = RequestStream(client, self.keys, cfg.model_name, cfg.engine_id)
+        intake = Intake(client, self.keys, stream, cfg.model_name, cfg.max_claims, self.epoch)
+        guards = Guards(intake, cfg.gateway_grace_s)
+        intake.on_data_lost = lambda: self._forget_everything(intake, guards)
+        beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, str(engine.config.model),
+                         engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
+                         config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size)
         runner = None
         tasks: list[asyncio.Task[None]] = []
         try:
+            conflicts = await beat.conflicts()
+            if conflicts:
+                raise ConflictingEngine(f"model name {cfg.model_name!r} is already served by engines with other "
+                                        f"weights/tokenizer/max_model_len: {'; '.join(conflicts)}")
+            await self.epoch.check(client)
             await stream.ensure_group()
-            if self.config.metrics_port is not None:
-                runner = await start_metrics_server(self.metrics, self.config.metrics_host, self.config.metrics_port)
+            if cfg.metrics_port is not None:
+                runner = await start_metrics_server(self.metrics, cfg.metrics_host, cfg.metrics_port)
             await intake.admit(await stream.read_own_pending(), claimed=True)
             await self._beat(beat, intake)
             tasks = [asyncio.create_task(intake.listen_aborts(), name="aborts"),
-                     asyncio.create_task(self._maintain(beat, intake), name="maintenance")]
-            log.info("engine serving", engine_id=self.config.engine_id, model=self.config.model_name,
-                     stream=self.keys.requests)
-            await self._loop(client, intake)
+                     asyncio.create_task(self._heartbeats(beat, intake), name="heartbeat"),
+                     asyncio.create_task(self._takeovers(intake), name="takeover")]
+            log.info("engine serving", engine_id=cfg.engine_id, model=cfg.model_name, stream=stream.key)
+            await self._loop(client, intake, guards, beat)
         finally:
             for task in tasks:
                 task.cancel()
@@ -100,7 +126,7 @@ class EngineWorker:
             self.thread.close()
 
     # ----- the main loop -----------------------------------------------------------------------
-    async def _loop(self, client: aioredis.Redis, intake: Intake) -> None:
+    async def _loop(self, client: aioredis.Redis, intake: Intake, guards: Guards, beat: Heartbeat) -> None:
         """Steps run on the engine thread; the loop publishes one step while the next runs::
 
             engine thread   | step N        | step N+1        | step N+2  ...
@@ -108,18 +134,17 @@ class EngineWorker:
 
         After step N returns, its outputs go to an outbox, new entries are pulled, and step
         N+1 starts before the outbox of N is flushed, so Redis round trips hide behind the
-        model. Step N+1 never needs N's publish: the engine holds the tokens itself. When
-        nothing is left to run, the loop blocks on XREADGROUP instead of spinning."""
+        model. When nothing is left to run, the loop blocks on XREADGROUP instead of spinning."""
         step: asyncio.Future[StepResult] | None = None
-        while not self.stop.is_set() or step is not None:
+        while not self._done(intake) or step is not None:
             if step is None:
                 if not self._busy(intake):
                     await self._pull(intake, block=True)
                     if not self._busy(intake):
-                        await self._flush(client, intake.pending)
+                        await self._publish(client, intake, guards, beat, intake.pending)
                         intake.pending = Outbox()
                         continue
-                step = asyncio.ensure_future(self.thread.call(self.thread.step, *intake.take_jobs()))
+                step = self._start_step(intake, guards)
             result = await step
             self.stats = result.stats
             assert self.metrics is not None
@@ -127,19 +152,45 @@ class EngineWorker:
             outbox, intake.pending = intake.pending, Outbox()
             self._collect(intake, result, outbox)
             step = None
+            if self._drain_due(intake, guards, outbox):
+                await self._publish(client, intake, guards, beat, outbox)
+                continue
             if not self.stop.is_set():
                 await self._pull(intake, block=False)
-                if self._busy(intake):  # overlap: next step computes while this one is published
-                    step = asyncio.ensure_future(self.thread.call(self.thread.step, *intake.take_jobs()))
-            await self._flush(client, outbox)
+            if self._busy(intake):  # overlap: next step computes while this one is published
+                step = self._start_step(intake, guards)
+            await self._publish(client, intake, guards, beat, outbox)
+
+    def _start_step(self, intake: Intake, guards: Guards) -> asyncio.Future[StepResult]:
+        guards.expire()
+        return asyncio.ensure_future(self.thread.call(self.thread.step, *intake.take_jobs()))
+
+    def _done(self, intake: Intake) -> bool:
+        """Stopping and nothing left to run (or hand back)."""
+        return (self.stop.is_set() and not intake.tracked and not intake.forced_aborts and not intake.pending
+                and not self.unsent)
+
+    def _drain_due(self, intake: Intake, guards: Guards, outbox: Outbox) -> bool:
+        """After SIGTERM: past the drain timeout, hand every tracked request back."""
+        if not self.stop.is_set():
+            return False
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+            log.info("draining", requests=len(intake.tracked), timeout_s=self.config.drain_timeout_s)
+        if intake.tracked and time.monotonic() >= self._drain_deadline:
+            log.info("drain timeout: handing requests back", requests=guards.hand_back(outbox))
+            return True
+        return False
 
     def _busy(self, intake: Intake) -> bool:
         s = self.stats
         queued = s.get("running", 0) + s.get("waiting", 0) + s.get("swapped", 0)
-        return bool(queued or intake.jobs or intake.aborts)
+        return bool(queued or intake.jobs or intake.aborts or intake.forced_aborts)
 
     async def _pull(self, intake: Intake, block: bool) -> None:
         if self.stop.is_set():
+            if block:
+                await asyncio.sleep(0.05)
             return
         s = self.stats
         room = self.engine_config.max_num_seqs - s.get("running", 0) - len(intake.jobs)
@@ -151,12 +202,19 @@ class EngineWorker:
             await asyncio.sleep(0.5)
 
     def _collect(self, intake: Intake, result: StepResult, outbox: Outbox) -> None:
-        """Engine deltas, rejections and aborts → wire messages, acks and metrics."""
+        """Engine deltas, rejections, failures and aborts → wire messages, acks and metrics."""
         now = time.time()
         for request_id, message in result.rejected.items():
-            tracked = intake.tracked.pop(request_id)
-            outbox.add(tracked.gateway, error_output(tracked, message, "invalid_request_error", "invalid_parameter"))
-            outbox.end(request_id, tracked.entry_id)
+            tracked = intake.tracked.pop(request_id, None)
+            if tracked is not None:
+                outbox.add(tracked.gateway, error_output(tracked, message, "invalid_request_error",
+                                                         "invalid_parameter"))
+                outbox.end(request_id, tracked.entry_id)
+        for request_id, message in result.failed.items():
+            tracked = intake.tracked.pop(request_id, None)
+            if tracked is not None:
+                outbox.add(tracked.gateway, error_output(tracked, message, "server_error", "engine_step_failed"))
+                outbox.end(request_id, tracked.entry_id)
         for request_id in result.aborted:
             aborted = intake.tracked.pop(request_id, None)
             if aborted is not None:
@@ -173,29 +231,78 @@ class EngineWorker:
                     self.metrics.observe_finished(live.request.arrival, live.first_token_at, now,
                                                   out.num_generated_tokens)
 
-    async def _flush(self, client: aioredis.Redis, outbox: Outbox) -> None:
+    async def _publish(self, client: aioredis.Redis, intake: Intake, guards: Guards, beat: Heartbeat,
+                       outbox: Outbox) -> None:
+        """Flush (after any earlier outbox that failed), unless the heartbeat lapsed: then first
+        drop what other engines took over. Reads back gateway liveness and the epoch."""
+        self.unsent.merge(outbox)
         try:
-            await flush(client, self.keys, outbox, self.config.progress_ttl_s)
+            if not beat.fresh(margin_s=min(1.0, beat.ttl_s / 4)):
+                await self._check_ownership(intake, guards, beat)
+            reply = await flush(client, self.keys, intake.stream.key, self.unsent, self.config.progress_ttl_s,
+                                guards.gateways_to_probe())
         except (RedisError, OSError) as exc:
-            log.error("could not publish outputs", error=str(exc), requests=sum(map(len, outbox.by_gateway.values())))
+            log.warning("could not publish outputs; will retry", error=str(exc))
+            await asyncio.sleep(0.2)
+            return
+        self.unsent = Outbox()
+        if self.epoch.token is not None and reply.epoch != self.epoch.token:
+            await self._redis_lost(client, intake, guards)
+            return
+        guards.on_probe(reply.alive)
+
+    async def _check_ownership(self, intake: Intake, guards: Guards, beat: Heartbeat) -> None:
+        """Our heartbeat may have expired: rewrite it (from now on nobody can take our entries),
+        then drop every request that is no longer pending under our name."""
+        await self._beat(beat, intake)
+        entries = {t.entry_id: t.request_id for t in intake.tracked.values()}
+        owned = await intake.stream.owned(list(entries))
+        lost = {rid for entry, rid in entries.items() if entry not in owned}
+        guards.lose(lost, "taken over by another engine while this one was silent")
+        if lost:
+            self.unsent = without(self.unsent, lost)
+        beat.suspect = False
+
+    def _forget_everything(self, intake: Intake, guards: Guards) -> None:
+        """Redis restarted without persistence: every in-flight request is gone there (its
+        gateway fails it with a clear error), so drop them all and publish nothing for them."""
+        lost = set(intake.tracked)
+        log.error("Redis lost its data (epoch changed): dropping in-flight requests", requests=len(lost))
+        guards.lose(lost, "Redis lost its data")
+        intake.pending = Outbox(forget_progress=sorted(lost))  # checkpoints written since the loss
+        self.unsent = Outbox()
+
+    async def _redis_lost(self, client: aioredis.Redis, intake: Intake, guards: Guards) -> None:
+        self._forget_everything(intake, guards)
+        await self.epoch.check(client)
+        await intake.stream.ensure_group()
 
     # ----- side tasks --------------------------------------------------------------------------
-    async def _maintain(self, beat: Heartbeat, intake: Intake) -> None:
-        """Every heartbeat interval: heartbeat, touch own entries, claim dead engines' entries."""
+    async def _heartbeats(self, beat: Heartbeat, intake: Intake) -> None:
+        """Every interval, from cached figures: never waits for the engine thread."""
         interval = self.config.heartbeat_interval_s
         while True:
-            last = time.monotonic()
             await asyncio.sleep(interval)
-            if time.monotonic() - last > 2 * interval:
-                log.warning("event loop starved", late_s=round(time.monotonic() - last - interval, 2))
+            beat.draining = self.stop.is_set()
             try:
-                await intake.touch()  # first: it does not wait for the engine thread
                 await self._beat(beat, intake)
-                if not self.stop.is_set():
-                    await intake.claim(self.config.claim_after_ms)
             except (RedisError, OSError) as exc:
-                log.warning("maintenance failed", error=str(exc))
+                log.warning("heartbeat failed", error=str(exc))
 
     async def _beat(self, beat: Heartbeat, intake: Intake) -> None:
-        stats, pool = await self.thread.call(self.thread.snapshot)
+        stats, pool = self.thread.snapshot_cache
+        self.thread.want_snapshot = True  # the next step refreshes pool and block tables
         await beat.beat(stats, pool, {"in_flight": float(len(intake.tracked))})
+
+    async def _takeovers(self, intake: Intake) -> None:
+        """Every interval: take over entries of dead engines of this model."""
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if self.stop.is_set():
+                continue
+            try:
+                await intake.claim(self.config.claim_after_ms)
+            except (RedisError, OSError) as exc:
+                log.warning("takeover scan failed", error=str(exc))
+

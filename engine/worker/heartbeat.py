@@ -1,9 +1,18 @@
 """The engine heartbeat: a Redis hash with a TTL carrying what gateways need (model name,
-tokenizer directory, max_model_len), the engine's figures and a block-pool snapshot."""
+tokenizer directory, max_model_len, the model's identity), the engine's figures and a
+block-pool snapshot.
+
+It runs from its own task on cached figures, so a long step never silences it. It also
+tells the worker when its key may have expired (a frozen process, a Redis outage): then
+other engines may have taken its requests over, and ownership must be checked before the
+worker publishes anything again."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,35 +31,101 @@ def flatten_stats(stats: dict[str, Any]) -> dict[str, float]:
     return flat
 
 
+_SAMPLE = 1 << 20
+_WEIGHTS = (".safetensors", ".bin", ".gguf", ".pt")
+
+
+def _sample_file(digest: Any, path: Path) -> None:
+    """Size, first and last MiB of a weights file: different checkpoints of one architecture
+    differ there, and reading a whole multi-GB file at every start would be too slow."""
+    size = path.stat().st_size
+    digest.update(f"{path.name}:{size}".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_SAMPLE))
+        if size > 2 * _SAMPLE:
+            f.seek(size - _SAMPLE)
+            digest.update(f.read(_SAMPLE))
+
+
+def model_config_hash(model_dir: str) -> str:
+    """A short hash of what decides a model's answers: config, tokenizer and (sampled) weights."""
+    digest = hashlib.blake2b(digest_size=8)
+    root = Path(model_dir)
+    if root.is_file():  # a .gguf file
+        _sample_file(digest, root)
+        return digest.hexdigest()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        path = root / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(p for p in root.iterdir() if p.suffix in _WEIGHTS and p.is_file()):
+        _sample_file(digest, path)
+    return digest.hexdigest()
+
+
 class Heartbeat:
-    """Writes ``{prefix}:engine:<id>`` with a TTL of `ttl_s`."""
+    """Writes ``{prefix}:engine:<id>`` with a TTL of `ttl_s`; `last_ok` is when a write last
+    succeeded (monotonic), `suspect` is set when the key may have expired in between."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, engine_id: str, model: str, tokenizer: str,
-                 max_model_len: int, ttl_s: float) -> None:
+                 max_model_len: int, ttl_s: float, config_hash: str = "", vocab_size: int = 0) -> None:
         self.client = client
+        self.keys = keys
         self.key = keys.engine(engine_id)
         self.engine_id = engine_id
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.config_hash = config_hash
+        self.vocab_size = vocab_size
+        self.ttl_s = ttl_s
         self.ttl_ms = max(1000, int(ttl_s * 1000))
         self.started = time.time()
+        self.draining = False
+        self.last_ok = -1e9
+        self.suspect = False
+        self.beats = 0
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
         """`stats` may carry ``block_tables`` (a list, so `flatten_stats` leaves it out)."""
         now = time.time()
         figures = flatten_stats(stats) | extra | {"uptime_s": now - self.started}
         return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
-                               list(stats.get("block_tables", [])))
+                               list(stats.get("block_tables", [])), self.config_hash, self.vocab_size,
+                               self.draining)
+
+    def fresh(self, margin_s: float) -> bool:
+        """The key certainly still exists (written less than ttl - margin ago, no gap since)."""
+        return not self.suspect and time.monotonic() - self.last_ok < self.ttl_s - margin_s
 
     async def beat(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> None:
         """Replace the hash (stale stat fields disappear) and set its TTL, atomically."""
         fields = self.build(stats, pool, extra).to_hash()
+        sent = time.monotonic()
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(self.key)
             pipe.hset(self.key, mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(self.key, self.ttl_ms)
             await pipe.execute()
+        if self.beats and sent - self.last_ok >= self.ttl_s:
+            self.suspect = True  # the key may have expired meanwhile: others may own our work now
+        self.last_ok = sent
+        self.beats += 1
+
+    async def conflicts(self) -> list[str]:
+        """Live engines announcing this model name with other weights, tokenizer or length."""
+        found = []
+        async for key in self.client.scan_iter(match=self.keys.engine_pattern, count=100):
+            raw = await self.client.hgetall(key)
+            if not raw:
+                continue
+            other = EngineHeartbeat.from_hash(raw)
+            if other.engine_id == self.engine_id or other.model != self.model:
+                continue
+            mine = (self.config_hash, self.vocab_size, self.max_model_len)
+            if other.identity() != mine:
+                found.append(f"{other.engine_id} {json.dumps(other.identity())} vs this {json.dumps(mine)}")
+        return found
 
     async def remove(self) -> None:
         await self.client.delete(self.key)

@@ -1,16 +1,21 @@
-"""What flows into an engine worker: new stream entries, entries claimed from dead engines
-(resumed from their progress checkpoints), and aborts from the abort channel."""
+"""What flows into an engine worker: new stream entries, entries taken over from dead engines
+of the same model or handed back by a draining one (resumed from their progress
+checkpoints), and aborts from the abort channel. A request delivered too many times goes to
+the dead-letter stream with an error for its client: a request that kills every engine it
+lands on must not take the whole model down."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from engine.log import get_logger
-from engine.protocol import AbortMessage, EngineRequest, Keys, Progress, ProtocolError, merge_progress
+from engine.protocol import REQUEST_FIELD, AbortMessage, EngineRequest, Keys, Progress, ProtocolError, merge_progress
 from engine.pubsub import subscribe_forever
+from engine.redis_conn import Epoch
 from engine.worker.engine_thread import AddJob
 from engine.worker.outbox import Outbox
 from engine.worker.request_stream import RequestStream, StreamEntry
@@ -18,24 +23,33 @@ from engine.worker.tracked import Tracked, error_output, resume
 
 log = get_logger("worker.intake")
 ABORT_MEMORY_S = 300.0
+DEAD_LETTER_MAXLEN = 1000
 
 
 class Intake:
     """Turns stream entries and aborts into engine jobs; owns the `tracked` requests table."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, stream: RequestStream) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, stream: RequestStream, model: str,
+                 max_claims: int = 3, epoch: Epoch | None = None,
+                 on_data_lost: Callable[[], None] | None = None) -> None:
         self.client = client
+        self.epoch = epoch
+        self.on_data_lost = on_data_lost
         self.keys = keys
         self.stream = stream
+        self.model = model
+        self.max_claims = max_claims
         self.tracked: dict[str, Tracked] = {}
         self.jobs: list[AddJob] = []
         self.aborts: set[str] = set()
+        self.forced_aborts: set[str] = set()  # already ended here; the engine must still drop them
         self.recent_aborts: dict[str, float] = {}
         self.pending = Outbox()  # errors and acks produced while admitting
 
     # ----- admission ---------------------------------------------------------------------------
     async def admit(self, entries: list[StreamEntry], claimed: bool) -> None:
-        """Decode entries; claimed ones (and this engine's own after a restart) resume."""
+        """Decode entries; claimed ones, handed-back ones (and this engine's own after a
+        restart) resume from their checkpoints."""
         for entry in entries:
             try:
                 request = EngineRequest.decode(entry.payload or b"")
@@ -45,10 +59,14 @@ class Intake:
                 continue
             if request.id in self.tracked:
                 continue
+            await self._sync_epoch(request.epoch)
             if request.id in self.recent_aborts:
                 self.pending.end(request.id, entry.entry_id)
                 continue
-            progress = await self._progress(request.id) if claimed else Progress()
+            if entry.deliveries - 1 > self.max_claims:
+                await self._dead_letter(request, entry)
+                continue
+            progress = await self._progress(request.id) if claimed or request.handoffs else Progress()
             resumed = resume(request, entry.entry_id, progress)
             if resumed is None:  # its client already got everything
                 self.pending.end(request.id, entry.entry_id)
@@ -64,6 +82,26 @@ class Intake:
             self.tracked[request.id] = tracked
             self.jobs.append(job)
 
+    async def _sync_epoch(self, token: str) -> None:
+        """A request from another dataset epoch: Redis lost its data since we last looked."""
+        if self.epoch is None or not token or token == self.epoch.token:
+            return
+        if await self.epoch.check(self.client) and self.on_data_lost is not None:
+            self.on_data_lost()
+
+    async def _dead_letter(self, request: EngineRequest, entry: StreamEntry) -> None:
+        """Park a request taken over more than `max_claims` times and tell its client."""
+        claims = entry.deliveries - 1
+        log.error("request taken over too often: dead-lettered", request_id=request.id, claims=claims)
+        await self.client.xadd(self.keys.dead(self.model), {REQUEST_FIELD: entry.payload or b"", "claims": claims},
+                               maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        progress = await self._progress(request.id)
+        tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1)
+        message = (f"request abandoned after {claims} engine takeovers (each engine that ran it stopped); "
+                   f"it was moved to {self.keys.dead(self.model)}")
+        self.pending.add(request.gateway, error_output(tracked, message, "server_error", "request_dead_lettered"))
+        self.pending.end(request.id, entry.entry_id)
+
     async def _progress(self, request_id: str) -> Progress:
         try:
             entries = await self.client.lrange(self.keys.progress(request_id), 0, -1)
@@ -75,13 +113,21 @@ class Intake:
     def take_jobs(self) -> tuple[list[AddJob], list[str]]:
         """Jobs and aborts for the next engine step; aborted jobs never reach the engine."""
         aborts, self.aborts = self.aborts, set()
-        jobs = [job for job in self.jobs if job.request_id not in aborts]
+        forced, self.forced_aborts = self.forced_aborts, set()
+        jobs = [job for job in self.jobs if job.request_id not in aborts and job.request_id not in forced]
         for job in self.jobs:
             if job.request_id in aborts:
                 tracked = self.tracked.pop(job.request_id)
                 self.pending.end(job.request_id, tracked.entry_id)
+        queued = {job.request_id for job in self.jobs}
         self.jobs = []
-        return jobs, [rid for rid in aborts if rid in self.tracked]
+        return jobs, [rid for rid in aborts if rid in self.tracked] + [rid for rid in forced if rid not in queued]
+
+    def drop(self, request_ids: list[str]) -> list[Tracked]:
+        """Stop tracking these requests (the engine drops them at its next step); returns them."""
+        dropped = [t for t in (self.tracked.pop(rid, None) for rid in request_ids) if t is not None]
+        self.forced_aborts.update(t.request_id for t in dropped)
+        return dropped
 
     # ----- sources -----------------------------------------------------------------------------
     async def pull(self, count: int, block_ms: int | None) -> int:
@@ -93,30 +139,23 @@ class Intake:
         return len(entries)
 
     async def claim(self, min_idle_ms: int, rounds: int = 10) -> int:
-        """Take over idle entries when some engine holding entries has lost its heartbeat (a
-        full scan is at most `rounds` calls). Live engines keep theirs fresh with `touch`, so
-        only the dead engine's entries are idle long enough; a slow live engine is safe twice."""
-        dead = await self.stream.dead_consumers()
-        if not dead:
-            return 0
+        """Take over idle entries of engines of this model whose heartbeat is gone."""
         total = 0
-        for _ in range(rounds):
-            result = await self.stream.claim_idle(min_idle_ms)
-            if result.entries:
-                log.info("claimed entries", count=len(result.entries), dead_engines=dead)
-                await self.admit(result.entries, claimed=True)
-            total += len(result.entries)
-            if result.next_id == "0-0":
-                break
-        pending = await self.stream.consumers()
+        dead = await self.stream.dead_consumers()
         for name in dead:
-            if pending.get(name, 0) == 0:
-                await self.stream.forget(name)
+            for _ in range(rounds):
+                entries = await self.stream.claim_from(name, min_idle_ms)
+                if not entries:
+                    break
+                log.info("claimed entries", count=len(entries), dead_engine=name)
+                await self.admit(entries, claimed=True)
+                total += len(entries)
+        if dead:
+            pending = await self.stream.consumers()
+            for name in dead:
+                if pending.get(name, 0) == 0:
+                    await self.stream.forget(name)
         return total
-
-    async def touch(self) -> None:
-        """Keep this engine's pending entries fresh so no live engine claims them."""
-        await self.stream.touch([t.entry_id for t in self.tracked.values()])
 
     def on_abort(self, ids: list[str]) -> None:
         now = time.monotonic()

@@ -1,6 +1,8 @@
-"""One MULTI/EXEC per engine step: a PUBLISH per gateway carrying every one of its requests'
-messages, the progress checkpoint of each message (so what a client saw is always
-recoverable), and the XACK of requests that ended."""
+"""One MULTI/EXEC per engine step: an XADD per gateway output stream carrying every one of
+its requests' messages, the progress checkpoint of each message (so what a client saw is
+always recoverable), the XACK + XDEL of requests that ended (so the request stream holds
+only queued and running work), and two probes read back for free: which gateways are still
+alive and the dataset epoch."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from engine.protocol import Keys, OutputMessage, encode_outputs
+from engine.protocol import REQUEST_FIELD, Keys, OutputMessage, encode_outputs
+
+OUT_MAXLEN = 10_000  # entries kept per gateway output stream (approximate; gateways trim what they read)
+OUT_TTL_MS = 600_000  # a gateway that never comes back leaves no stream behind
 
 
 @dataclass(slots=True)
@@ -18,34 +23,65 @@ class Outbox:
     by_gateway: dict[str, list[OutputMessage]] = field(default_factory=dict)
     ended: list[tuple[str, str]] = field(default_factory=list)  # (request id, entry id)
     ack_only: list[str] = field(default_factory=list)
+    requeue: list[bytes] = field(default_factory=list)  # payloads handed back to the stream (drain)
+    forget_progress: list[str] = field(default_factory=list)  # checkpoints of requests dropped here
 
     def add(self, gateway: str, message: OutputMessage) -> None:
         self.by_gateway.setdefault(gateway, []).append(message)
 
     def end(self, request_id: str, entry_id: str) -> None:
-        """The request is over: acknowledge its entry and drop its checkpoint."""
+        """The request is over here: acknowledge its entry and drop its checkpoint."""
         self.ended.append((request_id, entry_id))
 
+    def merge(self, later: Outbox) -> None:
+        """Append a later outbox (a failed flush is retried together with the next one)."""
+        for gateway, messages in later.by_gateway.items():
+            self.by_gateway.setdefault(gateway, []).extend(messages)
+        self.ended += later.ended
+        self.ack_only += later.ack_only
+        self.requeue += later.requeue
+        self.forget_progress += later.forget_progress
+
     def __bool__(self) -> bool:
-        return bool(self.by_gateway or self.ended or self.ack_only)
+        return bool(self.by_gateway or self.ended or self.ack_only or self.requeue or self.forget_progress)
 
 
-async def flush(client: aioredis.Redis, keys: Keys, outbox: Outbox, progress_ttl_s: int) -> None:
-    """Send an outbox in one transaction."""
-    if not outbox:
-        return
+@dataclass(slots=True)
+class FlushReply:
+    """What the probes of a flush read: gateways whose liveness key exists, the epoch."""
+
+    alive: dict[str, bool]
+    epoch: str | None
+
+
+async def flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,
+                probe_gateways: list[str]) -> FlushReply:
+    """Send an outbox in one transaction; `stream` is the engine's request stream. A request
+    handed back keeps its checkpoint (its next engine resumes from it)."""
     ended = {request_id for request_id, _ in outbox.ended}
     async with client.pipeline(transaction=True) as pipe:
         for gateway, messages in outbox.by_gateway.items():
-            pipe.publish(keys.out(gateway), encode_outputs(messages))
+            out = keys.out(gateway)
+            pipe.xadd(out, {REQUEST_FIELD: encode_outputs(messages)}, maxlen=OUT_MAXLEN, approximate=True)
+            pipe.pexpire(out, OUT_TTL_MS)
             for message in messages:
                 if message.id not in ended:
                     key = keys.progress(message.id)
                     pipe.rpush(key, message.encode())
                     pipe.expire(key, progress_ttl_s)
-        if ended:
-            pipe.delete(*(keys.progress(request_id) for request_id in ended))
+        for payload in outbox.requeue:
+            pipe.xadd(stream, {REQUEST_FIELD: payload})
+        if ended or outbox.forget_progress:
+            pipe.delete(*(keys.progress(request_id) for request_id in ended | set(outbox.forget_progress)))
         entry_ids = [entry_id for _, entry_id in outbox.ended] + outbox.ack_only
         if entry_ids:
-            pipe.xack(keys.requests, keys.group, *entry_ids)
-        await pipe.execute()
+            pipe.xack(stream, keys.group, *entry_ids)
+            pipe.xdel(stream, *entry_ids)
+        for gateway in probe_gateways:
+            pipe.exists(keys.gateway(gateway))
+        pipe.get(keys.epoch)
+        replies = await pipe.execute()
+    probes = replies[len(replies) - len(probe_gateways) - 1:]
+    epoch = probes[-1]
+    alive = {gateway: bool(found) for gateway, found in zip(probe_gateways, probes[:-1], strict=True)}
+    return FlushReply(alive, None if epoch is None else epoch.decode() if isinstance(epoch, bytes) else str(epoch))

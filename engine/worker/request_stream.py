@@ -1,8 +1,11 @@
-"""The engine's side of the request stream: consumer group, reads, claims, acks.
+"""The engine's side of its model's request stream: consumer group, reads, takeovers, acks.
 
-Handles both reply shapes of XAUTOCLAIM: Redis 6.2 answers ``[next_id, entries]`` (a
-deleted entry shows up as an entry with nil fields), 7.x answers
-``[next_id, entries, deleted_ids]``."""
+Takeover only ever moves entries of a *dead* consumer (one whose heartbeat key is gone), in
+one Lua script that checks the key and claims atomically: an engine that comes back from a
+long pause first rewrites its heartbeat, and from then on nobody can take its entries, so
+one ownership check afterwards (`owned`) tells it exactly what it still owns. The claim's
+min-idle guard keeps two engines from taking the same entry. A stream or group that
+vanished (Redis restarted without persistence) is recreated on NOGROUP."""
 
 from __future__ import annotations
 
@@ -14,23 +17,41 @@ from redis.exceptions import ResponseError
 
 from engine.protocol import REQUEST_FIELD, Keys
 
+# KEYS: stream, heartbeat key of the dead consumer. ARGV: group, me, min idle ms, dead consumer, count.
+# Returns {{id, deliveries, payload}, ...}; entries deleted from the stream are acked and skipped.
+_CLAIM_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return {} end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], '-', '+', ARGV[5], ARGV[4])
+local out = {}
+for _, p in ipairs(pending) do
+  local got = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], p[1])
+  local entry = got[1]
+  if entry and entry[2] then
+    local payload = false
+    for i = 1, #entry[2], 2 do
+      if entry[2][i] == ARGV[6] then payload = entry[2][i + 1] end
+    end
+    if payload then
+      table.insert(out, {p[1], p[4] + 1, payload})
+    else
+      redis.call('XACK', KEYS[1], ARGV[1], p[1])
+    end
+  elseif #redis.call('XRANGE', KEYS[1], p[1], p[1]) == 0 then
+    redis.call('XACK', KEYS[1], ARGV[1], p[1])
+  end
+end
+return out
+"""
+
 
 @dataclass(frozen=True, slots=True)
 class StreamEntry:
-    """One request-stream entry: its id and the raw `m` field (None when the entry is gone)."""
+    """One request-stream entry: its id, the raw `m` field (None when the entry is gone) and
+    how many times it has been delivered (1 on the first read, +1 per takeover)."""
 
     entry_id: str
     payload: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimResult:
-    """What one XAUTOCLAIM call handed over, and where the next scan starts."""
-
-    next_id: str
-    entries: list[StreamEntry]
-    deleted: list[str]
-    num_unknown: int = 0  # deleted entries whose id the client library dropped
+    deliveries: int = 1
 
 
 def _text(value: Any) -> str:
@@ -41,8 +62,7 @@ def parse_entries(raw: Any) -> list[StreamEntry]:
     """``[[id, {field: value}], ...]`` (or nil fields for a deleted entry) → entries."""
     entries = []
     for item in raw or []:
-        if item is None or item[0] is None:  # redis-py's (None, None) for a deleted entry on 6.2
-            entries.append(StreamEntry("", None))
+        if item is None or item[0] is None:
             continue
         entry_id, fields = item[0], item[1] if len(item) > 1 else None
         if isinstance(fields, list):  # RESP without redis-py's pairs-to-dict callback
@@ -54,62 +74,69 @@ def parse_entries(raw: Any) -> list[StreamEntry]:
     return entries
 
 
-def parse_autoclaim(reply: Any) -> ClaimResult:
-    """XAUTOCLAIM's reply on Redis 6.2 (2 elements) or 7.x (3 elements)."""
-    if not isinstance(reply, (list, tuple)) or len(reply) not in (2, 3):
-        raise ValueError(f"unexpected XAUTOCLAIM reply: {reply!r}")
-    entries = parse_entries(reply[1])
-    deleted = [_text(d) for d in reply[2]] if len(reply) == 3 and reply[2] else []
-    deleted += [e.entry_id for e in entries if e.payload is None and e.entry_id]
-    unknown = sum(1 for e in entries if not e.entry_id)
-    return ClaimResult(_text(reply[0]), [e for e in entries if e.payload is not None], deleted, unknown)
+def is_nogroup(exc: Exception) -> bool:
+    return isinstance(exc, ResponseError) and "NOGROUP" in str(exc)
 
 
 class RequestStream:
-    """XREADGROUP / XAUTOCLAIM / XACK on the request stream as consumer `consumer`."""
+    """XREADGROUP / takeover / XACK+XDEL on one model's request stream as consumer `consumer`."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str) -> None:
         self.client = client
         self.keys = keys
+        self.key = keys.requests(model)
         self.consumer = consumer
-        self._claim_cursor = "0-0"
+        self._claim = client.register_script(_CLAIM_SCRIPT)
 
     async def ensure_group(self) -> None:
         """Create the stream and the consumer group if missing (reading from the start)."""
         try:
-            await self.client.xgroup_create(self.keys.requests, self.keys.group, id="0", mkstream=True)
+            await self.client.xgroup_create(self.key, self.keys.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
     async def read_new(self, count: int, block_ms: int | None) -> list[StreamEntry]:
-        """Entries never delivered to anyone; blocks up to `block_ms` when given."""
-        reply = await self.client.xreadgroup(self.keys.group, self.consumer, {self.keys.requests: ">"},
-                                             count=count, block=block_ms)
+        """Entries never delivered to anyone; blocks up to `block_ms` when given. Recreates
+        the group when Redis lost it."""
+        try:
+            reply = await self.client.xreadgroup(self.keys.group, self.consumer, {self.key: ">"},
+                                                 count=count, block=block_ms)
+        except ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            await self.ensure_group()
+            return []
         return self._flatten(reply)
 
     async def read_own_pending(self, count: int = 1000) -> list[StreamEntry]:
         """Entries delivered to this consumer name and never acked (a restart under the same id)."""
-        reply = await self.client.xreadgroup(self.keys.group, self.consumer, {self.keys.requests: "0"},
-                                             count=count)
+        reply = await self.client.xreadgroup(self.keys.group, self.consumer, {self.key: "0"}, count=count)
         return self._flatten(reply)
 
-    async def claim_idle(self, min_idle_ms: int, count: int = 100) -> ClaimResult:
-        """Take over entries that no consumer has touched for `min_idle_ms` (a dead engine's)."""
-        reply = await self.client.execute_command(
-            "XAUTOCLAIM", self.keys.requests, self.keys.group, self.consumer, min_idle_ms,
-            self._claim_cursor, "COUNT", count)
-        result = parse_autoclaim(reply)
-        self._claim_cursor = result.next_id
-        if result.num_unknown:  # find their ids in our own pending list, where they now sit
-            result.deleted.extend(e.entry_id for e in await self.read_own_pending() if e.payload is None)
-        if result.deleted:
-            await self.ack(result.deleted)
-        return result
+    async def claim_from(self, dead: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
+        """Take over up to `count` idle entries of consumer `dead`, if its heartbeat is still gone."""
+        reply = await self._claim(keys=[self.key, self.keys.engine(dead)],
+                                  args=[self.keys.group, self.consumer, min_idle_ms, dead, count, REQUEST_FIELD])
+        return [StreamEntry(_text(entry_id), payload, int(deliveries)) for entry_id, deliveries, payload in reply]
+
+    async def owned(self, entry_ids: list[str]) -> set[str]:
+        """Which of these entries are still pending under this consumer."""
+        owned: set[str] = set()
+        if not entry_ids:
+            return owned
+        start = "-"
+        while True:
+            rows = await self.client.xpending_range(self.key, self.keys.group, min=start, max="+", count=1000,
+                                                    consumername=self.consumer)
+            owned.update(_text(row["message_id"]) for row in rows)
+            if len(rows) < 1000:
+                return owned & set(entry_ids)
+            start = "(" + _text(rows[-1]["message_id"])
 
     async def consumers(self) -> dict[str, int]:
         """Consumer names of the group and how many entries each holds un-acked."""
-        infos = await self.client.xinfo_consumers(self.keys.requests, self.keys.group)
+        infos = await self.client.xinfo_consumers(self.key, self.keys.group)
         return {_text(info["name"]): int(info["pending"]) for info in infos}
 
     async def dead_consumers(self) -> list[str]:
@@ -122,17 +149,15 @@ class RequestStream:
 
     async def forget(self, consumer: str) -> None:
         """Remove a dead consumer that holds nothing any more."""
-        await self.client.xgroup_delconsumer(self.keys.requests, self.keys.group, consumer)
-
-    async def touch(self, entry_ids: list[str]) -> None:
-        """Reset the idle time of entries this engine still works on, so nobody claims them."""
-        if entry_ids:
-            ids: list[Any] = list(entry_ids)
-            await self.client.xclaim(self.keys.requests, self.keys.group, self.consumer, 0, ids, justid=True)
+        await self.client.xgroup_delconsumer(self.key, self.keys.group, consumer)
 
     async def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge and delete: a finished request leaves nothing in Redis."""
         if entry_ids:
-            await self.client.xack(self.keys.requests, self.keys.group, *entry_ids)
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.xack(self.key, self.keys.group, *entry_ids)
+                pipe.xdel(self.key, *entry_ids)
+                await pipe.execute()
 
     @staticmethod
     def _flatten(reply: Any) -> list[StreamEntry]:

@@ -7,6 +7,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from gateway.api.tokenize_routes import add_routes as add_tokenize_routes
+from gateway.broker.broker import BrokerUnavailable
 from gateway.errors import OpenAIError
 from gateway.state import BROKER, METRICS, REGISTRY
 
@@ -24,17 +25,25 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when Redis answers and at least one engine is alive, else 503 with the reason."""
-    if not await request.app[BROKER].ping():
+    """200 when Redis answers, this gateway reads its output stream and at least one engine
+    that is not draining can consume, else 503 with the reason."""
+    broker = request.app[BROKER]
+    if not await broker.ping():
         raise OpenAIError(503, "cannot reach Redis", code="redis_unavailable")
     try:
-        engines = await request.app[REGISTRY].live_engines(refresh=True)
-    except RedisError as exc:
+        await broker.sync_epoch()
+        engines = [e for e in await request.app[REGISTRY].live_engines(refresh=True) if not e.draining]
+    except (RedisError, BrokerUnavailable) as exc:
         raise OpenAIError(503, f"cannot reach Redis: {exc}", code="redis_unavailable") from exc
+    if not broker.subscribed.is_set():
+        raise OpenAIError(503, "not reading the output stream yet", code="redis_unavailable")
     if not engines:
         raise OpenAIError(503, "no live engine", code="no_engine")
-    return web.json_response({"status": "ok", "engines": len(engines),
-                              "models": sorted({e.model for e in engines})})
+    models: dict[str, list[str]] = {}
+    for engine in engines:
+        models.setdefault(engine.model, []).append(engine.engine_id)
+    return web.json_response({"status": "ok", "engines": len(engines), "models": sorted(models),
+                              "conflicts": request.app[REGISTRY].conflicts(engines)})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from engine.protocol import EngineRequest
+from engine.redis_conn import PoolBusy
 from gateway.api.body import read_json
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
@@ -17,7 +18,7 @@ from gateway.api.prompt import prompt_ids
 from gateway.api.streaming import ClientGone, complete, stream
 from gateway.api.structured import check_structured
 from gateway.api.validation import check_context, parse_request
-from gateway.broker.broker import BrokerUnavailable
+from gateway.broker.broker import BrokerUnavailable, QueueFull
 from gateway.broker.engines import ModelInfo
 from gateway.errors import OpenAIError
 from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
@@ -58,6 +59,10 @@ async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
         collector = await broker.submit(engine_req, req.params.n)
     except BrokerUnavailable as exc:
         raise OpenAIError(503, str(exc), code="redis_unavailable") from exc
+    except (QueueFull, PoolBusy) as exc:  # overload, not an outage
+        metrics.rejected.labels(reason=type(exc).__name__).inc()
+        raise OpenAIError(429, f"server busy: {exc}", code="overloaded",
+                          headers={"Retry-After": str(cfg.retry_after_s)}) from exc
     gen = Generation(broker, collector, tokenizer, req.stop, len(ids), cfg.request_timeout_s, cfg.sse_ping_s)
     metrics.in_flight.inc()
     try:

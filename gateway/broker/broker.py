@@ -1,9 +1,16 @@
-"""The gateway's side of Redis: submit requests, publish aborts, and ONE listener task that
-demultiplexes this gateway's output channel into per-request collectors."""
+"""The gateway's side of Redis: submit requests (one script call each), publish aborts, and
+ONE reader task that reads this gateway's output stream by id and demultiplexes it into
+per-request collectors.
+
+Output comes on a stream, not a pub/sub channel: when the reader's connection drops (a
+network blip, `CLIENT KILL`, a Redis restart with persistence) it reconnects and reads on
+from the last id it handled, so every token reaches its client exactly once."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -18,36 +25,99 @@ from engine.protocol import (
     ProtocolError,
     decode_outputs,
 )
-from engine.pubsub import subscribe_forever
+from engine.redis_conn import Epoch, PoolBusy
 from gateway.broker.collector import RequestCollector
 
 log = get_logger("gateway.broker")
+
+# KEYS: request stream, epoch key. ARGV: group, epoch token, max queued, field, payload.
+_SUBMIT_SCRIPT = """
+local epoch = redis.call('GET', KEYS[2])
+if epoch ~= ARGV[2] then return {'EPOCH', epoch or ''} end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
+end
+local queued = redis.call('XLEN', KEYS[1])
+if queued >= tonumber(ARGV[3]) then return {'FULL', tostring(queued)} end
+return {'OK', redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[5])}
+"""
 
 
 class BrokerUnavailable(Exception):
     """Redis could not be reached."""
 
 
-class Broker:
-    """Redis client, collectors of in-flight requests and the listener loop."""
+class QueueFull(Exception):
+    """The model's request stream holds `max_queued` requests already (answer 429)."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, gateway_id: str) -> None:
+    def __init__(self, model: str, queued: int) -> None:
+        super().__init__(f"the queue of model '{model}' is full ({queued} requests waiting or running); retry later")
+        self.model = model
+        self.queued = queued
+
+
+class Broker:
+    """Redis clients, collectors of in-flight requests and the reader loop."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys, gateway_id: str, reader: aioredis.Redis | None = None,
+                 max_queued: int = 4096) -> None:
         self.client = client
+        self.reader = reader or client
         self.keys = keys
         self.gateway_id = gateway_id
+        self.max_queued = max_queued
         self.collectors: dict[str, RequestCollector] = {}
         self.subscribed = asyncio.Event()
+        self.epoch = Epoch(keys.epoch)
+        self.last_id = "0-0"
+        self._submit = client.register_script(_SUBMIT_SCRIPT)
 
     async def submit(self, request: EngineRequest, n: int) -> RequestCollector:
-        """Register a collector, then XADD the request (collector first: no lost output)."""
-        collector = RequestCollector(request.id, n)
+        """Register a collector, then XADD the request to its model's stream (collector first:
+        no lost output). Raises QueueFull, PoolBusy, BrokerUnavailable."""
+        collector = RequestCollector(request.id, n, request.model)
         self.collectors[request.id] = collector
         try:
-            await self.client.xadd(self.keys.requests, {REQUEST_FIELD: request.encode()})
-        except RedisError as exc:
+            collector.entry_id = await self._add(request)
+        except BaseException:
             self.collectors.pop(request.id, None)
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise
         return collector
+
+    async def _add(self, request: EngineRequest) -> str:
+        for _ in range(2):
+            if self.epoch.token is None:
+                await self.sync_epoch()
+            request.epoch = self.epoch.token or ""
+            try:
+                status, value = await self._submit(
+                    keys=[self.keys.requests(request.model), self.keys.epoch],
+                    args=[self.keys.group, request.epoch, self.max_queued, REQUEST_FIELD, request.encode()])
+            except PoolBusy:
+                raise
+            except RedisError as exc:
+                raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            status, text = _text(status), _text(value)
+            if status == "OK":
+                return text
+            if status == "FULL":
+                raise QueueFull(request.model, int(text))
+            await self.sync_epoch()  # EPOCH: Redis lost its data since we looked
+        raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
+
+    async def sync_epoch(self) -> bool:
+        """Adopt the current epoch; when it changed, fail every in-flight request (Redis lost
+        them). Returns True when it changed."""
+        try:
+            changed = await self.epoch.check(self.client)
+        except RedisError as exc:
+            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+        if changed:
+            log.error("Redis lost its data (restart without persistence): failing in-flight requests",
+                      requests=len(self.collectors))
+            self.fail_all(ErrorInfo("Redis restarted without persistence and lost this request; retry it",
+                                    "service_unavailable", "redis_restarted"))
+        return changed
 
     def release(self, request_id: str) -> None:
         self.collectors.pop(request_id, None)
@@ -59,6 +129,14 @@ class Broker:
         except RedisError as exc:
             log.warning("abort not published", ids=request_ids, error=str(exc))
 
+    async def forget(self, collectors: list[RequestCollector]) -> None:
+        """Delete these requests' stream entries (failed here: nobody should run them)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for collector in collectors:
+                if collector.entry_id:
+                    pipe.xdel(self.keys.requests(collector.model), collector.entry_id)
+            await pipe.execute()
+
     async def ping(self) -> bool:
         try:
             return bool(await self.client.ping())
@@ -66,7 +144,7 @@ class Broker:
             return False
 
     def dispatch(self, data: bytes) -> None:
-        """Route one pub/sub message to the collectors it concerns."""
+        """Route one output-stream entry to the collectors it concerns."""
         try:
             outputs = decode_outputs(data)
         except ProtocolError as exc:
@@ -77,24 +155,56 @@ class Broker:
             if collector is not None:
                 collector.feed(out)
 
-    def _fail_all(self, message: str) -> None:
-        for collector in self.collectors.values():
-            collector.fail(ErrorInfo(message, "service_unavailable", "redis_unavailable"))
+    def fail_all(self, error: ErrorInfo, model: str | None = None) -> list[RequestCollector]:
+        failed = [c for c in self.collectors.values() if model is None or c.model == model]
+        for collector in failed:
+            collector.fail(error)
+        return failed
 
-    def _on_subscribed(self) -> None:
-        self.subscribed.set()
-        log.info("listening", channel=self.keys.out(self.gateway_id))
-
-    def _on_lost(self, exc: Exception) -> None:
-        """In-flight requests fail: their outputs may have been published while we were away."""
-        self.subscribed.clear()
-        if self.collectors:
-            self._fail_all(f"lost connection to Redis: {exc}")
-
-    async def listen(self, retry_s: float = 0.5) -> None:
-        """Run forever: subscribe to this gateway's output channel and dispatch."""
+    async def listen(self, retry_s: float = 0.5, block_ms: int = 1000, trim_every_s: float = 1.0) -> None:
+        """Run forever: read this gateway's output stream from the last id handled."""
+        key = self.keys.out(self.gateway_id)
+        trimmed_at = 0.0
         try:
-            await subscribe_forever(self.client, self.keys.out(self.gateway_id), self.dispatch,
-                                    on_subscribed=self._on_subscribed, on_lost=self._on_lost, retry_s=retry_s)
+            while True:
+                try:
+                    if not self.subscribed.is_set():
+                        await self._start_reading(key)
+                    reply = await self.reader.xread({key: self.last_id}, count=512, block=block_ms)
+                    for _stream, entries in _streams(reply):
+                        for entry_id, fields in entries:
+                            self.last_id = _text(entry_id)
+                            payload = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD))
+                            if payload is not None:
+                                self.dispatch(payload)
+                    if time.monotonic() - trimmed_at > trim_every_s and self.last_id != "0-0":
+                        trimmed_at = time.monotonic()
+                        await self.client.xtrim(key, minid=self.last_id, approximate=False)
+                except (RedisError, OSError) as exc:
+                    if self.subscribed.is_set():
+                        log.warning("output stream read failed; reconnecting", error=str(exc))
+                    self.subscribed.clear()
+                    await asyncio.sleep(retry_s)
         finally:
             self.subscribed.clear()
+
+    async def _start_reading(self, key: str) -> None:
+        """(Re)connect: check the epoch (a lost dataset fails what was in flight and resets
+        the read position), and on the first start skip what an earlier run left."""
+        if await self.sync_epoch():
+            self.last_id = "0-0"
+        if self.last_id == "0-0" and not self.collectors:
+            newest = await self.client.xrevrange(key, count=1)
+            if newest:
+                self.last_id = _text(newest[0][0])
+        self.subscribed.set()
+        log.info("reading output stream", stream=key, from_id=self.last_id)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _streams(reply: Any) -> list[Any]:
+    """XREAD's reply as ``[(stream, [(id, fields), ...]), ...]`` (RESP2 and RESP3)."""
+    return list(reply.items()) if isinstance(reply, dict) else list(reply or [])

@@ -41,11 +41,19 @@ class EngineRegistry:
         self._cached_at = -1e9
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._tokenizer_lock = asyncio.Lock()
+        self._refresh_lock = asyncio.Lock()  # one SCAN at a time: a burst must not scan once per request
 
     async def live_engines(self, refresh: bool = False) -> list[EngineHeartbeat]:
         """Heartbeats younger than `stale_s`. Raises RedisError when Redis is down."""
         if not refresh and time.monotonic() - self._cached_at < self.cache_s:
             return self._cached
+        asked = time.monotonic()
+        async with self._refresh_lock:
+            if self._cached_at >= asked:  # refreshed by another caller while we waited
+                return self._cached
+            return await self._scan()
+
+    async def _scan(self) -> list[EngineHeartbeat]:
         keys = [key async for key in self.client.scan_iter(match=self.keys.engine_pattern, count=100)]
         async with self.client.pipeline(transaction=False) as pipe:
             for key in keys:
@@ -62,6 +70,9 @@ class EngineRegistry:
             if now - beat.time <= self.stale_s:
                 engines.append(beat)
         self._cached, self._cached_at = engines, time.monotonic()
+        for name, ids in self.conflicts(engines).items():
+            log.error("engines serve one model name with different weights/tokenizer/length", model=name,
+                      engines=ids)
         return engines
 
     async def models(self, refresh: bool = False) -> dict[str, ModelInfo]:
@@ -76,6 +87,16 @@ class EngineRegistry:
             models[name] = ModelInfo(name, tokenizer_dir, max_len, tuple(b.engine_id for b in beats),
                                      int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)))
         return models
+
+    @staticmethod
+    def conflicts(engines: list[EngineHeartbeat]) -> dict[str, list[str]]:
+        """Model names announced by engines that disagree on weights, tokenizer or length
+        (failover between them would change answers): name -> engine ids."""
+        by_name: dict[str, list[EngineHeartbeat]] = {}
+        for beat in engines:
+            by_name.setdefault(beat.model, []).append(beat)
+        return {name: sorted(b.engine_id for b in beats) for name, beats in by_name.items()
+                if len({b.identity() for b in beats}) > 1}
 
     async def find(self, name: str) -> ModelInfo | None:
         """The model called `name`; refreshes the cache once before giving up."""

@@ -124,3 +124,51 @@ async def serve_gateway(redis_url: str, **overrides: Any) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+class GatewayProcess:
+    """`pagedserve gateway` as a child process on a free port, logging to a file."""
+
+    def __init__(self, redis_url: str, gateway_id: str, log_dir: Path, *extra: str) -> None:
+        self.gateway_id = gateway_id
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{gateway_id}.log"
+        cmd = [sys.executable, "-m", "engine.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
+               "--gateway-id", gateway_id, "--request-timeout", "300", *extra]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_REDIS_URL": redis_url})
+
+    def wait_healthy(self, timeout: float = 120.0) -> GatewayProcess:
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway {self.gateway_id} not healthy: {self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

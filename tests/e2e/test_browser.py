@@ -26,8 +26,18 @@ def chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    up = Stack.start(tiny_llama_dir, tmp_path_factory.mktemp("up"))
+def long_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a 4096-token context: an answer of 1,900 tokens runs for seconds,
+    so the Stop test never races the end of its own request (450 tokens could finish before
+    the KV page's next snapshot). Same shapes, so the pool still has 128 blocks."""
+    from tests.fixtures.models import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def stack(long_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    up = Stack.start(long_tiny_dir, tmp_path_factory.mktemp("up"))
     try:
         yield up
     finally:
@@ -128,7 +138,7 @@ def test_chat_streams_an_answer(browser: Any, stack: Stack, tabs: list[Tab]) -> 
 def test_stop_aborts_and_the_engine_frees_the_blocks(browser: Any, stack: Stack, tabs: list[Tab]) -> None:
     kv = new_tab(tabs, browser, stack, "/kv")
     chat = new_tab(tabs, browser, stack, "/")
-    send(chat, "Write a long story.", max_tokens=450, ignore_eos=True)
+    send(chat, "Write a long story.", max_tokens=1900, ignore_eos=True)  # fits the 2,048-token pool
     chat.page.wait_for_selector("li.assistant[data-request-id]")
     request_id = chat.page.get_attribute("li.assistant[data-request-id]", "data-request-id")
     row = kv.page.locator("table.tables tbody tr", has_text=request_id)

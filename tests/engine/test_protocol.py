@@ -29,14 +29,30 @@ from engine.sampling_params import SamplingParams
 
 def test_keys_follow_prefix() -> None:
     keys = Keys("tst")
-    assert keys.requests == "tst:requests"
+    assert keys.requests("smol") == "tst:requests:smol"  # one stream per served model name
+    assert keys.dead("smol") == "tst:dead:smol"
     assert keys.group == "engines"
     assert keys.out("gw1") == "tst:out:gw1"
+    assert keys.gateway("gw1") == "tst:gateway:gw1"
+    assert keys.epoch == "tst:epoch"
     assert keys.abort == "tst:abort"
     assert keys.engine("e0") == "tst:engine:e0"
     assert keys.engine_pattern == "tst:engine:*"
     assert keys.progress("r1") == "tst:progress:r1"
-    assert Keys().requests == "ps:requests"
+    assert Keys().requests("m") == "ps:requests:m"
+
+
+def test_version_2_fields_round_trip_and_version_1_is_refused() -> None:
+    req = EngineRequest("r1", "gw", "m", [1], {"n": 1}, 1.0, 2.0, handoffs=2, epoch="abc")
+    back = EngineRequest.decode(req.encode())
+    assert (back.handoffs, back.epoch, back.deadline) == (2, "abc", 2.0)
+    old = msgpack.packb({"v": 1, "id": "r", "gateway": "g", "model": "m", "prompt_token_ids": [1],
+                         "params": {}, "arrival": 0.0})
+    with pytest.raises(ProtocolError, match="version 1"):
+        EngineRequest.decode(old)
+    beat = EngineHeartbeat("e", "m", "/tok", 512, 1.0, config_hash="h1", vocab_size=320, draining=True)
+    again = EngineHeartbeat.from_hash(beat.to_hash())
+    assert again.identity() == ("h1", 320, 512) and again.draining
 
 
 def test_request_round_trip() -> None:
@@ -82,7 +98,7 @@ def test_request_rejects_bad_messages(bad: bytes) -> None:
 
 def test_output_batch_rejects_wrong_version_and_shape() -> None:
     with pytest.raises(ProtocolError):
-        decode_outputs(msgpack.packb([{"v": 2, "id": "a", "seq": 0, "outputs": []}]))
+        decode_outputs(msgpack.packb([{"v": PROTOCOL_VERSION + 1, "id": "a", "seq": 0, "outputs": []}]))
     with pytest.raises(ProtocolError):
         decode_outputs(msgpack.packb({"id": "a"}))
 

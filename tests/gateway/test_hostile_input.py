@@ -121,7 +121,7 @@ async def test_hostile_input_is_a_4xx(gateway: Gateway, name: str, path: str, pa
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
-    assert await gateway.redis.xlen(gateway.engine.keys.requests) == 0
+    assert await gateway.redis.xlen(gateway.engine.keys.requests(MODEL)) == 0
 
 
 UNSUPPORTED_SCHEMAS = [

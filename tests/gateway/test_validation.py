@@ -95,7 +95,7 @@ async def test_bad_request(gateway: Gateway, name: str, path: str, payload: Any,
     resp = await gateway.client.post(path, data=data, headers={"Content-Type": "application/json"})
     assert resp.status == status, await resp.text()
     _check_error(await resp.json(), param)
-    assert await gateway.redis.xlen(gateway.engine.keys.requests) == 0
+    assert await gateway.redis.xlen(gateway.engine.keys.requests(MODEL)) == 0
 
 
 async def test_oversized_body_is_413(redis_server: str, tiny_tokenizer_dir: Path) -> None:

@@ -1,5 +1,6 @@
-"""The engine's stream plumbing on a real redis-server: consumer group, reads, XAUTOCLAIM in
-both reply shapes, touching own entries, dead-consumer detection."""
+"""The engine's stream plumbing on a real redis-server (6.2 and 7.x): consumer group, reads,
+takeover of a dead consumer's entries (only while its heartbeat is gone), ownership after a
+takeover, acks that delete, NOGROUP recovery."""
 
 from __future__ import annotations
 
@@ -12,31 +13,11 @@ import redis.asyncio as aioredis
 
 from engine.launch.redis_server import RedisServer
 from engine.protocol import REQUEST_FIELD, Keys
-from engine.worker.request_stream import RequestStream, parse_autoclaim
+from engine.worker.request_stream import RequestStream
 
 KEYS = Keys("t")
-
-
-def test_autoclaim_reply_redis_6_2_shape() -> None:
-    """6.2: [next, entries]; a deleted entry comes back with nil fields."""
-    result = parse_autoclaim([b"5-0", [[b"1-0", {b"m": b"abc"}], [b"2-0", None], (None, None)]])
-    assert result.next_id == "5-0"
-    assert [(e.entry_id, e.payload) for e in result.entries] == [("1-0", b"abc")]
-    assert result.deleted == ["2-0"]
-    assert result.num_unknown == 1  # redis-py drops the id of a deleted entry on 6.2
-
-
-def test_autoclaim_reply_redis_7_shape() -> None:
-    """7.x: [next, entries, deleted ids]; raw RESP field lists are accepted too."""
-    result = parse_autoclaim([b"0-0", [[b"1-0", [b"m", b"abc"]]], [b"3-0"]])
-    assert result.next_id == "0-0"
-    assert [(e.entry_id, e.payload) for e in result.entries] == [("1-0", b"abc")]
-    assert result.deleted == ["3-0"]
-
-
-def test_autoclaim_reply_of_unknown_shape_is_an_error() -> None:
-    with pytest.raises(ValueError, match="XAUTOCLAIM"):
-        parse_autoclaim([b"0-0"])
+MODEL = "m"
+STREAM = KEYS.requests(MODEL)
 
 
 def _redis_binaries() -> list[str]:
@@ -68,11 +49,15 @@ def _version(binary: str) -> str:
 
 
 async def _add(client: aioredis.Redis, payload: bytes) -> str:
-    return (await client.xadd(KEYS.requests, {REQUEST_FIELD: payload})).decode()
+    return (await client.xadd(STREAM, {REQUEST_FIELD: payload})).decode()
+
+
+def _stream(client: aioredis.Redis, name: str) -> RequestStream:
+    return RequestStream(client, KEYS, MODEL, name)
 
 
 async def test_group_read_ack_and_own_pending(client: aioredis.Redis) -> None:
-    stream = RequestStream(client, KEYS, "a")
+    stream = _stream(client, "a")
     await stream.ensure_group()
     await stream.ensure_group()  # idempotent
     ids = [await _add(client, b"one"), await _add(client, b"two")]
@@ -82,32 +67,42 @@ async def test_group_read_ack_and_own_pending(client: aioredis.Redis) -> None:
     await stream.ack([ids[0]])
     assert [e.entry_id for e in await stream.read_own_pending()] == [ids[1]]  # a restart finds it
     assert await stream.consumers() == {"a": 1}
+    assert await client.xlen(STREAM) == 1  # acked entries are deleted: the stream stays bounded
 
 
-async def test_claim_takes_only_idle_entries_of_a_dead_engine(client: aioredis.Redis) -> None:
-    a, b = RequestStream(client, KEYS, "a"), RequestStream(client, KEYS, "b")
+async def test_takeover_only_from_a_consumer_whose_heartbeat_is_gone(client: aioredis.Redis) -> None:
+    a, b, c = _stream(client, "a"), _stream(client, "b"), _stream(client, "c")
     await a.ensure_group()
     entry = await _add(client, b"work")
     await a.read_new(1, None)
     await client.set(KEYS.engine("a"), "alive")
     assert await b.dead_consumers() == []
+    assert await b.claim_from("a", min_idle_ms=0) == []  # alive: nothing moves
     await client.delete(KEYS.engine("a"))
     assert await b.dead_consumers() == ["a"]
-    await a.touch([entry])
-    assert (await b.claim_idle(min_idle_ms=60_000)).entries == []  # touched: not idle
-    claimed = await b.claim_idle(min_idle_ms=0)
-    assert [e.payload for e in claimed.entries] == [b"work"]
+    claimed = await b.claim_from("a", min_idle_ms=0)
+    assert [(e.entry_id, e.payload, e.deliveries) for e in claimed] == [(entry, b"work", 2)]
+    assert await c.claim_from("b", min_idle_ms=60_000) == []  # just claimed: not idle, c cannot take it
+    assert await a.owned([entry]) == set() and await b.owned([entry]) == {entry}
     assert await b.consumers() == {"a": 0, "b": 1}
     await b.forget("a")
     assert await b.consumers() == {"b": 1}
 
 
-async def test_claim_acks_entries_deleted_from_the_stream(client: aioredis.Redis) -> None:
-    a, b = RequestStream(client, KEYS, "a"), RequestStream(client, KEYS, "b")
+async def test_takeover_acks_entries_deleted_from_the_stream(client: aioredis.Redis) -> None:
+    a, b = _stream(client, "a"), _stream(client, "b")
     await a.ensure_group()
     gone = await _add(client, b"gone")
     await a.read_new(1, None)
-    await client.xdel(KEYS.requests, gone)
-    result = await b.claim_idle(min_idle_ms=0)
-    assert result.entries == [] and result.deleted == [gone]
-    assert (await client.xpending(KEYS.requests, KEYS.group))["pending"] == 0
+    await client.xdel(STREAM, gone)
+    assert await b.claim_from("a", min_idle_ms=0) == []
+    assert (await client.xpending(STREAM, KEYS.group))["pending"] == 0
+
+
+async def test_read_recreates_a_lost_group(client: aioredis.Redis) -> None:
+    stream = _stream(client, "a")
+    await stream.ensure_group()
+    await client.flushall()  # what a Redis restart without persistence leaves
+    assert await stream.read_new(10, None) == []  # NOGROUP: group recreated
+    entry = await _add(client, b"after")
+    assert [e.entry_id for e in await stream.read_new(10, None)] == [entry]

@@ -1,0 +1,82 @@
+"""The gateway's Redis side under trouble, on a real redis-server with the scripted engine:
+the output reader's connection killed mid-request (nothing lost, nothing doubled), Redis
+restarted without persistence (in-flight requests fail with a clear error, new ones work),
+a full model queue (429 with Retry-After), and the pool figures on /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.protocol import SeqOutput, Usage
+from gateway.text.tokenizer import ModelTokenizer
+from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, parse_sse
+
+__all__ = ["gateway"]
+
+
+async def _kill_reader(gw: Gateway) -> None:
+    name = f"{gw.config.redis_prefix}-out-{gw.config.gateway_id}"
+    for _ in range(100):
+        ids = [c["id"] for c in await gw.redis.client_list() if c.get("name") == name]
+        if ids:
+            for client_id in ids:
+                await gw.redis.client_kill_filter(_id=client_id)
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the output reader connection is not named")
+
+
+async def test_output_written_while_the_reader_is_disconnected_arrives_once(gateway: Gateway) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 64}
+    post = asyncio.create_task(gateway.client.post("/v1/completions", json=body))
+    req = await gateway.engine.next_request()
+    ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode("Hello world! The quick brown fox", False)
+    half = len(ids) // 2
+    await gateway.engine.publish(req, [SeqOutput(0, ids[:half], 0)])
+    await _kill_reader(gateway)
+    await gateway.engine.publish(req, [SeqOutput(0, ids[half:], half, "stop")], Usage(2, len(ids)))
+    resp = await post
+    events = parse_sse(await resp.text())
+    text = "".join(c["text"] for e in events if isinstance(e, dict) for c in e.get("choices", []))
+    assert text == "Hello world! The quick brown fox"
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+
+
+async def test_redis_restart_without_persistence_fails_in_flight_then_serves(
+        gateway: Gateway, restart_redis: Callable[[], None]) -> None:
+    post = asyncio.create_task(gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
+    await gateway.engine.next_request()
+    await asyncio.to_thread(restart_redis)
+    await gateway.redis.connection_pool.disconnect()
+    resp = await post
+    body = await resp.json()
+    assert resp.status == 503 and body["error"]["code"] == "redis_restarted", body
+    await gateway.engine.beat()
+    post = asyncio.create_task(gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
+    gateway.engine.last_id = "0-0"
+    req = await gateway.engine.next_request(timeout=10)
+    await gateway.engine.generate(req, ["Hello again"])
+    resp = await post
+    assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "Hello again"
+
+
+async def test_a_full_model_queue_answers_429_with_retry_after(redis_server: str, tiny_tokenizer_dir: Path) -> None:
+    async with open_gateway(redis_server, tiny_tokenizer_dir, max_queued_per_model=2) as gw:
+        await gw.engine.beat()
+        waiting = [asyncio.create_task(gw.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
+                   for _ in range(2)]
+        reqs = [await gw.engine.next_request() for _ in range(2)]
+        resp = await gw.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+        assert resp.status == 429 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "overloaded"
+        for req in reqs:
+            await gw.engine.generate(req, ["ok"])
+            await gw.redis.xdel(gw.engine.keys.requests(MODEL), gw.engine.last_id)  # what an engine's ack does
+        assert [(await task).status for task in waiting] == [200, 200]
+        metrics = await (await gw.client.get("/metrics")).text()
+        for name in ("pagedserve_redis_pool_in_use", "pagedserve_redis_pool_waiting",
+                     "pagedserve_redis_pool_wait_seconds_count",
+                     'pagedserve_gateway_rejected_total{reason="QueueFull"}'):
+            assert name in metrics, name
