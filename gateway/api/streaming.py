@@ -100,7 +100,10 @@ async def stream(request: web.Request, req: GenerationRequest, gen: Generation, 
         await sse.done()
     except (ClientGone, ConnectionResetError):
         pass  # Generation.close() aborts the request on the engine
-    return sse.response, [o.finish_reason for o in outs if o.finish_reason is not None]
+    reasons = [o.finish_reason for o in outs if o.finish_reason is not None]
+    if not sse.started:  # the client left before anything was sent: nothing to prepare
+        return web.Response(status=499), reasons
+    return sse.response, reasons
 
 
 async def complete(request: web.Request, req: GenerationRequest, gen: Generation,

@@ -124,3 +124,20 @@ async def test_client_that_stops_reading_is_aborted(short_write_gateway: Gateway
         watcher.cancel()
         sock.close()
     assert req.id in aborted, f"no abort after {sent} tokens"
+
+
+async def test_client_gone_before_the_first_token_is_aborted(gateway: Gateway) -> None:
+    aborted: list[str] = []
+    watcher = asyncio.create_task(collect_aborts(gateway.redis, gateway.engine.keys, aborted))
+    await asyncio.sleep(0.1)
+    post = asyncio.create_task(gateway.client.post("/v1/completions", json=BODY))
+    req = await gateway.engine.next_request()
+    post.cancel()  # drops the connection while the response has not started
+    try:
+        for _ in range(100):
+            if req.id in aborted:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        watcher.cancel()
+    assert req.id in aborted
