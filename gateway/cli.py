@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=argparse.SUPPRESS)  # "plain": the pre-issue-13 pool, for benchmarks
     parser.add_argument("--max-queued", type=int, default=defaults.max_queued_per_model,
                         help="requests waiting or running per model before new ones get 429 (default %(default)s)")
+    parser.add_argument("--sse-keepalive", type=float, default=defaults.sse_keepalive_s, metavar="SECONDS",
+                        help="send an SSE comment frame on a stream idle this long, for proxies that cut idle "
+                             "connections (default 0 = never: some SSE clients mis-parse comments)")
+    parser.add_argument("--write-timeout", type=float, default=defaults.write_timeout_s, metavar="SECONDS",
+                        help="abort a request whose client reads nothing for this long (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -61,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         api_keys=tuple(keys), models=tuple(args.models), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout,
         redis_pool_size=args.redis_pool_size, redis_pool_timeout_s=args.redis_pool_timeout,
-        max_queued_per_model=args.max_queued, redis_pool=args.redis_pool, **extra,
+        max_queued_per_model=args.max_queued, redis_pool=args.redis_pool,
+        sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout, **extra,
     )
 
 

@@ -28,7 +28,9 @@ class GatewayConfig:
     max_top_logprobs: int = 20
     request_timeout_s: float = 600.0
     engine_stale_s: float = 15.0
-    sse_ping_s: float = 15.0
+    sse_ping_s: float = 15.0  # how often a waiting request checks its client (and deadline)
+    sse_keepalive_s: float = 0.0  # SSE comment frames after this many idle seconds; 0 = never
+    write_timeout_s: float = 30.0  # a client that reads nothing this long has its request aborted
     # Redis: a pool that waits (bounded) for a free connection instead of failing a burst
     redis_pool_size: int = 64
     redis_pool: str = "blocking"  # "plain": redis-py's default pool, which fails a burst at once (benchmarks)
@@ -41,6 +43,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_n <= 0 or self.max_tokens_limit <= 0:
             raise ValueError("max_body_bytes, max_n and max_tokens_limit must be positive")
+        if self.sse_keepalive_s < 0 or self.write_timeout_s <= 0:
+            raise ValueError("sse_keepalive_s must be >= 0 and write_timeout_s positive")
         if self.redis_pool_size < 2 or self.redis_pool_timeout_s <= 0 or self.max_queued_per_model < 1:
             raise ValueError("redis_pool_size must be >= 2, redis_pool_timeout_s and max_queued_per_model positive")
         if not self.redis_prefix or ":" in self.redis_prefix:

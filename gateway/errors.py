@@ -13,6 +13,7 @@ from gateway.state import CONFIG
 
 log = get_logger("gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")  # paths that need the API key when keys are set
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -64,12 +65,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def auth_middleware(api_keys: tuple[str, ...]) -> Middleware:
-    """Require ``Authorization: Bearer <key>`` on /v1/* when keys are configured."""
+    """Require ``Authorization: Bearer <key>`` on PROTECTED paths when keys are configured."""
     keys = [k.encode() for k in api_keys]
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if keys and request.path.startswith("/v1/"):
+        if keys and request.path.startswith(PROTECTED):
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():

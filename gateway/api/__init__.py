@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: routes, request validation, response and SSE chunk
 shapes, and the per-request generation driver.
 
-May import aiohttp, `gateway.broker`, `gateway.text` and the torch-free engine modules
-(`engine.protocol`, `engine.sampling_params`, `engine.log`)."""
+May import aiohttp, llguidance (to check output constraints; never to build token masks),
+`gateway.broker`, `gateway.text` and the torch-free engine modules (`engine.protocol`,
+`engine.sampling_params`, `engine.log`)."""

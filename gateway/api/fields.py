@@ -8,9 +8,7 @@ from typing import Any
 from gateway.api.endpoint import Endpoint
 from gateway.errors import bad_request
 
-ROLES = {"system", "developer", "user", "assistant", "tool"}
-_UNSUPPORTED_NONZERO = ("presence_penalty", "frequency_penalty")
-_UNSUPPORTED_PRESENT = ("tools", "functions", "logit_bias", "audio", "prediction")
+_UNSUPPORTED_PRESENT = ("functions", "function_call", "audio", "prediction")
 
 
 def _is_int(value: Any) -> bool:
@@ -60,64 +58,39 @@ def as_bool(body: dict[str, Any], name: str, default: bool, prefix: str = "") ->
 
 
 def reject_unsupported(body: dict[str, Any], kind: Endpoint) -> None:
-    for name in _UNSUPPORTED_NONZERO:
-        value = body.get(name)
-        if value not in (None, 0, 0.0) or isinstance(value, bool):
-            raise bad_request(f"'{name}' is not supported (only 0)", name, "unsupported_parameter")
     for name in _UNSUPPORTED_PRESENT:
         if body.get(name):
-            raise bad_request(f"'{name}' is not supported", name, "unsupported_parameter")
-    if kind is Endpoint.COMPLETION and body.get("echo"):
-        raise bad_request("'echo' is not supported", "echo", "unsupported_parameter")
+            hint = " (use 'tools')" if name.startswith("function") else ""
+            raise bad_request(f"'{name}' is not supported{hint}", name, "unsupported_parameter")
     if kind is Endpoint.COMPLETION and body.get("suffix"):
         raise bad_request("'suffix' is not supported", "suffix", "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format",
-                          "unsupported_parameter")
 
 
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}.content: only text parts are supported", where + ".content",
-                                  "invalid_type")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"{where}.content must be a string or a list of text parts", where + ".content",
-                      "invalid_type")
+def token_id_list(body: dict[str, Any], name: str) -> list[int]:
+    """A list of non-negative integers (token ids; the vocabulary is checked once the model is known)."""
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(t) and t >= 0 for t in value):
+        raise bad_request(f"'{name}' must be a list of token ids", name, "invalid_type")
+    return [int(t) for t in value]
 
 
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages with text content (parts joined) ready for the chat template."""
-    if messages is None:
-        raise bad_request("'messages' is required", "messages", "missing_required_parameter")
-    if not isinstance(messages, list):
-        raise bad_request("'messages' must be an array", "messages", "invalid_type")
-    if not messages:
-        raise bad_request("'messages' must contain at least one message", "messages", "empty_array")
-    parsed = []
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise bad_request(f"{where} must be an object", where, "invalid_type")
-        role = msg.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", where + ".role")
-        content = msg.get("content")
-        if content is None and role != "assistant":
-            raise bad_request(f"{where}.content is required", where + ".content", "missing_required_parameter")
-        out: dict[str, Any] = {"role": role, "content": "" if content is None else _content_text(content, where)}
-        if "name" in msg:
-            if not isinstance(msg["name"], str):
-                raise bad_request(f"{where}.name must be a string", where + ".name", "invalid_type")
-            out["name"] = msg["name"]
-        parsed.append(out)
-    return parsed
+def parse_logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's ``{"token id as a string": bias}`` → ``{token_id: bias}`` (ranges: SamplingParams)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must map token ids to numbers", "logit_bias", "invalid_type")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdecimal()):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias", "invalid_type")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise bad_request(f"'logit_bias' values must be numbers, got {bias!r}"[:120], "logit_bias",
+                              "invalid_type")
+        out[int(key)] = float(bias)
+    return out
 
 
 def parse_prompt(prompt: Any) -> str | list[int]:

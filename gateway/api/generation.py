@@ -70,6 +70,7 @@ class Generation:
         self.engine_usage: Usage | None = None
         self.first_token_at: float | None = None
         self.finished = False
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for: set before any event
 
     @property
     def request_id(self) -> str:
@@ -95,6 +96,8 @@ class Generation:
                 yield None
                 continue
             self.engine_usage = update.usage or self.engine_usage
+            if update.prompt_logprobs is not None and self.prompt_logprobs is None:
+                self.prompt_logprobs = update.prompt_logprobs
             for index, delta in sorted(update.choices.items()):
                 choice = self.choices[index]
                 if choice.finish_reason is not None:

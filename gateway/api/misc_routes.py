@@ -1,4 +1,4 @@
-"""GET /v1/models, GET /health, GET /metrics."""
+"""GET /v1/models, GET /health, GET /metrics (and the tokenize routes' registration)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
+from gateway.api.tokenize_routes import add_routes as add_tokenize_routes
 from gateway.broker.broker import BrokerUnavailable
 from gateway.errors import OpenAIError
 from gateway.state import BROKER, METRICS, REGISTRY
@@ -54,3 +55,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    add_tokenize_routes(app)

@@ -2,39 +2,28 @@
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 import uuid
-from typing import Any
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
 from engine.protocol import EngineRequest
 from engine.redis_conn import PoolBusy
+from gateway.api.body import read_json
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
+from gateway.api.prompt import prompt_ids
 from gateway.api.streaming import ClientGone, complete, stream
-from gateway.api.validation import GenerationRequest, check_context, parse_request
+from gateway.api.structured import check_structured
+from gateway.api.validation import check_context, parse_request
 from gateway.broker.broker import BrokerUnavailable, QueueFull
 from gateway.broker.engines import ModelInfo
-from gateway.errors import OpenAIError, bad_request
+from gateway.errors import OpenAIError
 from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
-from gateway.text.tokenizer import ModelTokenizer, TemplateError
 
 _ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
-
-
-async def read_json(request: web.Request) -> Any:
-    """The body as JSON; 413 past the size limit, 400 when it is not JSON."""
-    limit = request.app[CONFIG].max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise OpenAIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large")
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
 
 
 async def find_model(request: web.Request, name: str) -> ModelInfo:
@@ -51,23 +40,13 @@ async def find_model(request: web.Request, name: str) -> ModelInfo:
     return model
 
 
-def prompt_ids(req: GenerationRequest, tokenizer: ModelTokenizer) -> list[int]:
-    try:
-        if req.kind is Endpoint.CHAT:
-            return tokenizer.encode_chat(req.messages, **req.extra_template_args)
-    except TemplateError as exc:
-        raise bad_request(str(exc), "messages", "invalid_messages") from exc
-    if isinstance(req.prompt, list):
-        if any(t >= tokenizer.vocab_size for t in req.prompt):
-            raise bad_request("prompt token id out of the vocabulary", "prompt")
-        return req.prompt
-    return tokenizer.encode(req.prompt)
-
-
 async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     start = time.monotonic()
     cfg, broker, metrics = request.app[CONFIG], request.app[BROKER], request.app[METRICS]
     req = parse_request(await read_json(request), kind, cfg)
+    if req.params.structured_output is not None:
+        await asyncio.get_running_loop().run_in_executor(None, check_structured, req.params.structured_output,
+                                                         req.structured_param)
     model = await find_model(request, req.model)
     tokenizer = await request.app[REGISTRY].tokenizer(model)
     ids = prompt_ids(req, tokenizer)
@@ -87,16 +66,16 @@ async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     gen = Generation(broker, collector, tokenizer, req.stop, len(ids), cfg.request_timeout_s, cfg.sse_ping_s)
     metrics.in_flight.inc()
     try:
-        if req.stream:
-            response, reasons = await stream(request, req, gen, tokenizer)
-        else:
-            try:
+        try:
+            if req.stream:
+                response, reasons = await stream(request, req, gen, tokenizer, cfg)
+            else:
                 response, reasons = await complete(request, req, gen, tokenizer)
-            except ClientGone:
-                return web.Response(status=499)
-            except GenerationError as exc:
-                raise OpenAIError(_ERROR_STATUS.get(exc.info.type, 500), exc.info.message, None,
-                                  exc.info.code, exc.info.type) from exc
+        except ClientGone:
+            return web.Response(status=499)
+        except GenerationError as exc:  # before the first byte of the response
+            raise OpenAIError(_ERROR_STATUS.get(exc.info.type, 500), exc.info.message, None,
+                              exc.info.code, exc.info.type) from exc
         if gen.finished:
             usage = gen.usage
             metrics.observe_request(reasons, usage.prompt_tokens, usage.completion_tokens, start,

@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from engine.protocol import TokenLogprob, Usage
 from gateway.api.endpoint import Endpoint
-from gateway.text.tokenizer import ModelTokenizer
+from gateway.text.tool_parser import ToolCall
+
+
+class TokenNames(Protocol):
+    """How logprobs name tokens: their text (a ModelTokenizer) or `TokenIdNames`."""
+
+    def token_text(self, token_id: int) -> str: ...
+
+
+class TokenIdNames:
+    """vLLM's `return_tokens_as_token_ids`: tokens named ``token_id:<id>``, unambiguous where
+    byte-level tokens decode to the same text (partial UTF-8)."""
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 def usage_obj(usage: Usage) -> dict[str, Any]:
@@ -15,12 +29,12 @@ def usage_obj(usage: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def _token_entry(tokenizer: ModelTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _token_entry(tokenizer: TokenNames, token_id: int, logprob: float) -> dict[str, Any]:
     text = tokenizer.token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprobs: list[TokenLogprob],
+def chat_logprobs(tokenizer: TokenNames, token_ids: list[int], logprobs: list[TokenLogprob],
                   top: int) -> dict[str, Any]:
     """`choices[i].logprobs` of a chat completion: {"content": [...]}."""
     content = []
@@ -31,7 +45,7 @@ def chat_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprobs: lis
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprobs: list[TokenLogprob],
+def completion_logprobs(tokenizer: TokenNames, token_ids: list[int], logprobs: list[TokenLogprob],
                         top: int, text_offset: int) -> dict[str, Any]:
     """`choices[i].logprobs` of a legacy completion: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -43,6 +57,57 @@ def completion_logprobs(tokenizer: ModelTokenizer, token_ids: list[int], logprob
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_completion_logprobs(tokenizer: TokenNames, prompt_ids: list[int],
+                               logprobs: list[TokenLogprob | None] | None, top: int) -> dict[str, Any]:
+    """The echoed prompt's part of a legacy completion's logprobs: the first token's are null
+    (nothing predicts it), as are all when the engine sent none."""
+    lps = list(logprobs or [])[:len(prompt_ids)]
+    lps += [None] * (len(prompt_ids) - len(lps))
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    for token_id, lp in zip(prompt_ids, lps, strict=True):
+        text = tokenizer.token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None or not top else {tokenizer.token_text(t): p for t, p in lp.top[:top]})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tokenizer: TokenNames, prompt_ids: list[int],
+                         logprobs: list[TokenLogprob | None] | None, top: int) -> list[dict[str, Any] | None]:
+    """vLLM's top-level `prompt_logprobs`: per prompt token None (the first) or
+    ``{"<token id>": {"logprob", "rank", "decoded_token"}}`` for the token and its top alternatives
+    (`rank` is the position among the alternatives, None when the token is not among them)."""
+    out: list[dict[str, Any] | None] = []
+    lps = list(logprobs or [])
+    for i, token_id in enumerate(prompt_ids):
+        lp = lps[i] if i < len(lps) else None
+        if lp is None:
+            out.append(None)
+            continue
+        ranks = {t: r + 1 for r, (t, _) in enumerate(lp.top[:top])}
+        entry = {str(token_id): {"logprob": lp.logprob, "rank": ranks.get(token_id),
+                                 "decoded_token": tokenizer.token_text(token_id)}}
+        for t, p in lp.top[:top]:
+            entry.setdefault(str(t), {"logprob": p, "rank": ranks[t], "decoded_token": tokenizer.token_text(t)})
+        out.append(entry)
+    return out
+
+
+def tool_call_obj(call: ToolCall) -> dict[str, Any]:
+    """An OpenAI `tool_calls` entry of a chat message."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_deltas(call: ToolCall, index: int) -> list[dict[str, Any]]:
+    """A call as OpenAI streams it: id, type and name (empty arguments) first, then the arguments."""
+    return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
+                             "function": {"name": call.name, "arguments": ""}}]},
+            {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],

@@ -1,4 +1,8 @@
-"""Turning a Generation into an HTTP response: SSE chunks (stream) or one JSON body."""
+"""Turning a Generation into an HTTP response: SSE chunks (stream) or one JSON body.
+
+A stream's response starts with its first event (or its first keepalive comment, when they
+are on): an engine error before that, such as an admission refusal, is raised as
+GenerationError and becomes an ordinary JSON error with its 4xx status."""
 
 from __future__ import annotations
 
@@ -7,19 +11,21 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.protocol import TokenLogprob
+from gateway.api.choice_output import ChoiceOutput, Piece
 from gateway.api.endpoint import Endpoint
-from gateway.api.generation import ChoiceEvent, Generation, GenerationError
+from gateway.api.generation import Generation, GenerationError
 from gateway.api.responses import (
     chat_chunk,
-    chat_logprobs,
     completion_chunk,
-    completion_logprobs,
     full_response,
+    tool_call_deltas,
+    tool_call_obj,
     usage_chunk,
+    vllm_prompt_logprobs,
 )
 from gateway.api.sse import SSEStream
 from gateway.api.validation import GenerationRequest
+from gateway.config import GatewayConfig
 from gateway.text.tokenizer import ModelTokenizer
 
 
@@ -32,81 +38,95 @@ def _check_client(request: web.Request) -> None:
         raise ClientGone()
 
 
-def _logprobs(req: GenerationRequest, tok: ModelTokenizer, ids: list[int], lps: list[TokenLogprob],
-              offset: int) -> dict[str, Any] | None:
-    if req.top_logprobs is None:
-        return None
-    if req.kind is Endpoint.CHAT:
-        return chat_logprobs(tok, ids, lps, req.top_logprobs)
-    return completion_logprobs(tok, ids, lps, req.top_logprobs, offset)
+def _chunks(req: GenerationRequest, rid: str, created: int, index: int, piece: Piece) -> list[dict[str, Any]]:
+    """The SSE chunks of one piece: logprobs on the first, finish_reason on the last."""
+    usage = req.include_usage
+    if req.kind is Endpoint.COMPLETION:
+        return [completion_chunk(rid, created, req.model, index, piece.text, piece.finish_reason, piece.logprobs,
+                                 usage)]
+    deltas: list[dict[str, Any]] = [{"content": piece.text}] if piece.text else []
+    for k, call in enumerate(piece.calls):
+        deltas.extend(tool_call_deltas(call, piece.first_call_index + k))
+    deltas = deltas or [{}]
+    return [chat_chunk(rid, created, req.model, index, delta, piece.finish_reason if i == len(deltas) - 1 else None,
+                       piece.logprobs if i == 0 else None, usage) for i, delta in enumerate(deltas)]
 
 
-def _chunk(req: GenerationRequest, rid: str, created: int, ev: ChoiceEvent,
-           logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    if req.kind is Endpoint.CHAT:
-        delta = {"content": ev.text} if ev.text else {}
-        return chat_chunk(rid, created, req.model, ev.index, delta, ev.finish_reason, logprobs, req.include_usage)
-    return completion_chunk(rid, created, req.model, ev.index, ev.text, ev.finish_reason, logprobs,
-                            req.include_usage)
-
-
-async def stream(request: web.Request, req: GenerationRequest, gen: Generation,
-                 tok: ModelTokenizer) -> tuple[web.StreamResponse, list[str]]:
-    """SSE: role chunks, content deltas (finish_reason on the last), usage chunk, [DONE]."""
-    sse = await SSEStream(request).start()
+async def stream(request: web.Request, req: GenerationRequest, gen: Generation, tok: ModelTokenizer,
+                 cfg: GatewayConfig) -> tuple[web.StreamResponse, list[str]]:
+    """SSE: role chunks, content and tool-call deltas (finish_reason on the last), usage, [DONE].
+    Raises GenerationError when the request fails before anything was sent."""
+    sse = SSEStream(request, cfg.write_timeout_s)
     rid, created = gen.request_id, int(time.time())
-    offsets = [0] * req.params.n
-    reasons: list[str] = []
-    try:
+    outs = [ChoiceOutput(req, tok) for _ in range(req.params.n)]
+    last_write = time.monotonic()
+
+    async def start() -> None:
+        await sse.start()
         if req.kind is Endpoint.CHAT:
             for i in range(req.params.n):
                 await sse.send(chat_chunk(rid, created, req.model, i, {"role": "assistant", "content": ""},
                                           include_usage=req.include_usage))
+
+    try:
         try:
             async for ev in gen.events():
                 _check_client(request)
                 if ev is None:
-                    await sse.ping()
+                    if cfg.sse_keepalive_s > 0 and time.monotonic() - last_write >= cfg.sse_keepalive_s:
+                        if not sse.started:
+                            await start()
+                        await sse.comment()
+                        last_write = time.monotonic()
                     continue
-                logprobs = _logprobs(req, tok, ev.token_ids, ev.logprobs, offsets[ev.index])
-                offsets[ev.index] += len(ev.text)
-                await sse.send(_chunk(req, rid, created, ev, logprobs))
-                if ev.finish_reason is not None:
-                    reasons.append(ev.finish_reason)
+                piece = outs[ev.index].feed(ev, gen.prompt_logprobs)
+                if piece.empty:
+                    continue
+                if not sse.started:
+                    await start()
+                for chunk in _chunks(req, rid, created, ev.index, piece):
+                    await sse.send(chunk)
+                last_write = time.monotonic()
         except GenerationError as exc:
+            if not sse.started:
+                raise
             await sse.send({"error": {"message": exc.info.message, "type": exc.info.type, "param": None,
                                       "code": exc.info.code}})
         else:
+            if not sse.started:
+                await start()
             if req.include_usage:
                 await sse.send(usage_chunk(req.kind, rid, created, req.model, gen.usage))
         await sse.done()
     except (ClientGone, ConnectionResetError):
         pass  # Generation.close() aborts the request on the engine
+    reasons = [o.finish_reason for o in outs if o.finish_reason is not None]
+    if not sse.started:  # the client left before anything was sent: nothing to prepare
+        return web.Response(status=499), reasons
     return sse.response, reasons
 
 
 async def complete(request: web.Request, req: GenerationRequest, gen: Generation,
                    tok: ModelTokenizer) -> tuple[web.Response, list[str]]:
     """Non-streaming: gather every choice, answer one JSON object. Raises GenerationError."""
-    n = req.params.n
-    texts, ids = [""] * n, [[] for _ in range(n)]  # type: list[str], list[list[int]]
-    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    reasons: list[str | None] = [None] * n
+    outs = [ChoiceOutput(req, tok) for _ in range(req.params.n)]
     async for ev in gen.events():
         _check_client(request)
-        if ev is None:
-            continue
-        texts[ev.index] += ev.text
-        ids[ev.index].extend(ev.token_ids)
-        lps[ev.index].extend(ev.logprobs)
-        reasons[ev.index] = ev.finish_reason or reasons[ev.index]
+        if ev is not None:
+            outs[ev.index].feed(ev, gen.prompt_logprobs)
     choices = []
-    for i in range(n):
-        logprobs = _logprobs(req, tok, ids[i], lps[i], 0)
+    for i, out in enumerate(outs):
+        logprobs = out.whole_logprobs(gen.prompt_logprobs)
         if req.kind is Endpoint.CHAT:
-            message = {"role": "assistant", "content": texts[i], "refusal": None}
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reasons[i]})
+            message: dict[str, Any] = {"role": "assistant", "content": out.text if out.text or not out.calls else None,
+                                       "refusal": None}
+            if out.calls:
+                message["tool_calls"] = [tool_call_obj(c) for c in out.calls]
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
         else:
-            choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": reasons[i]})
+            choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
     body = full_response(req.kind, gen.request_id, int(time.time()), req.model, choices, gen.usage)
-    return web.json_response(body), [r for r in reasons if r is not None]
+    if req.params.prompt_logprobs is not None and not req.echo:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(tok, req.prompt_token_ids, gen.prompt_logprobs,
+                                                       req.params.prompt_logprobs)
+    return web.json_response(body), [o.finish_reason for o in outs if o.finish_reason is not None]

@@ -1,7 +1,7 @@
 """OpenAI request bodies → a validated `GenerationRequest`, or OpenAIError(400).
 
-Unknown fields are ignored (as vLLM does); fields we cannot honour (penalties, logit_bias,
-tools, images, echo) are rejected instead of silently ignored."""
+Unknown fields are ignored (as vLLM does); fields we cannot honour (images, audio, the legacy
+`functions`, `suffix`) are rejected instead of silently ignored."""
 
 from __future__ import annotations
 
@@ -15,13 +15,18 @@ from gateway.api.fields import (
     as_float,
     as_int,
     opt_int,
-    parse_messages,
+    parse_logit_bias,
     parse_prompt,
     parse_stop,
     reject_unsupported,
+    token_id_list,
 )
+from gateway.api.messages import parse_messages
+from gateway.api.structured import parse_structured
+from gateway.api.tools import ToolConfig, parse_tools
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, bad_request
+from gateway.text.tokenizer import RESERVED_TEMPLATE_ARGS
 
 
 @dataclass(slots=True)
@@ -39,6 +44,11 @@ class GenerationRequest:
     include_usage: bool = False
     top_logprobs: int | None = None  # None: no logprobs; k: k alternatives per token
     extra_template_args: dict[str, Any] = field(default_factory=dict)
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    structured_param: str | None = None  # the body field the output constraint came from
+    echo: bool = False  # completions: the prompt goes before each choice's text
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    prompt_token_ids: list[int] = field(default_factory=list)  # set once tokenized
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -90,10 +100,6 @@ def _params(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig, logprobs: 
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad_request("'min_tokens' must not exceed 'max_tokens'", "min_tokens")
     top_k = as_int(body, "top_k", -1, -1, 1 << 20)
-    stop_ids = body.get("stop_token_ids", [])
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                 for t in stop_ids):
-        raise bad_request("'stop_token_ids' must be a list of token ids", "stop_token_ids", "invalid_type")
     try:
         params = SamplingParams(
             n=n, best_of=best_of, use_beam_search=as_bool(body, "use_beam_search", False),
@@ -103,36 +109,85 @@ def _params(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig, logprobs: 
             top_k=-1 if top_k == 0 else top_k, min_p=as_float(body, "min_p", 0.0, 0.0, 1.0),
             seed=opt_int(body, "seed", -(1 << 63), (1 << 64) - 1),
             # without max_tokens, check_context fills in the default once the prompt is known
-            max_tokens=max_tokens or cfg.max_tokens_limit, min_tokens=min_tokens, stop_token_ids=list(stop_ids),
-            ignore_eos=as_bool(body, "ignore_eos", False), logprobs=logprobs,
+            max_tokens=max_tokens or cfg.max_tokens_limit, min_tokens=min_tokens,
+            stop_token_ids=token_id_list(body, "stop_token_ids"), ignore_eos=as_bool(body, "ignore_eos", False),
+            logprobs=logprobs, presence_penalty=as_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+            frequency_penalty=as_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            repetition_penalty=as_float(body, "repetition_penalty", 1.0, 0.0, 1e6, open_low=True),
+            logit_bias=parse_logit_bias(body.get("logit_bias")), prompt_logprobs=_prompt_logprobs(body, kind, cfg),
         )
     except ParamError as exc:
         raise bad_request(str(exc), exc.param) from exc
     return params, max_tokens is not None
 
 
+def _prompt_logprobs(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig) -> int | None:
+    """vLLM's `prompt_logprobs` extra; for completions `echo` with `logprobs` asks for them too."""
+    given = opt_int(body, "prompt_logprobs", 0, cfg.max_top_logprobs)
+    if given is None and kind is Endpoint.COMPLETION and as_bool(body, "echo", False):
+        return opt_int(body, "logprobs", 0, cfg.max_top_logprobs)
+    return given
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs`: an object that does not override what the gateway passes."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
+    clash = sorted(RESERVED_TEMPLATE_ARGS & kwargs.keys())
+    if clash:
+        raise bad_request(f"'chat_template_kwargs' may not set {clash}: the gateway passes them",
+                          "chat_template_kwargs", "reserved_name")
+    return kwargs
+
+
+def _constraint(body: dict[str, Any], req: GenerationRequest) -> None:
+    """One output constraint at most: response_format / guided_* / structured_outputs, or the
+    grammar of a required or named tool call."""
+    structured, param = parse_structured(body)
+    from_tools = req.tools.structured_output()
+    if structured is not None and from_tools is not None:
+        raise bad_request(f"'{param}' cannot be combined with tool_choice '{req.tools.choice}'", param)
+    if from_tools is not None:
+        structured, param = from_tools, "tools"
+    if structured is None:
+        return
+    try:
+        req.params = replace(req.params, structured_output=structured)
+    except ParamError as exc:
+        raise bad_request(str(exc), param) from exc
+    req.structured_param = param
+
+
 def parse_request(body: Any, kind: Endpoint, cfg: GatewayConfig) -> GenerationRequest:
-    """Validate a /v1/chat/completions or /v1/completions body."""
+    """Validate a /v1/chat/completions or /v1/completions body (the output constraint's grammar
+    is checked by `structured.check_structured`, off the event loop)."""
     body = _require_object(body)
     model = _model(body)
     reject_unsupported(body, kind)
     req = GenerationRequest(kind=kind, model=model)
     if kind is Endpoint.CHAT:
         req.messages = parse_messages(body.get("messages"))
-        kwargs = body.get("chat_template_kwargs", {})
-        if not isinstance(kwargs, dict):
-            raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs", "invalid_type")
-        req.extra_template_args = kwargs
+        req.extra_template_args = template_kwargs(body)
+        req.tools = parse_tools(body)
     else:
         req.prompt = parse_prompt(body.get("prompt"))
+        req.echo = as_bool(body, "echo", False)
     req.top_logprobs = _logprobs(body, kind, cfg)
+    req.tokens_as_ids = as_bool(body, "return_tokens_as_token_ids", False)
     req.params, req.max_tokens_given = _params(body, kind, cfg, req.top_logprobs)
+    _constraint(body, req)
     req.stop = parse_stop(body.get("stop"), cfg.max_stop_strings, cfg.max_stop_length)
     req.stream, req.include_usage = _stream(body)
     if req.stream and req.params.best_of is not None and req.params.best_of > req.params.n:
         raise bad_request("'best_of' greater than 'n' cannot be streamed", "best_of")
     if req.params.use_beam_search and req.stream:
         raise bad_request("beam search cannot be streamed", "use_beam_search")
+    if req.stream and req.params.prompt_logprobs is not None and not req.echo:
+        raise bad_request("'prompt_logprobs' cannot be streamed (with completions, use 'echo' and 'logprobs')",
+                          "prompt_logprobs")
     return req
 
 

@@ -30,6 +30,7 @@ class Update:
     usage: Usage | None = None
     error: ErrorInfo | None = None
     done: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first update that has them
 
 
 class RequestCollector:
@@ -46,6 +47,8 @@ class RequestCollector:
         self._pending: dict[int, ChoiceDelta] = {}
         self._usage: Usage | None = None
         self._error: ErrorInfo | None = None
+        self._prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._prompt_logprobs_seen = False  # a resuming engine sends them again: keep the first
         self._event = asyncio.Event()
 
     @property
@@ -80,6 +83,8 @@ class RequestCollector:
             if seq_out.finish_reason is not None:
                 delta.finish_reason = seq_out.finish_reason
                 self.finished.add(seq_out.index)
+        if out.prompt_logprobs is not None and not self._prompt_logprobs_seen:
+            self._prompt_logprobs, self._prompt_logprobs_seen = out.prompt_logprobs, True
         if out.usage is not None:
             self._usage = out.usage
         if out.error is not None:
@@ -101,4 +106,5 @@ class RequestCollector:
                 return None
         self._event.clear()
         pending, self._pending = self._pending, {}
-        return Update(pending, self._usage, self._error, self.done)
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
+        return Update(pending, self._usage, self._error, self.done, prompt_logprobs)

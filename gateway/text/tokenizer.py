@@ -11,8 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+
+# Names the gateway passes to every chat template: `chat_template_kwargs` may not override them.
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                    "raise_exception", "strftime_now"})
 
 
 class TemplateError(ValueError):
@@ -65,24 +70,54 @@ class ModelTokenizer:
         """Text of one token for logprobs (may contain U+FFFD for partial UTF-8)."""
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself (it reads the variable)."""
+        if not self.chat_template:
+            return False
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(self._environment().parse(self.chat_template))
+        except jinja2.TemplateError:
+            return False
+
+    def _environment(self) -> ImmutableSandboxedEnvironment:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        """Render the conversation; raises TemplateError when there is no template."""
+                            tools: list[dict[str, Any]] | None = None,
+                            template_args: dict[str, Any] | None = None) -> str:
+        """Render the conversation; raises TemplateError when there is no template, when
+        `template_args` names a RESERVED_TEMPLATE_ARGS entry, or when the template fails on this input."""
+        extra = dict(template_args or {})
+        clash = sorted(RESERVED_TEMPLATE_ARGS & extra.keys())
+        if clash:
+            raise TemplateError(f"template arguments may not set {clash}")
         if self._compiled is None:
             if not self.chat_template:
                 raise TemplateError("this model has no chat template; use /v1/completions")
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._compiled = env.from_string(self.chat_template)
+            try:
+                self._compiled = self._environment().from_string(self.chat_template)
+            except jinja2.TemplateError as exc:
+                raise TemplateError(f"the model's chat template does not compile: {exc}") from exc
+        if tools is not None:
+            extra["tools"] = tools
         try:
             return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
-        except jinja2.TemplateError as exc:
-            raise TemplateError(f"chat template failed: {exc}") from exc
+        except TemplateError:
+            raise
+        except RecursionError as exc:
+            raise TemplateError("chat template failed: input nests too deeply") from exc
+        except Exception as exc:  # whatever the template does with user input is the input's fault
+            raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_args: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids of a conversation (the template already holds special tokens)."""
-        return self.encode(self.apply_chat_template(messages, **extra), add_special_tokens=False)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_args)
+        return self.encode(text, add_special_tokens=False)

@@ -113,8 +113,8 @@ def start_engines(model: Path, redis_url: str, log_dir: Path, ids: list[str], *e
 async def serve_gateway(redis_url: str, **overrides: Any) -> AsyncIterator[str]:
     """A gateway app on a free loopback port in this event loop; yields its base URL."""
     port = free_port()
-    config = GatewayConfig(host="127.0.0.1", port=port, redis_url=redis_url, request_timeout_s=120.0,
-                           sse_ping_s=1.0, **overrides)
+    settings: dict[str, Any] = {"request_timeout_s": 120.0, "sse_ping_s": 1.0, **overrides}
+    config = GatewayConfig(host="127.0.0.1", port=port, redis_url=redis_url, **settings)
     app = create_app(config)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
