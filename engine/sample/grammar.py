@@ -58,7 +58,8 @@ class GrammarCompiler:
         return Grammar(matcher)
 
     def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
-        """Mask `logits[rows[i]]` to the tokens `grammars[i]` allows next (EOS alone if none is)."""
+        """Mask `logits[rows[i]]` to the tokens `grammars[i]` allows next; a row left with nothing
+        (a matcher in an error state, or min_tokens banning the only token, EOS) can only end."""
         from llguidance.torch import fill_next_token_bitmask_par
 
         words = -(-self.vocab_size // 32)
@@ -72,11 +73,11 @@ class GrammarCompiler:
             bits = bits[torch.tensor([slot[id(g)] for g in grammars])]
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, : logits.shape[1]]
-        empty = ~allowed.any(dim=1)
-        if bool(empty.any()):  # a matcher in an error state allows nothing: let the row end
-            allowed[empty.nonzero().squeeze(1).unsqueeze(1), torch.tensor(self.eos_token_ids[:1])] = True
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         masked = logits.index_select(0, index).masked_fill_(~allowed.to(logits.device), float("-inf"))
+        stuck = masked.amax(dim=1) == float("-inf")
+        if bool(stuck.any()):  # nothing left (a matcher in error, or min_tokens banned the only EOS): end
+            masked[stuck.nonzero().squeeze(1), self.eos_token_ids[0]] = 0.0
         logits.index_copy_(0, index, masked)
 
     def _compile(self, spec: dict[str, Any], tokenizer: Any) -> str:

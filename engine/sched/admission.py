@@ -15,6 +15,9 @@ def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, ma
     outside = sorted(t for t in params.token_ids_to_check if t >= vocab_size)
     if outside:
         raise ValueError(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
+    if params.use_beam_search and (params.logit_bias or params.presence_penalty or params.frequency_penalty
+                                   or params.repetition_penalty != 1.0):
+        raise ValueError("penalties and logit_bias do not apply to beam search")
     _check_fits_pool(len(prompt), params, max_model_len, block_manager)
 
 

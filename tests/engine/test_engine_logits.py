@@ -127,3 +127,10 @@ def test_prompt_logprobs_come_once_on_the_first_delta(llm: LLM) -> None:
     assert deltas[0].prompt_logprobs is not None and len(deltas[0].prompt_logprobs) == 4
     assert all(d.prompt_logprobs is None for d in deltas[1:])
     assert all(e is None or e["top_logprobs"] == [] for e in deltas[0].prompt_logprobs)
+
+
+def test_penalties_with_beam_search_are_refused(llm: LLM) -> None:
+    params = SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=4, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="beam search"):
+        llm.engine.add_request("beam-pen", REPETITIVE, params)
+    assert "beam-pen" not in llm.engine.requests
