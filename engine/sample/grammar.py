@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 _CACHE_SIZE = 64  # compiled grammars kept (by spec text); compiling a schema can take milliseconds
@@ -59,7 +60,8 @@ class GrammarCompiler:
 
     def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
         """Mask `logits[rows[i]]` to the tokens `grammars[i]` allows next; a row left with nothing
-        (a matcher in an error state, or min_tokens banning the only token, EOS) can only end."""
+        (a matcher in an error state) can only end. Bits are unpacked with numpy and the batch is
+        masked by one torch op: torch's elementwise ops cost far more than the masks themselves."""
         from llguidance.torch import fill_next_token_bitmask_par
 
         words = -(-self.vocab_size // 32)
@@ -69,16 +71,14 @@ class GrammarCompiler:
         bits = torch.full((len(slot), words), -1, dtype=torch.int32)
         unique = {id(g): g for g in grammars}
         fill_next_token_bitmask_par(self._exec(), [(unique[k].matcher, i) for k, i in slot.items()], bits)
-        if len(slot) < len(grammars):
-            bits = bits[torch.tensor([slot[id(g)] for g in grammars])]
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, : logits.shape[1]]
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        masked = logits.index_select(0, index).masked_fill_(~allowed.to(logits.device), float("-inf"))
-        stuck = masked.amax(dim=1) == float("-inf")
-        if bool(stuck.any()):  # nothing left (a matcher in error, or min_tokens banned the only EOS): end
-            masked[stuck.nonzero().squeeze(1), self.eos_token_ids[0]] = 0.0
-        logits.index_copy_(0, index, masked)
+        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+        allowed = allowed[[slot[id(g)] for g in grammars]].astype(bool)
+        stuck = ~allowed.any(axis=1)
+        if stuck.any():
+            allowed[stuck, self.eos_token_ids[0]] = True
+        banned = np.zeros(tuple(logits.shape), dtype=bool)
+        banned[rows] = ~allowed
+        logits.masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
 
     def _compile(self, spec: dict[str, Any], tokenizer: Any) -> str:
         key = json.dumps(spec, sort_keys=True)

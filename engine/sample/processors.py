@@ -4,7 +4,8 @@
    negative one multiplied; "seen" = in the prompt or the output), frequency and presence
    (OpenAI: minus `frequency * count + presence * (count > 0)` over the output tokens);
 2. `logit_bias` (added to the logit, OpenAI's -100..100);
-3. below `min_tokens`, EOS and the stop token ids cannot be drawn.
+3. below `min_tokens`, EOS and the stop token ids cannot be drawn (not for a row under a
+   grammar: it ends when its grammar is complete).
 
 Each depends only on the row's own request and tokens, so the per-token seeding still makes a
 row's draw independent of its batch. The grammar mask (`grammar.py`) runs after these."""
@@ -32,7 +33,7 @@ def apply_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
                           accumulate=True)
     rows, cols = [], []
     for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
-        if p.min_tokens and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
+        if p.min_tokens and seq.grammar is None and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
             banned = p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)
             rows += [i] * len(banned)
             cols += banned
