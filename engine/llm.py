@@ -98,6 +98,8 @@ def _merge(result: RequestOutput, delta: RequestOutput) -> None:
     result.num_prompt_tokens = delta.num_prompt_tokens
     result.num_generated_tokens = delta.num_generated_tokens
     result.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        result.prompt_logprobs = delta.prompt_logprobs
     by_index = {c.index: c for c in result.outputs}
     for choice in delta.outputs:
         have = by_index.get(choice.index)

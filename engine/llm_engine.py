@@ -1,5 +1,6 @@
 """The synchronous engine: add_request / abort_request / step. No I/O; the worker and the
-offline `LLM` drive it. One step = schedule → move blocks + run the model → sample → emit."""
+offline `LLM` drive it. One step = schedule → move blocks + run the model → sample → update (the scheduler applies the
+samples to its sequences and builds the deltas)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.runner import ModelRunner
 from engine.outputs import RequestOutput
-from engine.sample.output_processor import OutputProcessor
-from engine.sample.sampler import Sampler
+from engine.sample.grammar import GrammarCompiler
+from engine.sample.sample_step import SampleStage
 from engine.sampling_params import SamplingParams
 from engine.sched.admission import check_request
+from engine.sched.output import StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 
@@ -66,25 +68,39 @@ class LLMEngine:
             host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
         self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.preemption_mode)
-        self.processor = OutputProcessor(self.scheduler, Sampler(), self.eos_token_ids, self.max_model_len)
+                                   config.preemption_mode, self.eos_token_ids, self.max_model_len)
+        self.grammars = GrammarCompiler(config.tokenizer or config.model, self.vocab_size, sorted(self.eos_token_ids))
+        self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()
         self.step_seconds = 0.0  # cumulative wall time in step(); runner.model_seconds is the model's share
         self.num_steps = 0
+        self.last_step_decodes = 0  # sequences that decoded one token in the last step
 
     # ----- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; raises ValueError (and queues nothing) when it can never run."""
+                    arrival_time: float | None = None, generated: list[int] | None = None) -> None:
+        """Queue a request; raises ValueError (and queues nothing) when it can never run.
+
+        `generated`: tokens a previous engine already sent to the client (resume after
+        failover, one sequence only). The request continues after them, by recompute, with its
+        grammar advanced over them; its deltas (and prompt logprobs) start after them."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.block_manager)
+        generated = list(generated or [])
+        if generated and (params.num_candidates > 1 or params.use_beam_search):
+            raise ValueError("only a single-sequence request resumes from generated tokens")
         params = params.with_default_seed(request_id)
         request = Request(request_id, list(prompt_token_ids), params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        request.seqs.append(Sequence(request, 0, list(prompt_token_ids), len(prompt_token_ids)))
+        seq = Sequence(request, 0, list(prompt_token_ids) + generated, len(prompt_token_ids))
+        if params.structured_output is not None:
+            seq.grammar = self.grammars.grammar(params.structured_output, generated)
+        seq.num_emitted = len(generated)  # the client has them
+        request.prompt_logprobs_sent = bool(generated)  # they came with the first delta
+        request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(request)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
@@ -114,17 +130,13 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        outputs = [self.processor.reject(request) for request in sched.rejected]
-        for request in sched.rejected:
-            self.requests.pop(request.request_id, None)
-            self.counters["finished_error"] += 1
-        if sched.is_empty:
-            return outputs
-        sampling, logits = self.runner.execute(sched, self.block_manager)
-        for item in sched.scheduled:
-            item.seq.num_computed += item.num_new
-            self.block_manager.mark_computed(item.seq.seq_id, item.seq.num_computed)
-        outputs += self.processor.process(sampling, logits)
+        self.last_step_decodes = sched.num_decodes
+        samples = StepSamples()
+        if not sched.is_empty:
+            result = self.runner.execute(sched)
+            samples = self.sampler(result.sampling, result.logits, result.prompt_hidden)
+        outputs = self.scheduler.update_from_output(sched, samples)
+        self.counters["finished_error"] += len(sched.rejected)
         if self.config.debug_blocks:
             self.block_manager.check_invariants()
         for out in outputs:
@@ -142,7 +154,7 @@ class LLMEngine:
             "waiting": len(s.waiting),
             "swapped": len(s.swapped),
             "preemptions": dict(s.num_preemptions),
-            "finished": dict(self.processor.finished) | {"abort": self.counters["finished_abort"]},
+            "finished": dict(self.scheduler.post.finished) | {"abort": self.counters["finished_abort"]},
             "prompt_tokens": self.counters["prompt_tokens"],
             "generation_tokens": self.counters["generation_tokens"],
             "num_steps": self.num_steps,

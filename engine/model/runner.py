@@ -1,32 +1,76 @@
 """The model runner: a scheduler output becomes one flattened, unpadded batch; block copies
-and swaps run first; the model runs once; logits come back for the rows that sample."""
+and swaps run first; the model runs once; logits come back for the rows that sample.
+
+It reads only the scheduler's output (`engine.sched.output`): token ids, start positions and
+block tables. Slots are computed in bulk from the step's block-table tensor, which persists
+across steps (`BlockTableBuffer`)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import torch
 from torch import Tensor
 
 import ops
-from engine.kv.block_manager import BlockManager
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-from engine.sched.scheduler import ScheduledSeq, SchedulerOutput
+from engine.sched.output import ScheduledSeq, SchedulerOutput
 
 KVCaches = list[tuple[Tensor, Tensor]]
 
 
 @dataclass(slots=True)
 class StepBatch:
-    """The tensors of one step, plus which scheduled sequences produce a logits row."""
+    """The tensors of one step, plus which rows produce logits."""
 
     input_ids: Tensor
     positions: Tensor
     meta: AttentionMetadata
-    sample_rows: list[int]  # flat token index of each sampling sequence's last token
+    sample_rows: Tensor | None  # flat index of each sampling chunk's last token; None = every row, in order
+    sampling: list[ScheduledSeq]  # the chunks those rows belong to
+    prompt_rows: list[tuple[ScheduledSeq, int]]  # chunks keeping prompt-logit rows, with their first flat row
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """fp32 logits of the sampling rows (`sampling[i]` owns row i) and, for prompt logprobs,
+    the hidden states of the rows that predict prompt tokens."""
+
+    logits: Tensor
     sampling: list[ScheduledSeq]
+    prompt_hidden: list[tuple[ScheduledSeq, Tensor]]
+
+
+class BlockTableBuffer:
+    """The step's block tables as one int32 tensor, kept across steps: rebuilt when the step's
+    sequences (or their order) change, else patched only where a table grew by a block or its
+    last block was copied on write; a table never changes otherwise while it stays scheduled."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, ...] = ()
+        self.buffer = torch.zeros((0, 0), dtype=torch.int32)
+        self.lens: list[int] = []
+        self.lasts: list[int] = []
+
+    def build(self, order: list[ScheduledSeq]) -> Tensor:
+        key = tuple(s.seq.seq_id for s in order)
+        tables = [s.block_table for s in order]
+        width = max((len(t) for t in tables), default=0)
+        if key != self.key or width > self.buffer.shape[1]:
+            width = -(-width // 8) * 8  # room to grow before the next rebuild
+            rows = [t + [0] * (width - len(t)) for t in tables]
+            self.buffer = torch.tensor(rows, dtype=torch.int32).reshape(len(tables), width)
+            self.key = key
+        else:
+            for i, table in enumerate(tables):
+                if len(table) != self.lens[i] or table[-1] != self.lasts[i]:
+                    self.buffer[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        self.lens = [len(t) for t in tables]
+        self.lasts = [t[-1] if t else -1 for t in tables]
+        return self.buffer
 
 
 class ModelRunner:
@@ -39,23 +83,25 @@ class ModelRunner:
         self.cpu_caches = cpu_caches
         self.block_size = block_size
         self.device = device
+        self.tables = BlockTableBuffer()
         self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
 
-    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[list[ScheduledSeq], Tensor]:
-        """Move blocks, run the model; returns the sampling sequences and their fp32 logits."""
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows)."""
         self.move_blocks(sched)
-        batch = self.prepare(sched.scheduled, block_manager)
+        batch = self.prepare(sched.scheduled)
         start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not batch.sample_rows:
+        if not batch.sampling:
             logits = hidden.new_empty((0, 0), dtype=torch.float32)
         else:
-            rows = torch.tensor(batch.sample_rows, device=hidden.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
+            logits = self.model.compute_logits(rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
-        return batch.sampling, logits
+        prompt = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
+        return ModelOutput(logits, batch.sampling, prompt)
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""
@@ -73,46 +119,55 @@ class ModelRunner:
             ops.swap_blocks(src_k, dst_k, mapping)
             ops.swap_blocks(src_v, dst_v, mapping)
 
-    def prepare(self, scheduled: list[ScheduledSeq], block_manager: BlockManager) -> StepBatch:
-        """Prefill chunks (more than one new token) first, then one token per decode sequence."""
-        prefills = [s for s in scheduled if s.num_new > 1]
-        decodes = [s for s in scheduled if s.num_new == 1]
+    def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+        """Prefill chunks (more than one new token) first, then one token per decode sequence;
+        positions and slots computed in bulk from the block-table tensor."""
+        order = [s for s in scheduled if len(s.token_ids) > 1]
+        num_prefills = len(order)
+        order += [s for s in scheduled if len(s.token_ids) == 1]
+        counts = [len(s.token_ids) for s in order]
+        ends = list(accumulate(counts))
+        num_tokens = ends[-1] if ends else 0
+        tables = self.tables.build(order)
+        starts = torch.tensor([s.start for s in order], dtype=torch.int64)
+        if num_tokens == len(order):  # decode only: one token per row
+            rows, positions = torch.arange(len(order)), starts
+        else:
+            rows = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(counts))
+            firsts = torch.tensor([e - c for e, c in zip(ends, counts, strict=True)], dtype=torch.int64)
+            positions = starts[rows] + torch.arange(num_tokens) - firsts[rows]
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sampling: list[ScheduledSeq] = []
-        query_start = [0]
-        for item in prefills + decodes:
-            seq, start = item.seq, item.seq.num_computed
-            end = start + item.num_new
-            table = block_manager.block_table(seq.seq_id)
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if end == len(seq.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(item)
-            if item.num_new > 1:
-                query_start.append(len(input_ids))
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_prefills=len(prefills),
-            num_prefill_tokens=query_start[-1],
-            prefill_query_start=query_start,
-            prefill_context_lens=[s.seq.num_computed + s.num_new for s in prefills],
-            prefill_block_tables=self._block_tables([block_manager.block_table(s.seq.seq_id) for s in prefills]),
-            decode_block_tables=self._block_tables([block_manager.block_table(s.seq.seq_id) for s in decodes]),
-            decode_context_lens=self._tensor([s.seq.num_computed + 1 for s in decodes], torch.int32),
+        slots = tables[rows, positions // bs].long() * bs + positions % bs
+        if any(s.write_from for s in order):
+            keep = torch.tensor([s.write_from for s in order], dtype=torch.int64)
+            slots.masked_fill_(positions < keep[rows], -1)
+        sampling = [s for s in order if s.sample]
+        all_rows = len(sampling) == len(order) == num_tokens
+        sample_rows = None if all_rows else torch.tensor(
+            [e - 1 for s, e in zip(order, ends, strict=True) if s.sample], dtype=torch.int64)
+        prompt_rows = [(s, e - c) for s, e, c in zip(order, ends, counts, strict=True) if s.num_prompt_logits]
+        meta = self._metadata(order, num_prefills, ends, tables, slots, positions)
+        input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in order)), dtype=torch.int64)
+        return StepBatch(self._to_device(input_ids), self._to_device(positions), meta,
+                         None if sample_rows is None else self._to_device(sample_rows), sampling, prompt_rows)
+
+    def _metadata(self, order: list[ScheduledSeq], num_prefills: int, ends: list[int], tables: Tensor,
+                  slots: Tensor, positions: Tensor) -> AttentionMetadata:
+        """The attention layers' view of the step (one place, so a new field is added here only)."""
+        prefill_tokens = ends[num_prefills - 1] if num_prefills else 0
+        return AttentionMetadata(
+            slot_mapping=self._to_device(slots),
+            num_prefills=num_prefills,
+            num_prefill_tokens=prefill_tokens,
+            prefill_query_start=[0, *ends[:num_prefills]],
+            prefill_context_lens=[s.start + len(s.token_ids) for s in order[:num_prefills]],
+            prefill_block_tables=self._to_device(tables[:num_prefills]),
+            decode_block_tables=self._to_device(tables[num_prefills:]),
+            decode_context_lens=self._to_device((positions[prefill_tokens:] + 1).to(torch.int32)),
         )
-        return StepBatch(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
-                         meta, sample_rows, sampling)
 
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def _to_device(self, tensor: Tensor) -> Tensor:
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.to(self.device, non_blocking=True)
 
-    def _block_tables(self, tables: list[list[int]]) -> Tensor:
-        width = max((len(t) for t in tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(padded, dtype=torch.int32).reshape(len(tables), width).to(self.device)

@@ -6,8 +6,10 @@ thresholds (ties at the cut are kept), so a row's token depends on nothing but i
 logits and key, never on the other rows, their order, or which code path the batch took.
 A preempted or resumed request therefore continues exactly as it would have.
 
-Logprobs are log_softmax of the *unmodified* logits (before temperature and filtering), as
-the OpenAI API and vLLM report them: the model's own probability of the token.
+The per-row parameters travel as tensors (`SamplingBatch`); a batch of greedy rows is one
+argmax, with no softmax. Logprobs (`Logprobs`) are log_softmax of the logits *before* any
+processor (penalties, bias, grammar mask, temperature, filters), as the OpenAI API and vLLM
+report them: the model's own probability of the token; computed only for rows that ask.
 """
 
 from __future__ import annotations
@@ -17,9 +19,16 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import GREEDY_EPS, SamplingParams
+from engine.sampling_params import SamplingParams
 
 TOP_P_PROBE = 1024  # top-p first looks at this many most likely tokens, sorts the full row if short
+
+
+def uniform(seed: int | None, stream: str, token_index: int) -> float:
+    """A number in [0, 1) with 23 random bits, exact in fp32 and strictly below 1 after scaling."""
+    text = f"{seed}\x1f{stream}\x1f{token_index}".encode()
+    bits = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+    return (bits >> 41) / float(1 << 23)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,77 +41,92 @@ class SeedKey:
     token_index: int
 
     def uniform(self) -> float:
-        """A number in [0, 1) with 23 random bits, exact in fp32 and strictly below 1 after scaling."""
-        text = f"{self.seed}\x1f{self.stream}\x1f{self.token_index}".encode()
-        bits = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
-        return (bits >> 41) / float(1 << 23)
+        return uniform(self.seed, self.stream, self.token_index)
 
 
-@dataclass(frozen=True, slots=True)
-class SampleSpec:
-    """One row of a sampling batch. `key` None (or temperature ~ 0) means greedy (argmax)."""
+class SamplingBatch:
+    """The parameters of a step's sampling rows as tensors; random-row tensors exist only when
+    some row is random, and hold those rows only (`random_rows` says which)."""
 
-    key: SeedKey | None = None
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    min_p: float = 0.0
-    num_logprobs: int | None = None
-
-    @classmethod
-    def from_params(cls, params: SamplingParams, stream: str, token_index: int) -> SampleSpec:
-        key = None if params.is_greedy else SeedKey(params.seed, stream, token_index)
-        return cls(key, params.temperature, params.top_k, params.top_p, params.min_p, params.logprobs)
-
-
-@dataclass(frozen=True, slots=True)
-class SampleResult:
-    """The chosen token, its logprob, and the most likely alternatives when asked for."""
-
-    token_id: int
-    logprob: float
-    top_logprobs: list[tuple[int, float]] | None = None
+    def __init__(self, params: list[SamplingParams], streams: list[str], token_indices: list[int],
+                 device: torch.device | str = "cpu") -> None:
+        self.size = len(params)
+        self.random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        self.logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None or p.num_candidates > p.n]
+        self.num_logprobs = [params[i].logprobs or 0 for i in self.logprob_rows]
+        if self.random_rows:
+            chosen = [params[i] for i in self.random_rows]
+            self.temperature = torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(1)
+            self.top_k = [p.top_k for p in chosen]
+            self.top_p = [p.top_p for p in chosen]
+            self.min_p = [p.min_p for p in chosen]
+            self.uniforms = torch.tensor([uniform(chosen[j].seed, streams[i], token_indices[i])
+                                          for j, i in enumerate(self.random_rows)], device=device).unsqueeze(1)
 
 
 class Sampler:
-    """Stateless; one call per engine step."""
+    """Stateless; one call per engine step. Returns int64 token ids, one per row."""
 
-    def __call__(self, logits: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
-        if logits.dim() != 2 or logits.shape[0] != len(specs):
-            shape = list(logits.shape)
-            raise ValueError(f"logits must be [{len(specs)}, vocab], one row per spec; got {shape}")
-        logits = logits.float()
-        tokens = torch.empty(len(specs), dtype=torch.long, device=logits.device)
-        is_random = [s.key is not None and s.temperature >= GREEDY_EPS for s in specs]
-        greedy = [i for i, r in enumerate(is_random) if not r]
-        random = [i for i, r in enumerate(is_random) if r]
-        if greedy:
-            rows = _rows(greedy, len(specs), logits.device)
-            tokens[rows] = logits[rows].max(dim=-1).indices  # first maximum on ties, faster than argmax
-        if random:
-            rows = _rows(random, len(specs), logits.device)
-            tokens[rows] = _draw(logits[rows], [specs[i] for i in random])
-        return _results(logits, tokens, specs)
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if logits.dim() != 2 or logits.shape[0] != batch.size:
+            raise ValueError(f"logits must be [{batch.size}, vocab], one row per spec; got {list(logits.shape)}")
+        if len(batch.random_rows) == batch.size:
+            return _draw(logits, batch)
+        tokens = logits.max(dim=-1).indices  # first maximum on ties (faster than argmax): greedy rows
+        if batch.random_rows:
+            rows = _rows(batch.random_rows, batch.size, logits.device)
+            tokens[rows] = _draw(logits[rows], batch)
+        return tokens
 
 
-def _draw(logits: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
-    dev, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([s.temperature for s in specs], device=dev).unsqueeze(1)
-    scaled = logits / temps
-    ks = [s.top_k if 0 < s.top_k < vocab else vocab for s in specs]
+class Logprobs:
+    """Logprobs of a batch's rows that ask, taken from the logits before any processor runs."""
+
+    def __init__(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        self.rows = batch.logprob_rows
+        self.num = batch.num_logprobs
+        if not self.rows:
+            return
+        index = _rows(self.rows, batch.size, logits.device)
+        self.raw = logits[index].float().clone() if isinstance(index, torch.Tensor) else logits.float().clone()
+        self.lse = torch.logsumexp(self.raw, dim=-1, keepdim=True)
+        k = max(self.num)
+        self.top_values: torch.Tensor | None = None
+        self.top_ids: torch.Tensor | None = None
+        if k:
+            self.top_values, self.top_ids = torch.topk(self.raw, k, dim=-1)
+
+    def gather(self, tokens: torch.Tensor) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Per logprob row: the chosen token's logprob and its top alternatives."""
+        if not self.rows:
+            return [], []
+        chosen = tokens[_rows(self.rows, tokens.shape[0], tokens.device)].unsqueeze(1)
+        values = (self.raw.gather(1, chosen) - self.lse).squeeze(1).tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in self.rows]
+        if self.top_values is not None and self.top_ids is not None:
+            top_values = (self.top_values - self.lse).tolist()
+            top_ids = self.top_ids.tolist()
+            for j, n in enumerate(self.num):
+                tops[j] = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        return values, tops
+
+
+def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    scaled = logits / batch.temperature
+    ks = [k if 0 < k < vocab else vocab for k in batch.top_k]
     if min(ks) < vocab:
-        _mask_top_k(scaled, torch.tensor(ks, device=dev))
+        _mask_top_k(scaled, torch.tensor(ks, device=logits.device))
     probs = torch.softmax(scaled, dim=-1)
-    cut = [i for i, s in enumerate(specs) if s.top_p < 1.0]
+    cut = [i for i, p in enumerate(batch.top_p) if p < 1.0]
     if cut:
-        rows = _rows(cut, len(specs), dev)
-        probs[rows] = _mask_top_p(probs[rows], [specs[i].top_p for i in cut])
-    min_p = torch.tensor([s.min_p for s in specs], device=dev).unsqueeze(1)
-    if bool((min_p > 0).any()):
+        rows = _rows(cut, len(batch.top_p), logits.device)
+        probs[rows] = _mask_top_p(probs[rows], [batch.top_p[i] for i in cut])
+    if any(m > 0 for m in batch.min_p):
+        min_p = torch.tensor(batch.min_p, device=logits.device).unsqueeze(1)
         probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     cdf = probs.cumsum(dim=-1)
-    uniforms = torch.tensor([s.key.uniform() for s in specs if s.key], device=dev).unsqueeze(1)
-    picked = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True)
+    picked = torch.searchsorted(cdf, batch.uniforms * cdf[:, -1:], right=True)
     return picked.squeeze(1).clamp_max(vocab - 1)
 
 
@@ -135,28 +159,9 @@ def _cut_value(sorted_desc: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
     return sorted_desc.gather(1, position.clamp_max(sorted_desc.shape[-1] - 1))
 
 
-def _results(logits: torch.Tensor, tokens: torch.Tensor, specs: list[SampleSpec]) -> list[SampleResult]:
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    chosen = (logits.gather(1, tokens.unsqueeze(1)) - lse).squeeze(1).tolist()
-    token_ids = tokens.tolist()
-    wanted = [i for i, s in enumerate(specs) if s.num_logprobs]
-    top: dict[int, list[tuple[int, float]]] = {}
-    if wanted:
-        rows = _rows(wanted, len(specs), logits.device)
-        k = max(specs[i].num_logprobs or 0 for i in wanted)
-        values, ids = torch.topk(logits[rows], min(k, logits.shape[-1]), dim=-1)
-        top_values, top_ids = (values - lse[rows]).tolist(), ids.tolist()
-        for row, i in enumerate(wanted):
-            n = specs[i].num_logprobs or 0
-            top[i] = list(zip(top_ids[row][:n], top_values[row][:n], strict=True))
-    return [
-        SampleResult(token_ids[i], chosen[i], top.get(i, [] if s.num_logprobs == 0 else None))
-        for i, s in enumerate(specs)
-    ]
-
-
 def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | slice:
     """Index for a subset of rows; a plain slice (no copy) when it is the whole batch."""
     if len(rows) == batch:
         return slice(None)
     return torch.tensor(rows, dtype=torch.long, device=device)
+

@@ -1,5 +1,8 @@
 """Continuous batching: request and sequence state, the FCFS scheduler over the waiting,
-running and swapped queues, chunked prefill and preemption (swap or recompute).
+running and swapped queues, chunked prefill and preemption (swap or recompute), and the one
+owner of post-step sequence state (`Scheduler.update_from_output` → `postprocess`): computed
+counts, appended tokens, forks, frees, stops and the step's deltas.
 
-May import `engine.kv`, `engine.sampling_params` and `engine.log`; never torch, the model or
-the runner: what a step needs is handed over in the scheduler's output."""
+`output` holds the data handed between a step's stages (`SchedulerOutput` to the runner,
+`StepSamples` back from the sampler). May import `engine.kv`, `engine.sampling_params`,
+`engine.outputs` and `engine.log`; never torch, the model or the runner."""

@@ -7,10 +7,6 @@ from __future__ import annotations
 from engine.kv.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 
-# Parameters the engine accepts on the wire but does not implement yet: refused, never ignored.
-_NOT_YET = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
-            "structured_output": None, "prompt_logprobs": None}
-
 
 def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                   block_manager: BlockManager) -> None:
@@ -19,9 +15,9 @@ def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, ma
     outside = sorted(t for t in params.token_ids_to_check if t >= vocab_size)
     if outside:
         raise ValueError(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
-    for name, default in _NOT_YET.items():
-        if getattr(params, name) != default:
-            raise ValueError(f"{name} is not supported by this engine yet")
+    if params.use_beam_search and (params.logit_bias or params.presence_penalty or params.frequency_penalty
+                                   or params.repetition_penalty != 1.0):
+        raise ValueError("penalties and logit_bias do not apply to beam search")
     _check_fits_pool(len(prompt), params, max_model_len, block_manager)
 
 

@@ -2,39 +2,22 @@
 
 Each step: running requests get their next tokens (preempting the newest running request
 when the pool is dry), then swapped requests come back, then waiting ones are admitted while
-memory and the token budget allow. Prompts longer than the token budget are chunked."""
+memory and the token budget allow. Prompts longer than the token budget are chunked.
+After the step, `update_from_output` applies the sampled tokens (see `postprocess`)."""
 
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.kv.block_manager import BlockManager
 from engine.log import get_logger
+from engine.outputs import RequestOutput
+from engine.sched.output import ScheduledSeq, SchedulerOutput, StepSamples
+from engine.sched.postprocess import Postprocessor
 from engine.sched.sequence import Request, SeqStatus, Sequence
 
 log = get_logger("scheduler")
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """`num_new` tokens of `seq`, starting at position `seq.num_computed`, run this step."""
-
-    seq: Sequence
-    num_new: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    rejected: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(slots=True)
@@ -55,6 +38,8 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption_mode: str = "auto",
+        eos_token_ids: set[int] | None = None,
+        max_model_len: int = 1 << 30,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -64,6 +49,7 @@ class Scheduler:
         self.running: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.num_preemptions: Counter[str] = Counter()
+        self.post = Postprocessor(self, eos_token_ids or set(), max_model_len)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -89,6 +75,10 @@ class Scheduler:
             self.running.remove(request)
         for seq in request.seqs:
             self.free_seq(seq)
+
+    def update_from_output(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
+        """Apply one step's results to the sequences; the step's deltas (refusals included)."""
+        return self.post.update(sched, samples)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -131,11 +121,17 @@ class Scheduler:
 
     def _schedule_tokens(self, seqs: list[Sequence], out: SchedulerOutput, budget: _Budget) -> None:
         for seq in seqs:
-            num_new = min(len(seq.token_ids) - seq.num_computed, budget.tokens)
-            if num_new <= 0 or budget.seqs <= 0:
+            start = seq.num_computed
+            end = min(len(seq.token_ids), start + budget.tokens)
+            if end <= start or budget.seqs <= 0:
                 continue
-            out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget.tokens -= num_new
+            prompt_rows = 0
+            if seq.request.needs_prompt_logprobs:
+                prompt_rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
+            table = self.block_manager.block_table(seq.seq_id)
+            out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end], start, table,
+                                              end == len(seq.token_ids), seq.keep_kv_below, prompt_rows))
+            budget.tokens -= end - start
             budget.seqs -= 1
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -210,6 +206,9 @@ class Scheduler:
             seq.num_computed = self.block_manager.allocate(seq.seq_id, seq.token_ids)
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = seq.num_computed
+            seq.keep_kv_below = 0
+            if seq.request.needs_prompt_logprobs:  # the cached part's logits are needed too:
+                seq.keep_kv_below, seq.num_computed = seq.num_computed, 0  # recompute, keep its K/V
             seq.status = SeqStatus.RUNNING
             done.append(seq)
         return True

@@ -7,12 +7,25 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.sample.beam_search import BeamSearchState
+
+
+class TokenConstraint(Protocol):
+    """A sequence's grammar state (structured output): it follows the sequence's output tokens.
+    The implementation lives in `engine.sample.grammar`; the scheduler only feeds and forks it."""
+
+    def consume(self, token_id: int) -> bool:
+        """Advance by one sampled token; False when the grammar rejects it."""
+        ...
+
+    def fork(self) -> TokenConstraint:
+        """An independent copy in the same state (for a forked sequence)."""
+        ...
 
 
 class SeqStatus(enum.Enum):
@@ -48,6 +61,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     num_emitted: int = 0
+    grammar: TokenConstraint | None = None
+    keep_kv_below: int = 0  # recomputed prefix-cache hits (prompt logprobs): K/V stays as cached
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -77,6 +92,7 @@ class Sequence:
             status=self.status,
             cumulative_logprob=self.cumulative_logprob,
             logprobs=list(self.logprobs),
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )
 
 
@@ -94,6 +110,16 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    # prompt logprobs (SamplingParams.prompt_logprobs): gathered chunk by chunk, sent once
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True until every prompt position's logprob has been computed."""
+        if self.params.prompt_logprobs is None or self.prompt_logprobs_sent:
+            return False
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [seq for seq in self.seqs if not seq.is_finished]

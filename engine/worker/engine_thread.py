@@ -80,11 +80,7 @@ class EngineThread:
     def add(self, job: AddJob) -> None:
         """Queue a request; a resumed one restarts by recompute from prompt + generated tokens."""
         params = SamplingParams.from_dict(job.params)
-        self.engine.add_request(job.request_id, job.prompt_token_ids, params)
-        if job.generated:
-            seq = self.engine.requests[job.request_id].seqs[0]
-            seq.token_ids.extend(job.generated)
-            seq.num_emitted = len(job.generated)  # the client has them: deltas start after
+        self.engine.add_request(job.request_id, job.prompt_token_ids, params, generated=job.generated)
 
     def step(self, jobs: list[AddJob], aborts: list[str]) -> StepResult:
         """Apply aborts and adds, then run one engine step when there is work."""

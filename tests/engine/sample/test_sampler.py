@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.sample.sampler import TOP_P_PROBE, Sampler, SampleSpec, SeedKey
+from engine.sample.sampler import TOP_P_PROBE, Logprobs, Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
 
-sample = Sampler()
+sampler = Sampler()
+GREEDY = SamplingParams(temperature=0.0)
 
 
-def _spec(index: int, stream: str = "req", **kwargs: float | int | None) -> SampleSpec:
-    return SampleSpec(SeedKey(7, stream, index), **kwargs)  # type: ignore[arg-type]
+@dataclass(frozen=True)
+class SampleResult:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+
+
+def _spec(index: int, stream: str = "req", **kwargs: float | int | None) -> tuple[SamplingParams, str, int]:
+    return SamplingParams(seed=7, **kwargs), stream, index  # type: ignore[arg-type]
+
+
+def sample(logits: torch.Tensor, specs: list[tuple[SamplingParams, str, int]]) -> list[SampleResult]:
+    """One sampler call on rows described by (params, stream, token index), with logprobs."""
+    batch = SamplingBatch([p for p, _, _ in specs], [s for _, s, _ in specs], [i for _, _, i in specs])
+    logprobs = Logprobs(logits, batch)
+    tokens = sampler(logits.clone(), batch)
+    values, tops = logprobs.gather(tokens)
+    by_row = {row: (values[j], tops[j]) for j, row in enumerate(logprobs.rows)}
+    return [SampleResult(t, by_row.get(i, (0.0, None))[0],
+                         by_row[i][1] if i in by_row and specs[i][0].logprobs is not None else None)
+            for i, t in enumerate(tokens.tolist())]
 
 
 def _draws(logits: torch.Tensor, n: int, **kwargs: float | int | None) -> torch.Tensor:
@@ -23,10 +45,9 @@ def _draws(logits: torch.Tensor, n: int, **kwargs: float | int | None) -> torch.
 def test_greedy_is_argmax_first_on_ties() -> None:
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     logits[4, 3] = logits[4, 9] = 100.0
-    results = sample(logits, [SampleSpec() for _ in range(5)])
+    results = sample(logits, [(GREEDY, "r", 0) for _ in range(5)])
     assert [r.token_id for r in results] == logits.argmax(dim=-1).tolist()
     assert results[4].token_id == 3
-    assert SampleSpec.from_params(SamplingParams(temperature=0), "r", 0).key is None
 
 
 def test_top_k_keeps_exactly_the_k_best() -> None:
@@ -54,11 +75,11 @@ def test_same_key_same_token_whatever_the_batch() -> None:
     spec = _spec(11, "req-a/0", temperature=0.9, top_k=500, top_p=0.95)
     alone = sample(target[None], [spec])[0]
     others = [
-        SampleSpec(),
+        (GREEDY, "a", 0),
         _spec(3, "b", temperature=0.5),
         _spec(4, "c", top_k=7),
         _spec(5, "d", top_p=0.999),  # needs the full sort, unlike `spec`
-        _spec(6, "e", min_p=0.1, num_logprobs=5),
+        _spec(6, "e", min_p=0.1, logprobs=5),
     ]
     for position in range(len(others) + 1):
         specs = [*others[:position], spec, *others[position:]]
@@ -88,7 +109,8 @@ def test_different_token_index_varies_the_draw() -> None:
 
 def test_logprobs_are_of_the_unmodified_logits() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)) * 3
-    specs = [_spec(0, temperature=0.3, top_k=5, num_logprobs=4), SampleSpec(num_logprobs=0), _spec(1)]
+    specs = [_spec(0, temperature=0.3, top_k=5, logprobs=4), (SamplingParams(temperature=0.0, logprobs=0), "g", 0),
+             _spec(1, best_of=2)]
     results = sample(logits, specs)
     reference = torch.log_softmax(logits, dim=-1)
     for row, result in enumerate(results):

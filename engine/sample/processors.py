@@ -1,0 +1,78 @@
+"""Logits processors, in place on a step's sampling rows, each in bulk over the rows it concerns:
+
+1. penalties: repetition (HF/vLLM: a seen token's positive logit is divided by the penalty, a
+   negative one multiplied; "seen" = in the prompt or the output), frequency and presence
+   (OpenAI: minus `frequency * count + presence * (count > 0)` over the output tokens);
+2. `logit_bias` (added to the logit, OpenAI's -100..100);
+3. below `min_tokens`, EOS and the stop token ids cannot be drawn (not for a row under a
+   grammar: it ends when its grammar is complete).
+
+Each depends only on the row's own request and tokens, so the per-token seeding still makes a
+row's draw independent of its batch. The grammar mask (`grammar.py`) runs after these."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.sched.sequence import Sequence
+
+
+def apply_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
+    """`logits[i]` belongs to `seqs[i]` (its next token)."""
+    params = [seq.request.params for seq in seqs]
+    penalized = [i for i, p in enumerate(params) if _has_penalty(p)]
+    if penalized:
+        _penalize(logits, penalized, [seqs[i] for i in penalized])
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        rows = [i for i in biased for _ in params[i].logit_bias]
+        cols = [t for i in biased for t in params[i].logit_bias]
+        values = [float(v) for i in biased for v in params[i].logit_bias.values()]
+        logits.index_put_((_long(rows, logits), _long(cols, logits)), torch.tensor(values, device=logits.device),
+                          accumulate=True)
+    rows, cols = [], []
+    for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
+        if p.min_tokens and seq.grammar is None and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
+            banned = p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)
+            rows += [i] * len(banned)
+            cols += banned
+    if rows:
+        logits.index_put_((_long(rows, logits), _long(cols, logits)), torch.tensor(float("-inf")))
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    vocab, device = logits.shape[1], logits.device
+    index = _long(rows, logits)
+    sub = logits.index_select(0, index)
+    counts = _counts([seq.output_token_ids for seq in seqs], vocab, device)
+    params = [seq.request.params for seq in seqs]
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    if bool((repetition != 1.0).any()):
+        seen = (counts > 0) | (_counts([seq.request.prompt_token_ids for seq in seqs], vocab, device) > 0)
+        penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen, penalized, sub)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    sub = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
+    logits.index_copy_(0, index, sub)
+
+
+def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] occurrence counts; padding goes to an extra column that is dropped."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.long)
+    for i, tokens in enumerate(token_lists):
+        if tokens:
+            padded[i, : len(tokens)] = torch.tensor(tokens)
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab].to(device)
+
+
+def _long(values: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)

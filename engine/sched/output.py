@@ -1,0 +1,92 @@
+"""The data a step hands between its stages, torch-free.
+
+    Scheduler.schedule() ──SchedulerOutput──▶ ModelRunner.execute()      (tokens, positions, block tables)
+                                      └─────▶ SampleStage (engine.sample) ──StepSamples──▶
+    Scheduler.update_from_output()   (the one place sequence state changes after a step)
+
+The runner reads only the plain fields of `ScheduledSeq` (never `seq`, never the block manager);
+the sampling stage reads `seq` for its parameters and history but changes nothing; the
+scheduler applies what `StepSamples` says."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.sched.sequence import Request, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """`token_ids` (positions `start` .. `start + len - 1` of `seq`) run this step.
+
+    `block_table` is the sequence's live table (read only). `sample`: the chunk ends at the
+    sequence's last token, so its last row's logits choose the next token. Positions below
+    `write_from` keep the K/V already in their (prefix-cached, shared) blocks: the runner gives
+    them slot -1. `num_prompt_logits` rows from the chunk's start predict prompt tokens and
+    are kept for prompt logprobs (0 when not asked)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool
+    write_from: int = 0
+    num_prompt_logits: int = 0
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work: scheduled chunks (prefills first is the runner's business), block moves
+    to do before the model runs, and requests refused for good."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if len(s.token_ids) == 1)
+
+    def sampling(self) -> list[ScheduledSeq]:
+        """The chunks that produce a token, in the order of the runner's logits rows."""
+        return [s for s in self.scheduled if s.sample]
+
+
+@dataclass(slots=True)
+class BeamChoice:
+    """One beam-search request's step: the new running beams as (parent sequence, token); a
+    parent chosen twice is forked, a parent nobody chose is freed; `done` ends the search."""
+
+    request: Request
+    chosen: list[tuple[Sequence, int]]
+    done: bool
+
+
+@dataclass(slots=True)
+class StepSamples:
+    """What sampling chose, row by row (`seqs[i]` gets `token_ids[i]`: one token, or one per
+    candidate when a request of n > 1 forks at its first token)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] | None = None  # same shape, when some row needs them
+    top_logprobs: dict[int, list[list[tuple[int, float]]]] = field(default_factory=dict)  # row -> per token
+    beams: list[BeamChoice] = field(default_factory=list)
+    # request id -> (chunk start, entries for prompt tokens start+1 ...; a leading None when start is 0)
+    prompt_logprobs: dict[str, tuple[int, list[dict[str, Any] | None]]] = field(default_factory=dict)

@@ -1,0 +1,68 @@
+"""The runner's bulk inputs: positions, slots and block tables computed from the scheduler's
+output equal the per-token formula, and the block-table tensor kept across steps equals a fresh
+one after tables grow, blocks are copied on write, and the batch changes."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.runner import BlockTableBuffer, ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.sched.output import ScheduledSeq
+from engine.sched.sequence import Request, Sequence
+
+BS = 4
+
+
+def _seq(length: int) -> Sequence:
+    request = Request(f"r{length}", list(range(length)), SamplingParams())
+    return Sequence(request, 0, list(range(length)), length)
+
+
+def _item(seq: Sequence, start: int, count: int, table: list[int], write_from: int = 0) -> ScheduledSeq:
+    tokens = seq.token_ids[start : start + count]
+    return ScheduledSeq(seq, tokens, start, table, start + count == len(seq.token_ids), write_from)
+
+
+def _fresh(items: list[ScheduledSeq]) -> torch.Tensor:
+    width = max(len(s.block_table) for s in items)
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in items], dtype=torch.int32)
+
+
+def test_persistent_block_tables_follow_growth_cow_and_batch_changes() -> None:
+    a, b, c = _seq(8), _seq(3), _seq(5)
+    ta, tb, tc = [5, 7], [9], [2, 3]
+    buffer = BlockTableBuffer()
+    step = [_item(a, 7, 1, ta), _item(b, 2, 1, tb)]
+    first = buffer.build(step)
+    assert torch.equal(first[:, :2], _fresh(step))
+    ta.append(11)  # a crossed a block boundary
+    tb[-1] = 12  # b's last block was copied on write
+    again = buffer.build(step)
+    assert again is first  # patched in place, not rebuilt
+    assert torch.equal(again[:, :3], _fresh(step))
+    changed = [_item(c, 4, 1, tc), *step]
+    assert torch.equal(buffer.build(changed)[:, :3], _fresh(changed))
+
+
+def test_positions_slots_and_metadata_match_the_per_token_formula() -> None:
+    runner = ModelRunner(None, [], [], BS, torch.device("cpu"))  # type: ignore[arg-type]
+    long, chunked, decode = _seq(6), _seq(11), _seq(9)
+    items = [
+        _item(decode, 8, 1, [4, 1, 8]),
+        _item(long, 0, 6, [2, 6], write_from=4),  # the first block came from the prefix cache
+        _item(chunked, 4, 5, [7, 3, 10]),  # a middle chunk: no sample
+    ]
+    batch = runner.prepare(items)
+    order = [items[1], items[2], items[0]]  # prefills first
+    want_pos = [p for s in order for p in range(s.start, s.start + len(s.token_ids))]
+    want_slots = [-1 if p < s.write_from else s.block_table[p // BS] * BS + p % BS
+                  for s in order for p in range(s.start, s.start + len(s.token_ids))]
+    assert batch.positions.tolist() == want_pos
+    assert batch.meta.slot_mapping.tolist() == want_slots
+    assert batch.input_ids.tolist() == [t for s in order for t in s.token_ids]
+    assert batch.meta.prefill_query_start == [0, 6, 11]
+    assert batch.meta.prefill_context_lens == [6, 9]
+    assert batch.meta.decode_context_lens.tolist() == [9]
+    assert batch.sampling == [items[1], items[0]]
+    assert batch.sample_rows is not None and batch.sample_rows.tolist() == [5, 11]
