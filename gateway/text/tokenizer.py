@@ -34,6 +34,16 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _model_vocab_size(config_path: Path) -> int:
+    """`vocab_size` of the model's config.json (top level or `text_config`); 0 when absent."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return 0
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else 0
+
+
 class ModelTokenizer:
     """Tokenizer and chat template of one model directory."""
 
@@ -50,11 +60,14 @@ class ModelTokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
+        self.model_vocab_size = _model_vocab_size(path / "config.json")
         self._compiled: jinja2.Template | None = None
 
     @property
     def vocab_size(self) -> int:
-        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+        """Token ids the model accepts: its embedding rows (config.json), which are often more
+        than the tokenizer's entries (padded vocabularies), else the tokenizer's size."""
+        return max(self.model_vocab_size, int(self.tokenizer.get_vocab_size(with_added_tokens=True)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -107,21 +107,21 @@ async def test_json_schema_answers_validate(stack: tuple[str, EngineProcess]) ->
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
 async def test_tool_calls_are_valid(stack: tuple[str, EngineProcess], tool_choice: Any) -> None:
+    """One call per answer (parallel_tool_calls false): the grammar ends after the call, so the
+    answer must finish with `tool_calls`, whole and streamed, whatever the random model samples."""
     redis_url, engine = stack
     names = {"add", "get_weather"} if tool_choice == "required" else {"get_weather"}
     ask: Any = [{"role": "user", "content": "What is the weather in Oslo for 3 days?"}]
+    args: dict[str, Any] = {"model": MODEL, "messages": ask, "tools": TOOLS, "tool_choice": tool_choice,
+                            "temperature": 1.0, "max_tokens": 300, "parallel_tool_calls": False}
     async with serve_gateway(redis_url) as url, _client(url) as client:
         for seed in SEEDS:
-            reply = await client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, seed=seed,
-                                                         tool_choice=tool_choice, temperature=1.0, max_tokens=300)
+            reply = await client.chat.completions.create(seed=seed, **args)
             choice = reply.choices[0]
-            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-            for call in choice.message.tool_calls:
-                assert call.function.name in names  # type: ignore[union-attr]
-                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])  # type: ignore[union-attr]
-            stream = await client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, seed=seed,
-                                                          tool_choice=tool_choice, temperature=1.0, max_tokens=300,
-                                                          stream=True)
+            assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+            assert len(choice.message.tool_calls) == 1
+            _check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], names)  # type: ignore[union-attr]
+            stream = await client.chat.completions.create(seed=seed, stream=True, **args)
             calls: dict[int, dict[str, str]] = {}
             reason = None
             async for chunk in stream:
@@ -131,11 +131,32 @@ async def test_tool_calls_are_valid(stack: tuple[str, EngineProcess], tool_choic
                         entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
                         entry["name"] += (tc.function.name if tc.function else None) or ""
                         entry["arguments"] += (tc.function.arguments if tc.function else None) or ""
-            assert reason == "tool_calls" and calls
-            for entry in calls.values():
-                assert entry["name"] in names
-                jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+            assert reason == "tool_calls" and len(calls) == 1
+            _check_calls([(e["name"], e["arguments"]) for e in calls.values()], names)
     engine.wait_drained()
+
+
+async def test_parallel_tool_calls_are_each_valid(stack: tuple[str, EngineProcess]) -> None:
+    """With parallel calls the grammar allows another call after each one, so a random model may
+    run to max_tokens: every call it completed is still a valid call, and a cut-off one is not
+    reported as a call."""
+    redis_url, engine = stack
+    ask: Any = [{"role": "user", "content": "Add 2 and 3, and get the weather in Lima."}]
+    async with serve_gateway(redis_url) as url, _client(url) as client:
+        for seed in SEEDS:
+            reply = await client.chat.completions.create(model=MODEL, messages=ask, tools=TOOLS, seed=seed,
+                                                         tool_choice="required", temperature=1.0, max_tokens=300)
+            choice = reply.choices[0]
+            assert choice.finish_reason in ("tool_calls", "length") and choice.message.tool_calls
+            _check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls],  # type: ignore[union-attr]
+                         {"add", "get_weather"})
+    engine.wait_drained()
+
+
+def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 async def _greedy_ids(client: AsyncOpenAI, **extra: Any) -> list[int]:

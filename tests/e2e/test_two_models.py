@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -16,13 +17,16 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import redis
 
 from engine.launch.redis_server import RedisServer
+from engine.protocol import Keys
 from tests.e2e.support import ROOT, EngineProcess, serve_gateway
 from tests.fixtures.models import make_tiny_model_dir
 
 ALPHA, BETA = "alpha", "beta"
 ENGINE_ARGS = ("--kv-cache-memory", "8MiB")
+LONG = 480  # tokens: the tiny model's 512 positions less the prompt; no request ends before the kill
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +90,20 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, prompt:
     return 200, text, error
 
 
+def freeze_owner(redis_url: str, model: str, engines: list[EngineProcess]) -> EngineProcess:
+    """SIGSTOP every engine of `model`, then the one holding the most unacknowledged entries of
+    its stream (requests it runs): frozen, nothing can finish between choosing and killing."""
+    for engine in engines:
+        engine.proc.send_signal(signal.SIGSTOP)
+    with redis.Redis.from_url(redis_url) as client:
+        pending = client.xpending(Keys().requests(model), Keys().group)
+    owners = {name.decode(): count for name, count in
+              ((c["name"], c["pending"]) for c in pending["consumers"])}
+    victim = max(engines, key=lambda e: owners.get(e.engine_id, 0))
+    assert owners.get(victim.engine_id, 0) > 0, f"no {model} engine holds a request: {owners}"
+    return victim
+
+
 async def test_each_model_answers_only_its_requests_and_fails_over_to_its_sibling(
         stack: tuple[RedisServer, dict[str, list[EngineProcess]]], tiny_llama_dir: Path, beta_dir: Path) -> None:
     server, engines = stack
@@ -101,14 +119,16 @@ async def test_each_model_answers_only_its_requests_and_fails_over_to_its_siblin
 
         # kill -9 one alpha engine mid-generation: its requests finish on the other alpha engine
         long_prompts = [f"Story {i} begins" for i in range(8)]
-        reference = greedy_texts(tiny_llama_dir, long_prompts, 150)
+        reference = greedy_texts(tiny_llama_dir, long_prompts, LONG)
         started = [asyncio.Event() for _ in long_prompts]
-        tasks = [asyncio.create_task(complete(session, url, ALPHA, p, 150, started[i]))
+        tasks = [asyncio.create_task(complete(session, url, ALPHA, p, LONG, started[i]))
                  for i, p in enumerate(long_prompts)]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
-        victim = max(engines[ALPHA], key=lambda e: e.stats()["in_flight"])
-        assert victim.stats()["in_flight"] > 0
+        victim = freeze_owner(server.url, ALPHA, engines[ALPHA])
         victim.kill()
+        for engine in engines[ALPHA]:
+            if engine is not victim:
+                engine.proc.send_signal(signal.SIGCONT)
         disturbed = await asyncio.wait_for(asyncio.gather(*tasks), 180)
         assert [r[1] for r in disturbed] == reference and all(r[2] is None for r in disturbed)
         sibling = next(e for e in engines[ALPHA] if e is not victim)
@@ -124,9 +144,9 @@ async def test_each_model_answers_only_its_requests_and_fails_over_to_its_siblin
 
         # every beta engine dies mid-generation: its in-flight requests fail cleanly (no_engine)
         started = [asyncio.Event() for _ in range(4)]
-        tasks = [asyncio.create_task(complete(session, url, BETA, f"Tale {i}", 400, started[i])) for i in range(4)]
+        tasks = [asyncio.create_task(complete(session, url, BETA, f"Tale {i}", LONG, started[i])) for i in range(4)]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
-        engines[BETA][0].kill()
+        freeze_owner(server.url, BETA, engines[BETA]).kill()
         failed = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         assert all(error == "no_engine" for _, _, error in failed), failed
         begin = time.monotonic()
