@@ -55,6 +55,30 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
     _same_device(key_cache=key_cache, value_cache=value_cache)
 
 
+def _check_query(query: torch.Tensor, key_cache: torch.Tensor, layout: str) -> None:
+    """A 3-D query whose dtype and head size match the cache and whose heads group over its KV heads."""
+    _ndim("query", query, 3, layout)
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
+    _, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[1]
+    if head_size != key_cache.shape[3]:
+        raise ValueError(f"query head_size {head_size} differs from the cache head_size {key_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if query.stride(2) != 1:
+        raise ValueError("query must be contiguous in its last (head_size) dimension")
+
+
+def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> None:
+    if out is None:
+        return
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must match query {tuple(query.shape)} {query.dtype} on {query.device}")
+    if out.stride(2) != 1:
+        raise ValueError("out must be contiguous in its last (head_size) dimension")
+
+
 def check_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -65,17 +89,8 @@ def check_attention(
 ) -> None:
     """Everything ``paged_attention`` needs to be true of its arguments."""
     check_cache_pair(key_cache, value_cache)
-    _ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
-    num_seqs, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[1]
-    if head_size != key_cache.shape[3]:
-        raise ValueError(f"query head_size {head_size} differs from the cache head_size {key_cache.shape[3]}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if query.stride(2) != 1:
-        raise ValueError("query must be contiguous in its last (head_size) dimension")
+    _check_query(query, key_cache, "[num_seqs, num_heads, head_size]")
+    num_seqs = query.shape[0]
     _ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     _dtype("block_tables", block_tables, (torch.int32,))
     _ndim("context_lens", context_lens, 1, "[num_seqs]")
@@ -94,11 +109,50 @@ def check_attention(
                 f"context_lens must lie in [0, {capacity}] (block_tables width x block_size); "
                 f"got [{shortest}, {longest}]"
             )
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-            raise ValueError(f"out must match query {tuple(query.shape)} {query.dtype} on {query.device}")
-        if out.stride(2) != 1:
-            raise ValueError("out must be contiguous in its last (head_size) dimension")
+    _check_out(out, query)
+
+
+def check_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Everything ``paged_prefill_attention`` needs to be true of its arguments."""
+    check_cache_pair(key_cache, value_cache)
+    _check_query(query, key_cache, "[num_tokens, num_heads, head_size]")
+    _ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    _dtype("block_tables", block_tables, (torch.int32,))
+    _ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    _dtype("query_start_loc", query_start_loc, (torch.int32,))
+    _ndim("context_lens", context_lens, 1, "[num_seqs]")
+    _dtype("context_lens", context_lens, (torch.int32,))
+    num_seqs = context_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)}, query_start_loc {tuple(query_start_loc.shape)} and "
+            f"context_lens {tuple(context_lens.shape)} must describe num_seqs={num_seqs} sequences"
+        )
+    _same_device(query=query, key_cache=key_cache, block_tables=block_tables, query_start_loc=query_start_loc,
+                 context_lens=context_lens)
+    if not query.is_cuda and num_seqs > 0:  # free on the CPU; on CUDA it would cost a device sync
+        starts = query_start_loc.to(torch.int64)
+        q_lens = starts[1:] - starts[:-1]
+        if int(starts[0]) < 0 or int(q_lens.min()) < 0 or int(starts[-1]) > query.shape[0]:
+            raise ValueError(
+                f"query_start_loc must be non-decreasing within [0, {query.shape[0]}] (num_tokens); "
+                f"got {query_start_loc.tolist()[:8]}..."
+            )
+        capacity = block_tables.shape[1] * key_cache.shape[2]
+        if bool((q_lens > context_lens).any()) or int(context_lens.max()) > capacity:
+            raise ValueError(
+                f"each context_len must cover its query tokens and fit the block table ({capacity} slots); "
+                f"got query lengths {q_lens.tolist()[:8]} and context_lens {context_lens.tolist()[:8]}"
+            )
+    _check_out(out, query)
 
 
 def check_cache_write(

@@ -1,0 +1,288 @@
+// CPU varlen paged prefill attention: every prefill sequence of a step in one call, queries
+// attending causally over the sequence's whole context read straight from its block table
+// (cached prefix, earlier chunks and this chunk, whose K/V reshape_and_cache already wrote).
+//
+// Flash-style: a task is (sequence, KV head, tile of query rows), where the rows of a sequence
+// are its (token, head-of-the-GQA-group) pairs, so one K/V block load serves every query head of
+// the group. Per K/V block: scores = Q K^T with 4-row x 16-column register tiles, an online
+// softmax (running max and sum per row, fp32), then acc += P V with 4-row x 16-dim tiles. Tasks
+// differ in cost (causal rows near the end see more keys), so they are sorted longest first and
+// handed out from an atomic counter.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+using vec::Vec;
+using vec::kWidth;
+
+constexpr int64_t kRows = 64;  // query rows per task: Q and acc tiles stay in L2 up to head 256
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, group, head_size, dim_pad, block_size, cols_pad, num_blocks, max_blocks;
+  int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
+  float scale;
+};
+
+struct Task {
+  int64_t seq, kv_head, row_begin, row_end, cost;
+};
+
+struct Workspace {
+  std::vector<float> q, acc, scores, kt, v, maxes, sums;
+  std::vector<int64_t> pos;
+
+  explicit Workspace(const Shape& s)
+      : q(kRows * s.dim_pad), acc(kRows * s.dim_pad), scores(kRows * s.cols_pad), kt(s.head_size * s.cols_pad),
+        v(s.block_size * s.dim_pad), maxes(kRows), sums(kRows), pos(kRows) {}
+};
+
+// scores[r][c] = sum_d q[r][d] * kt[d][c] for rows [0, rows) (a multiple of 4) and cols_pad columns.
+void qk_tile(const float* q, int64_t rows, int64_t dim, int64_t dim_pad, const float* kt, int64_t cols_pad,
+             float* scores) {
+  for (int64_t c = 0; c < cols_pad; c += 2 * kWidth) {
+    const bool two = c + 2 * kWidth <= cols_pad;
+    for (int64_t r = 0; r < rows; r += 4) {
+      Vec a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+      const float* q0 = q + r * dim_pad;
+      for (int64_t d = 0; d < dim; ++d) {
+        const Vec k0 = vec::load(kt + d * cols_pad + c);
+        const float x0 = q0[d], x1 = q0[dim_pad + d], x2 = q0[2 * dim_pad + d], x3 = q0[3 * dim_pad + d];
+        a0 += k0 * x0;
+        a1 += k0 * x1;
+        a2 += k0 * x2;
+        a3 += k0 * x3;
+        if (two) {
+          const Vec k1 = vec::load(kt + d * cols_pad + c + kWidth);
+          b0 += k1 * x0;
+          b1 += k1 * x1;
+          b2 += k1 * x2;
+          b3 += k1 * x3;
+        }
+      }
+      float* s = scores + r * cols_pad + c;
+      vec::store(s, a0);
+      vec::store(s + cols_pad, a1);
+      vec::store(s + 2 * cols_pad, a2);
+      vec::store(s + 3 * cols_pad, a3);
+      if (two) {
+        vec::store(s + kWidth, b0);
+        vec::store(s + cols_pad + kWidth, b1);
+        vec::store(s + 2 * cols_pad + kWidth, b2);
+        vec::store(s + 3 * cols_pad + kWidth, b3);
+      }
+    }
+    if (!two) c -= kWidth;  // only one 8-wide chunk was left: step by 8, not 16
+  }
+}
+
+// acc[r][:] += sum_{t < n} p[r][t] * v[t][:] over dim_pad dims (a multiple of 8), rows a multiple of 4.
+void pv_tile(const float* p, int64_t rows, int64_t cols_pad, const float* v, int64_t n, int64_t dim_pad,
+             float* acc) {
+  for (int64_t d = 0; d < dim_pad; d += 2 * kWidth) {
+    const bool two = d + 2 * kWidth <= dim_pad;
+    for (int64_t r = 0; r < rows; r += 4) {
+      float* o = acc + r * dim_pad + d;
+      Vec a0 = vec::load(o), a1 = vec::load(o + dim_pad), a2 = vec::load(o + 2 * dim_pad),
+          a3 = vec::load(o + 3 * dim_pad);
+      Vec b0{}, b1{}, b2{}, b3{};
+      if (two) {
+        b0 = vec::load(o + kWidth);
+        b1 = vec::load(o + dim_pad + kWidth);
+        b2 = vec::load(o + 2 * dim_pad + kWidth);
+        b3 = vec::load(o + 3 * dim_pad + kWidth);
+      }
+      const float* p0 = p + r * cols_pad;
+      for (int64_t t = 0; t < n; ++t) {
+        const Vec v0 = vec::load(v + t * dim_pad + d);
+        const float w0 = p0[t], w1 = p0[cols_pad + t], w2 = p0[2 * cols_pad + t], w3 = p0[3 * cols_pad + t];
+        a0 += v0 * w0;
+        a1 += v0 * w1;
+        a2 += v0 * w2;
+        a3 += v0 * w3;
+        if (two) {
+          const Vec v1 = vec::load(v + t * dim_pad + d + kWidth);
+          b0 += v1 * w0;
+          b1 += v1 * w1;
+          b2 += v1 * w2;
+          b3 += v1 * w3;
+        }
+      }
+      vec::store(o, a0);
+      vec::store(o + dim_pad, a1);
+      vec::store(o + 2 * dim_pad, a2);
+      vec::store(o + 3 * dim_pad, a3);
+      if (two) {
+        vec::store(o + kWidth, b0);
+        vec::store(o + dim_pad + kWidth, b1);
+        vec::store(o + 2 * dim_pad + kWidth, b2);
+        vec::store(o + 3 * dim_pad + kWidth, b3);
+      }
+    }
+    if (!two) d -= kWidth;
+  }
+}
+
+// Turns one block's scores of a row into weights (zero past `valid`), rescaling the row's
+// running sum and accumulator when its max grows. Returns false when the row sees no key here.
+bool softmax_row(float* scores, int64_t valid, int64_t cols_pad, float& running_max, float& running_sum,
+                 float* acc, int64_t dim_pad) {
+  if (valid <= 0) {
+    std::fill(scores, scores + cols_pad, 0.f);
+    return false;
+  }
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < valid; ++c) block_max = std::max(block_max, scores[c]);
+  const float new_max = std::max(running_max, block_max);
+  if (new_max > running_max) {
+    const float alpha = std::exp(running_max - new_max);  // 0 on the row's first block
+    running_sum *= alpha;
+    const Vec a = vec::splat(alpha);
+    for (int64_t d = 0; d < dim_pad; d += kWidth) vec::store(acc + d, vec::load(acc + d) * a);
+    running_max = new_max;
+  }
+  Vec total{};
+  const Vec m = vec::splat(new_max);
+  for (int64_t c = 0; c < cols_pad; c += kWidth) {
+    Vec idx;
+    for (int64_t i = 0; i < kWidth; ++i) idx[i] = static_cast<float>(c + i);
+    Vec e = vec::exp(vec::load(scores + c) - m);
+    e = idx < static_cast<float>(valid) ? e : Vec{};
+    total += e;
+    vec::store(scores + c, e);
+  }
+  running_sum += vec::hsum(total);
+  return true;
+}
+
+template <typename T>
+void run_task(const Task& task, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
+              int64_t first_pos, int64_t q_begin, T* out, const Shape& s, Workspace& w) {
+  const int64_t rows = task.row_end - task.row_begin;
+  const int64_t rows_pad = vec::round_up(rows, 4);
+  const int64_t dim = s.head_size, dp = s.dim_pad, bs = s.block_size, cp = s.cols_pad;
+  std::fill(w.q.begin(), w.q.begin() + rows_pad * dp, 0.f);
+  std::fill(w.acc.begin(), w.acc.begin() + rows_pad * dp, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = task.row_begin + r, token = row / s.group, head = task.kv_head * s.group + row % s.group;
+    const T* src = query + (q_begin + token) * s.q_stride_token + head * s.q_stride_head;
+    for (int64_t d = 0; d < dim; ++d) w.q[r * dp + d] = static_cast<float>(src[d]) * s.scale;
+    w.pos[r] = first_pos + token;
+    w.maxes[r] = -std::numeric_limits<float>::infinity();
+    w.sums[r] = 0.f;
+  }
+  const int64_t kv_end = w.pos[rows - 1] + 1;  // rows are in token order: the last sees the most
+  const int64_t num_used = (kv_end + bs - 1) / bs;
+  TORCH_CHECK(num_used <= s.max_blocks, "context of ", kv_end, " tokens exceeds the block table width");
+  std::fill(w.kt.begin(), w.kt.end(), 0.f);  // padding columns stay zero
+  std::fill(w.v.begin(), w.v.end(), 0.f);    // padding dims stay zero
+  for (int64_t b = 0; b < num_used; ++b) {
+    const int64_t block = table[b];
+    TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
+                s.num_blocks, ")");
+    const int64_t n = std::min(bs, kv_end - b * bs);
+    const int64_t base = (block * s.num_kv_heads + task.kv_head) * bs * dim;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* k = key_cache + base + t * dim;
+      for (int64_t d = 0; d < dim; ++d) w.kt[d * cp + t] = static_cast<float>(k[d]);
+      vec::widen(w.v.data() + t * dp, value_cache + base + t * dim, dim);
+    }
+    // Slots past the context may hold stale data, even NaN: their columns are zeroed here and
+    // masked in softmax_row, and pv_tile reads only the first n V rows.
+    for (int64_t t = n; t < bs; ++t)
+      for (int64_t d = 0; d < dim; ++d) w.kt[d * cp + t] = 0.f;
+    qk_tile(w.q.data(), rows_pad, dim, dp, w.kt.data(), cp, w.scores.data());
+    for (int64_t r = 0; r < rows_pad; ++r) {
+      const int64_t valid = r < rows ? std::min(n, w.pos[r] - b * bs + 1) : 0;
+      float* sc = w.scores.data() + r * cp;
+      if (r < rows) {
+        softmax_row(sc, valid, cp, w.maxes[r], w.sums[r], w.acc.data() + r * dp, dp);
+      } else {
+        std::fill(sc, sc + cp, 0.f);
+      }
+    }
+    pv_tile(w.scores.data(), rows_pad, cp, w.v.data(), n, dp, w.acc.data());
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = task.row_begin + r, token = row / s.group, head = task.kv_head * s.group + row % s.group;
+    const float inv = w.sums[r] > 0.f ? 1.f / w.sums[r] : 0.f;
+    float* a = w.acc.data() + r * dp;
+    for (int64_t d = 0; d < dim; ++d) a[d] *= inv;
+    vec::narrow(out + (q_begin + token) * s.out_stride_token + head * s.out_stride_head, a, dim);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+         const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+         const Shape& s) {
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t num_seqs = context_lens.size(0);
+  std::vector<Task> tasks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = starts[seq + 1] - starts[seq];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[seq], "sequence ", seq, ": query length ", q_len,
+                " must lie in [0, context_len=", lens[seq], "]");
+    const int64_t rows = q_len * s.group, first_pos = lens[seq] - q_len;
+    for (int64_t begin = 0; begin < rows; begin += kRows) {
+      const int64_t end = std::min(rows, begin + kRows);
+      const int64_t cost = (end - begin) * (first_pos + (end - 1) / s.group + 1);
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) tasks.push_back({seq, h, begin, end, cost});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const T* q_ptr = static_cast<const T*>(query.data_ptr());
+  const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
+  const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+  T* out_ptr = static_cast<T*>(out.data_ptr());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Workspace w(s);
+    for (int64_t i = next++; i < num_tasks; i = next++) {
+      const Task& t = tasks[i];
+      const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
+      run_task<T>(t, q_ptr, k_ptr, v_ptr, tables + t.seq * table_stride, lens[t.seq] - q_len, starts[t.seq],
+                  out_ptr, s, w);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(1);
+  const int64_t head_size = key_cache.size(3), block_size = key_cache.size(2);
+  const Shape s{num_heads, num_kv_heads, num_heads / num_kv_heads, head_size, vec::round_up(head_size, kWidth),
+                block_size, vec::round_up(block_size, kWidth), key_cache.size(0), block_tables.size(1),
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
+  if (query.size(0) == 0 || context_lens.size(0) == 0) return;
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      return run<float>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
+    case at::kBFloat16:
+      return run<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
+    case at::kHalf:
+      return run<c10::Half>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
+    default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace pagedserve::cpu
