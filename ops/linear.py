@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ops import reference
 from ops.backend import use_reference
 from ops.build import cpu_ops
 from ops.checks_fused import check_linear
@@ -20,10 +21,11 @@ SMALL_GEMM_MAX_ROWS = 8  # csrc/cpu/ops.h kSmallGemmMaxRows
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., K]``, ``weight [N, K]``."""
     check_linear(x, weight, bias)
+    if use_reference():
+        return reference.linear(x, weight, bias)
     rows = x.numel() // max(1, x.shape[-1])
     if (
-        use_reference()
-        or x.is_cuda
+        x.is_cuda
         or x.dtype != torch.float32
         or not 0 < rows <= SMALL_GEMM_MAX_ROWS
         or not weight.is_contiguous()
