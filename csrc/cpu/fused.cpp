@@ -4,7 +4,7 @@
 // Math is fp32; results are rounded to the tensor dtype where HF Llama rounds (the residual sum,
 // the normalized row before the weight, SiLU before the product), so bf16/fp16 models see the
 // same values as with the unfused torch code. Rows are split across threads only when there is
-// enough work to pay for waking them (decode at batch 1 runs inline).
+// enough work to pay for waking them (decode at small batch runs inline).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace pagedserve::cpu {
@@ -21,8 +22,8 @@ namespace {
 using vec::Vec;
 using vec::kWidth;
 
-// Rows per parallel chunk: about 16k elements each, so small batches stay on one thread.
-int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(1, row_elems)); }
+// Below ~64k elements a row-wise op takes tens of microseconds: one thread, no parallel region.
+constexpr int64_t kMinChunkElems = 64 * 1024;
 
 template <typename T>
 float as_f(T x) {
@@ -55,7 +56,7 @@ void rms_norm_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
   const T* x_ptr = static_cast<const T*>(x.data_ptr());
   const T* w_ptr = static_cast<const T*>(weight.data_ptr());
   T* out_ptr = static_cast<T*>(out.data_ptr());
-  at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, row_chunk(rows, hidden, kMinChunkElems), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(hidden);
     for (int64_t r = begin; r < end; ++r) {
       vec::widen(buf.data(), x_ptr + r * x.stride(0), hidden);
@@ -70,7 +71,7 @@ void fused_add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, co
   T* x_ptr = static_cast<T*>(x.data_ptr());
   T* r_ptr = static_cast<T*>(residual.data_ptr());
   const T* w_ptr = static_cast<const T*>(weight.data_ptr());
-  at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, row_chunk(rows, hidden, kMinChunkElems), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(hidden);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x_ptr + r * x.stride(0);
@@ -90,7 +91,7 @@ void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), width = out.size(1);
   const T* x_ptr = static_cast<const T*>(x.data_ptr());
   T* out_ptr = static_cast<T*>(out.data_ptr());
-  at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows, row_chunk(rows, 2 * width, kMinChunkElems), [&](int64_t begin, int64_t end) {
     std::vector<float> gate(width), up(width);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x_ptr + r * x.stride(0);
@@ -137,7 +138,8 @@ void rope_impl(const at::Tensor& positions, const at::Tensor& query, const at::T
   T* kc = s.write_cache ? static_cast<T*>(key_cache.data_ptr()) : nullptr;
   T* vc = s.write_cache ? static_cast<T*>(value_cache.data_ptr()) : nullptr;
   const int64_t dim = s.head_size, half = dim / 2, num_tokens = positions.size(0);
-  at::parallel_for(0, num_tokens, grain((s.num_heads + 2 * s.num_kv_heads) * dim), [&](int64_t begin, int64_t end) {
+  const int64_t token_elems = (s.num_heads + 2 * s.num_kv_heads) * dim;
+  parallel_chunks(num_tokens, row_chunk(num_tokens, token_elems, kMinChunkElems), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = pos[t];
       TORCH_CHECK(p >= 0 && p < s.table_rows, "position ", p, " outside the cos/sin table of ", s.table_rows,

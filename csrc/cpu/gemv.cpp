@@ -3,10 +3,11 @@
 // At small M a linear layer is bound by reading W once from memory, so the loop streams each
 // weight row exactly once, keeps the M input rows in L1 and holds M x R dot products in
 // registers (R weight rows at a time: more independent FMA chains and more concurrent memory
-// streams for small M, fewer accumulators when M is larger). Threads split N in contiguous ranges.
+// streams for small M, fewer accumulators when M is larger). Threads take chunks of N rows.
 #include <ATen/Parallel.h>
 
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace pagedserve::cpu {
@@ -62,9 +63,10 @@ template <int M>
 void run(const float* x, int64_t ldx, const float* w, int64_t n_len, int64_t k_len, const float* bias, float* out,
          int64_t ldo) {
   constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
-  // Below ~256 KiB of weights one thread finishes before a second would have started.
-  const int64_t grain = std::max<int64_t>(R, (64 * 1024) / std::max<int64_t>(1, k_len));
-  at::parallel_for(0, n_len, grain, [&](int64_t begin, int64_t end) {
+  // Chunks of at least ~256 KiB of weights (below that one thread is done before a second starts),
+  // whole register blocks of R rows, about four per thread.
+  const int64_t chunk = vec::round_up(row_chunk(n_len, k_len, 64 * 1024), R);
+  parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
     gemm_range<M, R>(x, ldx, w, k_len, bias, out, ldo, begin, end);
   });
 }

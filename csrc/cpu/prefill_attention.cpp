@@ -3,20 +3,21 @@
 // (cached prefix, earlier chunks and this chunk, whose K/V reshape_and_cache already wrote).
 //
 // Flash-style: a task is (sequence, KV head, tile of query rows), where the rows of a sequence
-// are its (token, head-of-the-GQA-group) pairs, so one K/V block load serves every query head of
-// the group. Per K/V block: scores = Q K^T with 4-row x 16-column register tiles, an online
-// softmax (running max and sum per row, fp32), then acc += P V with 4-row x 16-dim tiles. Tasks
-// differ in cost (causal rows near the end see more keys), so they are sorted longest first and
-// handed out from an atomic counter.
+// are its (token, head-of-the-GQA-group) pairs, so one K/V load serves every query head of the
+// group. The context is walked in key tiles of whole blocks (about 64 tokens: the softmax
+// bookkeeping is paid once per tile, not per block). Per tile: scores = Q K^T with 4-row x
+// 16-column register tiles, an online softmax (running max and sum per row, fp32), then
+// acc += P V with 4-row x 16-dim tiles. Tasks differ in cost (causal rows near the end see more
+// keys), so they are sorted longest first and handed out from an atomic counter.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace pagedserve::cpu {
@@ -25,10 +26,12 @@ namespace {
 using vec::Vec;
 using vec::kWidth;
 
-constexpr int64_t kRows = 64;  // query rows per task: Q and acc tiles stay in L2 up to head 256
+constexpr int64_t kRows = 64;       // query rows per task: Q and acc tiles stay in L2 up to head 256
+constexpr int64_t kTileKeys = 64;   // keys per softmax step, rounded up to whole blocks
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, group, head_size, dim_pad, block_size, cols_pad, num_blocks, max_blocks;
+  int64_t num_heads, num_kv_heads, group, head_size, dim_pad, block_size, tile_keys, cols_pad, num_blocks,
+      max_blocks;
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
   float scale;
 };
@@ -38,12 +41,18 @@ struct Task {
 };
 
 struct Workspace {
+  int64_t dim_pad, cols_pad, head_size, tile_keys;
   std::vector<float> q, acc, scores, kt, v, maxes, sums;
   std::vector<int64_t> pos;
 
   explicit Workspace(const Shape& s)
-      : q(kRows * s.dim_pad), acc(kRows * s.dim_pad), scores(kRows * s.cols_pad), kt(s.head_size * s.cols_pad),
-        v(s.block_size * s.dim_pad), maxes(kRows), sums(kRows), pos(kRows) {}
+      : dim_pad(s.dim_pad), cols_pad(s.cols_pad), head_size(s.head_size), tile_keys(s.tile_keys),
+        q(kRows * s.dim_pad), acc(kRows * s.dim_pad), scores(kRows * s.cols_pad), kt(s.head_size * s.cols_pad),
+        v(s.tile_keys * s.dim_pad), maxes(kRows), sums(kRows), pos(kRows) {}
+
+  bool fits(const Shape& s) const {
+    return dim_pad == s.dim_pad && cols_pad == s.cols_pad && head_size == s.head_size && tile_keys == s.tile_keys;
+  }
 };
 
 // scores[r][c] = sum_d q[r][d] * kt[d][c] for rows [0, rows) (a multiple of 4) and cols_pad columns.
@@ -140,8 +149,12 @@ bool softmax_row(float* scores, int64_t valid, int64_t cols_pad, float& running_
     std::fill(scores, scores + cols_pad, 0.f);
     return false;
   }
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t c = 0; c < valid; ++c) block_max = std::max(block_max, scores[c]);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  Vec tile_max = vec::splat(neg_inf);
+  int64_t c = 0;
+  for (; c + kWidth <= valid; c += kWidth) tile_max = vec::vmax(tile_max, vec::load(scores + c));
+  float block_max = vec::hmax(tile_max);
+  for (; c < valid; ++c) block_max = std::max(block_max, scores[c]);
   const float new_max = std::max(running_max, block_max);
   if (new_max > running_max) {
     const float alpha = std::exp(running_max - new_max);  // 0 on the row's first block
@@ -152,7 +165,7 @@ bool softmax_row(float* scores, int64_t valid, int64_t cols_pad, float& running_
   }
   Vec total{};
   const Vec m = vec::splat(new_max);
-  for (int64_t c = 0; c < cols_pad; c += kWidth) {
+  for (c = 0; c < cols_pad; c += kWidth) {
     Vec idx;
     for (int64_t i = 0; i < kWidth; ++i) idx[i] = static_cast<float>(c + i);
     Vec e = vec::exp(vec::load(scores + c) - m);
@@ -181,28 +194,25 @@ void run_task(const Task& task, const T* query, const T* key_cache, const T* val
     w.sums[r] = 0.f;
   }
   const int64_t kv_end = w.pos[rows - 1] + 1;  // rows are in token order: the last sees the most
-  const int64_t num_used = (kv_end + bs - 1) / bs;
-  TORCH_CHECK(num_used <= s.max_blocks, "context of ", kv_end, " tokens exceeds the block table width");
+  TORCH_CHECK((kv_end + bs - 1) / bs <= s.max_blocks, "context of ", kv_end, " tokens exceeds the block table");
   std::fill(w.kt.begin(), w.kt.end(), 0.f);  // padding columns stay zero
   std::fill(w.v.begin(), w.v.end(), 0.f);    // padding dims stay zero
-  for (int64_t b = 0; b < num_used; ++b) {
-    const int64_t block = table[b];
-    TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
-                s.num_blocks, ")");
-    const int64_t n = std::min(bs, kv_end - b * bs);
-    const int64_t base = (block * s.num_kv_heads + task.kv_head) * bs * dim;
+  for (int64_t start = 0; start < kv_end; start += s.tile_keys) {
+    const int64_t n = std::min(s.tile_keys, kv_end - start);
     for (int64_t t = 0; t < n; ++t) {
-      const T* k = key_cache + base + t * dim;
+      const int64_t token = start + t, block = table[token / bs];
+      TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
+                  s.num_blocks, ")");
+      const int64_t row = ((block * s.num_kv_heads + task.kv_head) * bs + token % bs) * dim;
+      const T* k = key_cache + row;
       for (int64_t d = 0; d < dim; ++d) w.kt[d * cp + t] = static_cast<float>(k[d]);
-      vec::widen(w.v.data() + t * dp, value_cache + base + t * dim, dim);
+      vec::widen(w.v.data() + t * dp, value_cache + row, dim);
     }
-    // Slots past the context may hold stale data, even NaN: their columns are zeroed here and
-    // masked in softmax_row, and pv_tile reads only the first n V rows.
-    for (int64_t t = n; t < bs; ++t)
-      for (int64_t d = 0; d < dim; ++d) w.kt[d * cp + t] = 0.f;
+    // Slots past the context are never read; columns past n keep the previous tile's keys but
+    // are masked in softmax_row, and pv_tile reads only the first n V rows.
     qk_tile(w.q.data(), rows_pad, dim, dp, w.kt.data(), cp, w.scores.data());
     for (int64_t r = 0; r < rows_pad; ++r) {
-      const int64_t valid = r < rows ? std::min(n, w.pos[r] - b * bs + 1) : 0;
+      const int64_t valid = r < rows ? std::min(n, w.pos[r] - start + 1) : 0;
       float* sc = w.scores.data() + r * cp;
       if (r < rows) {
         softmax_row(sc, valid, cp, w.maxes[r], w.sums[r], w.acc.data() + r * dp, dp);
@@ -247,16 +257,14 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   T* out_ptr = static_cast<T*>(out.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
-  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_tasks);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Workspace w(s);
-    for (int64_t i = next++; i < num_tasks; i = next++) {
+  parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<Workspace> cache;  // one workspace per thread, reused across calls
+    if (cache.empty() || !cache[0].fits(s)) cache.assign(1, Workspace(s));
+    for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
       const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
       run_task<T>(t, q_ptr, k_ptr, v_ptr, tables + t.seq * table_stride, lens[t.seq] - q_len, starts[t.seq],
-                  out_ptr, s, w);
+                  out_ptr, s, cache[0]);
     }
   });
 }
@@ -270,8 +278,9 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(1);
   const int64_t head_size = key_cache.size(3), block_size = key_cache.size(2);
+  const int64_t tile_keys = vec::round_up(kTileKeys, block_size);
   const Shape s{num_heads, num_kv_heads, num_heads / num_kv_heads, head_size, vec::round_up(head_size, kWidth),
-                block_size, vec::round_up(block_size, kWidth), key_cache.size(0), block_tables.size(1),
+                block_size, tile_keys, vec::round_up(tile_keys, kWidth), key_cache.size(0), block_tables.size(1),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
   if (query.size(0) == 0 || context_lens.size(0) == 0) return;
   switch (query.scalar_type()) {
