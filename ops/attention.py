@@ -8,7 +8,7 @@ import torch
 from ops import reference
 from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
-from ops.checks import check_attention, check_prefill_attention
+from ops.checks import check_attention, check_decode_lengths, check_prefill_attention, check_prefill_lengths
 
 
 def paged_attention(
@@ -32,6 +32,7 @@ def paged_attention(
     if query.shape[0] == 0:
         return out
     if use_reference():
+        check_decode_lengths(key_cache, block_tables, context_lens)
         args = (query, key_cache, value_cache, block_tables, context_lens, scale, out)
         return reference.paged_attention(*args)
     lib = cuda_ops() if query.is_cuda else cpu_ops()
@@ -67,6 +68,7 @@ def paged_prefill_attention(
     if query.shape[0] == 0 or context_lens.shape[0] == 0:
         return out
     if use_reference():
+        check_prefill_lengths(query, key_cache, block_tables, query_start_loc, context_lens)
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out)
         return reference.paged_prefill_attention(*args)
     lib = cuda_ops() if query.is_cuda else cpu_ops()

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
 
 namespace pagedserve::cpu {
 namespace {
@@ -49,6 +50,9 @@ inline void prefetch_block(const T* k, const T* v, int64_t elems) {
     __builtin_prefetch(v + i);
   }
 }
+
+// K/V elements below which one call runs on a single thread.
+constexpr int64_t kMinParallelElems = 128 * 1024;
 
 // How many blocks ahead to prefetch: far enough to hide a TLB miss plus the fetch of a
 // scattered block, near enough to stay in L2 until used.
@@ -168,9 +172,18 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
-  const int64_t num_tasks = query.size(0) * s.num_kv_heads;
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work;
+  const int64_t num_seqs = query.size(0), num_tasks = num_seqs * s.num_kv_heads;
+  const int64_t capacity = s.max_blocks * s.block_size;
+  int64_t total_len = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {  // checked here, not in Python: no per-layer tensor ops
+    TORCH_CHECK_VALUE(lens[seq] >= 0 && lens[seq] <= capacity, "context_lens must lie in [0, ", capacity,
+                      "] (block_tables width x block_size); got ", lens[seq], " for sequence ", seq);
+    total_len += lens[seq];
+  }
+  // A small batch (decode of a few short sequences) is done before a second thread would start.
+  const bool small = total_len * s.num_kv_heads * s.head_size * 2 < kMinParallelElems;
+  parallel_chunks(num_tasks, small ? num_tasks : 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> work;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
       attend_group<T>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,

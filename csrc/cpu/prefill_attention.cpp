@@ -237,12 +237,19 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
          const Shape& s) {
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const int64_t num_seqs = context_lens.size(0);
+  const int64_t num_seqs = context_lens.size(0), capacity = s.max_blocks * s.block_size;
+  // Checked here, not in Python: no per-layer tensor ops on the hot path.
+  TORCH_CHECK_VALUE(starts[0] >= 0 && starts[num_seqs] <= query.size(0), "query_start_loc must be non-decreasing ",
+                    "within [0, ", query.size(0), "] (num_tokens); got ", starts[0], " .. ", starts[num_seqs]);
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    TORCH_CHECK_VALUE(starts[seq + 1] >= starts[seq], "query_start_loc must be non-decreasing; sequence ", seq,
+                      " has ", starts[seq + 1] - starts[seq], " tokens");
   std::vector<Task> tasks;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = starts[seq + 1] - starts[seq];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[seq], "sequence ", seq, ": query length ", q_len,
-                " must lie in [0, context_len=", lens[seq], "]");
+    TORCH_CHECK_VALUE(q_len <= lens[seq] && lens[seq] <= capacity, "each context_len must cover its query tokens ",
+                      "and fit the block table (", capacity, " slots); sequence ", seq, " has ", q_len,
+                      " query tokens and context_len ", lens[seq]);
     const int64_t rows = q_len * s.group, first_pos = lens[seq] - q_len;
     for (int64_t begin = 0; begin < rows; begin += kRows) {
       const int64_t end = std::min(rows, begin + kRows);

@@ -34,9 +34,14 @@ def attention_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
         ({"key_cache": torch.randn(4, 2, 16, 64).int()}, TypeError, "key_cache must have dtype"),
     ],
 )
-def test_paged_attention_rejects(override: dict, error: type[Exception], message: str) -> None:
-    with pytest.raises(error, match=message):
-        ops.paged_attention(**attention_args(**override), scale=1.0)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_paged_attention_rejects(backend: str, override: dict, error: type[Exception], message: str) -> None:
+    ops.set_backend(backend)
+    try:
+        with pytest.raises(error, match=message):
+            ops.paged_attention(**attention_args(**override), scale=1.0)
+    finally:
+        ops.set_backend("auto")
 
 
 def test_paged_attention_rejects_wrong_out() -> None:
@@ -122,9 +127,15 @@ def prefill_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
         ({"block_tables": torch.zeros(3, 2, dtype=torch.int32)}, ValueError, "num_seqs=2"),
     ],
 )
-def test_paged_prefill_attention_rejects(override: dict, error: type[Exception], message: str) -> None:
-    with pytest.raises(error, match=message):
-        ops.paged_prefill_attention(**prefill_args(**override), scale=1.0)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_paged_prefill_attention_rejects(backend: str, override: dict, error: type[Exception], message: str) -> None:
+    """Length errors come from the C++ kernel (auto) or from Python (reference), with one message."""
+    ops.set_backend(backend)
+    try:
+        with pytest.raises(error, match=message):
+            ops.paged_prefill_attention(**prefill_args(**override), scale=1.0)
+    finally:
+        ops.set_backend("auto")
 
 
 def test_fused_ops_reject() -> None:
