@@ -11,14 +11,17 @@ from ops.backend import get_backend, set_backend
 from ops.build import KernelBuildError
 from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
-from ops.linear import linear
+from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
 
 __all__ = [
+    "SMALL_GEMM_MAX_ROWS",
     "KernelBuildError",
+    "can_pack",
     "copy_blocks",
     "fused_add_rms_norm",
     "get_backend",
     "linear",
+    "pack_weight",
     "paged_attention",
     "paged_prefill_attention",
     "reference",

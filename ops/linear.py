@@ -1,8 +1,11 @@
-"""``linear``: ``nn.Linear``'s math, with a C++ kernel for the memory-bound small-batch case.
+"""``linear``: ``nn.Linear``'s math with the fastest CPU path for the batch at hand.
 
-Up to ``SMALL_GEMM_MAX_ROWS`` rows of fp32 on the CPU (decode at small batch), a linear layer is
-bound by reading its weight once from memory; ``small_gemm`` streams the weight at close to the
-memory bandwidth. Larger batches, other dtypes and CUDA go to torch (MKL/oneDNN/cuBLAS).
+- Up to ``SMALL_GEMM_MAX_ROWS`` rows of fp32 on the CPU (decode at small batch) a linear layer is
+  bound by reading its weight once from memory: ``small_gemm`` (C++) streams the row-major weight
+  at close to the memory bandwidth.
+- More rows: oneDNN's GEMM on a weight reordered once into its blocked layout (``pack_weight``),
+  measured 15-50% faster than torch's default fp32 GEMM here (MKL) from 9 to 1024 rows.
+- Anything else (CUDA, bf16/fp16, no packed copy) is ``F.linear``.
 """
 
 from __future__ import annotations
@@ -16,24 +19,42 @@ from ops.build import cpu_ops
 from ops.checks_fused import check_linear
 
 SMALL_GEMM_MAX_ROWS = 8  # csrc/cpu/ops.h kSmallGemmMaxRows
+PACK_BATCH_HINT = 64  # rows oneDNN picks the blocked layout for; one layout serves every batch size
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x [..., K]``, ``weight [N, K]``."""
+def can_pack(weight: torch.Tensor) -> bool:
+    """A 2-D fp32 CPU weight, with oneDNN present: what ``pack_weight`` accepts."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN copy of ``weight [N, K]`` in its blocked GEMM layout (extra memory: one weight)."""
+    if not can_pack(weight):
+        raise ValueError(f"only 2-D fp32 CPU weights can be packed; got {tuple(weight.shape)} {weight.dtype} "
+                         f"on {weight.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x [..., K]``, ``weight [N, K]``; ``packed`` is ``pack_weight(weight)``."""
     check_linear(x, weight, bias)
     if use_reference():
         return reference.linear(x, weight, bias)
     rows = x.numel() // max(1, x.shape[-1])
-    if (
-        x.is_cuda
-        or x.dtype != torch.float32
-        or not 0 < rows <= SMALL_GEMM_MAX_ROWS
-        or not weight.is_contiguous()
-    ):
+    fp32_cpu = not x.is_cuda and x.dtype == torch.float32
+    if not fp32_cpu or rows == 0:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if flat.stride(1) != 1:
         flat = flat.contiguous()
-    out = x.new_empty((rows, weight.shape[0]))
-    cpu_ops().small_gemm(out, flat, weight, bias)
+    if rows <= SMALL_GEMM_MAX_ROWS and weight.is_contiguous():
+        out = x.new_empty((rows, weight.shape[0]))
+        cpu_ops().small_gemm(out, flat, weight, bias)
+    elif packed is not None:
+        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    else:
+        return F.linear(x, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -95,6 +96,16 @@ void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& x) {
     std::vector<float> gate(width), up(width);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x_ptr + r * x.stride(0);
+      if constexpr (std::is_same_v<T, float>) {  // no rounding steps in fp32: one pass, no buffers
+        float* o = out_ptr + r * out.stride(0);
+        int64_t i = 0;
+        for (; i + kWidth <= width; i += kWidth) {
+          const Vec g = vec::load(xr + i);
+          vec::store(o + i, g / (1.f + vec::exp(-g)) * vec::load(xr + width + i));
+        }
+        for (; i < width; ++i) o[i] = xr[i] / (1.f + std::exp(-xr[i])) * xr[width + i];
+        continue;
+      }
       vec::widen(gate.data(), xr, width);
       vec::widen(up.data(), xr + width, width);
       int64_t i = 0;

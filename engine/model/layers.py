@@ -10,11 +10,17 @@ import ops
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and checkpoint names) computed by `ops.linear`, which streams
-    fp32 weights with a C++ kernel at small batch on the CPU."""
+    """`nn.Linear` (same parameters and checkpoint names) computed by `ops.linear`: on the CPU in fp32
+    a C++ kernel streams the weight at small batch, and larger batches use a oneDNN-packed copy of
+    it, made on first use (after the checkpoint is loaded) and kept alongside."""
+
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        if (self.packed is None and x.shape[0] > ops.SMALL_GEMM_MAX_ROWS and ops.get_backend() == "auto"
+                and ops.can_pack(self.weight)):
+            self.packed = ops.pack_weight(self.weight)
+        return ops.linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

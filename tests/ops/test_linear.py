@@ -57,3 +57,22 @@ def test_mismatched_shapes_are_rejected() -> None:
         ops.linear(torch.randn(2, 63), torch.randn(40, 64))
     with pytest.raises(ValueError, match="bias must be"):
         ops.linear(torch.randn(2, 64), torch.randn(40, 64), torch.randn(39))
+
+
+@pytest.mark.parametrize("rows", [9, 32, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_weight_matches_torch(rows: int, with_bias: bool) -> None:
+    """Larger batches go through the oneDNN-packed copy of the weight."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen)
+    bias = torch.randn(960, generator=gen) if with_bias else None
+    packed = ops.pack_weight(weight)
+    torch.testing.assert_close(ops.linear(x, weight, bias, packed), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ops.linear(x[:3], weight, bias, packed), F.linear(x[:3], weight, bias),
+                               rtol=1e-5, atol=1e-4)  # few rows still take the small-M kernel
+
+
+def test_only_fp32_cpu_weights_are_packed() -> None:
+    assert ops.can_pack(torch.randn(4, 8)) and not ops.can_pack(torch.randn(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="only 2-D fp32 CPU weights"):
+        ops.pack_weight(torch.randn(4, 8, dtype=torch.bfloat16))
