@@ -44,7 +44,7 @@ void rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& q
                                 const at::Tensor& value_cache, const at::Tensor& slot_mapping);
 
 // out [M, N] = x [M, K] . weight [N, K]^T (+ bias [N]), fp32, M <= kSmallGemmMaxRows.
-constexpr int64_t kSmallGemmMaxRows = 8;
+constexpr int64_t kSmallGemmMaxRows = 3;
 void small_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias);
 

@@ -30,10 +30,12 @@ inline Vec splat(float x) { return Vec{} + x; }
 
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
 
+// A shuffle tree, not a chain of eight dependent scalar adds.
 inline float hsum(Vec v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < kWidth; ++i) s += v[i];
-  return s;
+  Vec t = v + __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  t = t + __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5);
+  t = t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6);
+  return t[0];
 }
 
 inline float hmax(Vec v) {
