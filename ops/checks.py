@@ -43,8 +43,18 @@ def check_cache(name: str, cache: torch.Tensor) -> None:
             raise ValueError(f"{name} must be 16-byte aligned for vectorized loads (slice whole blocks)")
 
 
+def cache_pair_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """The common case of `check_cache_pair`, in one expression: the checks run several times per
+    layer per step, so the full ones (which explain what is wrong) run only when this is False."""
+    return (key_cache.dim() == 4 and key_cache.dtype in FLOAT_DTYPES and not key_cache.is_cuda
+            and key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape == key_cache.shape
+            and value_cache.dtype == key_cache.dtype and value_cache.device == key_cache.device)
+
+
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Key and value caches of one layer: valid each, and alike in shape, dtype and device."""
+    if cache_pair_ok(key_cache, value_cache):
+        return
     check_cache("key_cache", key_cache)
     check_cache("value_cache", value_cache)
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
@@ -88,6 +98,15 @@ def check_attention(
     out: torch.Tensor | None,
 ) -> None:
     """Everything ``paged_attention`` needs to be true of its arguments."""
+    if (cache_pair_ok(key_cache, value_cache) and query.dim() == 3 and query.dtype == key_cache.dtype
+            and query.shape[2] == key_cache.shape[3] and query.shape[1] % key_cache.shape[1] == 0
+            and query.stride(2) == 1 and block_tables.dim() == 2 and block_tables.dtype == torch.int32
+            and context_lens.dim() == 1 and context_lens.dtype == torch.int32
+            and block_tables.shape[0] == context_lens.shape[0] == query.shape[0]
+            and query.device == key_cache.device == block_tables.device == context_lens.device
+            and (out is None or (out.shape == query.shape and out.dtype == query.dtype and out.device == query.device
+                                 and out.stride(2) == 1))):
+        return
     check_cache_pair(key_cache, value_cache)
     _check_query(query, key_cache, "[num_seqs, num_heads, head_size]")
     num_seqs = query.shape[0]

@@ -44,13 +44,13 @@ def linear(
     check_linear(x, weight, bias)
     if use_reference():
         return reference.linear(x, weight, bias)
-    rows = x.numel() // max(1, x.shape[-1])
-    fp32_cpu = not x.is_cuda and x.dtype == torch.float32
-    if not fp32_cpu or rows == 0:
+    if x.is_cuda or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
+    two_d = x.dim() == 2 and x.stride(1) == 1  # what the model passes: no reshape needed
+    rows = x.shape[0] if two_d else x.numel() // max(1, x.shape[-1])
+    if rows == 0:
+        return F.linear(x, weight, bias)
+    flat = x if two_d else x.reshape(rows, x.shape[-1]).contiguous()
     if rows <= SMALL_GEMM_MAX_ROWS and weight.is_contiguous():
         out = x.new_empty((rows, weight.shape[0]))
         cpu_ops().small_gemm(out, flat, weight, bias)
@@ -58,4 +58,4 @@ def linear(
         out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
     else:
         return F.linear(x, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out if two_d else out.view(*x.shape[:-1], weight.shape[0])

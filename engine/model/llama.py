@@ -30,23 +30,18 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.head_dim = spec.head_dim
-        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.head_dim, self.num_heads, self.num_kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
-
-    def shard_sizes(self) -> list[int]:
-        """Rows of q, k, v inside `qkv_proj`."""
-        return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         """`rope` is `(positions [T], cos/sin table)`; q and k are rotated in place inside the qkv
         output, and k, v land in the cache in the same pass."""
-        heads = (-1, self.head_dim)
-        q, k, v = (t.unflatten(-1, heads) for t in self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1))
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         positions, cos_sin = rope
         ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
