@@ -55,90 +55,75 @@ struct Workspace {
   }
 };
 
+// scores[r][c..c + 8 * NC) = sum_d q[r][d] * kt[d][c..] for four rows from r: NC 8-wide column
+// chunks held in 4 x NC registers, one q value broadcast per row and d.
+template <int NC>
+inline void qk_block(const float* q, int64_t dim, int64_t dim_pad, const float* kt, int64_t cols_pad, float* s) {
+  Vec acc[4][NC] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    Vec k[NC];
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) k[j] = vec::load(kt + d * cols_pad + j * kWidth);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const float x = q[i * dim_pad + d];
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) acc[i][j] += k[j] * x;
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) vec::store(s + i * cols_pad + j * kWidth, acc[i][j]);
+}
+
 // scores[r][c] = sum_d q[r][d] * kt[d][c] for rows [0, rows) (a multiple of 4) and cols_pad columns.
 void qk_tile(const float* q, int64_t rows, int64_t dim, int64_t dim_pad, const float* kt, int64_t cols_pad,
              float* scores) {
-  for (int64_t c = 0; c < cols_pad; c += 2 * kWidth) {
-    const bool two = c + 2 * kWidth <= cols_pad;
-    for (int64_t r = 0; r < rows; r += 4) {
-      Vec a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
-      const float* q0 = q + r * dim_pad;
-      for (int64_t d = 0; d < dim; ++d) {
-        const Vec k0 = vec::load(kt + d * cols_pad + c);
-        const float x0 = q0[d], x1 = q0[dim_pad + d], x2 = q0[2 * dim_pad + d], x3 = q0[3 * dim_pad + d];
-        a0 += k0 * x0;
-        a1 += k0 * x1;
-        a2 += k0 * x2;
-        a3 += k0 * x3;
-        if (two) {
-          const Vec k1 = vec::load(kt + d * cols_pad + c + kWidth);
-          b0 += k1 * x0;
-          b1 += k1 * x1;
-          b2 += k1 * x2;
-          b3 += k1 * x3;
-        }
-      }
-      float* s = scores + r * cols_pad + c;
-      vec::store(s, a0);
-      vec::store(s + cols_pad, a1);
-      vec::store(s + 2 * cols_pad, a2);
-      vec::store(s + 3 * cols_pad, a3);
-      if (two) {
-        vec::store(s + kWidth, b0);
-        vec::store(s + cols_pad + kWidth, b1);
-        vec::store(s + 2 * cols_pad + kWidth, b2);
-        vec::store(s + 3 * cols_pad + kWidth, b3);
-      }
+  int64_t c = 0;
+  for (; c + 2 * kWidth <= cols_pad; c += 2 * kWidth)
+    for (int64_t r = 0; r < rows; r += 4)
+      qk_block<2>(q + r * dim_pad, dim, dim_pad, kt + c, cols_pad, scores + r * cols_pad + c);
+  if (c < cols_pad)
+    for (int64_t r = 0; r < rows; r += 4)
+      qk_block<1>(q + r * dim_pad, dim, dim_pad, kt + c, cols_pad, scores + r * cols_pad + c);
+}
+
+// acc[r..r + 4)[d..d + 8 * NC) += sum_{t < n} p[r][t] * v[t][d..]: 4 x NC accumulators in registers.
+template <int NC>
+inline void pv_block(const float* p, int64_t cols_pad, const float* v, int64_t n, int64_t dim_pad, float* acc) {
+  Vec a[4][NC];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) a[i][j] = vec::load(acc + i * dim_pad + j * kWidth);
+  for (int64_t t = 0; t < n; ++t) {
+    Vec vv[NC];
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) vv[j] = vec::load(v + t * dim_pad + j * kWidth);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const float w = p[i * cols_pad + t];
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) a[i][j] += vv[j] * w;
     }
-    if (!two) c -= kWidth;  // only one 8-wide chunk was left: step by 8, not 16
   }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NC; ++j) vec::store(acc + i * dim_pad + j * kWidth, a[i][j]);
 }
 
 // acc[r][:] += sum_{t < n} p[r][t] * v[t][:] over dim_pad dims (a multiple of 8), rows a multiple of 4.
 void pv_tile(const float* p, int64_t rows, int64_t cols_pad, const float* v, int64_t n, int64_t dim_pad,
              float* acc) {
-  for (int64_t d = 0; d < dim_pad; d += 2 * kWidth) {
-    const bool two = d + 2 * kWidth <= dim_pad;
-    for (int64_t r = 0; r < rows; r += 4) {
-      float* o = acc + r * dim_pad + d;
-      Vec a0 = vec::load(o), a1 = vec::load(o + dim_pad), a2 = vec::load(o + 2 * dim_pad),
-          a3 = vec::load(o + 3 * dim_pad);
-      Vec b0{}, b1{}, b2{}, b3{};
-      if (two) {
-        b0 = vec::load(o + kWidth);
-        b1 = vec::load(o + dim_pad + kWidth);
-        b2 = vec::load(o + 2 * dim_pad + kWidth);
-        b3 = vec::load(o + 3 * dim_pad + kWidth);
-      }
-      const float* p0 = p + r * cols_pad;
-      for (int64_t t = 0; t < n; ++t) {
-        const Vec v0 = vec::load(v + t * dim_pad + d);
-        const float w0 = p0[t], w1 = p0[cols_pad + t], w2 = p0[2 * cols_pad + t], w3 = p0[3 * cols_pad + t];
-        a0 += v0 * w0;
-        a1 += v0 * w1;
-        a2 += v0 * w2;
-        a3 += v0 * w3;
-        if (two) {
-          const Vec v1 = vec::load(v + t * dim_pad + d + kWidth);
-          b0 += v1 * w0;
-          b1 += v1 * w1;
-          b2 += v1 * w2;
-          b3 += v1 * w3;
-        }
-      }
-      vec::store(o, a0);
-      vec::store(o + dim_pad, a1);
-      vec::store(o + 2 * dim_pad, a2);
-      vec::store(o + 3 * dim_pad, a3);
-      if (two) {
-        vec::store(o + kWidth, b0);
-        vec::store(o + dim_pad + kWidth, b1);
-        vec::store(o + 2 * dim_pad + kWidth, b2);
-        vec::store(o + 3 * dim_pad + kWidth, b3);
-      }
-    }
-    if (!two) d -= kWidth;
-  }
+  int64_t d = 0;
+  for (; d + 2 * kWidth <= dim_pad; d += 2 * kWidth)
+    for (int64_t r = 0; r < rows; r += 4)
+      pv_block<2>(p + r * cols_pad, cols_pad, v + d, n, dim_pad, acc + r * dim_pad + d);
+  if (d < dim_pad)
+    for (int64_t r = 0; r < rows; r += 4)
+      pv_block<1>(p + r * cols_pad, cols_pad, v + d, n, dim_pad, acc + r * dim_pad + d);
 }
 
 // Turns one block's scores of a row into weights (zero past `valid`), rescaling the row's
@@ -165,11 +150,11 @@ bool softmax_row(float* scores, int64_t valid, int64_t cols_pad, float& running_
   }
   Vec total{};
   const Vec m = vec::splat(new_max);
-  for (c = 0; c < cols_pad; c += kWidth) {
-    Vec idx;
-    for (int64_t i = 0; i < kWidth; ++i) idx[i] = static_cast<float>(c + i);
+  const Vec limit = vec::splat(static_cast<float>(valid));
+  Vec idx = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
+  for (c = 0; c < cols_pad; c += kWidth, idx += static_cast<float>(kWidth)) {
     Vec e = vec::exp(vec::load(scores + c) - m);
-    e = idx < static_cast<float>(valid) ? e : Vec{};
+    e = idx < limit ? e : Vec{};
     total += e;
     vec::store(scores + c, e);
   }
