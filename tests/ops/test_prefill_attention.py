@@ -111,3 +111,14 @@ def test_cuda_matches_reference(dtype: torch.dtype, head_size: int) -> None:
     for block_size, heads in itertools.product([8, 16, 32], HEAD_PAIRS):
         pairs = [*mixed_batch(block_size), (700, 700), (3, 2000)]
         check_against_reference(make_prefill(pairs, heads, head_size, block_size, dtype, "cuda", 8), dtype)
+
+
+def test_bad_block_table_entry_raises_from_the_worker_threads() -> None:
+    """An error inside a parallel chunk reaches the caller (and the pool keeps working after it)."""
+    args = list(make_prefill([(40, 200)] * 4, (9, 3), 64, 16, torch.float32, "cpu", 9))
+    args[3] = args[3].clone()
+    args[3][2, 5] = 10_000
+    with pytest.raises(RuntimeError, match="block table entry 10000 out of range"):
+        ops.paged_prefill_attention(*args, 0.1)
+    good = make_prefill([(40, 200)] * 4, (9, 3), 64, 16, torch.float32, "cpu", 9)
+    check_against_reference(good, torch.float32)
