@@ -27,13 +27,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _engine(model: str, kv_cache_memory: int) -> Any:
+def make_engine(model: str, kv_cache_memory: int) -> Any:
     from engine.llm import LLM
 
     return LLM(model, kv_cache_memory=kv_cache_memory, max_num_batched_tokens=4096).engine
 
 
-def _add(engine: Any, name: str, num: int, prompt_len: int, max_tokens: int, seed: int) -> None:
+def add_requests(engine: Any, name: str, num: int, prompt_len: int, max_tokens: int, seed: int) -> None:
     import torch
 
     from engine.sampling_params import SamplingParams
@@ -55,24 +55,24 @@ def _decode_steps(engine: Any, steps: int) -> list[float]:
     return times
 
 
-def _drain(engine: Any) -> None:
+def drain(engine: Any) -> None:
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every engine figure for the tree this process imports."""
-    engine = _engine(args.model, 1 << 30)
-    _add(engine, "warm", 2, 32, 8, 0)
+    engine = make_engine(args.model, 1 << 30)
+    add_requests(engine, "warm", 2, 32, 8, 0)
     while engine.has_unfinished_requests():
         engine.step()
-    _add(engine, "single", 1, args.prompt_len, args.steps + 4, 1)
+    add_requests(engine, "single", 1, args.prompt_len, args.steps + 4, 1)
     single = _decode_steps(engine, args.steps)[2:]
-    _drain(engine)
-    _add(engine, "batch", args.batch, args.prompt_len, args.steps + 4, 2)
+    drain(engine)
+    add_requests(engine, "batch", args.batch, args.prompt_len, args.steps + 4, 2)
     batch = _decode_steps(engine, args.steps)[2:]
-    _drain(engine)
-    _add(engine, "burst", args.burst, args.prompt_len, 1, 3)
+    drain(engine)
+    add_requests(engine, "burst", args.burst, args.prompt_len, 1, 3)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
