@@ -95,7 +95,8 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist()
                    for n in torch.randint(4, 200, (args.num_prompts,), generator=gen)]
-        llm = LLM(model, device=args.device, dtype=args.dtype, kv_cache_memory=256 << 20,
+        blocks = 4096 if args.device.startswith("cuda") else None  # not 90% of the card
+        llm = LLM(model, device=args.device, dtype=args.dtype, kv_cache_memory=256 << 20, num_gpu_blocks=blocks,
                   max_num_batched_tokens=args.max_num_batched_tokens)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, min_tokens=args.new_tokens)
         ours = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
