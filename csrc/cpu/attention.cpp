@@ -14,6 +14,7 @@
 
 #include "ops.h"
 #include "parallel.h"
+#include "vec.h"
 
 namespace pagedserve::cpu {
 namespace {
@@ -24,19 +25,17 @@ struct Shape {
   float scale;
 };
 
-// 32 partial sums: four independent 8-wide FMA chains instead of one latency-bound chain.
+// Two independent 8-wide FMA chains, then one shuffle-tree horizontal sum.
 inline float dot(const float* a, const float* b, int64_t n) {
-  constexpr int64_t kLanes = 32;
-  float part[kLanes] = {};
+  vec::Vec acc0{}, acc1{};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += a[i + j] * b[i + j];
+  for (; i + 2 * vec::kWidth <= n; i += 2 * vec::kWidth) {
+    acc0 += vec::load(a + i) * vec::load(b + i);
+    acc1 += vec::load(a + i + vec::kWidth) * vec::load(b + i + vec::kWidth);
   }
-  float s = 0.f;
+  for (; i + vec::kWidth <= n; i += vec::kWidth) acc0 += vec::load(a + i) * vec::load(b + i);
+  float s = vec::hsum(acc0 + acc1);
   for (; i < n; ++i) s += a[i] * b[i];
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < kLanes; ++j) s += part[j];
   return s;
 }
 
@@ -98,7 +97,17 @@ inline void online_softmax_step(float* logits, int64_t n, float& running_max, fl
     scale_in_place(acc, alpha, head_size);
     running_max = new_max;
   }
-  for (int64_t t = 0; t < n; ++t) {
+  // Vectorized exp: scalar std::exp was most of the kernel's time at SmolLM2's head size 64.
+  const vec::Vec m = vec::splat(new_max);
+  vec::Vec total{};
+  int64_t t = 0;
+  for (; t + vec::kWidth <= n; t += vec::kWidth) {
+    const vec::Vec e = vec::exp(vec::load(logits + t) - m);
+    vec::store(logits + t, e);
+    total += e;
+  }
+  running_sum += vec::hsum(total);
+  for (; t < n; ++t) {
     logits[t] = std::exp(logits[t] - new_max);
     running_sum += logits[t];
   }
