@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from engine.llm import LLM
+from engine.model.capacity import resolve_device, resolve_model_dtype
 from engine.sampling_params import SamplingParams
 
 
@@ -41,8 +42,8 @@ def emit(record: dict[str, Any]) -> None:
 
 
 def run_pagedserve(model: str, trace: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
-    llm = LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     engine = llm.engine
     for i, (prompt, out_len) in enumerate(trace):
         params = SamplingParams(temperature=0.0, max_tokens=out_len, min_tokens=out_len, ignore_eos=True)
@@ -81,11 +82,12 @@ def run_pagedserve(model: str, trace: list[tuple[list[int], int]], args: argpars
     }
 
 
-def run_hf(model_dir: str, trace: list[tuple[list[int], int]], batch_size: int) -> dict[str, Any]:
+def run_hf(model_dir: str, trace: list[tuple[list[int], int]], batch_size: int,
+           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Static batches, left-padded, generated to the batch's longest output."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad = int(model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
     useful, start = 0, time.perf_counter()
     batches = [trace[i : i + batch_size] for i in range(0, len(trace), batch_size)]
@@ -93,8 +95,8 @@ def run_hf(model_dir: str, trace: list[tuple[list[int], int]], batch_size: int) 
         for batch in tqdm(batches, desc=f"hf batch {batch_size}", unit="batch", file=sys.stderr):
             width = max(len(p) for p, _ in batch)
             new = max(o for _, o in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=device)
             model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
                            min_new_tokens=new, pad_token_id=pad)
             useful += sum(o for _, o in batch)
@@ -117,6 +119,8 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (HF runs on the same device)")
+    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     if args.model is None:
@@ -129,11 +133,13 @@ def main() -> int:
           "output_tokens": sum(o for _, o in trace), "threads": torch.get_num_threads()})
     ours = run_pagedserve(args.model, trace, args)
     emit(ours)
+    device = resolve_device(args.device)  # HF runs where and in what dtype the engine did
+    dtype = getattr(torch, resolve_model_dtype(args.dtype, device))
     best = 0.0
     limits = {int(k): int(v) for k, v in (item.split("=") for item in args.hf_requests.split(",") if item)}
     for size in (int(s) for s in args.hf_batch_sizes.split(",") if s):
         subset = trace[: limits.get(size, len(trace))]
-        result = run_hf(args.model, subset, size)
+        result = run_hf(args.model, subset, size, device, dtype)
         emit(result)
         best = max(best, result["tokens_per_s"])
     if best:

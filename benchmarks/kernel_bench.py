@@ -1,8 +1,14 @@
-"""Decode paged-attention benchmark: achieved K/V bandwidth of the kernel, with random and with
-contiguous (identity) block tables, of the torch reference, and of torch SDPA on contiguous K/V.
+"""Kernel benchmarks, one JSON line per (point, implementation) plus a summary line per point:
 
-Prints one JSON line per (point, implementation) and one summary line per point:
-    python benchmarks/kernel_bench.py --device cpu
+- decode: paged attention's achieved K/V bandwidth with random and with contiguous (identity)
+  block tables, against the torch reference and torch SDPA on contiguous K/V;
+- prefill: the batched varlen paged prefill kernel against the per-sequence SDPA loop it replaced
+  and the reference (kernel_bench_prefill.py);
+- fused: add+RMSNorm, SiLU-and-mul, RoPE+cache write against the unfused torch code (kernel_bench_fused.py).
+
+On CUDA every bandwidth figure also reads as a share of --peak-gbps (H200: 4800).
+
+    python benchmarks/kernel_bench.py --device cpu [--kernels decode,prefill,fused] [--budget 1]
 """
 
 from __future__ import annotations
@@ -10,12 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from kernel_bench_fused import CPU_SHAPE, CUDA_SHAPE, bench_fused
+from kernel_bench_prefill import CPU_POINTS as CPU_PREFILL
+from kernel_bench_prefill import CUDA_POINTS as CUDA_PREFILL
+from kernel_bench_prefill import bench_prefill
+from timing import bandwidth_fields, best_seconds
 from tqdm import tqdm
 
 import ops
@@ -66,27 +76,7 @@ def sdpa_call(p: Point, device: str) -> Callable[[], object]:
     return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def best_seconds(calls: dict[str, Callable[[], object]], device: str, budget_s: float) -> dict[str, float]:
-    """Best time per call of each function, timed in alternating rounds so that load from other
-    processes hits all of them alike (min over rounds: the least disturbed run)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for fn in calls.values():
-        fn()
-    sync()
-    best = dict.fromkeys(calls, float("inf"))
-    spent, rounds = 0.0, 0
-    while spent < budget_s * len(calls) or rounds < 3:
-        for name, fn in calls.items():
-            start = time.perf_counter()
-            fn()
-            sync()
-            elapsed = time.perf_counter() - start
-            best[name], spent = min(best[name], elapsed), spent + elapsed
-        rounds += 1
-    return best
-
-
-def bench_point(p: Point, device: str, budget_s: float, bar: tqdm) -> list[dict]:
+def bench_point(p: Point, device: str, budget_s: float, bar: tqdm, peak_gbps: float) -> list[dict]:
     """Time the four implementations at one point; return their JSON rows plus a summary."""
     kv_bytes = 2 * p.batch * p.context * p.num_kv_heads * p.head_size * getattr(torch, p.dtype).itemsize
     scale = p.head_size**-0.5
@@ -111,7 +101,7 @@ def bench_point(p: Point, device: str, budget_s: float, bar: tqdm) -> list[dict]
     for impl, seconds in times.items():
         rows.append({
             "bench": "paged_attention_decode", "impl": impl, "device": device, **asdict(p),
-            "ms": round(seconds * 1e3, 3), "kv_gbps": round(kv_bytes / seconds / 1e9, 2),
+            "ms": round(seconds * 1e3, 3), **bandwidth_fields(kv_bytes, seconds, device, peak_gbps),
         })
     rows.append({
         "bench": "paged_attention_summary", "device": device, **asdict(p),
@@ -126,16 +116,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per implementation")
+    parser.add_argument("--kernels", default="decode,prefill,fused", help="comma-separated subset to run")
+    parser.add_argument("--peak-gbps", type=float, default=4800.0, help="device memory bandwidth (H200: 4800)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device")
+    kernels = set(args.kernels.split(","))
     torch.manual_seed(0)
-    points = CUDA_POINTS if args.device == "cuda" else CPU_POINTS
+    cuda = args.device == "cuda"
+    points = CUDA_POINTS if cuda else CPU_POINTS
+    prefill_points = CUDA_PREFILL if cuda else CPU_PREFILL
     ops.paged_attention(*make_inputs(points[0], args.device), 1.0)  # build/load kernels first
-    with tqdm(total=4 * len(points), file=sys.stderr, unit="run") as bar:
-        for point in points:
-            for row in bench_point(point, args.device, args.budget, bar):
-                print(json.dumps(row), flush=True)
+    total = 4 * len(points) * ("decode" in kernels) + len(prefill_points) * ("prefill" in kernels)
+    with torch.inference_mode(), tqdm(total=total + 3 * ("fused" in kernels), file=sys.stderr, unit="run") as bar:
+        rows: list[dict] = []
+        if "decode" in kernels:
+            for point in points:
+                rows += bench_point(point, args.device, args.budget, bar, args.peak_gbps)
+                _flush(rows)
+        if "prefill" in kernels:
+            for prefill in prefill_points:
+                bar.set_description(f"prefill {prefill.name} {prefill.num_seqs}x{prefill.q_len}")
+                rows += bench_prefill(prefill, args.device, args.budget, with_reference=True)
+                _flush(rows)
+                bar.update(1)
+        if "fused" in kernels:
+            for num_rows in (1, 32, 2048):
+                bar.set_description(f"fused ops, {num_rows} rows")
+                rows += bench_fused(num_rows, CUDA_SHAPE if cuda else CPU_SHAPE, args.device, args.budget,
+                                    args.peak_gbps)
+                _flush(rows)
+                bar.update(1)
+
+
+def _flush(rows: list[dict]) -> None:
+    """Print the rows gathered so far and forget them (results appear as each point finishes)."""
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    rows.clear()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-// TORCH_LIBRARY bindings of the CUDA paged ops (torch.ops.pagedserve_cuda.<op>).
+// TORCH_LIBRARY bindings of the CUDA ops (torch.ops.pagedserve_cuda.<op>).
 // Host code only: unpacks tensors into raw pointers and calls the launchers in ops.h on the
 // current stream. Shapes and dtypes were checked in Python (ops/checks.py) before we get here.
 #include <ATen/core/Tensor.h>
@@ -114,6 +114,88 @@ void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor&
         "swap_blocks");
 }
 
+void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  pc::PrefillAttentionArgs args{};
+  args.out = out.data_ptr();
+  args.query = query.data_ptr();
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = block_tables.data_ptr<int32_t>();
+  args.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  args.context_lens = context_lens.data_ptr<int32_t>();
+  args.num_seqs = static_cast<int>(context_lens.size(0));
+  args.num_tokens = static_cast<int>(query.size(0));
+  args.num_heads = static_cast<int>(query.size(1));
+  args.num_kv_heads = static_cast<int>(key_cache.size(1));
+  args.head_size = static_cast<int>(query.size(2));
+  args.block_size = static_cast<int>(key_cache.size(2));
+  args.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  args.q_stride_token = query.stride(0);
+  args.q_stride_head = query.stride(1);
+  args.out_stride_token = out.stride(0);
+  args.out_stride_head = out.stride(1);
+  args.scale = static_cast<float>(scale);
+  args.dtype = dtype_of(query);
+  check(pc::paged_prefill_attention(args, c10::cuda::getCurrentCUDAStream().stream()), "paged_prefill_attention");
+}
+
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(pc::rms_norm(out.data_ptr(), x.data_ptr(), nullptr, weight.data_ptr(), x.size(0),
+                     static_cast<int>(x.size(1)), out.stride(0), x.stride(0), 0, static_cast<float>(eps),
+                     dtype_of(x), c10::cuda::getCurrentCUDAStream().stream()),
+        "rms_norm");
+}
+
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(pc::rms_norm(x.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.size(0),
+                     static_cast<int>(x.size(1)), x.stride(0), x.stride(0), residual.stride(0),
+                     static_cast<float>(eps), dtype_of(x), c10::cuda::getCurrentCUDAStream().stream()),
+        "fused_add_rms_norm");
+}
+
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check(pc::silu_and_mul(out.data_ptr(), x.data_ptr(), x.size(0), static_cast<int>(out.size(1)), out.stride(0),
+                         x.stride(0), dtype_of(x), c10::cuda::getCurrentCUDAStream().stream()),
+        "silu_and_mul");
+}
+
+void rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const at::Tensor& cos_sin, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  const bool write_cache = key_cache.numel() > 0;
+  pc::RotaryArgs args{};
+  args.positions = positions.data_ptr<int64_t>();
+  args.query = query.data_ptr();
+  args.key = key.data_ptr();
+  args.value = value.data_ptr();
+  args.cos_sin = cos_sin.data_ptr<float>();
+  args.key_cache = write_cache ? key_cache.data_ptr() : nullptr;
+  args.value_cache = write_cache ? value_cache.data_ptr() : nullptr;
+  args.slot_mapping = write_cache ? slot_mapping.data_ptr<int64_t>() : nullptr;
+  args.num_tokens = positions.size(0);
+  args.table_rows = cos_sin.size(0);
+  args.num_heads = static_cast<int>(query.size(1));
+  args.num_kv_heads = static_cast<int>(key.size(1));
+  args.head_size = static_cast<int>(query.size(2));
+  args.block_size = write_cache ? static_cast<int>(key_cache.size(2)) : 1;
+  args.q_stride_token = query.stride(0);
+  args.q_stride_head = query.stride(1);
+  args.k_stride_token = key.stride(0);
+  args.k_stride_head = key.stride(1);
+  args.v_stride_token = value.stride(0);
+  args.v_stride_head = value.stride(1);
+  args.dtype = dtype_of(query);
+  check(pc::rotary_embedding_and_cache(args, c10::cuda::getCurrentCUDAStream().stream()),
+        "rotary_embedding_and_cache");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_cuda, m) {
@@ -125,6 +207,15 @@ TORCH_LIBRARY(pagedserve_cuda, m) {
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def(
+      "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cuda, CUDA, m) {
@@ -132,4 +223,9 @@ TORCH_LIBRARY_IMPL(pagedserve_cuda, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("copy_blocks", &copy_blocks);
   m.impl("swap_blocks", &swap_blocks);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding_and_cache", &rotary_embedding_and_cache);
 }

@@ -29,8 +29,52 @@ struct PagedAttentionArgs {
   DType dtype;
 };
 
+struct PrefillAttentionArgs {
+  void* out;                      // [num_tokens, num_heads, head_size], strides below
+  const void* query;              // [num_tokens, num_heads, head_size], strides below
+  const void* key_cache;          // [num_blocks, num_kv_heads, block_size, head_size], contiguous
+  const void* value_cache;        // same layout as key_cache
+  const int32_t* block_tables;    // [num_seqs, max_blocks_per_seq], contiguous
+  const int32_t* query_start_loc; // [num_seqs + 1]: sequence s owns query rows [qsl[s], qsl[s + 1])
+  const int32_t* context_lens;    // [num_seqs]: its query rows are the last ones of this context
+  int num_seqs, num_tokens, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
+  float scale;
+  DType dtype;
+};
+
+struct RotaryArgs {
+  const int64_t* positions;     // [num_tokens]
+  void* query;                  // [num_tokens, num_heads, head_size], rotated in place
+  void* key;                    // [num_tokens, num_kv_heads, head_size], rotated in place
+  const void* value;            // [num_tokens, num_kv_heads, head_size]
+  const float* cos_sin;         // [table_rows, head_size]: head_size/2 cosines, then the sines
+  void* key_cache;              // [num_blocks, num_kv_heads, block_size, head_size] or nullptr
+  void* value_cache;            // same layout, or nullptr (no cache write)
+  const int64_t* slot_mapping;  // [num_tokens]; < 0 skipped
+  int64_t num_tokens, table_rows;
+  int num_heads, num_kv_heads, head_size, block_size;
+  int64_t q_stride_token, q_stride_head, k_stride_token, k_stride_head, v_stride_token, v_stride_head;
+  DType dtype;
+};
+
 // Each returns cudaSuccess, cudaErrorInvalidValue for an unsupported shape, or the launch error.
 cudaError_t paged_attention(const PagedAttentionArgs& args, cudaStream_t stream);
+
+// Varlen causal prefill over the paged context of every sequence (head sizes 64/80/96/128/256).
+cudaError_t paged_prefill_attention(const PrefillAttentionArgs& args, cudaStream_t stream);
+
+// out = weight * norm(x) per row; with residual != nullptr first residual = x + residual (in place)
+// and the norm is of that sum. Rows contiguous; strides in elements.
+cudaError_t rms_norm(void* out, const void* x, void* residual, const void* weight, int64_t rows, int hidden,
+                     int64_t out_stride, int64_t x_stride, int64_t residual_stride, float eps, DType dtype,
+                     cudaStream_t stream);
+
+// out[r][c] = silu(x[r][c]) * x[r][width + c].
+cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int width, int64_t out_stride, int64_t x_stride,
+                         DType dtype, cudaStream_t stream);
+
+cudaError_t rotary_embedding_and_cache(const RotaryArgs& args, cudaStream_t stream);
 
 // key/value [num_tokens, num_kv_heads, head_size] with the given token/head strides (elements).
 cudaError_t reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,

@@ -1,22 +1,34 @@
-"""Python face of the paged-attention kernels: build, dispatch, checks and the torch reference.
+"""Python face of the kernels (paged attention, cache ops, fused decoder ops, small-batch linear):
+build, dispatch, checks and the torch reference.
 
 ``set_backend("reference")`` routes every op to the plain-torch oracle in :mod:`ops.reference`;
 ``"auto"`` (the default) uses the compiled kernels: C++ for CPU tensors, CUDA for CUDA tensors.
 """
 
 from ops import reference
-from ops.attention import paged_attention
+from ops.attention import paged_attention, paged_prefill_attention
 from ops.backend import get_backend, set_backend
 from ops.build import KernelBuildError
 from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
+from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
+from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
 
 __all__ = [
+    "SMALL_GEMM_MAX_ROWS",
     "KernelBuildError",
+    "can_pack",
     "copy_blocks",
+    "fused_add_rms_norm",
     "get_backend",
+    "linear",
+    "pack_weight",
     "paged_attention",
+    "paged_prefill_attention",
     "reference",
     "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding_and_cache",
     "set_backend",
+    "silu_and_mul",
     "swap_blocks",
 ]

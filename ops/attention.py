@@ -1,4 +1,5 @@
-"""``paged_attention``: checks, then the compiled kernel for the tensors' device (or the reference)."""
+"""``paged_attention`` (decode) and ``paged_prefill_attention`` (varlen prefill): checks, then the
+compiled kernel for the tensors' device (or the reference)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from ops import reference
 from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
-from ops.checks import check_attention
+from ops.checks import check_attention, check_decode_lengths, check_prefill_attention, check_prefill_lengths
 
 
 def paged_attention(
@@ -31,10 +32,46 @@ def paged_attention(
     if query.shape[0] == 0:
         return out
     if use_reference():
+        check_decode_lengths(key_cache, block_tables, context_lens)
         args = (query, key_cache, value_cache, block_tables, context_lens, scale, out)
         return reference.paged_attention(*args)
     lib = cuda_ops() if query.is_cuda else cpu_ops()
     lib.paged_attention(
         out, query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), float(scale)
     )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill attention of every sequence of a step in one call, K/V read from the paged cache.
+
+    query ``[num_tokens, num_heads, head_size]``: sequence ``s`` owns rows
+    ``query_start_loc[s] : query_start_loc[s + 1]`` (int32 ``[num_seqs + 1]``), the last ``q_len``
+    tokens of its ``context_lens[s]`` (int32 ``[num_seqs]``): query ``i`` sits at position
+    ``context_len - q_len + i`` and attends causally to keys ``0 ..`` that position, all read through
+    ``block_tables[s]`` (so their K/V, this chunk's included, must already be in the cache). Covers
+    whole prompts, later chunks of a chunked prefill and prompts whose prefix hit the prefix cache.
+    Returns ``out`` (allocated when not given).
+    """
+    check_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if query.shape[0] == 0 or context_lens.shape[0] == 0:
+        return out
+    if use_reference():
+        check_prefill_lengths(query, key_cache, block_tables, query_start_loc, context_lens)
+        args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out)
+        return reference.paged_prefill_attention(*args)
+    lib = cuda_ops() if query.is_cuda else cpu_ops()
+    lib.paged_prefill_attention(out, query, key_cache, value_cache, block_tables.contiguous(),
+                                query_start_loc.contiguous(), context_lens.contiguous(), float(scale))
     return out

@@ -19,9 +19,14 @@ import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # Sources, then headers: everything whose change must trigger a rebuild.
-CPU_SOURCES = ("cpu/attention.cpp", "cpu/cache.cpp", "cpu/registration.cpp")
-CPU_HEADERS = ("cpu/ops.h",)
-CUDA_SOURCES = ("bindings.cpp", "paged_attention.cu", "cache_kernels.cu")
+CPU_SOURCES = (
+    "cpu/attention.cpp", "cpu/prefill_attention.cpp", "cpu/cache.cpp", "cpu/fused.cpp", "cpu/gemv.cpp",
+    "cpu/registration.cpp",
+)
+CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h")
+CUDA_SOURCES = (
+    "bindings.cpp", "paged_attention.cu", "prefill_attention.cu", "cache_kernels.cu", "fused_kernels.cu",
+)
 CUDA_HEADERS = ("ops.h", "dtype_utils.cuh")
 
 log = structlog.get_logger(component="ops.build")

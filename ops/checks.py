@@ -43,8 +43,18 @@ def check_cache(name: str, cache: torch.Tensor) -> None:
             raise ValueError(f"{name} must be 16-byte aligned for vectorized loads (slice whole blocks)")
 
 
+def cache_pair_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """The common case of `check_cache_pair`, in one expression: the checks run several times per
+    layer per step, so the full ones (which explain what is wrong) run only when this is False."""
+    return (key_cache.dim() == 4 and key_cache.dtype in FLOAT_DTYPES and not key_cache.is_cuda
+            and key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape == key_cache.shape
+            and value_cache.dtype == key_cache.dtype and value_cache.device == key_cache.device)
+
+
 def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     """Key and value caches of one layer: valid each, and alike in shape, dtype and device."""
+    if cache_pair_ok(key_cache, value_cache):
+        return
     check_cache("key_cache", key_cache)
     check_cache("value_cache", value_cache)
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
@@ -53,6 +63,30 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
             f"{tuple(value_cache.shape)} {value_cache.dtype} must match in shape and dtype"
         )
     _same_device(key_cache=key_cache, value_cache=value_cache)
+
+
+def _check_query(query: torch.Tensor, key_cache: torch.Tensor, layout: str) -> None:
+    """A 3-D query whose dtype and head size match the cache and whose heads group over its KV heads."""
+    _ndim("query", query, 3, layout)
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
+    _, num_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[1]
+    if head_size != key_cache.shape[3]:
+        raise ValueError(f"query head_size {head_size} differs from the cache head_size {key_cache.shape[3]}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if query.stride(2) != 1:
+        raise ValueError("query must be contiguous in its last (head_size) dimension")
+
+
+def _check_out(out: torch.Tensor | None, query: torch.Tensor) -> None:
+    if out is None:
+        return
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must match query {tuple(query.shape)} {query.dtype} on {query.device}")
+    if out.stride(2) != 1:
+        raise ValueError("out must be contiguous in its last (head_size) dimension")
 
 
 def check_attention(
@@ -64,18 +98,18 @@ def check_attention(
     out: torch.Tensor | None,
 ) -> None:
     """Everything ``paged_attention`` needs to be true of its arguments."""
+    if (cache_pair_ok(key_cache, value_cache) and query.dim() == 3 and query.dtype == key_cache.dtype
+            and query.shape[2] == key_cache.shape[3] and query.shape[1] % key_cache.shape[1] == 0
+            and query.stride(2) == 1 and block_tables.dim() == 2 and block_tables.dtype == torch.int32
+            and context_lens.dim() == 1 and context_lens.dtype == torch.int32
+            and block_tables.shape[0] == context_lens.shape[0] == query.shape[0]
+            and query.device == key_cache.device == block_tables.device == context_lens.device
+            and (out is None or (out.shape == query.shape and out.dtype == query.dtype and out.device == query.device
+                                 and out.stride(2) == 1))):
+        return
     check_cache_pair(key_cache, value_cache)
-    _ndim("query", query, 3, "[num_seqs, num_heads, head_size]")
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
-    num_seqs, num_heads, head_size = query.shape
-    num_kv_heads = key_cache.shape[1]
-    if head_size != key_cache.shape[3]:
-        raise ValueError(f"query head_size {head_size} differs from the cache head_size {key_cache.shape[3]}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if query.stride(2) != 1:
-        raise ValueError("query must be contiguous in its last (head_size) dimension")
+    _check_query(query, key_cache, "[num_seqs, num_heads, head_size]")
+    num_seqs = query.shape[0]
     _ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
     _dtype("block_tables", block_tables, (torch.int32,))
     _ndim("context_lens", context_lens, 1, "[num_seqs]")
@@ -86,19 +120,69 @@ def check_attention(
             f"must have num_seqs={num_seqs} rows"
         )
     _same_device(query=query, key_cache=key_cache, block_tables=block_tables, context_lens=context_lens)
-    if not query.is_cuda and num_seqs > 0:  # free on the CPU; on CUDA it would cost a device sync
-        capacity = block_tables.shape[1] * key_cache.shape[2]
-        longest, shortest = int(context_lens.max()), int(context_lens.min())
-        if longest > capacity or shortest < 0:
+    _check_out(out, query)
+
+
+def check_decode_lengths(key_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Context lengths fit the block tables. The CPU kernels check this themselves (no tensor ops
+    per layer); the reference runs it, and CUDA skips it (it would cost a device sync)."""
+    if context_lens.numel() == 0:
+        return
+    capacity = block_tables.shape[1] * key_cache.shape[2]
+    longest, shortest = int(context_lens.max()), int(context_lens.min())
+    if longest > capacity or shortest < 0:
+        raise ValueError(
+            f"context_lens must lie in [0, {capacity}] (block_tables width x block_size); got [{shortest}, {longest}]"
+        )
+
+
+def check_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Everything ``paged_prefill_attention`` needs to be true of its arguments."""
+    check_cache_pair(key_cache, value_cache)
+    _check_query(query, key_cache, "[num_tokens, num_heads, head_size]")
+    _ndim("block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]")
+    _dtype("block_tables", block_tables, (torch.int32,))
+    _ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    _dtype("query_start_loc", query_start_loc, (torch.int32,))
+    _ndim("context_lens", context_lens, 1, "[num_seqs]")
+    _dtype("context_lens", context_lens, (torch.int32,))
+    num_seqs = context_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"block_tables {tuple(block_tables.shape)}, query_start_loc {tuple(query_start_loc.shape)} and "
+            f"context_lens {tuple(context_lens.shape)} must describe num_seqs={num_seqs} sequences"
+        )
+    _same_device(query=query, key_cache=key_cache, block_tables=block_tables, query_start_loc=query_start_loc,
+                 context_lens=context_lens)
+    _check_out(out, query)
+
+
+def check_prefill_lengths(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
+                          query_start_loc: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Query ranges are ordered and each fits its context, which fits its block table. The CPU
+    kernel checks this itself; the reference runs it; CUDA skips it (a device sync)."""
+    if context_lens.numel():
+        starts = query_start_loc.to(torch.int64)
+        q_lens = starts[1:] - starts[:-1]
+        if int(starts[0]) < 0 or int(q_lens.min()) < 0 or int(starts[-1]) > query.shape[0]:
             raise ValueError(
-                f"context_lens must lie in [0, {capacity}] (block_tables width x block_size); "
-                f"got [{shortest}, {longest}]"
+                f"query_start_loc must be non-decreasing within [0, {query.shape[0]}] (num_tokens); "
+                f"got {query_start_loc.tolist()[:8]}..."
             )
-    if out is not None:
-        if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-            raise ValueError(f"out must match query {tuple(query.shape)} {query.dtype} on {query.device}")
-        if out.stride(2) != 1:
-            raise ValueError("out must be contiguous in its last (head_size) dimension")
+        capacity = block_tables.shape[1] * key_cache.shape[2]
+        if bool((q_lens > context_lens).any()) or int(context_lens.max()) > capacity:
+            raise ValueError(
+                f"each context_len must cover its query tokens and fit the block table ({capacity} slots); "
+                f"got query lengths {q_lens.tolist()[:8]} and context_lens {context_lens.tolist()[:8]}"
+            )
 
 
 def check_cache_write(

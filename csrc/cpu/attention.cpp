@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "ops.h"
+#include "parallel.h"
+#include "vec.h"
 
 namespace pagedserve::cpu {
 namespace {
@@ -23,19 +25,17 @@ struct Shape {
   float scale;
 };
 
-// 32 partial sums: four independent 8-wide FMA chains instead of one latency-bound chain.
+// Two independent 8-wide FMA chains, then one shuffle-tree horizontal sum.
 inline float dot(const float* a, const float* b, int64_t n) {
-  constexpr int64_t kLanes = 32;
-  float part[kLanes] = {};
+  vec::Vec acc0{}, acc1{};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-    for (int64_t j = 0; j < kLanes; ++j) part[j] += a[i + j] * b[i + j];
+  for (; i + 2 * vec::kWidth <= n; i += 2 * vec::kWidth) {
+    acc0 += vec::load(a + i) * vec::load(b + i);
+    acc1 += vec::load(a + i + vec::kWidth) * vec::load(b + i + vec::kWidth);
   }
-  float s = 0.f;
+  for (; i + vec::kWidth <= n; i += vec::kWidth) acc0 += vec::load(a + i) * vec::load(b + i);
+  float s = vec::hsum(acc0 + acc1);
   for (; i < n; ++i) s += a[i] * b[i];
-#pragma omp simd reduction(+ : s)
-  for (int64_t j = 0; j < kLanes; ++j) s += part[j];
   return s;
 }
 
@@ -49,6 +49,9 @@ inline void prefetch_block(const T* k, const T* v, int64_t elems) {
     __builtin_prefetch(v + i);
   }
 }
+
+// K/V elements below which one call runs on a single thread.
+constexpr int64_t kMinParallelElems = 128 * 1024;
 
 // How many blocks ahead to prefetch: far enough to hide a TLB miss plus the fetch of a
 // scattered block, near enough to stay in L2 until used.
@@ -94,7 +97,17 @@ inline void online_softmax_step(float* logits, int64_t n, float& running_max, fl
     scale_in_place(acc, alpha, head_size);
     running_max = new_max;
   }
-  for (int64_t t = 0; t < n; ++t) {
+  // Vectorized exp: scalar std::exp was most of the kernel's time at SmolLM2's head size 64.
+  const vec::Vec m = vec::splat(new_max);
+  vec::Vec total{};
+  int64_t t = 0;
+  for (; t + vec::kWidth <= n; t += vec::kWidth) {
+    const vec::Vec e = vec::exp(vec::load(logits + t) - m);
+    vec::store(logits + t, e);
+    total += e;
+  }
+  running_sum += vec::hsum(total);
+  for (; t < n; ++t) {
     logits[t] = std::exp(logits[t] - new_max);
     running_sum += logits[t];
   }
@@ -168,9 +181,18 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
-  const int64_t num_tasks = query.size(0) * s.num_kv_heads;
-  at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> work;
+  const int64_t num_seqs = query.size(0), num_tasks = num_seqs * s.num_kv_heads;
+  const int64_t capacity = s.max_blocks * s.block_size;
+  int64_t total_len = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {  // checked here, not in Python: no per-layer tensor ops
+    TORCH_CHECK_VALUE(lens[seq] >= 0 && lens[seq] <= capacity, "context_lens must lie in [0, ", capacity,
+                      "] (block_tables width x block_size); got ", lens[seq], " for sequence ", seq);
+    total_len += lens[seq];
+  }
+  // A small batch (decode of a few short sequences) is done before a second thread would start.
+  const bool small = total_len * s.num_kv_heads * s.head_size * 2 < kMinParallelElems;
+  parallel_chunks(num_tasks, small ? num_tasks : 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> work;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
       attend_group<T>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,

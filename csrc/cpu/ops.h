@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 namespace pagedserve::cpu {
 
@@ -9,6 +10,12 @@ namespace pagedserve::cpu {
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& context_lens, double scale);
+
+// out/query [num_tokens, num_heads, head_size]; the tokens of sequence s are
+// query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of its context_lens[s].
+void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale);
 
 // key/value [T, num_kv_heads, head_size] (last dim contiguous); slots < 0 are skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
@@ -19,5 +26,26 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
 
 // dst[d] = src[s] for each (s, d) row of block_mapping (both host tensors here).
 void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
+
+// out [rows, hidden] = weight * norm(x); rows contiguous in their last dim.
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// In place: residual = x + residual, then x = weight * norm(residual).
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+
+// out [rows, d] = silu(x[:, :d]) * x[:, d:], x [rows, 2d].
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
+
+// Rotates query [T, H, D] and key [T, KVH, D] in place by cos_sin[positions] (fp32 [P, D]: cos of
+// the D/2 frequencies, then their sin), then stores key/value at slot_mapping in the caches
+// (skipped when the caches are empty or a slot is < 0).
+void rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, const at::Tensor& cos_sin, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+// out [M, N] = x [M, K] . weight [N, K]^T (+ bias [N]), fp32, M <= kSmallGemmMaxRows.
+constexpr int64_t kSmallGemmMaxRows = 3;
+void small_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                const c10::optional<at::Tensor>& bias);
 
 }  // namespace pagedserve::cpu

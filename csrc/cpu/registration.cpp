@@ -8,15 +8,31 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor context_lens, float scale) -> ()");
   m.def(
+      "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+  m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def(
+      "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+      "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("small_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", &pagedserve::cpu::paged_attention);
+  m.impl("paged_prefill_attention", &pagedserve::cpu::paged_prefill_attention);
   m.impl("reshape_and_cache", &pagedserve::cpu::reshape_and_cache);
   m.impl("copy_blocks", &pagedserve::cpu::copy_blocks);
   m.impl("swap_blocks", &pagedserve::cpu::swap_blocks);
+  m.impl("rms_norm", &pagedserve::cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &pagedserve::cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", &pagedserve::cpu::silu_and_mul);
+  m.impl("rotary_embedding_and_cache", &pagedserve::cpu::rotary_embedding_and_cache);
+  m.impl("small_gemm", &pagedserve::cpu::small_gemm);
 }

@@ -1,11 +1,13 @@
-"""Paged attention layer: writes new K/V into the block cache, then attends prefill and decode tokens.
+"""Paged attention layer: attends a step's prefill and decode tokens over the block cache.
 
 A step's tokens are flattened with prefill (chunk) tokens first, one decode token per sequence after.
+New K/V are already in the cache when the layer runs (``ops.rotary_embedding_and_cache`` wrote them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -32,23 +34,23 @@ class AttentionMetadata:
         """Decode sequences (one token each) after the prefill tokens."""
         return int(self.decode_context_lens.shape[0])
 
+    @cached_property
+    def prefill_query_start_loc(self) -> Tensor:
+        """``prefill_query_start`` as an int32 device tensor, made once per step for every layer."""
+        return self._device_int32(self.prefill_query_start)
 
-def _gather_context(cache: Tensor, table: Tensor, length: int) -> Tensor:
-    """The first `length` tokens of one sequence from a paged cache: `[kv_heads, length, head]`."""
-    block_size = cache.shape[2]
-    num_blocks = -(-length // block_size)
-    blocks = cache[table[:num_blocks].long()]  # [nb, kvh, bs, D]
-    return blocks.transpose(0, 1).flatten(1, 2)[:, :length]
+    @cached_property
+    def prefill_context_lens_tensor(self) -> Tensor:
+        """``prefill_context_lens`` as an int32 device tensor, made once per step for every layer."""
+        return self._device_int32(self.prefill_context_lens)
 
-
-def _causal_mask(query_len: int, context_len: int, device: torch.device) -> Tensor:
-    """Query i of the chunk sits at position context_len - query_len + i and sees keys up to it."""
-    q_pos = torch.arange(context_len - query_len, context_len, device=device)
-    return torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
+    def _device_int32(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(self.slot_mapping.device, non_blocking=True)
 
 
 class PagedAttention(nn.Module):
-    """Attention over a paged KV cache (no weights): prefill via SDPA, decode via `ops.paged_attention`."""
+    """Attention over a paged KV cache (no weights): prefill via `ops.paged_prefill_attention`, decode via
+    `ops.paged_attention`; both read K/V from the cache, so they must be written before `forward`."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -59,38 +61,32 @@ class PagedAttention(nn.Module):
         self, query: Tensor, key: Tensor, value: Tensor, kv_cache: tuple[Tensor, Tensor],
         meta: AttentionMetadata,
     ) -> Tensor:
-        """`query [T, H, D]`, `key/value [T, KVH, D]` → `[T, H * D]`."""
+        """`query [T, H, D]`, `key/value [T, KVH, D]` (used only without a cache) → `[T, H * D]`."""
         key_cache, value_cache = kv_cache
-        if key_cache.numel():
-            ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty_like(query)
-        if meta.num_prefills:
-            self._prefill(query, key, value, key_cache, value_cache, meta, out)
+        out = query.new_empty(query.shape)
+        num_prefill = meta.num_prefill_tokens
+        if meta.num_prefills and key_cache.numel():
+            ops.paged_prefill_attention(
+                query[:num_prefill], key_cache, value_cache, meta.prefill_block_tables,
+                meta.prefill_query_start_loc, meta.prefill_context_lens_tensor, self.scale, out=out[:num_prefill],
+            )
+        elif meta.num_prefills:
+            self._prefill_without_cache(query, key, value, meta, out)
         if meta.num_decodes:
-            start = meta.num_prefill_tokens
-            ops.paged_attention(query[start:], key_cache, value_cache, meta.decode_block_tables,
-                                meta.decode_context_lens, self.scale, out=out[start:])
+            ops.paged_attention(query[num_prefill:], key_cache, value_cache, meta.decode_block_tables,
+                                meta.decode_context_lens, self.scale, out=out[num_prefill:])
         return out.flatten(1)
 
-    def _prefill(
-        self, query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
-        meta: AttentionMetadata, out: Tensor,
-    ) -> None:
+    def _prefill_without_cache(self, query: Tensor, key: Tensor, value: Tensor, meta: AttentionMetadata,
+                               out: Tensor) -> None:
+        """Whole prompts attending over their own fresh K/V: the engine's profiling pass, which runs
+        with an empty cache (every slot -1), so nothing can be read back from blocks."""
         starts = meta.prefill_query_start
         for i in range(meta.num_prefills):
             lo, hi = starts[i], starts[i + 1]
-            context_len = meta.prefill_context_lens[i]
-            q = query[lo:hi].transpose(0, 1)  # [H, q, D]
-            if context_len == hi - lo:  # the chunk is the whole context: attend over fresh K/V
-                k, v = key[lo:hi].transpose(0, 1), value[lo:hi].transpose(0, 1)
-                mask = None
-            else:
-                table = meta.prefill_block_tables[i]
-                k = _gather_context(key_cache, table, context_len)
-                v = _gather_context(value_cache, table, context_len)
-                mask = _causal_mask(hi - lo, context_len, query.device)
-            attn = F.scaled_dot_product_attention(
-                q[None], k[None].to(q.dtype), v[None].to(q.dtype), attn_mask=mask, is_causal=mask is None,
-                scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-            )
+            if meta.prefill_context_lens[i] != hi - lo:
+                raise ValueError("a prefill over cached context needs a KV cache")
+            q, k, v = (t[lo:hi].transpose(0, 1)[None] for t in (query, key, value))
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                  enable_gqa=self.num_heads != self.num_kv_heads)
             out[lo:hi] = attn[0].transpose(0, 1)

@@ -1,10 +1,26 @@
-"""Small building blocks of the decoder: RMSNorm and the SwiGLU MLP with a fused gate/up projection."""
+"""Small building blocks of the decoder on the fused ops: Linear, RMSNorm (with the residual add
+folded in) and the SwiGLU MLP with a fused gate/up projection."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import ops
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters and checkpoint names) computed by `ops.linear`: on the CPU in fp32
+    a C++ kernel streams the weight at small batch, and larger batches use a oneDNN-packed copy of
+    it, made on first use (after the checkpoint is loaded) and kept alongside."""
+
+    packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.packed is None and x.shape[0] > ops.SMALL_GEMM_MAX_ROWS and ops.get_backend() == "auto"
+                and ops.can_pack(self.weight)):
+            self.packed = ops.pack_weight(self.weight)
+        return ops.linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -18,13 +34,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return `(norm(x + residual), x + residual)`; the second is the next residual stream."""
-        if residual is not None:
-            x = x + residual
-        dtype = x.dtype
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(dtype), x
+        """Return `(norm(x + residual), x + residual)`; the second is the next residual stream.
+
+        With a residual both tensors are updated in place (`x` becomes the norm, `residual` the sum),
+        so callers must own them: the model passes activations it made itself.
+        """
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -33,9 +50,8 @@ class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

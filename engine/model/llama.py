@@ -11,9 +11,10 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+import ops
 from engine.model.attention import AttentionMetadata, PagedAttention
-from engine.model.layers import RMSNorm, SwiGLU
-from engine.model.rope import RotaryEmbedding, apply_rotary
+from engine.model.layers import Linear, RMSNorm, SwiGLU
+from engine.model.rope import RotaryEmbedding
 from engine.model.spec import ModelSpec
 
 # HF shard name -> (fused parameter, shard index)
@@ -24,27 +25,25 @@ _STACKED = {
 
 
 class LlamaAttention(nn.Module):
-    """Fused QKV projection, RoPE, paged attention, output projection; GQA when kv heads < heads."""
+    """Fused QKV projection, RoPE fused with the K/V cache write, paged attention, output projection;
+    GQA when kv heads < heads."""
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.head_dim = spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.head_dim, self.num_heads, self.num_kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
         self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
-
-    def shard_sizes(self) -> list[int]:
-        """Rows of q, k, v inside `qkv_proj`."""
-        return [self.q_size, self.kv_size, self.kv_size]
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
-        heads = (-1, self.head_dim)
-        q, k = apply_rotary(q.unflatten(-1, heads), k.unflatten(-1, heads), *rope)
-        v = v.unflatten(-1, heads)
+        """`rope` is `(positions [T], cos/sin table)`; q and k are rotated in place inside the qkv
+        output, and k, v land in the cache in the same pass."""
+        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        positions, cos_sin = rope
+        ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -84,7 +83,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = LlamaBackbone(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -93,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """`input_ids [T]`, `positions [T]` → normed hidden states `[T, hidden]`."""
         hidden = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb.cos_sin(positions, hidden.dtype)  # shared by every layer
+        rope = (positions, self.model.rotary_emb.table(positions))  # shared by every layer
         residual: Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)

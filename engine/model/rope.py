@@ -90,28 +90,43 @@ def apply_rotary(
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE (the half-split layout of HF Llama) to `[T, heads, head_dim]` queries and keys."""
+    """RoPE (the half-split layout of HF Llama) for `[T, heads, head_dim]` queries and keys.
+
+    It owns the fp32 table `[positions, head_dim]` (cosines of the head_dim/2 frequencies, then their
+    sines, the variant's scale folded in) that `ops.rotary_embedding_and_cache` reads by position.
+    """
 
     def __init__(self, params: dict[str, Any], head_dim: int, max_pos: int) -> None:
         super().__init__()
+        self.max_pos = max_pos
         with torch.device("cpu"):  # plain tensors, not buffers: real even when built on "meta"
             self.inv_freq, self.scale = rope_inv_freq(params, head_dim, max_pos)
-            self._cache = torch.empty(0, head_dim * 2)  # [positions, cos | sin], fp32, grown on demand
+            self._table = torch.empty(0, head_dim)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`cos, sin [T, 1, head_dim]` for the positions, in `dtype` (computed once per step)."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if self._cache.shape[0] < needed or self._cache.device != positions.device:
-            length = max(needed, 2 * self._cache.shape[0], 4096)
+    def table(self, positions: torch.Tensor) -> torch.Tensor:
+        """The cos/sin table on the positions' device, covering every position in `positions`.
+
+        On CUDA it covers max_position_embeddings from the start (the engine never goes past it),
+        so no step pays a device sync to read the largest position; on the CPU it grows on demand.
+        """
+        if positions.device.type == "cuda":
+            needed = self.max_pos
+        else:
+            needed = int(positions.max()) + 1 if positions.numel() else 0
+        if self._table.shape[0] < needed or self._table.device != positions.device:
+            length = max(needed, 2 * self._table.shape[0], min(4096, self.max_pos))
             pos = torch.arange(length, dtype=torch.float32, device=positions.device)
             freqs = torch.outer(pos, self.inv_freq.to(positions.device))
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cache = torch.cat((emb.cos(), emb.sin()), dim=-1) * self.scale
-        cos, sin = self._cache[positions].to(dtype).chunk(2, dim=-1)
-        return cos[:, None, :], sin[:, None, :]
+            self._table = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.scale
+        return self._table
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos, sin [T, 1, head_dim]` for the positions in `dtype`, in the layout `apply_rotary` takes."""
+        cos, sin = self.table(positions)[positions].to(dtype).chunk(2, dim=-1)
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate `query [T, H, D]` and `key [T, KVH, D]` by their token positions."""
+        """Rotate `query [T, H, D]` and `key [T, KVH, D]` by their token positions (out of place)."""
         return apply_rotary(query, key, *self.cos_sin(positions, query.dtype))

@@ -9,60 +9,9 @@ import pytest
 import torch
 
 import ops
+from tests.ops.paged_inputs import HEAD_PAIRS, TOLERANCE, Inputs, context_lengths, make_paged
 
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}
-HEAD_PAIRS = [(8, 8), (9, 3), (32, 8), (16, 1)]
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def context_lengths(num_seqs: int, block_size: int, rng: random.Random, long: int = 0) -> list[int]:
-    """Edge lengths first (1, block_size - 1, block_size, block_size + 1), then random ones."""
-    edges = [1, block_size - 1, block_size, block_size + 1]
-    lens = [edges[i] if i < len(edges) else rng.randint(1, 300) for i in range(num_seqs)]
-    if long:
-        lens[rng.randrange(num_seqs)] = long
-    rng.shuffle(lens)
-    return lens
-
-
-def make_paged(
-    lens: list[int],
-    heads: tuple[int, int],
-    head_size: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: str,
-    seed: int,
-) -> Inputs:
-    """Random query and caches; each sequence gets random, non-contiguous physical blocks.
-
-    Table columns past a sequence's blocks hold -1 and every unused slot holds NaN, so a
-    kernel that reads past a context either fails or produces NaN.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    num_heads, num_kv_heads = heads
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
-    num_blocks = sum(blocks_per_seq) + 5
-    shape = (num_blocks, num_kv_heads, block_size, head_size)
-    key_cache = torch.randn(shape, generator=gen)
-    value_cache = torch.randn(shape, generator=gen)
-    order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(lens), max(blocks_per_seq) + 2), -1, dtype=torch.int32)
-    filled = torch.zeros(num_blocks, dtype=torch.int64)  # tokens stored per physical block
-    used = 0
-    for seq, (n, nb) in enumerate(zip(lens, blocks_per_seq, strict=True)):
-        ids = order[used : used + nb]
-        used += nb
-        tables[seq, :nb] = ids.to(torch.int32)
-        filled[ids] = (n - torch.arange(nb) * block_size).clamp(max=block_size)
-    stale = torch.arange(block_size)[None, :] >= filled[:, None]  # [num_blocks, block_size]
-    key_cache.masked_fill_(stale[:, None, :, None], float("nan"))
-    value_cache.masked_fill_(stale[:, None, :, None], float("nan"))
-    query = torch.randn(len(lens), num_heads, head_size, generator=gen)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
-    query, key_cache, value_cache = (t.to(device=device, dtype=dtype) for t in (query, key_cache, value_cache))
-    return query, key_cache, value_cache, tables.to(device), context_lens.to(device)
 
 
 def check_against_reference(args: Inputs, dtype: torch.dtype) -> None:

@@ -34,9 +34,14 @@ def attention_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
         ({"key_cache": torch.randn(4, 2, 16, 64).int()}, TypeError, "key_cache must have dtype"),
     ],
 )
-def test_paged_attention_rejects(override: dict, error: type[Exception], message: str) -> None:
-    with pytest.raises(error, match=message):
-        ops.paged_attention(**attention_args(**override), scale=1.0)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_paged_attention_rejects(backend: str, override: dict, error: type[Exception], message: str) -> None:
+    ops.set_backend(backend)
+    try:
+        with pytest.raises(error, match=message):
+            ops.paged_attention(**attention_args(**override), scale=1.0)
+    finally:
+        ops.set_backend("auto")
 
 
 def test_paged_attention_rejects_wrong_out() -> None:
@@ -95,3 +100,57 @@ def test_build_error_carries_compiler_output(monkeypatch: pytest.MonkeyPatch, tm
     with pytest.raises(build.KernelBuildError, match="this is not C"):
         build._load("cpu", ("cpu/broken.cpp",), extra_cflags=["-O0"])
     assert build.cache_root() == tmp_path / "kernels"
+
+
+def prefill_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
+    args = {
+        "query": torch.randn(5, 8, 64),
+        "key_cache": torch.randn(4, 2, 16, 64),
+        "value_cache": torch.randn(4, 2, 16, 64),
+        "block_tables": torch.zeros(2, 2, dtype=torch.int32),
+        "query_start_loc": torch.tensor([0, 2, 5], dtype=torch.int32),
+        "context_lens": torch.tensor([2, 20], dtype=torch.int32),
+    }
+    return {**args, **overrides}
+
+
+@pytest.mark.parametrize(
+    ("override", "error", "message"),
+    [
+        ({"query_start_loc": torch.tensor([0, 2, 5])}, TypeError, "query_start_loc must have dtype int32"),
+        ({"query_start_loc": torch.tensor([0, 5], dtype=torch.int32)}, ValueError, "num_seqs=2"),
+        ({"query_start_loc": torch.tensor([0, 3, 2], dtype=torch.int32)}, ValueError, "non-decreasing"),
+        ({"query_start_loc": torch.tensor([0, 2, 6], dtype=torch.int32)}, ValueError, "non-decreasing"),
+        ({"context_lens": torch.tensor([1, 20], dtype=torch.int32)}, ValueError, "cover its query tokens"),
+        ({"context_lens": torch.tensor([2, 33], dtype=torch.int32)}, ValueError, "32 slots"),
+        ({"query": torch.randn(5, 8, 32)}, ValueError, "head_size 32"),
+        ({"block_tables": torch.zeros(3, 2, dtype=torch.int32)}, ValueError, "num_seqs=2"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_paged_prefill_attention_rejects(backend: str, override: dict, error: type[Exception], message: str) -> None:
+    """Length errors come from the C++ kernel (auto) or from Python (reference), with one message."""
+    ops.set_backend(backend)
+    try:
+        with pytest.raises(error, match=message):
+            ops.paged_prefill_attention(**prefill_args(**override), scale=1.0)
+    finally:
+        ops.set_backend("auto")
+
+
+def test_fused_ops_reject() -> None:
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="weight must be a contiguous \\[64\\]"):
+        ops.rms_norm(x, torch.ones(63), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        ops.fused_add_rms_norm(x, torch.randn(3, 32), torch.ones(64), 1e-5)
+    with pytest.raises(ValueError, match="even last dimension"):
+        ops.silu_and_mul(torch.randn(3, 7))
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    empty = torch.empty(0, 2, 4, 8)
+    with pytest.raises(TypeError, match="cos_sin must have dtype float32"):
+        ops.rotary_embedding_and_cache(torch.zeros(2, dtype=torch.int64), q, k, k, torch.randn(9, 8).double(),
+                                       empty, empty, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="positions \\(3\\) and query \\(2\\)"):
+        ops.rotary_embedding_and_cache(torch.zeros(3, dtype=torch.int64), q, k, k, torch.randn(9, 8), empty, empty,
+                                       torch.zeros(2, dtype=torch.int64))

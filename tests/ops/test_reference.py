@@ -49,3 +49,37 @@ def test_reshape_and_cache_then_read_back() -> None:
     assert torch.equal(key_cache[0, :, 0], key[0]) and torch.equal(value_cache[1, :, 1], value[1])
     assert torch.equal(key_cache[2, :, 7], key[3])
     assert key_cache.count_nonzero() == 3 * 2 * 64  # the skipped token wrote nothing
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 8), (9, 3)])
+def test_prefill_reference_equals_sdpa(num_heads: int, num_kv_heads: int) -> None:
+    """Prefill over paged K/V (shuffled blocks) equals SDPA over contiguous K/V with the causal mask
+    of a chunk that starts after `cached` tokens (cached = 0: a whole prompt, plain is_causal)."""
+    torch.manual_seed(1)
+    block_size, head_size, context_len = 8, 64, 45
+    keys = torch.randn(num_kv_heads, context_len, head_size)
+    values = torch.randn_like(keys)
+    num_blocks = (context_len + block_size - 1) // block_size
+    order = torch.randperm(num_blocks)
+
+    def paged(x: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(num_kv_heads, num_blocks * block_size, head_size)
+        padded[:, :context_len] = x
+        blocks = padded.view(num_kv_heads, num_blocks, block_size, head_size).transpose(0, 1)
+        cache = torch.empty_like(blocks)
+        cache[order] = blocks
+        return cache.contiguous()
+
+    table = order[None].to(torch.int32)
+    for cached in (0, 20, 44):
+        q_len = context_len - cached
+        query = torch.randn(q_len, num_heads, head_size)
+        out = ops.reference.paged_prefill_attention(
+            query, paged(keys), paged(values), table, torch.tensor([0, q_len], dtype=torch.int32),
+            torch.tensor([context_len], dtype=torch.int32), 0.125,
+        )
+        mask = torch.arange(context_len)[None, :] <= torch.arange(cached, context_len)[:, None]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=0.125, enable_gqa=True,
+        )[0].transpose(0, 1)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

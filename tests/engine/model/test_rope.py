@@ -60,3 +60,25 @@ def test_rotation_keeps_norms_and_relative_positions() -> None:
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
     dots = (rq[[0, 2, 4]] * rk[[1, 3, 5]]).sum(-1)  # same offset 5 at three absolute positions
     torch.testing.assert_close(dots, dots[:1].expand_as(dots), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["default", *sorted(CASES)])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_fused_rope_matches_apply_rotary(case: str, backend: str) -> None:
+    """The model's table through the fused kernel rotates exactly as the HF-style cos/sin path."""
+    import ops
+
+    rope = RotaryEmbedding({"rope_theta": 500000.0, **CASES.get(case, {})}, 64, 131072)
+    positions = torch.tensor([0, 1, 7, 4095, 4096, 9000, 131071])
+    query, key = torch.randn(7, 6, 64), torch.randn(7, 2, 64)
+    want_q, want_k = rope(positions, query, key)
+    got_q, got_k = query.clone(), key.clone()
+    empty = torch.empty(0, 2, 16, 64)
+    ops.set_backend(backend)
+    try:
+        ops.rotary_embedding_and_cache(positions, got_q, got_k, key.clone(), rope.table(positions), empty, empty,
+                                       torch.full((7,), -1))
+    finally:
+        ops.set_backend("auto")
+    torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)

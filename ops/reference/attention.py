@@ -1,7 +1,4 @@
-"""The four paged ops in plain torch: slow, obviously correct, the oracle for the kernels.
-
-Cache layout per layer: ``[num_blocks, num_kv_heads, block_size, head_size]``.
-"""
+"""Paged attention in plain torch (decode and varlen prefill): slow, obviously correct, the oracle."""
 
 from __future__ import annotations
 
@@ -75,41 +72,37 @@ def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
+def paged_prefill_attention(
+    query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write each token's K/V ``[T, kv_heads, head]`` into its slot; slots < 0 are skipped."""
-    block_size = key_cache.shape[2]
-    slots = slot_mapping.to(device=key.device, dtype=torch.int64)
-    keep = slots >= 0
-    slots = slots[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, :, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, :, offsets] = value[keep].to(value_cache.dtype)
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context (fp32 math).
 
-
-def copy_blocks(
-    key_caches: list[torch.Tensor],
-    value_caches: list[torch.Tensor],
-    block_mapping: torch.Tensor,
-) -> None:
-    """For every layer, copy block ``src`` onto block ``dst`` for each (src, dst) row."""
-    if block_mapping.numel() == 0:
-        return
-    mapping = block_mapping.to(torch.int64)
-    for cache in (*key_caches, *value_caches):
-        pairs = mapping.to(cache.device)
-        cache[pairs[:, 1]] = cache[pairs[:, 0]]
-
-
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy blocks of one cache tensor across devices: ``dst[d] = src[s]`` for each (s, d) row."""
-    if block_mapping.numel() == 0:
-        return
-    mapping = block_mapping.to(torch.int64)
-    gathered = src[mapping[:, 0].to(src.device)].to(dst.device, non_blocking=False)
-    dst[mapping[:, 1].to(dst.device)] = gathered
+    Sequence ``s`` owns ``query[query_start_loc[s]:query_start_loc[s + 1]]``: the last ``q_len``
+    tokens of its ``context_lens[s]``, so query ``i`` sits at position ``context_len - q_len + i``
+    and sees keys ``0 ..`` that position, all read from the cache through ``block_tables[s]``.
+    """
+    result = out if out is not None else torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    group = query.shape[1] // key_cache.shape[1]
+    for s, context_len in enumerate(context_lens.tolist()):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        table = block_tables[s : s + 1].to(torch.int64)
+        num_blocks = (context_len + key_cache.shape[2] - 1) // key_cache.shape[2]
+        keys = _gather(key_cache, table[:, :num_blocks])[0, :, :context_len]  # [kvh, ctx, D]
+        values = _gather(value_cache, table[:, :num_blocks])[0, :, :context_len]
+        q = query[lo:hi].float().transpose(0, 1)  # [H, q, D]
+        scores = q @ keys.repeat_interleave(group, 0).transpose(1, 2) * scale  # [H, q, ctx]
+        q_pos = torch.arange(context_len - (hi - lo), context_len, device=query.device)
+        visible = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        result[lo:hi] = (probs @ values.repeat_interleave(group, 0)).transpose(0, 1).to(result.dtype)
+    return result
