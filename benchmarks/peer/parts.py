@@ -38,6 +38,10 @@ def vllm_venv(given: str | None) -> Path | None:
     return None
 
 
+def load_1m() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
@@ -62,14 +66,19 @@ def _vocab(model: str) -> int:
 def _side_by_side(part: str, work: Workload, venv: Path | None, log_dir: Path, emit: Emit,
                   figures: Callable[[dict[str, Any]], dict[str, Any]], higher_is_better: str) -> tuple[Any, Any]:
     """Run `work` on both systems; emit each system's `figures` and the ratio of `higher_is_better`."""
+    loads: dict[str, list[float]] = {"pagedserve": [load_1m()]}
     results: dict[str, Any] = {"pagedserve": run_pagedserve(work)}
+    loads["pagedserve"].append(load_1m())
     if venv is None:
         emit({"part": part, "system": "vllm", "skipped": f"no vLLM venv: {SETUP_HINT}"})
     else:
+        loads["vllm"] = [load_1m()]
         results["vllm"] = run_vllm(work, venv, log_dir / f"vllm-{part}.log")
+        loads["vllm"].append(load_1m())
     for system, result in results.items():
         emit({"part": part, "system": system, **work.extra, **figures(result),
-              "startup_s": round(result["startup_s"], 1), "config": result["config"]})
+              "startup_s": round(result["startup_s"], 1), "config": result["config"],
+              "loadavg_1m_start_end": loads[system]})
     if "vllm" in results:
         ours, theirs = figures(results["pagedserve"])[higher_is_better], figures(results["vllm"])[higher_is_better]
         emit({"part": part, "ratio": "pagedserve/vllm", f"{higher_is_better}_ratio": round(ours / theirs, 3),
@@ -147,12 +156,23 @@ def served(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emi
             emit({"part": "served", "system": system, "error": str(exc).splitlines()[0]})
     for load, _, _ in loads:
         if ("pagedserve", load) in figures and ("vllm", load) in figures:
-            ours, theirs = figures[("pagedserve", load)], figures[("vllm", load)]
-            emit({"part": "served", "load": load, "ratio": "pagedserve/vllm",
-                  "output_tok_s_ratio": round(ours["output_tok_s"] / theirs["output_tok_s"], 3),
-                  "ttft_p50_ratio": round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3),
-                  "server_output_tok_s_ratio": round(ours["server_output_tok_s"] / theirs["server_output_tok_s"], 3),
-                  "pagedserve_wins": ours["output_tok_s"] > theirs["output_tok_s"]})
+            emit({"part": "served", "load": load, **served_ratios(figures[("pagedserve", load)],
+                                                                 figures[("vllm", load)])})
+
+
+def served_ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """pagedserve / vLLM. The client's figures only count when neither system had failed requests
+    (a failed request adds no tokens and no TTFT); the server-side rate always counts."""
+    record: dict[str, Any] = {"ratio": "pagedserve/vllm", "server_output_tok_s_ratio":
+                              round(ours["server_output_tok_s"] / theirs["server_output_tok_s"], 3)}
+    if ours["failed"] or theirs["failed"]:
+        record["client_figures"] = (f"not compared: {ours['failed']} (pagedserve) and {theirs['failed']} (vLLM) "
+                                    "requests failed in the client")
+    else:
+        record["output_tok_s_ratio"] = round(ours["output_tok_s"] / theirs["output_tok_s"], 3)
+        record["ttft_p50_ratio"] = round(ours["ttft_p50_s"] / theirs["ttft_p50_s"], 3)
+    record["pagedserve_wins"] = ours["server_output_tok_s"] > theirs["server_output_tok_s"] and not ours["failed"]
+    return record
 
 
 def _serve_and_bench(system: str, make: Callable[[], ServerSpec],
@@ -164,13 +184,14 @@ def _serve_and_bench(system: str, make: Callable[[], ServerSpec],
     with server(spec, log_dir / f"serve-{system}.log", args.server_timeout) as (_, name):
         for load, concurrency, seed in loads:
             print(f"  vllm bench serve: {load}", file=sys.stderr, flush=True)
+            start_load = load_1m()
             result = bench_serve(venv, spec, name, model, log_dir / f"bench-{system}-{load}.json",
                                  num_prompts=args.served_prompts, input_len=args.served_input_len,
                                  output_len=args.served_output_len, concurrency=concurrency, seed=seed)
             figures[(system, load)] = result
             emit({"part": "served", "system": system, "load": load, "served_model": name,
                   "prompts": args.served_prompts, "input_len": args.served_input_len,
-                  "output_len": args.served_output_len, **result})
+                  "output_len": args.served_output_len, **result, "loadavg_1m_start_end": [start_load, load_1m()]})
 
 
 PARTS: dict[str, Callable[[argparse.Namespace, Path | None, Path, Emit], None]] = {

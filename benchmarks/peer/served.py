@@ -17,11 +17,12 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.peer.counters import pagedserve_tokens, prometheus_tokens
 from engine.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,44 +31,28 @@ WARMUPS = 1  # untimed client requests before each run (the first request of the
 
 @dataclass
 class ServerSpec:
-    """How to start one server and where its engine counts the tokens it generated."""
+    """How to start one server, and its engine's count of generated tokens (read at a time.time()
+    stamp: the count must reflect everything up to then)."""
 
     cmd: list[str]
     port: int
-    metrics_url: str
-    counter: str  # Prometheus counter of generated tokens (complete once every request has finished)
+    generated_tokens: Callable[[str, float], float]
     env: dict[str, str] = field(default_factory=dict)
 
 
 def pagedserve_spec(model: str, kv_cache_gib: int) -> ServerSpec:
-    """`pagedserve up`; the gateway's /metrics counts each finished request's completion tokens."""
     port = free_port()
     cmd = [sys.executable, "-m", "engine.cli", "up", "--port", str(port), "--model", model,
            "--kv-cache-memory", f"{kv_cache_gib}GiB"]
-    return ServerSpec(cmd, port, f"http://127.0.0.1:{port}/metrics", "pagedserve_generation_tokens_total")
+    return ServerSpec(cmd, port, pagedserve_tokens)
 
 
 def vllm_spec(venv: Path, model: str, kv_cache_gib: int, max_model_len: int) -> ServerSpec:
     port = free_port()
     cmd = [str(venv / "bin" / "vllm"), "serve", model, "--dtype", "float32", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len)]
-    return ServerSpec(cmd, port, f"http://127.0.0.1:{port}/metrics", "vllm:generation_tokens_total",
+    return ServerSpec(cmd, port, lambda url, _since: prometheus_tokens(url),
                       {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
-
-
-def generated_tokens(spec: ServerSpec) -> float:
-    """The server's own count of generated tokens (sum over label sets), from its Prometheus text."""
-    with urllib.request.urlopen(spec.metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    return counter_value(text, spec.counter)
-
-
-def counter_value(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _get_json(url: str) -> Any:
@@ -161,9 +146,9 @@ def server(spec: ServerSpec, log_path: Path, timeout: float = 900.0) -> Iterator
 def bench_serve(venv: Path, spec: ServerSpec, name: str, tokenizer: str, out: Path, *, num_prompts: int,
                 input_len: int, output_len: int, concurrency: int | None, seed: int) -> dict[str, Any]:
     """One `vllm bench serve` run (random dataset, greedy, ignore_eos): its figures, failure causes, and
-    the server-side output rate: tokens the server's counter gained, less the client's warm-up
-    requests (`output_len` tokens each, sent before the timed run), over the client's timed duration. That
-    rate does not depend on the client parsing every stream."""
+    the server-side output rate: tokens the server's engine generated meanwhile (benchmarks/peer/
+    counters.py), less the client's warm-up requests (`output_len` tokens each, sent before the
+    timed run), over the client's timed duration."""
     url = f"http://127.0.0.1:{spec.port}"
     cmd = [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
            "--model", name, "--tokenizer", tokenizer, "--dataset-name", "random",
@@ -175,14 +160,14 @@ def bench_serve(venv: Path, spec: ServerSpec, name: str, tokenizer: str, out: Pa
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
     out.unlink(missing_ok=True)
-    before = generated_tokens(spec)
+    before = spec.generated_tokens(url, time.time())
     with out.with_suffix(".log").open("w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0 or not out.is_file():
         tail = out.with_suffix(".log").read_text(errors="replace").splitlines()[-15:]
         raise RuntimeError(f"vllm bench serve exited with {proc.returncode}:\n" + "\n".join(tail))
     report = json.loads(out.read_text())
-    served = generated_tokens(spec) - before - WARMUPS * output_len
+    served = spec.generated_tokens(url, time.time()) - before - WARMUPS * output_len
     return summarize(report) | {"server_output_tokens": int(served),
                                 "server_output_tok_s": round(served / report["duration"], 2)}
 

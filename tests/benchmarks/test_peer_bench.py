@@ -13,8 +13,10 @@ import time
 import pytest
 
 from benchmarks.peer.cli import QUICK, parse_args
+from benchmarks.peer.counters import counter_value, heartbeat_tokens
 from benchmarks.peer.offline import agreement
-from benchmarks.peer.served import _descendants, _stop_group, alive, counter_value, summarize
+from benchmarks.peer.parts import served_ratios
+from benchmarks.peer.served import _descendants, _stop_group, alive, summarize
 
 
 def test_only_keeps_documented_order_and_rejects_unknown_parts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,6 +58,13 @@ def test_counter_value_sums_label_sets_and_ignores_lookalikes() -> None:
     assert counter_value(page, "missing_total") == 0.0
 
 
+def test_heartbeat_tokens_sums_engines_and_reports_the_oldest_beat() -> None:
+    event = {"time": 100.0, "engines": [{"engine_id": "a", "time": 99.5, "stats": {"generation_tokens": 30.0}},
+                                         {"engine_id": "b", "time": 98.0, "stats": {"generation_tokens": 12.0}}]}
+    assert heartbeat_tokens(event) == (42.0, 98.0)
+    assert heartbeat_tokens({"time": 1.0, "engines": []}) == (0.0, 0.0)
+
+
 def test_agreement_counts_identical_requests_and_common_prefix() -> None:
     result = agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 6, 0, 0]])
     assert result == {"identical_requests": 1, "requests": 2, "mean_common_prefix_share": 0.75}
@@ -82,3 +91,13 @@ def test_stop_group_kills_a_child_in_a_session_of_its_own() -> None:
     finally:
         if alive(child, started):
             os.kill(child, signal.SIGKILL)
+
+
+def test_served_ratios_compare_client_figures_only_without_failures() -> None:
+    ours = {"failed": 0, "output_tok_s": 50.0, "ttft_p50_s": 1.0, "server_output_tok_s": 50.0}
+    theirs = {"failed": 0, "output_tok_s": 100.0, "ttft_p50_s": 4.0, "server_output_tok_s": 100.0}
+    clean = served_ratios(ours, theirs)
+    assert clean["output_tok_s_ratio"] == 0.5 and clean["ttft_p50_ratio"] == 0.25 and not clean["pagedserve_wins"]
+    broken = served_ratios(ours | {"failed": 3, "server_output_tok_s": 120.0}, theirs)
+    assert "output_tok_s_ratio" not in broken and "3 (pagedserve)" in broken["client_figures"]
+    assert broken["server_output_tok_s_ratio"] == 1.2 and not broken["pagedserve_wins"]
