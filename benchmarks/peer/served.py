@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peer.counters import pagedserve_tokens, prometheus_tokens
+from benchmarks.peer.counters import pagedserve_figures, vllm_figures
 from engine.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,12 +31,12 @@ WARMUPS = 1  # untimed client requests before each run (the first request of the
 
 @dataclass
 class ServerSpec:
-    """How to start one server, and its engine's count of generated tokens (read at a time.time()
-    stamp: the count must reflect everything up to then)."""
+    """How to start one server, and how to read its (generated tokens, requests in flight) as of a
+    time.time() stamp (benchmarks/peer/counters.py)."""
 
     cmd: list[str]
     port: int
-    generated_tokens: Callable[[str, float], float]
+    figures: Callable[[str, float], tuple[float, float]]
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -44,15 +44,27 @@ def pagedserve_spec(model: str, kv_cache_gib: int) -> ServerSpec:
     port = free_port()
     cmd = [sys.executable, "-m", "engine.cli", "up", "--port", str(port), "--model", model,
            "--kv-cache-memory", f"{kv_cache_gib}GiB"]
-    return ServerSpec(cmd, port, pagedserve_tokens)
+    return ServerSpec(cmd, port, pagedserve_figures)
 
 
 def vllm_spec(venv: Path, model: str, kv_cache_gib: int, max_model_len: int) -> ServerSpec:
     port = free_port()
     cmd = [str(venv / "bin" / "vllm"), "serve", model, "--dtype", "float32", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len)]
-    return ServerSpec(cmd, port, lambda url, _since: prometheus_tokens(url),
-                      {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
+    return ServerSpec(cmd, port, vllm_figures, {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
+
+
+def _idle_tokens(spec: ServerSpec, url: str, timeout: float = 1800.0) -> float:
+    """Wait until the server has nothing in flight (requests the client or the gateway gave up on may
+    still decode); its generated-token count then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tokens, in_flight = spec.figures(url, time.time())
+        if not in_flight:
+            return tokens
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} still had {in_flight:.0f} requests in flight after {timeout:.0f}s")
+        time.sleep(1.0)
 
 
 def _get_json(url: str) -> Any:
@@ -145,10 +157,10 @@ def server(spec: ServerSpec, log_path: Path, timeout: float = 900.0) -> Iterator
 
 def bench_serve(venv: Path, spec: ServerSpec, name: str, tokenizer: str, out: Path, *, num_prompts: int,
                 input_len: int, output_len: int, concurrency: int | None, seed: int) -> dict[str, Any]:
-    """One `vllm bench serve` run (random dataset, greedy, ignore_eos): its figures, failure causes, and
-    the server-side output rate: tokens the server's engine generated meanwhile (benchmarks/peer/
-    counters.py), less the client's warm-up requests (`output_len` tokens each, sent before the
-    timed run), over the client's timed duration."""
+    """One `vllm bench serve` run (random dataset, greedy, ignore_eos): its figures, failure causes,
+    and the server-side output rate: tokens the server's engine generated from idle until the client
+    finished (benchmarks/peer/counters.py), less the client's warm-up requests (`output_len` tokens
+    each, sent before the timed run), over the client's timed duration."""
     url = f"http://127.0.0.1:{spec.port}"
     cmd = [str(venv / "bin" / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", url,
            "--model", name, "--tokenizer", tokenizer, "--dataset-name", "random",
@@ -160,14 +172,14 @@ def bench_serve(venv: Path, spec: ServerSpec, name: str, tokenizer: str, out: Pa
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
     out.unlink(missing_ok=True)
-    before = spec.generated_tokens(url, time.time())
+    before = _idle_tokens(spec, url)
     with out.with_suffix(".log").open("w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False)
     if proc.returncode != 0 or not out.is_file():
         tail = out.with_suffix(".log").read_text(errors="replace").splitlines()[-15:]
         raise RuntimeError(f"vllm bench serve exited with {proc.returncode}:\n" + "\n".join(tail))
     report = json.loads(out.read_text())
-    served = spec.generated_tokens(url, time.time()) - before - WARMUPS * output_len
+    served = spec.figures(url, time.time())[0] - before - WARMUPS * output_len
     return summarize(report) | {"server_output_tokens": int(served),
                                 "server_output_tok_s": round(served / report["duration"], 2)}
 

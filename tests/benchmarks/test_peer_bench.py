@@ -13,7 +13,7 @@ import time
 import pytest
 
 from benchmarks.peer.cli import QUICK, parse_args
-from benchmarks.peer.counters import counter_value, heartbeat_tokens
+from benchmarks.peer.counters import heartbeat_figures, metric_value
 from benchmarks.peer.offline import agreement
 from benchmarks.peer.parts import served_ratios
 from benchmarks.peer.served import _descendants, _stop_group, alive, summarize
@@ -44,25 +44,26 @@ def test_summarize_reads_figures_and_groups_failure_causes() -> None:
     assert figures["failure_causes"] == {"Never received a valid chunk": 2, "ValueError: bad chunk": 1}
 
 
-def test_counter_value_sums_label_sets_and_ignores_lookalikes() -> None:
+def test_metric_value_sums_label_sets_and_ignores_lookalikes() -> None:
     page = "\n".join([
         "# TYPE vllm:generation_tokens_total counter",
         'vllm:generation_tokens_total{engine="0",model_name="m"} 120.0',
         'vllm:generation_tokens_total{engine="1",model_name="m"} 8.0',
         "vllm:generation_tokens_created 1.7e9",
-        "pagedserve_generation_tokens_total 42.0",
-        "pagedserve_generation_tokens_total_other 5.0",
+        'vllm:num_requests_waiting{engine="0"} 3.0',
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 3.0',
     ])
-    assert counter_value(page, "vllm:generation_tokens_total") == 128.0
-    assert counter_value(page, "pagedserve_generation_tokens_total") == 42.0
-    assert counter_value(page, "missing_total") == 0.0
+    assert metric_value(page, "vllm:generation_tokens_total") == 128.0
+    assert metric_value(page, "vllm:num_requests_waiting") == 3.0
+    assert metric_value(page, "missing_total") == 0.0
 
 
-def test_heartbeat_tokens_sums_engines_and_reports_the_oldest_beat() -> None:
-    event = {"time": 100.0, "engines": [{"engine_id": "a", "time": 99.5, "stats": {"generation_tokens": 30.0}},
-                                         {"engine_id": "b", "time": 98.0, "stats": {"generation_tokens": 12.0}}]}
-    assert heartbeat_tokens(event) == (42.0, 98.0)
-    assert heartbeat_tokens({"time": 1.0, "engines": []}) == (0.0, 0.0)
+def test_heartbeat_figures_sum_engines_and_report_the_oldest_beat() -> None:
+    event = {"time": 100.0, "engines": [
+        {"engine_id": "a", "time": 99.5, "stats": {"generation_tokens": 30.0, "running": 2.0, "waiting": 1.0}},
+        {"engine_id": "b", "time": 98.0, "stats": {"generation_tokens": 12.0, "running": 0.0, "swapped": 1.0}}]}
+    assert heartbeat_figures(event) == (42.0, 4.0, 98.0)
+    assert heartbeat_figures({"time": 1.0, "engines": []}) == (0.0, 0.0, 0.0)
 
 
 def test_agreement_counts_identical_requests_and_common_prefix() -> None:
