@@ -6,6 +6,13 @@ at a time, short outputs: TTFT without queueing). Prints JSON lines, one per pha
 then the ratios: served / in-process output throughput, and the TTFT the serving path adds.
 
     python benchmarks/serving_bench.py --num-prompts 32 --prompt-len 64 --output-len 64
+
+`--gateway-pools blocking,plain` serves the burst once per gateway Redis pool: the blocking
+pool (the default since issue 13) and redis-py's plain pool, which fails a burst with "Too many
+connections" once more requests than connections are in flight. With 256 prompts:
+
+    python benchmarks/serving_bench.py --model TINY_DIR --num-prompts 256 --prompt-len 128 \
+        --output-len 64 --gateway-pools blocking,plain
 """
 
 from __future__ import annotations
@@ -85,11 +92,12 @@ def _bench(url: str, name: str, args: argparse.Namespace, num: int, output_len: 
 
 
 @contextlib.contextmanager
-def pagedserve_up(model: str, args: argparse.Namespace) -> Iterator[str]:
-    """`pagedserve up` on a free port; yields its URL once it is healthy."""
+def pagedserve_up(model: str, args: argparse.Namespace, pool: str = "blocking") -> Iterator[str]:
+    """`pagedserve up` on a free port (gateway Redis pool `pool`); yields its URL once healthy."""
     port = free_port()
     up = subprocess.Popen(_cli("up", "--port", str(port), "--model", model, "--kv-cache-memory",
-                               args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)),
+                               args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
+                               "--gateway-args", f"--redis-pool {pool}"),
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert up.stdout is not None
@@ -121,6 +129,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per path; the best is kept")
+    parser.add_argument("--gateway-pools", default="blocking",
+                        help="gateway Redis pools to serve the burst with, comma-separated: blocking, plain")
     args = parser.parse_args()
     from engine.sizes import parse_size
     from engine.worker.cli import resolve_model
@@ -133,26 +143,38 @@ def main() -> int:
             "output_len": args.output_len}
     engine, tok = _local_engine(model, args)
     name = Path(model).name
-    local_b, served_b, local_l, served_l = [], [], [], []
-    with pagedserve_up(model, args) as url:
-        _bench(url, name, args, 2, 4, 1, args.seed + 1)  # warm-up (a different trace than the measured ones)
-        for r in range(args.repeats):  # alternate, so both paths see the same background load
-            local_b.append(_run(engine, tok, burst_trace, f"b{r}-"))
-            served_b.append(_bench(url, name, args, args.num_prompts, args.output_len, None))
-            local_l.append(_local_latency(engine, tok, latency_trace, f"l{r}-"))
-            served_l.append(_bench(url, name, args, args.latency_prompts, args.latency_output_len, 1))
-    local_burst, remote_burst = _best(local_b), _best(served_b)
+    pools = [p.strip() for p in args.gateway_pools.split(",") if p.strip()]
+    local_b: list[dict[str, Any]] = []
+    served_b: dict[str, list[dict[str, Any]]] = {pool: [] for pool in pools}
+    local_l: list[dict[str, Any]] = []
+    served_l: list[dict[str, Any]] = []
+    for k, pool in enumerate(pools):
+        with pagedserve_up(model, args, pool) as url:
+            _bench(url, name, args, 2, 4, 1, args.seed + 1)  # warm-up (a different trace than the measured ones)
+            for r in range(args.repeats):  # alternate, so both paths see the same background load
+                local_b.append(_run(engine, tok, burst_trace, f"b{k}-{r}-"))
+                served_b[pool].append(_bench(url, name, args, args.num_prompts, args.output_len, None))
+                if k == 0:
+                    local_l.append(_local_latency(engine, tok, latency_trace, f"l{r}-"))
+                    served_l.append(_bench(url, name, args, args.latency_prompts, args.latency_output_len, 1))
+    local_burst = _best(local_b)
     local_latency = min(local_l, key=lambda r: r["ttft_p50_s"]) | {"runs": len(local_l)}
     remote_latency = min(served_l, key=lambda r: r["ttft_p50_s"]) | {"runs": len(served_l)}
-    for mode, phase, figures in (("in_process", "burst", local_burst), ("served", "burst", remote_burst),
-                                 ("in_process", "latency", local_latency), ("served", "latency", remote_latency)):
-        print(json.dumps(base | {"mode": mode, "phase": phase} | figures), flush=True)
-    print(json.dumps(base | {
-        "mode": "ratio",
-        "throughput_ratio": remote_burst["output_throughput_tok_s"] / local_burst["output_throughput_tok_s"],
-        "ttft_added_ms_p50_light_load": 1000 * (remote_latency["ttft_p50_s"] - local_latency["ttft_p50_s"]),
-        "ttft_added_ms_p50_burst": 1000 * (remote_burst["ttft_p50_s"] - local_burst["ttft_p50_s"]),
-    }), flush=True)
+    print(json.dumps(base | {"mode": "in_process", "phase": "burst"} | local_burst), flush=True)
+    for pool in pools:
+        print(json.dumps(base | {"mode": "served", "phase": "burst", "gateway_pool": pool} | _best(served_b[pool])),
+              flush=True)
+    for mode, figures in (("in_process", local_latency), ("served", remote_latency)):
+        print(json.dumps(base | {"mode": mode, "phase": "latency"} | figures), flush=True)
+    ratio: dict[str, Any] = {"mode": "ratio"}
+    for pool in pools:
+        remote_burst = _best(served_b[pool])
+        local_rate = local_burst["output_throughput_tok_s"]
+        ratio[f"throughput_ratio_{pool}"] = remote_burst["output_throughput_tok_s"] / local_rate
+        ratio[f"failed_{pool}"] = remote_burst["failed"]
+        ratio[f"ttft_added_ms_p50_burst_{pool}"] = 1000 * (remote_burst["ttft_p50_s"] - local_burst["ttft_p50_s"])
+    ratio["ttft_added_ms_p50_light_load"] = 1000 * (remote_latency["ttft_p50_s"] - local_latency["ttft_p50_s"])
+    print(json.dumps(base | ratio), flush=True)
     return 0
 
 

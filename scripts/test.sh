@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: lint, CUDA and compose checks, browser setup, pytest.
+# The whole test suite, as CI runs it: lint, CUDA and compose checks, browser setup, pytest
+# (the default suite, then the slow fault-injection suite).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -26,5 +27,13 @@ bash scripts/install_chromium.sh
 echo "== default model (SmolLM2-135M-Instruct; fetched once into the user cache)"
 pagedserve fetch-model
 
-echo "== pytest"
-exec python -m pytest "$@"
+if [ $# -gt 0 ]; then  # a selection (make test ARGS=..., make test-slow): just that
+    echo "== pytest $*"
+    exec python -m pytest "$@"
+fi
+
+echo "== pytest (default suite)"
+python -m pytest
+
+echo "== pytest -m slow (fault injection with real processes, GGUF loading)"
+python -m pytest -m slow

@@ -8,6 +8,12 @@
 // decode GEMVs under load). Here the caller waits only for chunks a helper has actually started;
 // chunks nobody claimed it runs itself. Helpers spin briefly between jobs (back-to-back layers
 // reuse them at once), then sleep on a condition variable.
+//
+// But a step of 4 or more rows runs its linear layers on oneDNN, that is on OpenMP's threads,
+// which spin for milliseconds after each GEMM. Waking this pool beside them puts three busy
+// threads on two cores: decode attention at batch 64 took 2.0 ms per layer right after a GEMM
+// against 0.5 ms alone. Such steps pass `openmp` and share OpenMP's threads instead (chunks still
+// claimed dynamically from one counter).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -128,16 +134,30 @@ class ChunkPool {
   std::shared_ptr<Job> current_;
 };
 
+// Rows (tokens) from which a step's linear layers run on oneDNN (ops/linear.py): the step's other
+// kernels then pass `openmp` to parallel_chunks.
+constexpr int64_t kOpenMPRows = 4;
+
 // Calls fn(begin, end) over [0, n) in chunks of `chunk` (the last may be shorter), on the caller
-// and at most at::get_num_threads() - 1 helpers. Inline when there is a single chunk or thread.
+// and at most at::get_num_threads() - 1 helpers: the chunk pool's, or OpenMP's with `openmp`.
+// Inline when there is a single chunk or thread.
 template <typename F>
-void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+void parallel_chunks(int64_t n, int64_t chunk, const F& fn, bool openmp = false) {
   if (n <= 0) return;
   chunk = std::max<int64_t>(1, chunk);
   const int64_t num_chunks = (n + chunk - 1) / chunk;
   const int helpers = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_chunks)) - 1;
   if (helpers <= 0) {
     fn(0, n);
+    return;
+  }
+  if (openmp) {
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, helpers + 1, 1, [&](int64_t, int64_t) {
+      for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < num_chunks;
+           c = next.fetch_add(1, std::memory_order_relaxed))
+        fn(c * chunk, std::min(n, (c + 1) * chunk));
+    });
     return;
   }
   ChunkPool::instance().run(num_chunks, helpers, [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); });

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, help="engine Prometheus port (gateway: /metrics)")
     parser.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--sse-keepalive", type=float, default=0.0, metavar="SECONDS",
+                        help="SSE comment frames on streams idle this long (default 0 = never)")
+    parser.add_argument("--engine-args", default="", metavar="ARGS",
+                        help="more `pagedserve engine` flags, one shell-quoted string, e.g. "
+                             "\"--max-num-batched-tokens 512 --no-prefix-caching\"")
+    parser.add_argument("--gateway-args", default="", metavar="ARGS",
+                        help="more `pagedserve gateway` flags, e.g. \"--redis-pool-size 128 --max-queued 1000\"")
 
 
 def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -118,8 +126,9 @@ def run(args: argparse.Namespace) -> int:
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
         if args.metrics_port:
             engine_args += ["--metrics-port", str(args.metrics_port)]
-        children["engine"] = _child(engine_args, secrets)
-        gateway_args = ["gateway", "--host", args.host, "--port", str(args.port)]
+        children["engine"] = _child(engine_args + shlex.split(args.engine_args), secrets)
+        gateway_args = ["gateway", "--host", args.host, "--port", str(args.port),
+                        "--sse-keepalive", str(args.sse_keepalive), *shlex.split(args.gateway_args)]
         children["gateway"] = _child(gateway_args, secrets | (
             {"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}))
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

@@ -26,20 +26,45 @@ from gateway.state import BROKER
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class EngineProcess:
-    """`pagedserve engine` as a child process, logging to a file."""
+class ChildProcess:
+    """A `pagedserve` command as a child process, logging to `log_path`."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup at all."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class EngineProcess(ChildProcess):
+    """`pagedserve engine`; a kill -9 leaves its heartbeat to expire and its entries pending."""
 
     def __init__(self, model: Path, redis_url: str, engine_id: str, log_dir: Path, *extra: str) -> None:
         self.engine_id = engine_id
         self.redis_url = redis_url
-        self.log_path = log_dir / f"{engine_id}.log"
         self.metrics_port = free_port()
-        cmd = [sys.executable, "-m", "engine.cli", "engine", "--model", str(model), "--redis-url", redis_url,
-               "--engine-id", engine_id, "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-               "--heartbeat-interval", "0.5", *extra]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        super().__init__(["engine", "--model", str(model), "--redis-url", redis_url, "--engine-id", engine_id,
+                          "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
+                          "--heartbeat-interval", "0.5", *extra], log_dir / f"{engine_id}.log")
 
     def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
         deadline = time.monotonic() + timeout
@@ -77,23 +102,23 @@ class EngineProcess:
                 raise AssertionError(f"engine {self.engine_id} not drained: {stats}")
             time.sleep(0.1)
 
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
 
-    def kill(self) -> None:
-        """SIGKILL: no cleanup at all (its heartbeat expires, its entries stay pending)."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
+def pending_by_engine(redis_url: str, model: str) -> dict[str, int]:
+    """Unacknowledged entries of `model`'s request stream per consumer (engine id): the requests
+    each engine holds right now, read from Redis rather than from a heartbeat that may lag."""
+    with redis.Redis.from_url(redis_url) as client:
+        pending = client.xpending(Keys().requests(model), Keys().group)
+    return {c["name"].decode(): int(c["pending"]) for c in pending["consumers"]}
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+
+def owner_of_most(redis_url: str, model: str, engines: list[EngineProcess]) -> EngineProcess:
+    """The engine of `engines` holding the most requests of `model`; it must hold some, or the
+    fault about to hit it tests nothing. Freeze the engines first (SIGSTOP) when nothing may end
+    between this choice and the fault."""
+    owners = pending_by_engine(redis_url, model)
+    victim = max(engines, key=lambda e: owners.get(e.engine_id, 0))
+    assert owners.get(victim.engine_id, 0) > 0, f"no {model} engine holds a request: {owners}"
+    return victim
 
 
 def start_engines(model: Path, redis_url: str, log_dir: Path, ids: list[str], *extra: str) -> list[EngineProcess]:
@@ -126,19 +151,16 @@ async def serve_gateway(redis_url: str, **overrides: Any) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-class GatewayProcess:
-    """`pagedserve gateway` as a child process on a free port, logging to a file."""
+class GatewayProcess(ChildProcess):
+    """`pagedserve gateway` on a free loopback port."""
 
     def __init__(self, redis_url: str, gateway_id: str, log_dir: Path, *extra: str) -> None:
         self.gateway_id = gateway_id
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{gateway_id}.log"
-        cmd = [sys.executable, "-m", "engine.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
-               "--gateway-id", gateway_id, "--request-timeout", "300", *extra]
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_REDIS_URL": redis_url})
+        super().__init__(["gateway", "--host", "127.0.0.1", "--port", str(self.port), "--gateway-id", gateway_id,
+                          "--request-timeout", "300", *extra], log_dir / f"{gateway_id}.log",
+                         {"PAGEDSERVE_REDIS_URL": redis_url})
 
     def wait_healthy(self, timeout: float = 120.0) -> GatewayProcess:
         import urllib.error
@@ -155,20 +177,3 @@ class GatewayProcess:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"gateway {self.gateway_id} not healthy: {self.log_tail()}")
             time.sleep(0.2)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.faults import Cluster, Tally, judge, reference_texts, run_with_fault
-from tests.e2e.support import EngineProcess
+from tests.e2e.faults import MODEL, Cluster, Tally, judge, reference_texts, run_with_fault
+from tests.e2e.support import EngineProcess, owner_of_most
 
 pytestmark = pytest.mark.slow
 COUNT = 50
@@ -96,10 +96,8 @@ async def test_redis_restart_with_aof(cluster: Cluster, reference: list[str]) ->
 
 
 def busiest(cluster: Cluster) -> EngineProcess:
-    """The engine running the most requests now (it must run some, or the fault tests nothing)."""
-    victim = max(cluster.engines, key=lambda e: e.stats()["in_flight"])
-    assert victim.stats()["in_flight"] > 0, "no engine is running anything"
-    return victim
+    """The engine holding the most requests now (from the stream's pending entries)."""
+    return owner_of_most(cluster.redis.url, MODEL, cluster.engines)
 
 
 async def test_sigstop_engine_past_the_heartbeat_window(cluster: Cluster, reference: list[str]) -> None:

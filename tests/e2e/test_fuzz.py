@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.launch.redis_server import RedisServer, free_port
-from tests.e2e.support import ROOT, EngineProcess, start_engines
+from engine.launch.redis_server import RedisServer
+from tests.e2e.support import EngineProcess, GatewayProcess, start_engines
 
 MODEL = "tiny"
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
@@ -98,20 +94,13 @@ def requests(draw: st.DrawFn) -> tuple[str, bytes]:
     return path, json.dumps(body).encode()  # NaN/Infinity go out as bare literals; surrogates as \\ud800
 
 
-class GatewayProcess:
-    """`pagedserve gateway` as a child process."""
+class FuzzGateway(GatewayProcess):
+    """The gateway under fuzzing, with small limits, and one raw HTTP request at a time."""
 
     def __init__(self, redis_url: str, log_dir: Path) -> None:
-        self.port = free_port()
-        self._log = open(log_dir / "gateway.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
-             "--redis-url", redis_url, "--max-tokens-limit", "16", "--max-n", "4", "--request-timeout", "60"],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + 60
-        while self.request("GET", "/health")[0] != 200:
-            assert self.proc.poll() is None and time.monotonic() < deadline, "gateway did not come up"
-            time.sleep(0.2)
+        super().__init__(redis_url, "fuzz-gw", log_dir, "--max-tokens-limit", "16", "--max-n", "4",
+                         "--request-timeout", "60")
+        self.wait_healthy(60)
 
     def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
@@ -119,26 +108,19 @@ class GatewayProcess:
             conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             return resp.status, resp.read()
-        except ConnectionRefusedError:
-            return 0, b""
         finally:
             conn.close()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(20)
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
 def fuzz_stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-               ) -> Iterator[tuple[GatewayProcess, EngineProcess]]:
+               ) -> Iterator[tuple[FuzzGateway, EngineProcess]]:
     log_dir = tmp_path_factory.mktemp("fuzz")
     with RedisServer() as server:
         [engine] = start_engines(tiny_llama_dir, server.url, log_dir, ["fuzz-0"], "--served-model-name", MODEL,
                                  "--kv-cache-memory", "4MiB")
         try:
-            gateway = GatewayProcess(server.url, log_dir)
+            gateway = FuzzGateway(server.url, log_dir)
             try:
                 yield gateway, engine
             finally:
@@ -161,7 +143,7 @@ def _check(status: int, payload: bytes, path: str, body: bytes) -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.data_too_large])
 @given(requests())
-def test_fuzzed_bodies_never_5xx(fuzz_stack: tuple[GatewayProcess, EngineProcess], request: tuple[str, bytes]) -> None:
+def test_fuzzed_bodies_never_5xx(fuzz_stack: tuple[FuzzGateway, EngineProcess], request: tuple[str, bytes]) -> None:
     gateway, engine = fuzz_stack
     path, body = request
     status, payload = gateway.request("POST", path, body)
@@ -170,7 +152,7 @@ def test_fuzzed_bodies_never_5xx(fuzz_stack: tuple[GatewayProcess, EngineProcess
     assert engine.proc.poll() is None, f"engine died on {path} {body[:300]!r}: {engine.log_tail()}"
 
 
-def test_engine_serves_and_holds_no_block_after_fuzzing(fuzz_stack: tuple[GatewayProcess, EngineProcess]) -> None:
+def test_engine_serves_and_holds_no_block_after_fuzzing(fuzz_stack: tuple[FuzzGateway, EngineProcess]) -> None:
     gateway, engine = fuzz_stack
     status, payload = gateway.request("POST", "/v1/completions", json.dumps(
         {"model": MODEL, "prompt": "ok", "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode())

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import redis
 
 from engine.launch.redis_server import RedisServer
-from engine.protocol import Keys
-from tests.e2e.support import ROOT, EngineProcess, serve_gateway
+from tests.e2e.support import ROOT, EngineProcess, owner_of_most, serve_gateway
 from tests.fixtures.models import make_tiny_model_dir
 
 ALPHA, BETA = "alpha", "beta"
@@ -91,17 +89,11 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, prompt:
 
 
 def freeze_owner(redis_url: str, model: str, engines: list[EngineProcess]) -> EngineProcess:
-    """SIGSTOP every engine of `model`, then the one holding the most unacknowledged entries of
-    its stream (requests it runs): frozen, nothing can finish between choosing and killing."""
+    """SIGSTOP every engine of `model`, then pick the one holding the most of its requests:
+    frozen, nothing can finish between the choice and the kill."""
     for engine in engines:
         engine.proc.send_signal(signal.SIGSTOP)
-    with redis.Redis.from_url(redis_url) as client:
-        pending = client.xpending(Keys().requests(model), Keys().group)
-    owners = {name.decode(): count for name, count in
-              ((c["name"], c["pending"]) for c in pending["consumers"])}
-    victim = max(engines, key=lambda e: owners.get(e.engine_id, 0))
-    assert owners.get(victim.engine_id, 0) > 0, f"no {model} engine holds a request: {owners}"
-    return victim
+    return owner_of_most(redis_url, model, engines)
 
 
 async def test_each_model_answers_only_its_requests_and_fails_over_to_its_sibling(
