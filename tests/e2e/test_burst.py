@@ -2,7 +2,8 @@
 engines (tiny random Llama), two gateways whose Redis pools hold 8 connections each, far fewer than the
 requests in flight. A client opens every connection at once (no connection limit, all released
 by one barrier). Every request completes with its tokens and `[DONE]`; none gets a 5xx or a
-429 (a busy pool waits, it is never an outage); the engines end with every block free."""
+429 (a busy pool waits, it is never an outage); the engines end with every block free. With
+redis-py's plain pool (`--redis-pool plain`) this burst got 940 503s out of 1,000."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, i: int, gate: asynci
     """One streamed completion; its outcome: "ok", or the HTTP status / what went wrong."""
     await gate.wait()
     body = {"model": MODEL, "prompt": f"Burst {i}:", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
@@ -62,7 +63,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, i: int, gate: asynci
                     event = json.loads(line[6:])
                     if "error" in event:
                         return f"error {event['error'].get('code')}"
-                    tokens += sum(1 for c in event["choices"] if c.get("text"))
+                    if event.get("usage"):
+                        tokens = event["usage"]["completion_tokens"]
             return "ok" if done and tokens == MAX_TOKENS else f"incomplete ({tokens} tokens, done={done})"
     except aiohttp.ClientError as exc:
         return f"client error {type(exc).__name__}"
