@@ -29,6 +29,7 @@ from engine.redis_conn import Epoch, PoolBusy
 from gateway.broker.collector import RequestCollector
 
 log = get_logger("gateway.broker")
+READ_GRACE_S = 5.0  # seconds an XREAD may run past its BLOCK before it counts as hung
 
 # KEYS: request stream, epoch key. ARGV: group, epoch token, max queued, field, payload.
 _SUBMIT_SCRIPT = """
@@ -155,6 +156,14 @@ class Broker:
             if collector is not None:
                 collector.feed(out)
 
+    def _dispatch_guarded(self, data: bytes) -> None:
+        """`dispatch`, with a failure logged and confined to that entry (its requests then see a
+        gap and fail cleanly) instead of ending the reader every request depends on."""
+        try:
+            self.dispatch(data)
+        except Exception:  # a bug in one entry must not end the reader
+            log.exception("output entry could not be dispatched")
+
     def fail_all(self, error: ErrorInfo, model: str | None = None) -> list[RequestCollector]:
         failed = [c for c in self.collectors.values() if model is None or c.model == model]
         for collector in failed:
@@ -170,19 +179,26 @@ class Broker:
                 try:
                     if not self.subscribed.is_set():
                         await self._start_reading(key)
-                    reply = await self.reader.xread({key: self.last_id}, count=512, block=block_ms)
+                    # bounded: a read that outlives its BLOCK by seconds is hung, not waiting
+                    reply = await asyncio.wait_for(
+                        self.reader.xread({key: self.last_id}, count=512, block=block_ms),
+                        block_ms / 1000 + READ_GRACE_S)
                     for _stream, entries in _streams(reply):
                         for entry_id, fields in entries:
                             self.last_id = _text(entry_id)
                             payload = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD))
                             if payload is not None:
-                                self.dispatch(payload)
+                                self._dispatch_guarded(payload)
                     if time.monotonic() - trimmed_at > trim_every_s and self.last_id != "0-0":
                         trimmed_at = time.monotonic()
                         await self.client.xtrim(key, minid=self.last_id, approximate=False)
-                except (RedisError, OSError) as exc:
+                except (RedisError, OSError) as exc:  # TimeoutError included
                     if self.subscribed.is_set():
-                        log.warning("output stream read failed; reconnecting", error=str(exc))
+                        log.warning("output stream read failed; reconnecting", error=str(exc) or repr(exc))
+                    self.subscribed.clear()
+                    await asyncio.sleep(retry_s)
+                except Exception:  # this task serves every request of the gateway: it must not end
+                    log.exception("output stream reader failed; reconnecting")
                     self.subscribed.clear()
                     await asyncio.sleep(retry_s)
         finally:

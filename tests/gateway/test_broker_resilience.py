@@ -9,7 +9,10 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from engine.protocol import SeqOutput, Usage
+from gateway.state import BROKER
 from gateway.text.tokenizer import ModelTokenizer
 from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, parse_sse
 
@@ -80,3 +83,33 @@ async def test_a_full_model_queue_answers_429_with_retry_after(redis_server: str
                      "pagedserve_redis_pool_wait_seconds_count",
                      'pagedserve_gateway_rejected_total{reason="QueueFull"}'):
             assert name in metrics, name
+
+
+async def test_an_entry_that_breaks_dispatch_fails_its_request_and_the_reader_reads_on(
+        gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug met while routing one output entry is logged and confined: that request sees the
+    gap and fails cleanly, and the reader every other request depends on keeps reading."""
+    broker = gateway.client.app[BROKER]  # type: ignore[index]
+    dispatch = broker.dispatch
+    calls = {"n": 0}
+
+    def breaks_once(data: bytes) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in routing")
+        dispatch(data)
+
+    monkeypatch.setattr(broker, "dispatch", breaks_once)
+    body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 64}
+    post = asyncio.create_task(gateway.client.post("/v1/completions", json=body))
+    req = await gateway.engine.next_request()
+    ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode("Hello world", False)
+    await gateway.engine.publish(req, [SeqOutput(0, ids[:1], 0)])  # lost to the bug
+    await gateway.engine.publish(req, [SeqOutput(0, ids[1:], 1, "stop")], Usage(2, len(ids)))
+    resp = await post
+    assert resp.status == 500 and (await resp.json())["error"]["code"] == "output_gap"  # a server fault
+    post = asyncio.create_task(gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
+    req = await gateway.engine.next_request()
+    await gateway.engine.generate(req, ["still served"])
+    resp = await post
+    assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "still served"
