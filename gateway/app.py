@@ -40,10 +40,12 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     else:
         client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, **options)
     # the output reader blocks on XREAD: its own connection, named so operators (and tests) can find it
-    reader = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
-                                     client_name=f"{cfg.redis_prefix}-out-{cfg.gateway_id}")
+    def new_reader() -> aioredis.Redis:
+        return aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
+                                       client_name=f"{cfg.redis_prefix}-out-{cfg.gateway_id}")
+
     keys = Keys(cfg.redis_prefix)
-    broker = Broker(client, keys, cfg.gateway_id, reader, cfg.max_queued_per_model)
+    broker = Broker(client, keys, cfg.gateway_id, new_reader(), cfg.max_queued_per_model, new_reader)
     registry = EngineRegistry(client, keys, cfg.models, cfg.engine_stale_s)
     app[BROKER] = broker
     app[REGISTRY] = registry
@@ -51,7 +53,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     if isinstance(pool, MeteredPool):
         app[METRICS].watch_pool(pool)
     watch = Watch(broker, registry, cfg.watch_interval_s, cfg.orphan_after_s)
-    tasks = [asyncio.create_task(broker.listen(), name=f"reader-{cfg.gateway_id}"),
+    tasks = [asyncio.create_task(broker.supervise(), name=f"reader-{cfg.gateway_id}"),
              asyncio.create_task(watch.run(), name=f"watch-{cfg.gateway_id}")]
     yield
     for task in tasks:
@@ -61,7 +63,8 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
             await task
     with contextlib.suppress(Exception):
         await client.delete(keys.gateway(cfg.gateway_id), keys.out(cfg.gateway_id))
-    await reader.aclose()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(broker.reader.aclose(), 5)
     await client.aclose()
 
 

@@ -9,7 +9,9 @@ from the last id it handled, so every token reaches its client exactly once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -61,9 +63,13 @@ class Broker:
     """Redis clients, collectors of in-flight requests and the reader loop."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, gateway_id: str, reader: aioredis.Redis | None = None,
-                 max_queued: int = 4096) -> None:
+                 max_queued: int = 4096, new_reader: Callable[[], aioredis.Redis] | None = None) -> None:
         self.client = client
         self.reader = reader or client
+        self.new_reader = new_reader  # a fresh reader client, for `supervise` to replace a stuck one
+        self.read_at = time.monotonic()  # when the reader loop last made progress
+        self._generation = 0  # the reader loop that owns `reader`; an older one stops
+        self._closing: set[asyncio.Task[None]] = set()
         self.keys = keys
         self.gateway_id = gateway_id
         self.max_queued = max_queued
@@ -170,12 +176,46 @@ class Broker:
             collector.fail(error)
         return failed
 
-    async def listen(self, retry_s: float = 0.5, block_ms: int = 1000, trim_every_s: float = 1.0) -> None:
-        """Run forever: read this gateway's output stream from the last id handled."""
-        key = self.keys.out(self.gateway_id)
-        trimmed_at = 0.0
+    async def supervise(self, block_ms: int = 1000, check_s: float = 1.0) -> None:
+        """Run the reader loop, and replace it when it stops making progress: a fresh loop on a
+        fresh connection reads on from the last id handled (nothing was trimmed past it), whatever
+        wedged the old one. CI once saw a reader whose connection had its reply and whose loop
+        never ran again; every request of the gateway then waits for nothing."""
+        stale_s = block_ms / 1000 + 2 * READ_GRACE_S
+        task = asyncio.create_task(self.listen(block_ms=block_ms), name=f"reader-{self.gateway_id}")
         try:
             while True:
+                await asyncio.sleep(check_s)
+                if task.done() or time.monotonic() - self.read_at > stale_s:
+                    log.error("output stream reader stalled; starting a new one",
+                              stalled_s=round(time.monotonic() - self.read_at, 1), ended=task.done())
+                    task.cancel()  # not awaited: a wedged task may never finish cancelling
+                    self._replace_reader()
+                    self.subscribed.clear()
+                    self.read_at = time.monotonic()
+                    task = asyncio.create_task(self.listen(block_ms=block_ms), name=f"reader-{self.gateway_id}")
+        finally:
+            task.cancel()
+
+    def _replace_reader(self) -> None:
+        """A fresh reader client (its old connection may be the trouble); the old one is closed
+        in the background."""
+        if self.new_reader is None:
+            return
+        old, self.reader = self.reader, self.new_reader()
+        self._closing.add(task := asyncio.create_task(_close_quietly(old)))
+        task.add_done_callback(self._closing.discard)
+
+    async def listen(self, retry_s: float = 0.5, block_ms: int = 1000, trim_every_s: float = 1.0) -> None:
+        """Run until a newer loop takes over: read this gateway's output stream from the last id
+        handled."""
+        key = self.keys.out(self.gateway_id)
+        trimmed_at = 0.0
+        self._generation += 1
+        mine = self._generation
+        try:
+            while mine == self._generation:
+                self.read_at = time.monotonic()
                 try:
                     if not self.subscribed.is_set():
                         await self._start_reading(key)
@@ -183,6 +223,8 @@ class Broker:
                     reply = await asyncio.wait_for(
                         self.reader.xread({key: self.last_id}, count=512, block=block_ms),
                         block_ms / 1000 + READ_GRACE_S)
+                    if mine != self._generation:
+                        return  # replaced while it waited: what it read is the new loop's to read
                     for _stream, entries in _streams(reply):
                         for entry_id, fields in entries:
                             self.last_id = _text(entry_id)
@@ -195,14 +237,17 @@ class Broker:
                 except (RedisError, OSError) as exc:  # TimeoutError included
                     if self.subscribed.is_set():
                         log.warning("output stream read failed; reconnecting", error=str(exc) or repr(exc))
+                    self._replace_reader()
                     self.subscribed.clear()
                     await asyncio.sleep(retry_s)
                 except Exception:  # this task serves every request of the gateway: it must not end
                     log.exception("output stream reader failed; reconnecting")
+                    self._replace_reader()
                     self.subscribed.clear()
                     await asyncio.sleep(retry_s)
         finally:
-            self.subscribed.clear()
+            if mine == self._generation:
+                self.subscribed.clear()
 
     async def _start_reading(self, key: str) -> None:
         """(Re)connect: check the epoch (a lost dataset fails what was in flight and resets
@@ -215,6 +260,11 @@ class Broker:
                 self.last_id = _text(newest[0][0])
         self.subscribed.set()
         log.info("reading output stream", stream=key, from_id=self.last_id)
+
+
+async def _close_quietly(client: aioredis.Redis) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(client.aclose(), 5)
 
 
 def _text(value: Any) -> str:

@@ -6,6 +6,7 @@ a full model queue (429 with Retry-After), and the pool figures on /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,3 +114,38 @@ async def test_an_entry_that_breaks_dispatch_fails_its_request_and_the_reader_re
     await gateway.engine.generate(req, ["still served"])
     resp = await post
     assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "still served"
+
+
+async def test_a_wedged_reader_is_replaced_and_reads_on(redis_server: str, tiny_tokenizer_dir: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader loop hangs for good in the middle of a request, in a read that even ignores
+    cancellation (the worst case; CI once saw a reader whose reply had arrived and whose loop
+    never ran again): the supervisor starts a new loop on a new connection, which reads on from
+    the last id handled, and the request completes whole."""
+    async with open_gateway(redis_server, tiny_tokenizer_dir, request_timeout_s=120.0) as gw:
+        await gw.engine.beat()
+        broker = gw.client.app[BROKER]  # type: ignore[index]
+        body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 64}
+        post = asyncio.create_task(gw.client.post("/v1/completions", json=body))
+        req = await gw.engine.next_request()
+        ids = ModelTokenizer(gw.engine.tokenizer_dir).encode("Hello world! The quick brown fox", False)
+        half = len(ids) // 2
+        await gw.engine.publish(req, [SeqOutput(0, ids[:half], 0)])
+        wedged = broker.reader
+
+        release = asyncio.Event()  # set at the end, so the wedged task can finish at teardown
+
+        async def never(*args: object, **kwargs: object) -> None:
+            while not release.is_set():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await release.wait()
+
+        monkeypatch.setattr(wedged, "xread", never)  # this connection's next read hangs for good
+        await asyncio.sleep(1.5)  # the loop is inside the hung read now
+        await gw.engine.publish(req, [SeqOutput(0, ids[half:], half, "stop")], Usage(2, len(ids)))
+        resp = await asyncio.wait_for(post, 90)
+        events = parse_sse(await resp.text())
+        text = "".join(c["text"] for e in events if isinstance(e, dict) for c in e.get("choices", []))
+        release.set()
+        assert text == "Hello world! The quick brown fox" and events[-1] == "[DONE]", events
+        assert broker.reader is not wedged
