@@ -92,14 +92,14 @@ class EngineProcess(ChildProcess):
         since = time.time()
         deadline = time.monotonic() + timeout
         while True:
-            beat = self.heartbeat()
-            assert beat is not None, f"engine {self.engine_id} has no heartbeat"
-            stats = beat.stats
-            busy = stats["running"] + stats["waiting"] + stats["swapped"] + stats["in_flight"]
-            if beat.time >= since and busy == 0 and stats["num_used_blocks"] == 0:
-                return stats
+            beat = self.heartbeat()  # None for a moment after Redis lost its data: the next beat writes it
+            if beat is not None:
+                stats = beat.stats
+                busy = stats["running"] + stats["waiting"] + stats["swapped"] + stats["in_flight"]
+                if beat.time >= since and busy == 0 and stats["num_used_blocks"] == 0:
+                    return stats
             if time.monotonic() > deadline:
-                raise AssertionError(f"engine {self.engine_id} not drained: {stats}")
+                raise AssertionError(f"engine {self.engine_id} not drained: {beat.stats if beat else 'no heartbeat'}")
             time.sleep(0.1)
 
 
