@@ -133,8 +133,8 @@ class LLMEngine:
         self.last_step_decodes = sched.num_decodes
         samples = StepSamples()
         if not sched.is_empty:
-            result = self.runner.execute(sched)
-            samples = self.sampler(result.sampling, result.logits, result.prompt_hidden)
+            result = self.runner.execute(sched, argmax_only=self.sampler.argmax_only(sched.sampling()))
+            samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens)
         outputs = self.scheduler.update_from_output(sched, samples)
         self.counters["finished_error"] += len(sched.rejected)
         if self.config.debug_blocks:

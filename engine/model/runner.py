@@ -36,12 +36,14 @@ class StepBatch:
 
 @dataclass(slots=True)
 class ModelOutput:
-    """fp32 logits of the sampling rows (`sampling[i]` owns row i) and, for prompt logprobs,
-    the hidden states of the rows that predict prompt tokens."""
+    """fp32 logits of the sampling rows (`sampling[i]` owns row i), or only their argmax tokens
+    when the step asked for nothing else, and, for prompt logprobs, the hidden states of the rows
+    that predict prompt tokens."""
 
     logits: Tensor
     sampling: list[ScheduledSeq]
     prompt_hidden: list[tuple[ScheduledSeq, Tensor]]
+    tokens: Tensor | None = None
 
 
 class BlockTableBuffer:
@@ -86,22 +88,25 @@ class ModelRunner:
         self.tables = BlockTableBuffer()
         self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows)."""
+    def execute(self, sched: SchedulerOutput, argmax_only: bool = False) -> ModelOutput:
+        """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows), or
+        with `argmax_only` their argmax tokens instead of the logits."""
         self.move_blocks(sched)
         batch = self.prepare(sched.scheduled)
         start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not batch.sampling:
-            logits = hidden.new_empty((0, 0), dtype=torch.float32)
-        else:
+        logits, tokens = hidden.new_empty((0, 0), dtype=torch.float32), None
+        if batch.sampling:
             rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
-            logits = self.model.compute_logits(rows)
+            if argmax_only:
+                tokens = self.model.greedy_tokens(rows)
+            else:
+                logits = self.model.compute_logits(rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
         prompt = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
-        return ModelOutput(logits, batch.sampling, prompt)
+        return ModelOutput(logits, batch.sampling, prompt, tokens)
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""

@@ -32,13 +32,26 @@ def apply_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
         logits.index_put_((_long(rows, logits), _long(cols, logits)), torch.tensor(values, device=logits.device),
                           accumulate=True)
     rows, cols = [], []
-    for i, (seq, p) in enumerate(zip(seqs, params, strict=True)):
-        if p.min_tokens and seq.grammar is None and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
-            banned = p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)
-            rows += [i] * len(banned)
-            cols += banned
+    for i, seq in enumerate(seqs):
+        banned = _banned(seq, eos_token_ids)
+        rows += [i] * len(banned)
+        cols += banned
     if rows:
         logits.index_put_((_long(rows, logits), _long(cols, logits)), torch.tensor(float("-inf")))
+
+
+def changes_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
+    """True when some processor would change this sequence's logits row now."""
+    p = seq.request.params
+    return _has_penalty(p) or bool(p.logit_bias) or bool(_banned(seq, eos_token_ids))
+
+
+def _banned(seq: Sequence, eos_token_ids: list[int]) -> list[int]:
+    """Token ids this row cannot draw now: below `min_tokens`, EOS and the stop token ids."""
+    p = seq.request.params
+    if p.min_tokens and seq.grammar is None and len(seq.token_ids) - seq.num_prompt_tokens < p.min_tokens:
+        return p.stop_token_ids + ([] if p.ignore_eos else eos_token_ids)
+    return []
 
 
 def _has_penalty(p: SamplingParams) -> bool:

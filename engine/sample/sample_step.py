@@ -4,17 +4,20 @@
 Rows: each sampling chunk's logits row, except that a request of n > 1 at its first token
 samples one row per candidate (the row repeated, keyed by each candidate's stream) and beam
 requests go to the beam search. Then: logprobs of the raw rows that ask → penalties, bias,
-min_tokens → grammar masks → sampler, each in bulk; one `tolist()` per result tensor."""
+min_tokens → grammar masks → sampler, each in bulk; one `tolist()` per result tensor.
+
+When every row of a step needs only its argmax (`argmax_only`), the runner computes the tokens
+with the logits (`LlamaForCausalLM.greedy_tokens`) and never keeps the logits matrix."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from engine.sample.beam_step import beam_step
 from engine.sample.grammar import Grammar, GrammarCompiler
-from engine.sample.processors import apply_processors
+from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.prompt_logprobs import chunk_prompt_logprobs
 from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
 from engine.sched.output import ScheduledSeq, StepSamples
@@ -32,13 +35,30 @@ class SampleStage:
         self.compute_logits = compute_logits
         self.sampler = Sampler()
 
+    def argmax_only(self, sampling: Iterable[ScheduledSeq]) -> bool:
+        """True when each of these rows takes its logits' argmax and nothing else: greedy, one
+        candidate, no logprobs, no processor changing the row now, no grammar."""
+        for item in sampling:
+            seq = item.seq
+            p = seq.request.params
+            if (not p.is_greedy or p.num_candidates != 1 or p.logprobs is not None or seq.grammar is not None
+                    or changes_logits(seq, self.eos_list)):
+                return False
+        return True
+
     def __call__(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
-                 prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]]) -> StepSamples:
+                 prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]],
+                 tokens: torch.Tensor | None = None) -> StepSamples:
+        """`tokens`: the rows' argmax, already taken (then `logits` is unused; see `argmax_only`)."""
         out = StepSamples()
         for item, hidden in prompt_hidden:
             k = item.seq.request.params.prompt_logprobs or 0
             out.prompt_logprobs[item.seq.request.request_id] = chunk_prompt_logprobs(
                 self.compute_logits, item, hidden, k)
+        if tokens is not None:
+            out.seqs = [item.seq for item in sampling]
+            out.token_ids = [[t] for t in tokens.tolist()]
+            return out
         rows: list[int] = []  # logits row of each sample row
         seqs: list[Sequence] = []
         widths: list[int] = []  # sample rows per sampling sequence (n > 1 forks at its first token)

@@ -142,3 +142,17 @@ def test_architecture_variants_match_hf(variant: str, tmp_path_factory: pytest.T
     logits = [harness.step([(seq, 10)], []), harness.step([(seq, 6)], [])]
     logits += [harness.step([], [seq]) for _ in range(8)]
     _assert_close(torch.cat(logits), reference)
+
+
+@pytest.mark.parametrize("group_rows", [1, 7, 64])
+def test_greedy_tokens_equal_the_argmax_of_the_logits(tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch,
+                                                      group_rows: int) -> None:
+    """The lm_head in row groups, each reduced to its argmax, picks what the full logits pick."""
+    import engine.model.llama as llama
+
+    monkeypatch.setattr(llama, "GREEDY_GROUP_BYTES", group_rows * 4 * tiny.spec.vocab_size)
+    hidden = torch.randn(50, tiny.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    expected = tiny.compute_logits(hidden).max(dim=-1).indices
+    got = tiny.greedy_tokens(hidden)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)
