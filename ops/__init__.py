@@ -12,6 +12,7 @@ from ops.build import KernelBuildError
 from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
 from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
+from ops.sampling import sample_from_logits
 
 __all__ = [
     "SMALL_GEMM_MAX_ROWS",
@@ -28,6 +29,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding_and_cache",
+    "sample_from_logits",
     "set_backend",
     "silu_and_mul",
     "swap_blocks",

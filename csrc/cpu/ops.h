@@ -48,4 +48,9 @@ constexpr int64_t kSmallGemmMaxRows = 3;
 void small_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias);
 
+// out int64 [rows]: per row, the first token whose running sum of softmax(logits * inv_temperature)
+// exceeds uniforms[row] times the total (inverse CDF in token-id order); logits fp32 [rows, vocab].
+void sample_from_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
+                        const at::Tensor& uniforms);
+
 }  // namespace pagedserve::cpu

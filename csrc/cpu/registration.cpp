@@ -22,6 +22,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
   m.def("small_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -35,4 +36,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &pagedserve::cpu::silu_and_mul);
   m.impl("rotary_embedding_and_cache", &pagedserve::cpu::rotary_embedding_and_cache);
   m.impl("small_gemm", &pagedserve::cpu::small_gemm);
+  m.impl("sample_from_logits", &pagedserve::cpu::sample_from_logits);
 }

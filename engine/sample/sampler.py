@@ -7,9 +7,12 @@ logits and key, never on the other rows, their order, or which code path the bat
 A preempted or resumed request therefore continues exactly as it would have.
 
 The per-row parameters travel as tensors (`SamplingBatch`); a batch of greedy rows is one
-argmax, with no softmax. Logprobs (`Logprobs`) are log_softmax of the logits *before* any
-processor (penalties, bias, grammar mask, temperature, filters), as the OpenAI API and vLLM
-report them: the model's own probability of the token; computed only for rows that ask.
+argmax, with no softmax; random rows without top-k/top-p/min-p go to one inverse-CDF kernel
+(`ops.sample_from_logits`) that never writes the probabilities out.
+
+Logprobs (`Logprobs`) are log_softmax of the logits *before* any processor (penalties, bias,
+grammar mask, temperature, filters), as the OpenAI API and vLLM report them: the model's own
+probability of the token; computed only for rows that ask.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+import ops
 from engine.sampling_params import SamplingParams
 
 TOP_P_PROBE = 1024  # top-p first looks at this many most likely tokens, sorts the full row if short
@@ -62,6 +66,8 @@ class SamplingBatch:
             self.min_p = [p.min_p for p in chosen]
             self.uniforms = torch.tensor([uniform(chosen[j].seed, streams[i], token_indices[i])
                                           for j, i in enumerate(self.random_rows)], device=device).unsqueeze(1)
+            # positions in random_rows of the rows with no top-k / top-p / min-p filter
+            self.unfiltered = [j for j, p in enumerate(chosen) if not _filtered(p)]
 
 
 class Sampler:
@@ -111,22 +117,49 @@ class Logprobs:
         return values, tops
 
 
+def _filtered(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Tokens for the random rows (`logits` holds those rows only): unfiltered rows by the inverse-CDF
+    kernel (`ops.sample_from_logits`), filtered ones by the torch path below. Which path a row takes
+    depends on its own parameters only, so a row's token never depends on its batch-mates."""
+    plain = batch.unfiltered
+    if len(plain) == len(batch.top_k):
+        return ops.sample_from_logits(logits, 1.0 / batch.temperature.squeeze(1), batch.uniforms.squeeze(1))
+    tokens = torch.empty(len(batch.top_k), dtype=torch.int64, device=logits.device)
+    if plain:
+        index = torch.tensor(plain, dtype=torch.long, device=logits.device)
+        tokens[index] = ops.sample_from_logits(logits.index_select(0, index),
+                                               1.0 / batch.temperature.squeeze(1)[index],
+                                               batch.uniforms.squeeze(1)[index])
+    unfiltered = set(plain)
+    filtered = [j for j in range(len(batch.top_k)) if j not in unfiltered]
+    index = torch.tensor(filtered, dtype=torch.long, device=logits.device)
+    tokens[index] = _draw_filtered(logits.index_select(0, index), batch.temperature[index],
+                                   [batch.top_k[j] for j in filtered], [batch.top_p[j] for j in filtered],
+                                   [batch.min_p[j] for j in filtered], batch.uniforms[index])
+    return tokens
+
+
+def _draw_filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
+                   min_p: list[float], uniforms: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[-1]
-    scaled = logits / batch.temperature
-    ks = [k if 0 < k < vocab else vocab for k in batch.top_k]
+    scaled = logits / temperature
+    ks = [k if 0 < k < vocab else vocab for k in top_k]
     if min(ks) < vocab:
         _mask_top_k(scaled, torch.tensor(ks, device=logits.device))
     probs = torch.softmax(scaled, dim=-1)
-    cut = [i for i, p in enumerate(batch.top_p) if p < 1.0]
+    cut = [i for i, p in enumerate(top_p) if p < 1.0]
     if cut:
-        rows = _rows(cut, len(batch.top_p), logits.device)
-        probs[rows] = _mask_top_p(probs[rows], [batch.top_p[i] for i in cut])
-    if any(m > 0 for m in batch.min_p):
-        min_p = torch.tensor(batch.min_p, device=logits.device).unsqueeze(1)
-        probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        rows = _rows(cut, len(top_p), logits.device)
+        probs[rows] = _mask_top_p(probs[rows], [top_p[i] for i in cut])
+    if any(m > 0 for m in min_p):
+        min_ps = torch.tensor(min_p, device=logits.device).unsqueeze(1)
+        probs.masked_fill_(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
     cdf = probs.cumsum(dim=-1)
-    picked = torch.searchsorted(cdf, batch.uniforms * cdf[:, -1:], right=True)
+    picked = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True)
     return picked.squeeze(1).clamp_max(vocab - 1)
 
 
