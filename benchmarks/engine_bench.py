@@ -118,7 +118,7 @@ def main() -> int:
                              "are slow); sizes not listed run the whole trace")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda[:N] (HF runs on the same device)")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16")
     args = parser.parse_args()

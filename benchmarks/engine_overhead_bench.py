@@ -186,7 +186,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
     parser.add_argument("--budgets", default="512,2048,4096,8192")
     args = parser.parse_args()
     smollm2 = None

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="small values chunk prefills")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="small values chunk prefills (default: engine's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_random_model(Path(tmp) / "decisive", "decisive"))

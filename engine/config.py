@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+# Tokens per step when max_num_batched_tokens is not given. On the CPU a 2,048-token step of
+# SmolLM2 takes ~2.3 s, so a burst's first tokens come in waves that far apart; 1,024 halves the
+# wave and keeps throughput (benchmarks/peer_bench.py --only served, README "Against vLLM").
+# CUDA keeps vLLM's online default; it has not been measured here.
+DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 2048}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -25,7 +30,7 @@ class EngineConfig:
     preemption_mode: str = "auto"
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: DEFAULT_TOKEN_BUDGET of the device
     max_model_len: int | None = None
     attention_backend: str = "auto"
     watermark: float = 0.01
@@ -44,11 +49,15 @@ class EngineConfig:
             raise ValueError("attention_backend must be 'auto' or 'reference'")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+        if self.max_num_seqs < 1 or (self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1):
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.kv_cache_memory < 1 or self.swap_space < 0:
             raise ValueError("kv_cache_memory must be > 0 and swap_space >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.max_num_batched_tokens < self.block_size:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least one block")
+
+    def token_budget(self, device_type: str) -> int:
+        """Tokens one step may run: the configured budget, else the device's default."""
+        return self.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET.get(device_type, DEFAULT_TOKEN_BUDGET["cuda"])

@@ -67,7 +67,8 @@ class LLMEngine:
         if self.device.type == "cuda":
             host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
         self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        self.token_budget = config.token_budget(self.device.type)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.token_budget,
                                    config.preemption_mode, self.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCompiler(config.tokenizer or config.model, self.vocab_size, sorted(self.eos_token_ids))
         self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
@@ -167,7 +168,7 @@ class LLMEngine:
         """Peak activation bytes of the largest step, measured with an empty cache."""
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        n = min(self.config.token_budget(self.device.type), self.max_model_len)
         empty = allocate_kv_caches(self.hf_config, 0, self.config.block_size, self.dtype, self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),

@@ -40,6 +40,9 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     add("--served-input-len", type=int, default=128)
     add("--served-output-len", type=int, default=128)
     add("--served-concurrency", type=int, default=32, help="served: the bounded run's max concurrency")
+    add("--served-systems", default="pagedserve,vllm", help="served: which servers to run (default %(default)s)")
+    add("--pagedserve-args", default="", help="served: extra arguments of `pagedserve up`, one string, "
+        "e.g. \"--engine-args '--max-num-batched-tokens 512'\"")
     add("--server-timeout", type=float, default=900.0, help="served: seconds a server may take to start")
     add("--vllm-venv", help="vLLM's virtualenv (default $VLLM_VENV, else the one setup_vllm.sh makes)")
     add("--log-dir", help="vLLM, server and client logs (default: a new temporary directory)")

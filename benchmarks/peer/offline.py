@@ -70,7 +70,7 @@ def run_pagedserve(work: Workload) -> dict[str, Any]:
             if run.return_tokens:
                 runs[run.name]["token_ids"] = token_ids
         cfg = llm.engine.config
-        config = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        config = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": llm.engine.token_budget,
                   "threads": torch.get_num_threads()}
         return {"startup_s": startup, "config": config, "runs": runs}
     finally:

@@ -145,9 +145,11 @@ def served(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emi
         (f"max_concurrency_{args.served_concurrency}", args.served_concurrency, args.seed + 1)]
     figures: dict[tuple[str, str], dict[str, Any]] = {}
     systems: dict[str, Callable[[], ServerSpec]] = {
-        "pagedserve": lambda: pagedserve_spec(model, args.kv_cache_gib),
+        "pagedserve": lambda: pagedserve_spec(model, args.kv_cache_gib, args.pagedserve_args),
         "vllm": lambda: vllm_spec(venv, model, args.kv_cache_gib, args.max_model_len),
     }
+    chosen = {s.strip() for s in args.served_systems.split(",")}
+    systems = {name: make for name, make in systems.items() if name in chosen}
     for system, make in systems.items():  # one server at a time: memory, and a fair machine
         try:
             _serve_and_bench(system, make, args, venv, model, loads, log_dir, emit, figures)

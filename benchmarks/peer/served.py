@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -40,10 +41,10 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def pagedserve_spec(model: str, kv_cache_gib: int) -> ServerSpec:
+def pagedserve_spec(model: str, kv_cache_gib: int, extra: str = "") -> ServerSpec:
     port = free_port()
     cmd = [sys.executable, "-m", "engine.cli", "up", "--port", str(port), "--model", model,
-           "--kv-cache-memory", f"{kv_cache_gib}GiB"]
+           "--kv-cache-memory", f"{kv_cache_gib}GiB", *shlex.split(extra)]
     return ServerSpec(cmd, port, pagedserve_figures)
 
 

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
     parser.add_argument("--no-prefix-caching", action="store_true", help="disable automatic prefix caching")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens per step (default: 1024 on the CPU, 2048 on CUDA)")
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "reference"))
     parser.add_argument("--debug-blocks", action="store_true", help="log every block event, check invariants")
