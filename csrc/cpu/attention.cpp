@@ -50,6 +50,13 @@ inline void prefetch_block(const T* k, const T* v, int64_t elems) {
   }
 }
 
+// Touch `elems` contiguous cache elements (a row or two of a later block) so they stream in.
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t elems) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t i = 0; i < elems; i += kLine) __builtin_prefetch(p + i);
+}
+
 // K/V elements below which one call runs on a single thread.
 constexpr int64_t kMinParallelElems = 128 * 1024;
 
@@ -140,15 +147,22 @@ void attend_group(T* out, const T* query, const T* key_cache, const T* value_cac
                 s.num_blocks, ")");
     const int64_t n = std::min(bs, context_len - b * bs);
     const int64_t base = (block * s.num_kv_heads + kv_head) * bs * dim;
+    // The block kPrefetchAhead on is fetched a row at a time as this block's rows are used: a
+    // whole block at once (128 lines) overflows the miss queue and stalls on the prefetches.
+    const T* next_k = nullptr;
+    const T* next_v = nullptr;
     if (b + kPrefetchAhead < num_used) {
       const int64_t ahead = table[b + kPrefetchAhead];
       const int64_t next = (ahead * s.num_kv_heads + kv_head) * bs * dim;
-      if (ahead >= 0 && ahead < s.num_blocks) prefetch_block(key_cache + next, value_cache + next, bs * dim);
+      if (ahead >= 0 && ahead < s.num_blocks) next_k = key_cache + next, next_v = value_cache + next;
     }
     for (int64_t t = 0; t < n; ++t) {
       const float* k = as_float(key_cache + base + t * dim, row, dim);
       for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot(q + h * dim, k, dim);
+      if (next_k) prefetch_rows(next_k + t * dim, dim);
     }
+    if (next_k)
+      for (int64_t t = n; t < bs; ++t) prefetch_rows(next_k + t * dim, dim);
     for (int64_t h = 0; h < group; ++h)
       online_softmax_step(logits + h * bs, n, maxes[h], sums[h], acc + h * dim, dim);
     int64_t t = 0;
@@ -157,11 +171,14 @@ void attend_group(T* out, const T* query, const T* key_cache, const T* value_cac
       const float* v1 = as_float(value_cache + base + (t + 1) * dim, row + dim, dim);
       for (int64_t h = 0; h < group; ++h)
         axpy2(acc + h * dim, logits[h * bs + t], v0, logits[h * bs + t + 1], v1, dim);
+      if (next_v) prefetch_rows(next_v + t * dim, 2 * dim);
     }
     if (t < n) {
       const float* v = as_float(value_cache + base + t * dim, row, dim);
       for (int64_t h = 0; h < group; ++h) axpy(acc + h * dim, logits[h * bs + t], v, dim);
     }
+    if (next_v)
+      for (; t < bs; t += 2) prefetch_rows(next_v + t * dim, std::min<int64_t>(2, bs - t) * dim);
   }
   for (int64_t h = 0; h < group; ++h) {
     const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;  // empty context -> zeros
