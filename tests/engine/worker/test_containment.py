@@ -31,10 +31,10 @@ def _poison(host: EngineThread, request_id: str) -> None:
     runner = host.engine.runner
     execute = runner.execute
 
-    def failing(sched: Any, *args: Any) -> Any:
+    def failing(sched: Any, *args: Any, **kwargs: Any) -> Any:
         if any(item.seq.request.request_id == request_id for item in sched.scheduled):
             raise IndexError("injected fault")
-        return execute(sched, *args)
+        return execute(sched, *args, **kwargs)
 
     runner.execute = failing
 
