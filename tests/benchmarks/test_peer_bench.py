@@ -16,7 +16,7 @@ from benchmarks.peer.cli import QUICK, parse_args
 from benchmarks.peer.counters import heartbeat_figures, metric_value
 from benchmarks.peer.offline import agreement
 from benchmarks.peer.parts import served_ratios
-from benchmarks.peer.served import _descendants, _stop_group, alive, summarize
+from benchmarks.peer.served import _descendants, _stop_group, alive, pagedserve_spec, summarize
 
 
 def test_only_keeps_documented_order_and_rejects_unknown_parts(capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,3 +102,10 @@ def test_served_ratios_compare_client_figures_only_without_failures() -> None:
     broken = served_ratios(ours | {"failed": 3, "server_output_tok_s": 120.0}, theirs)
     assert "output_tok_s_ratio" not in broken and "3 (pagedserve)" in broken["client_figures"]
     assert broken["server_output_tok_s_ratio"] == 1.2 and not broken["pagedserve_wins"]
+
+
+def test_pagedserve_args_reach_the_server_command_word_by_word() -> None:
+    args = parse_args(None, ["--pagedserve-args", "--engine-args '--max-num-batched-tokens 512' --workers 1"])
+    cmd = pagedserve_spec("/models/m", 2, args.pagedserve_args).cmd
+    assert cmd[-4:] == ["--engine-args", "--max-num-batched-tokens 512", "--workers", "1"]
+    assert "--kv-cache-memory" in cmd and parse_args(None, []).served_systems == "pagedserve,vllm"
