@@ -24,7 +24,7 @@ from engine.model.capacity import (
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
-from engine.model.runner import ModelRunner
+from engine.model.runner import ModelRunner, sampling_rows
 from engine.outputs import RequestOutput
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sample_step import SampleStage
@@ -134,7 +134,8 @@ class LLMEngine:
         self.last_step_decodes = sched.num_decodes
         samples = StepSamples()
         if not sched.is_empty:
-            result = self.runner.execute(sched, argmax_only=self.sampler.argmax_only(sched.sampling()))
+            pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
+            result = self.runner.execute(sched, pick)
             samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens)
         outputs = self.scheduler.update_from_output(sched, samples)
         self.counters["finished_error"] += len(sched.rejected)

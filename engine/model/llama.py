@@ -6,7 +6,7 @@ whose shards are stacked at load time by `load_weights`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,9 @@ from engine.model.layers import Linear, RMSNorm, SwiGLU
 from engine.model.rope import RotaryEmbedding
 from engine.model.spec import ModelSpec
 
-GREEDY_GROUP_BYTES = 24 << 20  # logits of one greedy lm_head group: under a 32 MiB L3 with room to spare
+LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 MiB L3 with room to spare
+# (logits of rows first_row.., first_row) -> their tokens
+TokenPicker = Callable[[Tensor, int], Tensor]
 
 # HF shard name -> (fused parameter, shard index)
 _STACKED = {
@@ -106,18 +108,19 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def greedy_tokens(self, hidden: Tensor) -> Tensor:
-        """The argmax token of each row (first maximum on ties), as int64, without keeping the logits.
+    def pick_tokens(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
+        """One int64 token per row, `pick(logits, first_row)` applied to the logits of each group of
+        rows, without keeping the logits matrix.
 
         Rows go through the lm_head in groups whose logits fit in a CPU's last-level cache
-        (`GREEDY_GROUP_BYTES`), each reduced while still cached: at batch 256 of a 49k vocabulary
-        this is 15% faster than one GEMM writing 50 MB and a second pass reading it back. Same
-        tokens as `compute_logits(hidden).max(-1).indices` (the GEMM's rows do not depend on
-        how many rows it is given; the tests compare the two)."""
-        group = hidden.shape[0] if hidden.is_cuda else max(1, GREEDY_GROUP_BYTES // (4 * self.spec.vocab_size))
+        (`LOGITS_GROUP_BYTES`), each turned into tokens while still cached: at batch 256 of a 49k
+        vocabulary a greedy step is 15% faster than one GEMM writing 50 MB and a second pass
+        reading it back. The logits are those of `compute_logits(hidden)` (the GEMM's rows do not
+        depend on how many rows it is given; the tests compare the two)."""
+        group = hidden.shape[0] if hidden.is_cuda else max(1, LOGITS_GROUP_BYTES // (4 * self.spec.vocab_size))
         if hidden.shape[0] <= group:
-            return self.compute_logits(hidden).max(dim=-1).indices
-        return torch.cat([self.compute_logits(part).max(dim=-1).indices for part in hidden.split(group)])
+            return pick(self.compute_logits(hidden), 0)
+        return torch.cat([pick(self.compute_logits(part), i * group) for i, part in enumerate(hidden.split(group))])
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:

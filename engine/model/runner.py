@@ -16,7 +16,7 @@ from torch import Tensor
 
 import ops
 from engine.model.attention import AttentionMetadata
-from engine.model.llama import LlamaForCausalLM
+from engine.model.llama import LlamaForCausalLM, TokenPicker
 from engine.sched.output import ScheduledSeq, SchedulerOutput
 
 KVCaches = list[tuple[Tensor, Tensor]]
@@ -36,14 +36,24 @@ class StepBatch:
 
 @dataclass(slots=True)
 class ModelOutput:
-    """fp32 logits of the sampling rows (`sampling[i]` owns row i), or only their argmax tokens
-    when the step asked for nothing else, and, for prompt logprobs, the hidden states of the rows
-    that predict prompt tokens."""
+    """fp32 logits of the sampling rows (`sampling[i]` owns row i), or only their tokens when the
+    step gave a picker, and, for prompt logprobs, the hidden states of the rows that predict
+    prompt tokens."""
 
     logits: Tensor
     sampling: list[ScheduledSeq]
     prompt_hidden: list[tuple[ScheduledSeq, Tensor]]
     tokens: Tensor | None = None
+
+
+def batch_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The step's rows: prefill chunks (more than one new token) first, then decodes."""
+    return [s for s in scheduled if len(s.token_ids) > 1] + [s for s in scheduled if len(s.token_ids) == 1]
+
+
+def sampling_rows(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The chunks that sample, in the order of the runner's logits (or tokens) rows."""
+    return [s for s in batch_order(scheduled) if s.sample]
 
 
 class BlockTableBuffer:
@@ -88,9 +98,9 @@ class ModelRunner:
         self.tables = BlockTableBuffer()
         self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
 
-    def execute(self, sched: SchedulerOutput, argmax_only: bool = False) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None) -> ModelOutput:
         """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows), or
-        with `argmax_only` their argmax tokens instead of the logits."""
+        with `pick` their tokens instead of the logits (rows in `sampling_rows` order)."""
         self.move_blocks(sched)
         batch = self.prepare(sched.scheduled)
         start = time.perf_counter()
@@ -98,8 +108,8 @@ class ModelRunner:
         logits, tokens = hidden.new_empty((0, 0), dtype=torch.float32), None
         if batch.sampling:
             rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
-            if argmax_only:
-                tokens = self.model.greedy_tokens(rows)
+            if pick is not None:
+                tokens = self.model.pick_tokens(rows, pick)
             else:
                 logits = self.model.compute_logits(rows)
         if self.device.type == "cuda":
@@ -127,9 +137,8 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
         """Prefill chunks (more than one new token) first, then one token per decode sequence;
         positions and slots computed in bulk from the block-table tensor."""
-        order = [s for s in scheduled if len(s.token_ids) > 1]
-        num_prefills = len(order)
-        order += [s for s in scheduled if len(s.token_ids) == 1]
+        order = batch_order(scheduled)
+        num_prefills = sum(1 for s in order if len(s.token_ids) > 1)
         counts = [len(s.token_ids) for s in order]
         ends = list(accumulate(counts))
         num_tokens = ends[-1] if ends else 0

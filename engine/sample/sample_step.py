@@ -6,12 +6,13 @@ samples one row per candidate (the row repeated, keyed by each candidate's strea
 requests go to the beam search. Then: logprobs of the raw rows that ask → penalties, bias,
 min_tokens → grammar masks → sampler, each in bulk; one `tolist()` per result tensor.
 
-When every row of a step needs only its argmax (`argmax_only`), the runner computes the tokens
-with the logits (`LlamaForCausalLM.greedy_tokens`) and never keeps the logits matrix."""
+When every row of a step needs only a token drawn from its own logits (`token_picker`: greedy,
+or random without filters), the runner takes the tokens group by group as the lm_head makes the
+logits (`LlamaForCausalLM.pick_tokens`) and never keeps the logits matrix."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from engine.sample.beam_step import beam_step
 from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.prompt_logprobs import chunk_prompt_logprobs
-from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
+from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, argmax_tokens, is_filtered, uniform
 from engine.sched.output import ScheduledSeq, StepSamples
 from engine.sched.sequence import Sequence, sample_stream
 
@@ -35,21 +36,32 @@ class SampleStage:
         self.compute_logits = compute_logits
         self.sampler = Sampler()
 
-    def argmax_only(self, sampling: Iterable[ScheduledSeq]) -> bool:
-        """True when each of these rows takes its logits' argmax and nothing else: greedy, one
-        candidate, no logprobs, no processor changing the row now, no grammar."""
-        for item in sampling:
+    def token_picker(self, rows: list[ScheduledSeq]) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+        """How to take these rows' tokens straight from their logits, or None when some row needs
+        the logits themselves: every row must be one candidate, want no logprobs, have no
+        processor changing it now and no grammar, and be greedy or randomly sampled without
+        top-k/top-p/min-p. `rows` are in the runner's order (`engine.model.runner.sampling_rows`)."""
+        random_rows: list[int] = []
+        temperatures: list[float] = []
+        uniforms: list[float] = []
+        for i, item in enumerate(rows):
             seq = item.seq
             p = seq.request.params
-            if (not p.is_greedy or p.num_candidates != 1 or p.logprobs is not None or seq.grammar is not None
+            if (p.num_candidates != 1 or p.use_beam_search or p.logprobs is not None or seq.grammar is not None
                     or changes_logits(seq, self.eos_list)):
-                return False
-        return True
+                return None
+            if not p.is_greedy:
+                if is_filtered(p):
+                    return None
+                random_rows.append(i)
+                temperatures.append(p.temperature)
+                uniforms.append(uniform(p.seed, seq.stream, seq.num_output_tokens))
+        return TokenPlan(random_rows, temperatures, uniforms) if random_rows else argmax_tokens
 
     def __call__(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                  prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]],
                  tokens: torch.Tensor | None = None) -> StepSamples:
-        """`tokens`: the rows' argmax, already taken (then `logits` is unused; see `argmax_only`)."""
+        """`tokens`: the rows' tokens, already taken (then `logits` is unused; see `token_picker`)."""
         out = StepSamples()
         for item, hidden in prompt_hidden:
             k = item.seq.request.params.prompt_logprobs or 0

@@ -17,6 +17,7 @@ probability of the token; computed only for rows that ask.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from dataclasses import dataclass
 
@@ -67,7 +68,37 @@ class SamplingBatch:
             self.uniforms = torch.tensor([uniform(chosen[j].seed, streams[i], token_indices[i])
                                           for j, i in enumerate(self.random_rows)], device=device).unsqueeze(1)
             # positions in random_rows of the rows with no top-k / top-p / min-p filter
-            self.unfiltered = [j for j, p in enumerate(chosen) if not _filtered(p)]
+            self.unfiltered = [j for j, p in enumerate(chosen) if not is_filtered(p)]
+
+
+def argmax_tokens(logits: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    """The greedy token of each row: its first maximum."""
+    return logits.max(dim=-1).indices  # first maximum on ties (faster than argmax)
+
+
+class TokenPlan:
+    """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
+    for steps that keep no logits: the argmax, and for `random_rows` (sorted) the inverse-CDF draw
+    that `Sampler` makes for an unfiltered random row, with the same temperatures and uniforms,
+    so a row gets the same token either way."""
+
+    def __init__(self, random_rows: list[int], temperatures: list[float], uniforms: list[float]) -> None:
+        self.random_rows = random_rows
+        self.inv_temperature = 1.0 / torch.tensor(temperatures)  # fp32, as `_draw` computes it
+        self.uniforms = torch.tensor(uniforms)
+
+    def __call__(self, logits: torch.Tensor, first_row: int) -> torch.Tensor:
+        lo = bisect.bisect_left(self.random_rows, first_row)
+        hi = bisect.bisect_left(self.random_rows, first_row + logits.shape[0])
+        inv_t, uniforms = self.inv_temperature[lo:hi].to(logits.device), self.uniforms[lo:hi].to(logits.device)
+        if hi - lo == logits.shape[0]:
+            return ops.sample_from_logits(logits, inv_t, uniforms)
+        tokens = argmax_tokens(logits)
+        if hi > lo:
+            local = torch.tensor([r - first_row for r in self.random_rows[lo:hi]], dtype=torch.long,
+                                 device=logits.device)
+            tokens[local] = ops.sample_from_logits(logits.index_select(0, local), inv_t, uniforms)
+        return tokens
 
 
 class Sampler:
@@ -78,7 +109,7 @@ class Sampler:
             raise ValueError(f"logits must be [{batch.size}, vocab], one row per spec; got {list(logits.shape)}")
         if len(batch.random_rows) == batch.size:
             return _draw(logits, batch)
-        tokens = logits.max(dim=-1).indices  # first maximum on ties (faster than argmax): greedy rows
+        tokens = argmax_tokens(logits)  # greedy rows
         if batch.random_rows:
             rows = _rows(batch.random_rows, batch.size, logits.device)
             tokens[rows] = _draw(logits[rows], batch)
@@ -117,7 +148,8 @@ class Logprobs:
         return values, tops
 
 
-def _filtered(p: SamplingParams) -> bool:
+def is_filtered(p: SamplingParams) -> bool:
+    """True when a random row's distribution is cut by top-k, top-p or min-p."""
     return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
 
 

@@ -63,10 +63,6 @@ class SchedulerOutput:
     def num_decodes(self) -> int:
         return sum(1 for s in self.scheduled if len(s.token_ids) == 1)
 
-    def sampling(self) -> list[ScheduledSeq]:
-        """The chunks that produce a token, in the order of the runner's logits rows."""
-        return [s for s in self.scheduled if s.sample]
-
 
 @dataclass(slots=True)
 class BeamChoice:

@@ -136,33 +136,36 @@ def test_penalties_with_beam_search_are_refused(llm: LLM) -> None:
     assert "beam-pen" not in llm.engine.requests
 
 
-def _argmax_only_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Record, step by step, whether the runner was told to keep only the argmax."""
+def _picked_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record, step by step, whether the runner was given a token picker (no logits kept)."""
     seen: list[bool] = []
     runner = llm.engine.runner
     execute = runner.execute
 
-    def spy(sched: Any, argmax_only: bool = False) -> Any:
-        seen.append(argmax_only)
-        return execute(sched, argmax_only)
+    def spy(sched: Any, pick: Any = None) -> Any:
+        seen.append(pick is not None)
+        return execute(sched, pick)
 
     monkeypatch.setattr(runner, "execute", spy)
     return seen
 
 
 @pytest.mark.parametrize("kwargs", [{"logprobs": 0}, {"repetition_penalty": 1.3}, {"logit_bias": {7: 1.0}},
-                                    {"min_tokens": NEW, "stop_token_ids": [5]}, {"n": 2}])
-def test_argmax_only_steps_are_plain_greedy_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch,
-                                                   kwargs: dict[str, Any]) -> None:
-    """Plain greedy steps skip the logits matrix; a batch-mate that needs the logits (logprobs, a
-    processor, n > 1) turns the shortcut off for the step, and the plain row's tokens stay the same."""
+                                    {"min_tokens": NEW, "stop_token_ids": [5]}, {"n": 2},
+                                    {"temperature": 0.8, "top_p": 0.9, "seed": 3}])
+@pytest.mark.parametrize("plain", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "sampled"])
+def test_steps_without_logits_give_the_same_tokens(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                                                   kwargs: dict[str, Any], plain: dict[str, Any]) -> None:
+    """Greedy and unfiltered sampled steps skip the logits matrix; a batch-mate that needs the
+    logits (logprobs, a processor, n > 1, a filter) turns the shortcut off for the step, and the
+    plain row's tokens stay the same."""
     prompt = list(range(30, 50))
-    seen = _argmax_only_steps(llm, monkeypatch)
-    alone = _greedy(llm, prompt)
+    seen = _picked_steps(llm, monkeypatch)
+    alone = llm.generate([prompt], SamplingParams(max_tokens=NEW, ignore_eos=True, **plain))[0].outputs[0].token_ids
     assert seen and all(seen)
     seen.clear()
-    params = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, **kwargs)]
+    params = [SamplingParams(max_tokens=NEW, ignore_eos=True, **plain),
+              SamplingParams(**({"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True} | kwargs))]
     outs = llm.generate([prompt, list(range(60, 75))], params)
     assert outs[0].outputs[0].token_ids == alone
     assert seen and not any(seen)

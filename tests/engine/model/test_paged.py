@@ -145,14 +145,21 @@ def test_architecture_variants_match_hf(variant: str, tmp_path_factory: pytest.T
 
 
 @pytest.mark.parametrize("group_rows", [1, 7, 64])
-def test_greedy_tokens_equal_the_argmax_of_the_logits(tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch,
+def test_picked_tokens_equal_those_of_the_full_logits(tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch,
                                                       group_rows: int) -> None:
-    """The lm_head in row groups, each reduced to its argmax, picks what the full logits pick."""
+    """The lm_head in row groups, each turned into tokens as it comes (argmax, and seeded draws
+    for some rows), picks what the full logits pick."""
     import engine.model.llama as llama
+    from engine.sample.sampler import TokenPlan, argmax_tokens
 
-    monkeypatch.setattr(llama, "GREEDY_GROUP_BYTES", group_rows * 4 * tiny.spec.vocab_size)
+    monkeypatch.setattr(llama, "LOGITS_GROUP_BYTES", group_rows * 4 * tiny.spec.vocab_size)
     hidden = torch.randn(50, tiny.spec.hidden_size, generator=torch.Generator().manual_seed(3))
-    expected = tiny.compute_logits(hidden).max(dim=-1).indices
-    got = tiny.greedy_tokens(hidden)
-    assert got.dtype == torch.int64
-    assert torch.equal(got, expected)
+    logits = tiny.compute_logits(hidden)
+    got = tiny.pick_tokens(hidden, argmax_tokens)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.max(dim=-1).indices)
+    random_rows = [0, 3, 7, 8, 30, 49]
+    plan = TokenPlan(random_rows, [0.7 + 0.1 * i for i in range(6)], [0.05 + 0.15 * i for i in range(6)])
+    expected = plan(logits, 0)
+    assert torch.equal(tiny.pick_tokens(hidden, plan), expected)
+    drawn = ops.sample_from_logits(logits[random_rows], plan.inv_temperature, plan.uniforms)
+    assert torch.equal(expected[random_rows], drawn)
