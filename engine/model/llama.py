@@ -18,7 +18,7 @@ from engine.model.rope import RotaryEmbedding
 from engine.model.spec import ModelSpec
 
 LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 MiB L3 with room to spare
-# (logits of rows first_row.., first_row) -> their tokens
+# pick(logits of the rows from first_row on, first_row) -> their int64 tokens
 TokenPicker = Callable[[Tensor, int], Tensor]
 
 # HF shard name -> (fused parameter, shard index)
