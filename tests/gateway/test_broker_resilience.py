@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,13 +33,20 @@ async def _kill_reader(gw: Gateway) -> None:
     raise AssertionError("the output reader connection is not named")
 
 
-async def test_output_written_while_the_reader_is_disconnected_arrives_once(gateway: Gateway) -> None:
+async def _half_streamed(gw: Gateway) -> tuple[asyncio.Task[Any], Any, list[int], int]:
+    """Start a streaming completion and publish the first half of its tokens: (the POST, the
+    request as the engine saw it, all its token ids, how many were published)."""
     body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 64}
-    post = asyncio.create_task(gateway.client.post("/v1/completions", json=body))
-    req = await gateway.engine.next_request()
-    ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode("Hello world! The quick brown fox", False)
+    post = asyncio.create_task(gw.client.post("/v1/completions", json=body))
+    req = await gw.engine.next_request()
+    ids = ModelTokenizer(gw.engine.tokenizer_dir).encode("Hello world! The quick brown fox", False)
     half = len(ids) // 2
-    await gateway.engine.publish(req, [SeqOutput(0, ids[:half], 0)])
+    await gw.engine.publish(req, [SeqOutput(0, ids[:half], 0)])
+    return post, req, ids, half
+
+
+async def test_output_written_while_the_reader_is_disconnected_arrives_once(gateway: Gateway) -> None:
+    post, req, ids, half = await _half_streamed(gateway)
     await _kill_reader(gateway)
     await gateway.engine.publish(req, [SeqOutput(0, ids[half:], half, "stop")], Usage(2, len(ids)))
     resp = await post
@@ -125,12 +133,7 @@ async def test_a_wedged_reader_is_replaced_and_reads_on(redis_server: str, tiny_
     async with open_gateway(redis_server, tiny_tokenizer_dir, request_timeout_s=120.0) as gw:
         await gw.engine.beat()
         broker = gw.client.app[BROKER]  # type: ignore[index]
-        body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 64}
-        post = asyncio.create_task(gw.client.post("/v1/completions", json=body))
-        req = await gw.engine.next_request()
-        ids = ModelTokenizer(gw.engine.tokenizer_dir).encode("Hello world! The quick brown fox", False)
-        half = len(ids) // 2
-        await gw.engine.publish(req, [SeqOutput(0, ids[:half], 0)])
+        post, req, ids, half = await _half_streamed(gw)
         wedged = broker.reader
 
         release = asyncio.Event()  # set at the end, so the wedged task can finish at teardown
