@@ -35,6 +35,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     watermark: float = 0.01
     debug_blocks: bool = False
+    logit_screen: bool = True  # greedy tokens through a bf16 screen of the lm_head where the CPU has one
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):

@@ -47,6 +47,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(resolve_model_dtype(config.dtype, self.device))
         self.hf_config = load_hf_config(config.model)
         self.model = load_model(config.model, self.dtype, self.device)
+        self.model.use_logit_screen = config.logit_screen
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model, self.hf_config)
         limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))

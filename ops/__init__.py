@@ -13,6 +13,7 @@ from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
 from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
 from ops.sampling import sample_from_logits
+from ops.screen import native_bf16, pack_screen_weight, screen_logits, screened_argmax, weight_norms
 
 __all__ = [
     "SMALL_GEMM_MAX_ROWS",
@@ -22,6 +23,8 @@ __all__ = [
     "fused_add_rms_norm",
     "get_backend",
     "linear",
+    "native_bf16",
+    "pack_screen_weight",
     "pack_weight",
     "paged_attention",
     "paged_prefill_attention",
@@ -30,7 +33,10 @@ __all__ = [
     "rms_norm",
     "rotary_embedding_and_cache",
     "sample_from_logits",
+    "screen_logits",
+    "screened_argmax",
     "set_backend",
     "silu_and_mul",
     "swap_blocks",
+    "weight_norms",
 ]

@@ -53,4 +53,12 @@ void small_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 void sample_from_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
                         const at::Tensor& uniforms);
 
+// out int64 [rows]: per row, the first token maximizing the fp32 logit dot(hidden[row], weight[j]),
+// searched among tokens whose bf16 screen approx [rows, vocab] can reach the row's maximum given
+// the error bound error_scale * |hidden[row]| * weight_norms[j] + output_slack * |approx|; -1 for
+// a row with a non-finite value (see ops/screen.py).
+void screened_argmax(const at::Tensor& out, const at::Tensor& approx, const at::Tensor& hidden,
+                     const at::Tensor& weight, const at::Tensor& weight_norms, double error_scale,
+                     double output_slack);
+
 }  // namespace pagedserve::cpu

@@ -23,6 +23,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
   m.def("small_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) -> ()");
+  m.def(
+      "screened_argmax(Tensor(a!) out, Tensor approx, Tensor hidden, Tensor weight, Tensor weight_norms, "
+      "float error_scale, float output_slack) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -37,4 +40,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rotary_embedding_and_cache", &pagedserve::cpu::rotary_embedding_and_cache);
   m.impl("small_gemm", &pagedserve::cpu::small_gemm);
   m.impl("sample_from_logits", &pagedserve::cpu::sample_from_logits);
+  m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);
 }

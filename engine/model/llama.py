@@ -6,7 +6,8 @@ whose shards are stacked at load time by `load_weights`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -14,12 +15,25 @@ from torch import Tensor, nn
 import ops
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.layers import Linear, RMSNorm, SwiGLU
+from engine.model.logit_screen import LogitScreen
 from engine.model.rope import RotaryEmbedding
 from engine.model.spec import ModelSpec
 
 LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 MiB L3 with room to spare
-# pick(logits of the rows from first_row on, first_row) -> their int64 tokens
-TokenPicker = Callable[[Tensor, int], Tensor]
+
+
+class TokenPicker(Protocol):
+    """How `pick_tokens` turns rows of logits into tokens (`engine.sample.sampler.TokenPlan`)."""
+
+    random_rows: list[int]  # sorted rows drawn from their logits; every other row is greedy (argmax)
+
+    def __call__(self, logits: Tensor, first_row: int) -> Tensor:
+        """The int64 tokens of the rows from `first_row` on, given their logits."""
+        ...
+
+    def only_random(self) -> TokenPicker:
+        """The picker of the random rows alone, renumbered from 0."""
+        ...
 
 # HF shard name -> (fused parameter, shard index)
 _STACKED = {
@@ -90,6 +104,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.use_logit_screen = True  # greedy rows through `LogitScreen` where it applies
+        self.screen: LogitScreen | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -109,14 +125,39 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def pick_tokens(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
-        """One int64 token per row, `pick(logits, first_row)` applied to the logits of each group of
-        rows, without keeping the logits matrix.
+        """One int64 token per row, as `pick` would take it from the rows' fp32 logits, without
+        keeping the logits matrix. Greedy rows go through the bf16 logit screen where the CPU has
+        one (`LogitScreen`: the same argmax, a third of the GEMM); the other rows through
+        `_pick_in_groups`."""
+        screen = self.logit_screen()
+        if screen is None or len(pick.random_rows) == hidden.shape[0]:
+            return self._pick_in_groups(hidden, pick)
+        if not pick.random_rows:
+            return screen.argmax(hidden)
+        random = torch.tensor(pick.random_rows, dtype=torch.long)
+        greedy = torch.ones(hidden.shape[0], dtype=torch.bool)
+        greedy[random] = False
+        greedy_rows = greedy.nonzero().squeeze(1)
+        tokens = torch.empty(hidden.shape[0], dtype=torch.long)
+        tokens[greedy_rows] = screen.argmax(hidden.index_select(0, greedy_rows))
+        tokens[random] = self._pick_in_groups(hidden.index_select(0, random), pick.only_random())
+        return tokens
 
-        Rows go through the lm_head in groups whose logits fit in a CPU's last-level cache
-        (`LOGITS_GROUP_BYTES`), each turned into tokens while still cached: at batch 256 of a 49k
-        vocabulary a greedy step is 15% faster than one GEMM writing 50 MB and a second pass
-        reading it back. The logits are those of `compute_logits(hidden)` (the GEMM's rows do not
-        depend on how many rows it is given; the tests compare the two)."""
+    def logit_screen(self) -> LogitScreen | None:
+        """The lm_head's bf16 screen, made on first use (after the checkpoint is loaded), or None
+        where it does not apply (`LogitScreen.usable`) or `use_logit_screen` is off."""
+        if not self.use_logit_screen or not LogitScreen.usable(self.lm_head.weight):
+            return None
+        if self.screen is None or self.screen.weight.data_ptr() != self.lm_head.weight.data_ptr():
+            self.screen = LogitScreen(self.lm_head.weight)
+        return self.screen
+
+    def _pick_in_groups(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
+        """The lm_head in groups of rows whose logits fit in a CPU's last-level cache
+        (`LOGITS_GROUP_BYTES`), each turned into tokens by `pick` while still cached: at batch
+        256 of a 49k vocabulary a greedy step is 15% faster than one GEMM writing 50 MB and a
+        second pass reading it back. The logits are those of `compute_logits(hidden)` (the GEMM's
+        rows do not depend on how many rows it is given; the tests compare the two)."""
         group = hidden.shape[0] if hidden.is_cuda else max(1, LOGITS_GROUP_BYTES // (4 * self.spec.vocab_size))
         if hidden.shape[0] <= group:
             return pick(self.compute_logits(hidden), 0)

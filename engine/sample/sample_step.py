@@ -20,7 +20,7 @@ from engine.sample.beam_step import beam_step
 from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.prompt_logprobs import chunk_prompt_logprobs
-from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, argmax_tokens, is_filtered, uniform
+from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, is_filtered, uniform
 from engine.sched.output import ScheduledSeq, StepSamples
 from engine.sched.sequence import Sequence, sample_stream
 
@@ -36,7 +36,7 @@ class SampleStage:
         self.compute_logits = compute_logits
         self.sampler = Sampler()
 
-    def token_picker(self, rows: list[ScheduledSeq]) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    def token_picker(self, rows: list[ScheduledSeq]) -> TokenPlan | None:
         """How to take these rows' tokens straight from their logits, or None when some row needs
         the logits themselves: every row must be one candidate, want no logprobs, have no
         processor changing it now and no grammar, and be greedy or randomly sampled without
@@ -56,7 +56,7 @@ class SampleStage:
                 random_rows.append(i)
                 temperatures.append(p.temperature)
                 uniforms.append(uniform(p.seed, seq.stream, seq.num_output_tokens))
-        return TokenPlan(random_rows, temperatures, uniforms) if random_rows else argmax_tokens
+        return TokenPlan(random_rows, temperatures, uniforms)
 
     def __call__(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                  prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]],

@@ -80,24 +80,29 @@ class TokenPlan:
     """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
     for steps that keep no logits: the argmax, and for `random_rows` (sorted) the inverse-CDF draw
     that `Sampler` makes for an unfiltered random row, with the same temperatures and uniforms,
-    so a row gets the same token either way."""
+    so a row gets the same token either way. Every other row is greedy."""
 
     def __init__(self, random_rows: list[int], temperatures: list[float], uniforms: list[float]) -> None:
         self.random_rows = random_rows
+        self.temperatures, self.uniform_values = temperatures, uniforms
         self.inv_temperature = 1.0 / torch.tensor(temperatures)  # fp32, as `_draw` computes it
         self.uniforms = torch.tensor(uniforms)
+
+    def only_random(self) -> TokenPlan:
+        """The plan of the random rows alone, renumbered from 0 in their order."""
+        return TokenPlan(list(range(len(self.random_rows))), self.temperatures, self.uniform_values)
 
     def __call__(self, logits: torch.Tensor, first_row: int) -> torch.Tensor:
         lo = bisect.bisect_left(self.random_rows, first_row)
         hi = bisect.bisect_left(self.random_rows, first_row + logits.shape[0])
+        if hi == lo:
+            return argmax_tokens(logits)
         inv_t, uniforms = self.inv_temperature[lo:hi].to(logits.device), self.uniforms[lo:hi].to(logits.device)
         if hi - lo == logits.shape[0]:
             return ops.sample_from_logits(logits, inv_t, uniforms)
         tokens = argmax_tokens(logits)
-        if hi > lo:
-            local = torch.tensor([r - first_row for r in self.random_rows[lo:hi]], dtype=torch.long,
-                                 device=logits.device)
-            tokens[local] = ops.sample_from_logits(logits.index_select(0, local), inv_t, uniforms)
+        local = torch.tensor([r - first_row for r in self.random_rows[lo:hi]], dtype=torch.long, device=logits.device)
+        tokens[local] = ops.sample_from_logits(logits.index_select(0, local), inv_t, uniforms)
         return tokens
 
 

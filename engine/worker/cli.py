@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "reference"))
     parser.add_argument("--debug-blocks", action="store_true", help="log every block event, check invariants")
+    parser.add_argument("--no-logit-screen", action="store_true",
+                        help="greedy rows use the full fp32 lm_head even where the CPU has bf16 dot products "
+                             "(the tokens are the same; the screen is faster)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between heartbeats; a silent engine's requests move after 5 intervals")
     parser.add_argument("--max-claims", type=int, default=3,
@@ -74,6 +77,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, debug_blocks=args.debug_blocks,
+        logit_screen=not args.no_logit_screen,
     )
 
 

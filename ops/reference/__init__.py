@@ -6,6 +6,7 @@ from ops.reference.attention import paged_attention, paged_prefill_attention
 from ops.reference.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.reference.fused import fused_add_rms_norm, linear, rms_norm, rotary_embedding_and_cache, silu_and_mul
 from ops.reference.sampling import sample_from_logits
+from ops.reference.screen import screened_argmax
 
 __all__ = [
     "copy_blocks",
@@ -17,6 +18,7 @@ __all__ = [
     "rms_norm",
     "rotary_embedding_and_cache",
     "sample_from_logits",
+    "screened_argmax",
     "silu_and_mul",
     "swap_blocks",
 ]

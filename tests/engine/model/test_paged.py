@@ -144,18 +144,24 @@ def test_architecture_variants_match_hf(variant: str, tmp_path_factory: pytest.T
     _assert_close(torch.cat(logits), reference)
 
 
+@pytest.mark.parametrize("screen", [True, False])
 @pytest.mark.parametrize("group_rows", [1, 7, 64])
 def test_picked_tokens_equal_those_of_the_full_logits(tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch,
-                                                      group_rows: int) -> None:
+                                                      group_rows: int, screen: bool) -> None:
     """The lm_head in row groups, each turned into tokens as it comes (argmax, and seeded draws
-    for some rows), picks what the full logits pick."""
+    for some rows), and greedy rows through the bf16 logit screen where this CPU has one, pick
+    what the full logits pick."""
     import engine.model.llama as llama
-    from engine.sample.sampler import TokenPlan, argmax_tokens
+    import engine.model.logit_screen as logit_screen
+    from engine.sample.sampler import TokenPlan
 
     monkeypatch.setattr(llama, "LOGITS_GROUP_BYTES", group_rows * 4 * tiny.spec.vocab_size)
+    monkeypatch.setattr(logit_screen, "SCREEN_GROUP_BYTES", group_rows * 2 * tiny.spec.vocab_size)
+    monkeypatch.setattr(tiny, "use_logit_screen", screen)
+    assert (tiny.logit_screen() is not None) == (screen and ops.native_bf16())
     hidden = torch.randn(50, tiny.spec.hidden_size, generator=torch.Generator().manual_seed(3))
     logits = tiny.compute_logits(hidden)
-    got = tiny.pick_tokens(hidden, argmax_tokens)
+    got = tiny.pick_tokens(hidden, TokenPlan([], [], []))
     assert got.dtype == torch.int64 and torch.equal(got, logits.max(dim=-1).indices)
     random_rows = [0, 3, 7, 8, 30, 49]
     plan = TokenPlan(random_rows, [0.7 + 0.1 * i for i in range(6)], [0.05 + 0.15 * i for i in range(6)])
@@ -163,3 +169,5 @@ def test_picked_tokens_equal_those_of_the_full_logits(tiny: LlamaForCausalLM, mo
     assert torch.equal(tiny.pick_tokens(hidden, plan), expected)
     drawn = ops.sample_from_logits(logits[random_rows], plan.inv_temperature, plan.uniforms)
     assert torch.equal(expected[random_rows], drawn)
+    everyone = TokenPlan(list(range(50)), [0.9] * 50, [0.5] * 50)
+    assert torch.equal(tiny.pick_tokens(hidden, everyone), everyone(logits, 0))
