@@ -68,8 +68,8 @@ def decode(model: str, args: argparse.Namespace) -> None:
     llm = LLM(model, kv_cache_memory=2 << 30, max_num_batched_tokens=args.max_num_batched_tokens)
     engine, n, out_len = llm.engine, args.batch, args.output_len
     llm.generate(_prompts(4, 32, 1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
-    params = SamplingParams(temperature=args.temperature, seed=0, max_tokens=out_len, min_tokens=out_len,
-                            ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0, max_tokens=out_len,
+                            min_tokens=out_len, ignore_eos=True)
     for i, prompt in enumerate(_prompts(n, 32, 0)):
         engine.add_request(f"d{i}", prompt, params)
     host, step_ms, tokens = [], [], 0
@@ -83,7 +83,7 @@ def decode(model: str, args: argparse.Namespace) -> None:
             host.append((step - model_s) * 1e3)
             step_ms.append(step * 1e3)
     elapsed = time.perf_counter() - start
-    emit({"part": "decode", "batch": n, "temperature": args.temperature,
+    emit({"part": "decode", "batch": n, "temperature": args.temperature, "top_p": args.top_p,
           "host_ms_per_decode_step_median": round(statistics.median(host), 2),
           "host_ms_p90": round(sorted(host)[int(0.9 * len(host))], 2),
           "step_ms_median": round(statistics.median(step_ms), 2), "decode_steps": len(host),
@@ -186,6 +186,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0, help="decode part: top_p of every request")
     parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
     parser.add_argument("--budgets", default="512,2048,4096,8192")
     args = parser.parse_args()

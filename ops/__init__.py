@@ -12,7 +12,7 @@ from ops.build import KernelBuildError
 from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
 from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
-from ops.sampling import sample_from_logits
+from ops.sampling import sample_filtered, sample_from_logits
 from ops.screen import native_bf16, pack_screen_weight, screen_logits, screened_argmax, weight_norms
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding_and_cache",
+    "sample_filtered",
     "sample_from_logits",
     "screen_logits",
     "screened_argmax",

@@ -53,6 +53,13 @@ void small_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 void sample_from_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
                         const at::Tensor& uniforms);
 
+// sample_from_logits after per-row filters, in this order: top_k > 0 keeps the logits reaching the
+// k-th largest; top_p < 1 keeps the largest probabilities until their mass reaches top_p; min_p > 0
+// keeps probabilities of at least min_p times the largest. Ties at a cut are kept.
+void sample_filtered(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
+                     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                     const at::Tensor& uniforms);
+
 // out int64 [rows]: per row, the first token maximizing the fp32 logit dot(hidden[row], weight[j]),
 // searched among tokens whose bf16 screen approx [rows, vocab] can reach the row's maximum given
 // the error bound error_scale * |hidden[row]| * weight_norms[j] + output_slack * |approx|; -1 for

@@ -24,6 +24,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("small_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) -> ()");
   m.def(
+      "sample_filtered(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, Tensor uniforms) -> ()");
+  m.def(
       "screened_argmax(Tensor(a!) out, Tensor approx, Tensor hidden, Tensor weight, Tensor weight_norms, "
       "float error_scale, float output_slack) -> ()");
 }
@@ -40,5 +43,6 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rotary_embedding_and_cache", &pagedserve::cpu::rotary_embedding_and_cache);
   m.impl("small_gemm", &pagedserve::cpu::small_gemm);
   m.impl("sample_from_logits", &pagedserve::cpu::sample_from_logits);
+  m.impl("sample_filtered", &pagedserve::cpu::sample_filtered);
   m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);
 }

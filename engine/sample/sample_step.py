@@ -39,11 +39,13 @@ class SampleStage:
     def token_picker(self, rows: list[ScheduledSeq]) -> TokenPlan | None:
         """How to take these rows' tokens straight from their logits, or None when some row needs
         the logits themselves: every row must be one candidate, want no logprobs, have no
-        processor changing it now and no grammar, and be greedy or randomly sampled without
-        top-k/top-p/min-p. `rows` are in the runner's order (`engine.model.runner.sampling_rows`)."""
+        processor changing it now and no grammar. `rows` are in the runner's order
+        (`engine.model.runner.sampling_rows`)."""
         random_rows: list[int] = []
         temperatures: list[float] = []
         uniforms: list[float] = []
+        filters: tuple[list[int], list[float], list[float]] = ([], [], [])
+        filtered = False
         for i, item in enumerate(rows):
             seq = item.seq
             p = seq.request.params
@@ -51,12 +53,14 @@ class SampleStage:
                     or changes_logits(seq, self.eos_list)):
                 return None
             if not p.is_greedy:
-                if is_filtered(p):
-                    return None
                 random_rows.append(i)
                 temperatures.append(p.temperature)
                 uniforms.append(uniform(p.seed, seq.stream, seq.num_output_tokens))
-        return TokenPlan(random_rows, temperatures, uniforms)
+                filters[0].append(p.top_k)
+                filters[1].append(p.top_p)
+                filters[2].append(p.min_p)
+                filtered = filtered or is_filtered(p)
+        return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None)
 
     def __call__(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                  prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]],

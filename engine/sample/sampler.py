@@ -7,8 +7,9 @@ logits and key, never on the other rows, their order, or which code path the bat
 A preempted or resumed request therefore continues exactly as it would have.
 
 The per-row parameters travel as tensors (`SamplingBatch`); a batch of greedy rows is one
-argmax, with no softmax; random rows without top-k/top-p/min-p go to one inverse-CDF kernel
-(`ops.sample_from_logits`) that never writes the probabilities out.
+argmax, with no softmax; random rows go to one inverse-CDF kernel that never writes the
+probabilities out (`ops.sample_from_logits`, or `ops.sample_filtered` when a row has top-k,
+top-p or min-p).
 
 Logprobs (`Logprobs`) are log_softmax of the logits *before* any processor (penalties, bias,
 grammar mask, temperature, filters), as the OpenAI API and vLLM report them: the model's own
@@ -25,8 +26,6 @@ import torch
 
 import ops
 from engine.sampling_params import SamplingParams
-
-TOP_P_PROBE = 1024  # top-p first looks at this many most likely tokens, sorts the full row if short
 
 
 def uniform(seed: int | None, stream: str, token_index: int) -> float:
@@ -79,31 +78,42 @@ def argmax_tokens(logits: torch.Tensor, first_row: int = 0) -> torch.Tensor:
 class TokenPlan:
     """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
     for steps that keep no logits: the argmax, and for `random_rows` (sorted) the inverse-CDF draw
-    that `Sampler` makes for an unfiltered random row, with the same temperatures and uniforms,
-    so a row gets the same token either way. Every other row is greedy."""
+    that `Sampler` makes for a random row, with the same temperatures, filters and uniforms, so a
+    row gets the same token either way. Every other row is greedy."""
 
-    def __init__(self, random_rows: list[int], temperatures: list[float], uniforms: list[float]) -> None:
+    def __init__(self, random_rows: list[int], temperatures: list[float], uniforms: list[float],
+                 filters: tuple[list[int], list[float], list[float]] | None = None) -> None:
         self.random_rows = random_rows
-        self.temperatures, self.uniform_values = temperatures, uniforms
+        self.temperatures, self.uniform_values, self.filters = temperatures, uniforms, filters
         self.inv_temperature = 1.0 / torch.tensor(temperatures)  # fp32, as `_draw` computes it
         self.uniforms = torch.tensor(uniforms)
+        # (top_k, top_p, min_p) per random row, when some row has a filter
+        self.filter_tensors = filter_tensors(*filters) if filters else None
 
     def only_random(self) -> TokenPlan:
         """The plan of the random rows alone, renumbered from 0 in their order."""
-        return TokenPlan(list(range(len(self.random_rows))), self.temperatures, self.uniform_values)
+        return TokenPlan(list(range(len(self.random_rows))), self.temperatures, self.uniform_values, self.filters)
 
     def __call__(self, logits: torch.Tensor, first_row: int) -> torch.Tensor:
         lo = bisect.bisect_left(self.random_rows, first_row)
         hi = bisect.bisect_left(self.random_rows, first_row + logits.shape[0])
         if hi == lo:
             return argmax_tokens(logits)
-        inv_t, uniforms = self.inv_temperature[lo:hi].to(logits.device), self.uniforms[lo:hi].to(logits.device)
         if hi - lo == logits.shape[0]:
-            return ops.sample_from_logits(logits, inv_t, uniforms)
+            return self._draw(logits, lo, hi)
         tokens = argmax_tokens(logits)
         local = torch.tensor([r - first_row for r in self.random_rows[lo:hi]], dtype=torch.long, device=logits.device)
-        tokens[local] = ops.sample_from_logits(logits.index_select(0, local), inv_t, uniforms)
+        tokens[local] = self._draw(logits.index_select(0, local), lo, hi)
         return tokens
+
+    def _draw(self, logits: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Random rows lo..hi of the plan, as `_draw` draws them."""
+        device = logits.device
+        inv_t, uniforms = self.inv_temperature[lo:hi].to(device), self.uniforms[lo:hi].to(device)
+        if self.filter_tensors is None:
+            return ops.sample_from_logits(logits, inv_t, uniforms)
+        k, p, m = (t[lo:hi].to(device) for t in self.filter_tensors)
+        return ops.sample_filtered(logits, inv_t, k, p, m, uniforms)
 
 
 class Sampler:
@@ -159,74 +169,22 @@ def is_filtered(p: SamplingParams) -> bool:
 
 
 def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Tokens for the random rows (`logits` holds those rows only): unfiltered rows by the inverse-CDF
-    kernel (`ops.sample_from_logits`), filtered ones by the torch path below. Which path a row takes
-    depends on its own parameters only, so a row's token never depends on its batch-mates."""
-    plain = batch.unfiltered
-    if len(plain) == len(batch.top_k):
-        return ops.sample_from_logits(logits, 1.0 / batch.temperature.squeeze(1), batch.uniforms.squeeze(1))
-    tokens = torch.empty(len(batch.top_k), dtype=torch.int64, device=logits.device)
-    if plain:
-        index = torch.tensor(plain, dtype=torch.long, device=logits.device)
-        tokens[index] = ops.sample_from_logits(logits.index_select(0, index),
-                                               1.0 / batch.temperature.squeeze(1)[index],
-                                               batch.uniforms.squeeze(1)[index])
-    unfiltered = set(plain)
-    filtered = [j for j in range(len(batch.top_k)) if j not in unfiltered]
-    index = torch.tensor(filtered, dtype=torch.long, device=logits.device)
-    tokens[index] = _draw_filtered(logits.index_select(0, index), batch.temperature[index],
-                                   [batch.top_k[j] for j in filtered], [batch.top_p[j] for j in filtered],
-                                   [batch.min_p[j] for j in filtered], batch.uniforms[index])
-    return tokens
+    """Tokens for the random rows (`logits` holds those rows only), by one inverse-CDF kernel:
+    `ops.sample_filtered` when some row has top-k/top-p/min-p, else `ops.sample_from_logits`
+    (the same draw for a row without filters, so a row's token never depends on its batch-mates)."""
+    inv_t = 1.0 / batch.temperature.squeeze(1)
+    uniforms = batch.uniforms.squeeze(1)
+    if len(batch.unfiltered) == len(batch.top_k):
+        return ops.sample_from_logits(logits, inv_t, uniforms)
+    return ops.sample_filtered(logits, inv_t, *filter_tensors(batch.top_k, batch.top_p, batch.min_p, logits.device),
+                               uniforms)
 
 
-def _draw_filtered(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
-                   min_p: list[float], uniforms: torch.Tensor) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    scaled = logits / temperature
-    ks = [k if 0 < k < vocab else vocab for k in top_k]
-    if min(ks) < vocab:
-        _mask_top_k(scaled, torch.tensor(ks, device=logits.device))
-    probs = torch.softmax(scaled, dim=-1)
-    cut = [i for i, p in enumerate(top_p) if p < 1.0]
-    if cut:
-        rows = _rows(cut, len(top_p), logits.device)
-        probs[rows] = _mask_top_p(probs[rows], [top_p[i] for i in cut])
-    if any(m > 0 for m in min_p):
-        min_ps = torch.tensor(min_p, device=logits.device).unsqueeze(1)
-        probs.masked_fill_(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
-    cdf = probs.cumsum(dim=-1)
-    picked = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True)
-    return picked.squeeze(1).clamp_max(vocab - 1)
-
-
-def _mask_top_k(scaled: torch.Tensor, ks: torch.Tensor) -> None:
-    """In place: keep every token whose value reaches the row's k-th largest (ties at the cut kept)."""
-    top = torch.topk(scaled, int(ks.max()), dim=-1).values
-    kth = top.gather(1, (ks - 1).unsqueeze(1))
-    scaled.masked_fill_(scaled < kth, float("-inf"))
-
-
-def _mask_top_p(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    """Keep the most likely tokens until their mass reaches top_p (ties at the cut kept).
-
-    The cut only needs the sorted values' prefix, so look at the TOP_P_PROBE largest first and
-    sort the whole row only where that prefix falls short of top_p."""
-    ps = torch.tensor(top_ps, device=probs.device).unsqueeze(1)
-    probe = min(TOP_P_PROBE, probs.shape[-1])
-    head = torch.topk(probs, probe, dim=-1).values
-    cut = _cut_value(head, ps)
-    short = (head.cumsum(dim=-1)[:, -1:] < ps).squeeze(1).nonzero().squeeze(1)
-    if short.numel() and probe < probs.shape[-1]:
-        full = torch.sort(probs[short], dim=-1, descending=True).values
-        cut[short] = _cut_value(full, ps[short])
-    return probs.masked_fill_(probs < cut, 0.0)
-
-
-def _cut_value(sorted_desc: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
-    """Smallest kept probability: the value where the running mass first reaches p."""
-    position = (sorted_desc.cumsum(dim=-1) < ps).sum(dim=-1, keepdim=True)
-    return sorted_desc.gather(1, position.clamp_max(sorted_desc.shape[-1] - 1))
+def filter_tensors(top_k: list[int], top_p: list[float], min_p: list[float],
+                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-row filters as `ops.sample_filtered` takes them."""
+    return (torch.tensor(top_k, dtype=torch.int64, device=device), torch.tensor(top_p, device=device),
+            torch.tensor(min_p, device=device))
 
 
 def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | slice:

@@ -5,7 +5,7 @@ block_size, head_size]``."""
 from ops.reference.attention import paged_attention, paged_prefill_attention
 from ops.reference.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.reference.fused import fused_add_rms_norm, linear, rms_norm, rotary_embedding_and_cache, silu_and_mul
-from ops.reference.sampling import sample_from_logits
+from ops.reference.sampling import sample_filtered, sample_from_logits
 from ops.reference.screen import screened_argmax
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding_and_cache",
+    "sample_filtered",
     "sample_from_logits",
     "screened_argmax",
     "silu_and_mul",

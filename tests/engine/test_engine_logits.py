@@ -150,15 +150,19 @@ def _picked_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("kwargs", [{"logprobs": 0}, {"repetition_penalty": 1.3}, {"logit_bias": {7: 1.0}},
-                                    {"min_tokens": NEW, "stop_token_ids": [5]}, {"n": 2},
-                                    {"temperature": 0.8, "top_p": 0.9, "seed": 3}])
+@pytest.mark.parametrize(("kwargs", "needs_logits"), [
+    ({"logprobs": 0}, True), ({"repetition_penalty": 1.3}, True), ({"logit_bias": {7: 1.0}}, True),
+    ({"min_tokens": NEW, "stop_token_ids": [5]}, True), ({"n": 2}, True),
+    ({"temperature": 0.8, "top_p": 0.9, "seed": 3}, False), ({"temperature": 0.8, "top_k": 5, "seed": 4}, False),
+    ({"temperature": 1.2, "min_p": 0.2, "top_p": 0.95, "top_k": 40, "seed": 5}, False),
+])
 @pytest.mark.parametrize("plain", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "sampled"])
 def test_steps_without_logits_give_the_same_tokens(llm: LLM, monkeypatch: pytest.MonkeyPatch,
-                                                   kwargs: dict[str, Any], plain: dict[str, Any]) -> None:
-    """Greedy and unfiltered sampled steps skip the logits matrix; a batch-mate that needs the
-    logits (logprobs, a processor, n > 1, a filter) turns the shortcut off for the step, and the
-    plain row's tokens stay the same."""
+                                                   kwargs: dict[str, Any], needs_logits: bool,
+                                                   plain: dict[str, Any]) -> None:
+    """Steps of greedy and sampled rows (top-k/top-p/min-p included) skip the logits matrix; a
+    batch-mate that needs the logits (logprobs, a processor, n > 1) turns the shortcut off for the
+    step; every row's tokens are those of the full-logits path."""
     prompt = list(range(30, 50))
     seen = _picked_steps(llm, monkeypatch)
     alone = llm.generate([prompt], SamplingParams(max_tokens=NEW, ignore_eos=True, **plain))[0].outputs[0].token_ids
@@ -166,7 +170,14 @@ def test_steps_without_logits_give_the_same_tokens(llm: LLM, monkeypatch: pytest
     seen.clear()
     params = [SamplingParams(max_tokens=NEW, ignore_eos=True, **plain),
               SamplingParams(**({"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True} | kwargs))]
-    outs = llm.generate([prompt, list(range(60, 75))], params)
+    prompts = [prompt, list(range(60, 75))]
+    outs = llm.generate(prompts, params)
     assert outs[0].outputs[0].token_ids == alone
-    assert seen and not any(seen)
+    assert seen and (not any(seen) if needs_logits else all(seen))
+    if not needs_logits:  # the same tokens for both rows when every step keeps its logits
+        monkeypatch.setattr(llm.engine.sampler, "token_picker", lambda rows: None)
+        seen.clear()
+        full = llm.generate(prompts, params)
+        assert not any(seen)
+        assert [o.outputs[0].token_ids for o in full] == [o.outputs[0].token_ids for o in outs]
     assert_no_leaks(llm)

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sample.sampler import TOP_P_PROBE, Logprobs, Sampler, SamplingBatch
+from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
+from ops.reference.sampling import TOP_P_PROBE
 
 sampler = Sampler()
 GREEDY = SamplingParams(temperature=0.0)
