@@ -18,6 +18,7 @@ Parts (JSON lines each):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -70,8 +71,9 @@ def decode(model: str, args: argparse.Namespace) -> None:
     llm.generate(_prompts(4, 32, 1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0, max_tokens=out_len,
                             min_tokens=out_len, ignore_eos=True)
+    with_logprobs = dataclasses.replace(params, logprobs=1)
     for i, prompt in enumerate(_prompts(n, 32, 0)):
-        engine.add_request(f"d{i}", prompt, params)
+        engine.add_request(f"d{i}", prompt, with_logprobs if i < args.logprobs_rows else params)
     host, step_ms, tokens = [], [], 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -84,6 +86,7 @@ def decode(model: str, args: argparse.Namespace) -> None:
             step_ms.append(step * 1e3)
     elapsed = time.perf_counter() - start
     emit({"part": "decode", "batch": n, "temperature": args.temperature, "top_p": args.top_p,
+          "logprobs_rows": args.logprobs_rows,
           "host_ms_per_decode_step_median": round(statistics.median(host), 2),
           "host_ms_p90": round(sorted(host)[int(0.9 * len(host))], 2),
           "step_ms_median": round(statistics.median(step_ms), 2), "decode_steps": len(host),
@@ -187,6 +190,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0, help="decode part: top_p of every request")
+    parser.add_argument("--logprobs-rows", type=int, default=0,
+                        help="decode part: this many of the requests also ask for logprobs (their rows need logits)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
     parser.add_argument("--budgets", default="512,2048,4096,8192")
     args = parser.parse_args()

@@ -137,7 +137,8 @@ class LLMEngine:
         if not sched.is_empty:
             pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
             result = self.runner.execute(sched, pick)
-            samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens)
+            samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens,
+                                   result.logit_rows)
         outputs = self.scheduler.update_from_output(sched, samples)
         self.counters["finished_error"] += len(sched.rejected)
         if self.config.debug_blocks:

@@ -8,7 +8,7 @@ across steps (`BlockTableBuffer`)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
 import torch
@@ -36,14 +36,15 @@ class StepBatch:
 
 @dataclass(slots=True)
 class ModelOutput:
-    """fp32 logits of the sampling rows (`sampling[i]` owns row i), or only their tokens when the
-    step gave a picker, and, for prompt logprobs, the hidden states of the rows that predict
-    prompt tokens."""
+    """fp32 logits of the sampling rows (`sampling[i]` owns row i), and, for prompt logprobs, the
+    hidden states of the rows that predict prompt tokens. With a picker: `tokens` of the rows
+    not in `logit_rows` (in order), and `logits` of the `logit_rows` only."""
 
     logits: Tensor
     sampling: list[ScheduledSeq]
     prompt_hidden: list[tuple[ScheduledSeq, Tensor]]
     tokens: Tensor | None = None
+    logit_rows: list[int] = field(default_factory=list)
 
 
 def batch_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -100,7 +101,8 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None) -> ModelOutput:
         """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows), or
-        with `pick` their tokens instead of the logits (rows in `sampling_rows` order)."""
+        with `pick` their tokens instead, except for `pick.logit_rows` (rows in `sampling_rows`
+        order)."""
         self.move_blocks(sched)
         batch = self.prepare(sched.scheduled)
         start = time.perf_counter()
@@ -108,7 +110,13 @@ class ModelRunner:
         logits, tokens = hidden.new_empty((0, 0), dtype=torch.float32), None
         if batch.sampling:
             rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
-            if pick is not None:
+            if pick is not None and pick.logit_rows:
+                keep = torch.tensor(pick.logit_rows, dtype=torch.long, device=rows.device)
+                picked = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+                picked[keep] = False
+                logits = self.model.compute_logits(rows.index_select(0, keep))
+                tokens = self.model.pick_tokens(rows[picked], pick)
+            elif pick is not None:
                 tokens = self.model.pick_tokens(rows, pick)
             else:
                 logits = self.model.compute_logits(rows)
@@ -116,7 +124,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
         prompt = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
-        return ModelOutput(logits, batch.sampling, prompt, tokens)
+        return ModelOutput(logits, batch.sampling, prompt, tokens, pick.logit_rows if pick is not None else [])
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""

@@ -37,44 +37,60 @@ class SampleStage:
         self.sampler = Sampler()
 
     def token_picker(self, rows: list[ScheduledSeq]) -> TokenPlan | None:
-        """How to take these rows' tokens straight from their logits, or None when some row needs
-        the logits themselves: every row must be one candidate, want no logprobs, have no
-        processor changing it now and no grammar. `rows` are in the runner's order
-        (`engine.model.runner.sampling_rows`)."""
-        random_rows: list[int] = []
+        """How to take these rows' tokens straight from their logits (`TokenPlan`), or None when
+        every row needs the logits themselves. A row needs them (`logit_rows`) when it has more
+        than one candidate or beams, wants logprobs, has a processor changing its logits now or a
+        grammar. `rows` are in the runner's order (`engine.model.runner.sampling_rows`)."""
+        random_rows: list[int] = []  # positions among the picked rows
         temperatures: list[float] = []
         uniforms: list[float] = []
         filters: tuple[list[int], list[float], list[float]] = ([], [], [])
         filtered = False
+        logit_rows: list[int] = []
         for i, item in enumerate(rows):
             seq = item.seq
             p = seq.request.params
             if (p.num_candidates != 1 or p.use_beam_search or p.logprobs is not None or seq.grammar is not None
                     or changes_logits(seq, self.eos_list)):
-                return None
+                logit_rows.append(i)
+                continue
             if not p.is_greedy:
-                random_rows.append(i)
+                random_rows.append(i - len(logit_rows))
                 temperatures.append(p.temperature)
                 uniforms.append(uniform(p.seed, seq.stream, seq.num_output_tokens))
                 filters[0].append(p.top_k)
                 filters[1].append(p.top_p)
                 filters[2].append(p.min_p)
                 filtered = filtered or is_filtered(p)
-        return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None)
+        if len(logit_rows) == len(rows):
+            return None
+        return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None, logit_rows)
 
     def __call__(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                  prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]],
-                 tokens: torch.Tensor | None = None) -> StepSamples:
-        """`tokens`: the rows' tokens, already taken (then `logits` is unused; see `token_picker`)."""
+                 tokens: torch.Tensor | None = None, logit_rows: list[int] | None = None) -> StepSamples:
+        """`tokens`: the tokens of the rows not in `logit_rows`, already taken (see `token_picker`);
+        `logits` then holds the `logit_rows` only."""
         out = StepSamples()
         for item, hidden in prompt_hidden:
             k = item.seq.request.params.prompt_logprobs or 0
             out.prompt_logprobs[item.seq.request.request_id] = chunk_prompt_logprobs(
                 self.compute_logits, item, hidden, k)
-        if tokens is not None:
-            out.seqs = [item.seq for item in sampling]
-            out.token_ids = [[t] for t in tokens.tolist()]
+        if tokens is None:
+            self._from_logits(sampling, logits, out)
             return out
+        needs = set(logit_rows or [])
+        if needs:  # first, so that the row indices of out.top_logprobs stay those of _from_logits
+            self._from_logits([sampling[i] for i in sorted(needs)], logits, out)
+        picked = [item.seq for i, item in enumerate(sampling) if i not in needs]
+        out.seqs += picked
+        out.token_ids += [[t] for t in tokens.tolist()]
+        if out.logprobs is not None:
+            out.logprobs += [[0.0]] * len(picked)  # as `_sample` fills rows that asked for none
+        return out
+
+    def _from_logits(self, sampling: list[ScheduledSeq], logits: torch.Tensor, out: StepSamples) -> None:
+        """Sample every row of `sampling` from `logits` (row i is `sampling[i]`'s)."""
         rows: list[int] = []  # logits row of each sample row
         seqs: list[Sequence] = []
         widths: list[int] = []  # sample rows per sampling sequence (n > 1 forks at its first token)
@@ -93,7 +109,6 @@ class SampleStage:
             self._sample(logits, rows, seqs, widths, out)
         for items in beams.values():
             out.beams.append(beam_step(items[0][0].request, items, logits, self.eos_token_ids))
-        return out
 
     def _sample(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], widths: list[int],
                 out: StepSamples) -> None:

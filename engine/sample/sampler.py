@@ -77,13 +77,16 @@ def argmax_tokens(logits: torch.Tensor, first_row: int = 0) -> torch.Tensor:
 
 class TokenPlan:
     """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
-    for steps that keep no logits: the argmax, and for `random_rows` (sorted) the inverse-CDF draw
+    without keeping the logits: the argmax, and for `random_rows` (sorted) the inverse-CDF draw
     that `Sampler` makes for a random row, with the same temperatures, filters and uniforms, so a
-    row gets the same token either way. Every other row is greedy."""
+    row gets the same token either way. Every other row is greedy. The plan's rows are the step's
+    rows minus `logit_rows`, which need their logits and take `SampleStage`'s full path."""
 
     def __init__(self, random_rows: list[int], temperatures: list[float], uniforms: list[float],
-                 filters: tuple[list[int], list[float], list[float]] | None = None) -> None:
+                 filters: tuple[list[int], list[float], list[float]] | None = None,
+                 logit_rows: list[int] | None = None) -> None:
         self.random_rows = random_rows
+        self.logit_rows = logit_rows or []  # rows of the step that need their logits (not this plan's)
         self.temperatures, self.uniform_values, self.filters = temperatures, uniforms, filters
         self.inv_temperature = 1.0 / torch.tensor(temperatures)  # fp32, as `_draw` computes it
         self.uniforms = torch.tensor(uniforms)

@@ -150,19 +150,31 @@ def _picked_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize(("kwargs", "needs_logits"), [
-    ({"logprobs": 0}, True), ({"repetition_penalty": 1.3}, True), ({"logit_bias": {7: 1.0}}, True),
-    ({"min_tokens": NEW, "stop_token_ids": [5]}, True), ({"n": 2}, True),
-    ({"temperature": 0.8, "top_p": 0.9, "seed": 3}, False), ({"temperature": 0.8, "top_k": 5, "seed": 4}, False),
-    ({"temperature": 1.2, "min_p": 0.2, "top_p": 0.95, "top_k": 40, "seed": 5}, False),
+def _assert_same_outcome(first: list[Any], second: list[Any]) -> None:
+    """The same tokens (and top-logprob tokens) for every candidate of every request; logprobs
+    equal to fp32 rounding (a logits GEMM of other rows rounds differently)."""
+    for a, b in zip(first, second, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert abs(x.cumulative_logprob - y.cumulative_logprob) < 1e-4
+            assert (x.logprobs is None) == (y.logprobs is None)
+            for ex, ey in zip(x.logprobs or [], y.logprobs or [], strict=True):
+                assert ex["token_id"] == ey["token_id"] and abs(ex["logprob"] - ey["logprob"]) < 1e-4
+                assert [t for t, _ in ex["top_logprobs"]] == [t for t, _ in ey["top_logprobs"]]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"logprobs": 0}, {"logprobs": 3}, {"repetition_penalty": 1.3}, {"logit_bias": {7: 1.0}},
+    {"min_tokens": NEW, "stop_token_ids": [5]}, {"n": 2}, {"n": 2, "use_beam_search": True},
+    {"temperature": 0.8, "top_p": 0.9, "seed": 3}, {"temperature": 0.8, "top_k": 5, "seed": 4},
+    {"temperature": 1.2, "min_p": 0.2, "top_p": 0.95, "top_k": 40, "seed": 5},
 ])
 @pytest.mark.parametrize("plain", [{"temperature": 0.0}, {"temperature": 0.9, "seed": 11}], ids=["greedy", "sampled"])
 def test_steps_without_logits_give_the_same_tokens(llm: LLM, monkeypatch: pytest.MonkeyPatch,
-                                                   kwargs: dict[str, Any], needs_logits: bool,
-                                                   plain: dict[str, Any]) -> None:
-    """Steps of greedy and sampled rows (top-k/top-p/min-p included) skip the logits matrix; a
-    batch-mate that needs the logits (logprobs, a processor, n > 1) turns the shortcut off for the
-    step; every row's tokens are those of the full-logits path."""
+                                                   kwargs: dict[str, Any], plain: dict[str, Any]) -> None:
+    """Rows that need only a token (greedy, sampled with or without top-k/top-p/min-p) take it
+    without the logits matrix; a batch-mate that needs its logits (logprobs, a processor, n > 1,
+    beams) gets them alone, and every row's outcome is that of the full-logits path."""
     prompt = list(range(30, 50))
     seen = _picked_steps(llm, monkeypatch)
     alone = llm.generate([prompt], SamplingParams(max_tokens=NEW, ignore_eos=True, **plain))[0].outputs[0].token_ids
@@ -173,11 +185,10 @@ def test_steps_without_logits_give_the_same_tokens(llm: LLM, monkeypatch: pytest
     prompts = [prompt, list(range(60, 75))]
     outs = llm.generate(prompts, params)
     assert outs[0].outputs[0].token_ids == alone
-    assert seen and (not any(seen) if needs_logits else all(seen))
-    if not needs_logits:  # the same tokens for both rows when every step keeps its logits
-        monkeypatch.setattr(llm.engine.sampler, "token_picker", lambda rows: None)
-        seen.clear()
-        full = llm.generate(prompts, params)
-        assert not any(seen)
-        assert [o.outputs[0].token_ids for o in full] == [o.outputs[0].token_ids for o in outs]
+    assert seen and all(seen)
+    monkeypatch.setattr(llm.engine.sampler, "token_picker", lambda rows: None)
+    seen.clear()
+    full = llm.generate(prompts, params)
+    assert seen and not any(seen)
+    _assert_same_outcome(full, outs)
     assert_no_leaks(llm)
