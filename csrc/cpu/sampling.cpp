@@ -199,62 +199,25 @@ void drop_logits_below(const float* x, float* exps, int64_t n, float kth) {
     if (x[i] < kth) exps[i] = 0.f;
 }
 
-}  // namespace
+// Per-row filters of sample_filtered; absent for sample_from_logits.
+struct Filters {
+  const int64_t* top_k;
+  const float* top_p;
+  const float* min_p;
+};
 
-void sample_from_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
-                        const at::Tensor& uniforms) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-              "logits must be [rows, vocab] fp32, contiguous in its last dimension");
-  const int64_t rows = logits.size(0), n = logits.size(1);
-  TORCH_CHECK(out.scalar_type() == at::kLong && out.numel() == rows && out.is_contiguous(), "out must be int64 [rows]");
-  TORCH_CHECK(inv_temperature.scalar_type() == at::kFloat && inv_temperature.numel() == rows &&
-                  inv_temperature.is_contiguous(), "inv_temperature must be fp32 [rows]");
-  TORCH_CHECK(uniforms.scalar_type() == at::kFloat && uniforms.numel() == rows && uniforms.is_contiguous(),
-              "uniforms must be fp32 [rows]");
-  TORCH_CHECK(n > 0, "the vocabulary is empty");
-  const float* x = logits.data_ptr<float>();
-  const int64_t stride = logits.stride(0);
-  const float* inv_t = inv_temperature.data_ptr<float>();
-  const float* u = uniforms.data_ptr<float>();
-  int64_t* tokens = out.data_ptr<int64_t>();
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  parallel_chunks(
-      rows, row_chunk(rows, n, 1 << 14),
-      [&](int64_t begin, int64_t end) {
-        std::vector<float> exps(n), sums(chunks);
-        for (int64_t r = begin; r < end; ++r) {
-          const float* row = x + r * stride;
-          const float m = row_max(row, n);
-          if (!std::isfinite(m)) {  // no finite logit: nothing to weigh, take the first maximum
-            tokens[r] = std::find(row, row + n, m) - row;
-            continue;
-          }
-          chunk_exps(row, n, m, inv_t[r], exps.data(), sums.data());
-          tokens[r] = walk(exps.data(), sums.data(), n, static_cast<double>(u[r]));
-        }
-      },
-      rows >= kOpenMPRows);
+void check_rows(const at::Tensor& t, at::ScalarType dtype, int64_t rows, const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.numel() == rows && t.is_contiguous(), what, " must be ",
+              c10::toString(dtype), " [rows], contiguous");
 }
 
-void sample_filtered(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
-                     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
-                     const at::Tensor& uniforms) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
-              "logits must be [rows, vocab] fp32, contiguous in its last dimension");
+// Both kernels: per row the max, the exps and chunk sums, the filters if any, then the walk.
+void draw(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
+          const at::Tensor& uniforms, const Filters* filters) {
   const int64_t rows = logits.size(0), n = logits.size(1);
-  TORCH_CHECK(out.scalar_type() == at::kLong && out.numel() == rows && out.is_contiguous(), "out must be int64 [rows]");
-  for (const at::Tensor* t : {&inv_temperature, &top_p, &min_p, &uniforms})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == rows && t->is_contiguous(),
-                "temperatures, top_p, min_p and uniforms must be fp32 [rows]");
-  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.numel() == rows && top_k.is_contiguous(),
-              "top_k must be int64 [rows]");
-  TORCH_CHECK(n > 0, "the vocabulary is empty");
   const float* x = logits.data_ptr<float>();
   const int64_t stride = logits.stride(0);
   const float* inv_t = inv_temperature.data_ptr<float>();
-  const int64_t* ks = top_k.data_ptr<int64_t>();
-  const float* ps = top_p.data_ptr<float>();
-  const float* min_ps = min_p.data_ptr<float>();
   const float* u = uniforms.data_ptr<float>();
   int64_t* tokens = out.data_ptr<int64_t>();
   const int64_t chunks = (n + kChunk - 1) / kChunk;
@@ -266,26 +229,61 @@ void sample_filtered(const at::Tensor& out, const at::Tensor& logits, const at::
         for (int64_t r = begin; r < end; ++r) {
           const float* row = x + r * stride;
           const float m = row_max(row, n);
-          if (!std::isfinite(m)) {
+          if (!std::isfinite(m)) {  // no finite logit: nothing to weigh, take the first maximum
             tokens[r] = std::find(row, row + n, m) - row;
             continue;
           }
           chunk_exps(row, n, m, inv_t[r], exps.data(), sums.data());
-          if (ks[r] > 0 && ks[r] < n) {  // keep the logits reaching the k-th largest (ties kept)
-            drop_logits_below(row, exps.data(), n, kth_largest(row, n, ks[r], scratch));
-            drop_below(exps.data(), n, 0.f, sums.data());
+          if (filters) {
+            const int64_t k = filters->top_k[r];
+            const float p = filters->top_p[r], min_p = filters->min_p[r];
+            if (k > 0 && k < n) {  // keep the logits reaching the k-th largest (ties kept)
+              drop_logits_below(row, exps.data(), n, kth_largest(row, n, k, scratch));
+              drop_below(exps.data(), n, 0.f, sums.data());
+            }
+            if (p < 1.f) {
+              double total = 0.0;
+              for (int64_t c = 0; c < chunks; ++c) total += sums[c];
+              drop_below(exps.data(), n, top_p_cut(exps.data(), n, total, p, mass, scratch), sums.data());
+            }
+            if (min_p > 0.f)  // keep weights of at least min_p times the largest (exp(0) = 1)
+              drop_below(exps.data(), n, min_p * *std::max_element(exps.begin(), exps.end()), sums.data());
           }
-          if (ps[r] < 1.f) {
-            double total = 0.0;
-            for (int64_t c = 0; c < chunks; ++c) total += sums[c];
-            drop_below(exps.data(), n, top_p_cut(exps.data(), n, total, ps[r], mass, scratch), sums.data());
-          }
-          if (min_ps[r] > 0.f)  // the largest weight is exp(0) = 1: keep weights >= min_p of it
-            drop_below(exps.data(), n, min_ps[r] * *std::max_element(exps.begin(), exps.end()), sums.data());
           tokens[r] = walk(exps.data(), sums.data(), n, static_cast<double>(u[r]));
         }
       },
       rows >= kOpenMPRows);
+}
+
+void check_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
+                  const at::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits must be [rows, vocab] fp32, contiguous in its last dimension");
+  TORCH_CHECK(logits.size(1) > 0, "the vocabulary is empty");
+  const int64_t rows = logits.size(0);
+  check_rows(out, at::kLong, rows, "out");
+  check_rows(inv_temperature, at::kFloat, rows, "inv_temperature");
+  check_rows(uniforms, at::kFloat, rows, "uniforms");
+}
+
+}  // namespace
+
+void sample_from_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
+                        const at::Tensor& uniforms) {
+  check_logits(out, logits, inv_temperature, uniforms);
+  draw(out, logits, inv_temperature, uniforms, nullptr);
+}
+
+void sample_filtered(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,
+                     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                     const at::Tensor& uniforms) {
+  check_logits(out, logits, inv_temperature, uniforms);
+  const int64_t rows = logits.size(0);
+  check_rows(top_k, at::kLong, rows, "top_k");
+  check_rows(top_p, at::kFloat, rows, "top_p");
+  check_rows(min_p, at::kFloat, rows, "min_p");
+  const Filters filters{top_k.data_ptr<int64_t>(), top_p.data_ptr<float>(), min_p.data_ptr<float>()};
+  draw(out, logits, inv_temperature, uniforms, &filters);
 }
 
 }  // namespace pagedserve::cpu
