@@ -29,7 +29,12 @@ def sample_from_logits(logits: torch.Tensor, inv_temperature: torch.Tensor, unif
                          f"{uniforms.dtype}")
     if use_reference() or logits.is_cuda:
         return reference.sample_from_logits(logits, inv_temperature, uniforms)
-    return cpu_row_tokens("sample_from_logits", logits, inv_temperature, uniforms)
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        cpu_ops().sample_from_logits(out, logits, inv_temperature.contiguous(), uniforms.contiguous())
+    return out
 
 
 def sample_filtered(logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -52,17 +57,10 @@ def sample_filtered(logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: 
                          f"{logits.dtype}, top_k {tuple(top_k.shape)} {top_k.dtype}")
     if use_reference() or logits.is_cuda:
         return reference.sample_filtered(logits, inv_temperature, top_k, top_p, min_p, uniforms)
-    return cpu_row_tokens("sample_filtered", logits, inv_temperature, top_k, top_p, min_p, uniforms)
-
-
-def cpu_row_tokens(kernel: str, matrix: torch.Tensor, *tensors: torch.Tensor, scalars: tuple[float, ...] = ()
-                   ) -> torch.Tensor:
-    """int64 ``[rows]`` from the C++ ``kernel(out, matrix, *tensors, *scalars)``, which reads
-    ``matrix [rows, vocab]`` row by row (contiguous in its last dimension) and the other tensors
-    contiguous: the CPU side of the ops that turn a row of scores into a token."""
-    out = torch.empty(matrix.shape[0], dtype=torch.int64)
-    if matrix.shape[0]:
-        if matrix.stride(1) != 1:
-            matrix = matrix.contiguous()
-        getattr(cpu_ops(), kernel)(out, matrix, *(t.contiguous() for t in tensors), *scalars)
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        cpu_ops().sample_filtered(out, logits, *(t.contiguous() for t in (inv_temperature, top_k, top_p, min_p,
+                                                                          uniforms)))
     return out

@@ -32,8 +32,8 @@ import torch
 
 from ops import reference
 from ops.backend import use_reference
+from ops.build import cpu_ops
 from ops.linear import PACK_BATCH_HINT, can_pack
-from ops.sampling import cpu_row_tokens
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 dot products
@@ -85,7 +85,13 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Te
     error_scale, output_slack = screen_bounds(k)
     if use_reference() or approx.is_cuda:
         return reference.screened_argmax(approx, hidden, weight, norms, error_scale, output_slack)
-    return cpu_row_tokens("screened_argmax", approx, hidden, weight, norms, scalars=(error_scale, output_slack))
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        if approx.stride(1) != 1:
+            approx = approx.contiguous()
+        cpu_ops().screened_argmax(out, approx, hidden.contiguous(), weight.contiguous(), norms.contiguous(),
+                                  error_scale, output_slack)
+    return out
 
 
 def pack_screen_weight(weight: torch.Tensor) -> torch.Tensor:
