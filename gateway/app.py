@@ -4,7 +4,6 @@ the broker and its single listener task live in the app and die with it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +13,7 @@ from aiohttp.typedefs import Middleware
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from engine.log import get_logger
 from engine.protocol import Keys
 from engine.redis_conn import MeteredPool, pooled_client
 from gateway.api.misc_routes import add_routes as add_misc_routes
@@ -26,6 +26,9 @@ from gateway.errors import Handler, auth_middleware, error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
 from gateway.ui.routes import add_routes as add_ui_routes
+
+log = get_logger("gateway.app")
+SHUTDOWN_STEP_S = 5.0  # the longest any one step of the app's shutdown may take
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -56,16 +59,25 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks = [asyncio.create_task(broker.supervise(), name=f"reader-{cfg.gateway_id}"),
              asyncio.create_task(watch.run(), name=f"watch-{cfg.gateway_id}")]
     yield
+    await _shut(tasks, broker, watch, client, keys.gateway(cfg.gateway_id), keys.out(cfg.gateway_id))
+
+
+async def _shut(tasks: list[asyncio.Task[None]], broker: Broker, watch: Watch, client: aioredis.Redis,
+                *keys: str) -> None:
+    """Stop the loops, drop this gateway's keys, close every connection. Each await is bounded:
+    a wedged connection or a task that swallowed its cancellation must not hang a shutdown."""
+    broker.stop()
+    watch.stopped = True
     for task in tasks:
         task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    with contextlib.suppress(Exception):
-        await client.delete(keys.gateway(cfg.gateway_id), keys.out(cfg.gateway_id))
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(broker.reader.aclose(), 5)
-    await client.aclose()
+    _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_STEP_S)
+    if pending:
+        log.error("gateway tasks did not stop when cancelled", tasks=[t.get_name() for t in pending])
+    for step in (client.delete(*keys), broker.reader.aclose(), client.aclose(close_connection_pool=True)):
+        try:
+            await asyncio.wait_for(step, SHUTDOWN_STEP_S)
+        except Exception as exc:  # best effort: Redis may be gone
+            log.warning("gateway shutdown step failed", error=str(exc) or repr(exc))
 
 
 def _metrics_middleware(metrics: GatewayMetrics) -> Middleware:

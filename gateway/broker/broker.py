@@ -69,6 +69,7 @@ class Broker:
         self.new_reader = new_reader  # a fresh reader client, for `supervise` to replace a stuck one
         self.read_at = time.monotonic()  # when the reader loop last made progress
         self._generation = 0  # the reader loop that owns `reader`; an older one stops
+        self.stopped = False  # set by `stop`: every loop of this broker ends at its next turn
         self._closing: set[asyncio.Task[None]] = set()
         self.keys = keys
         self.gateway_id = gateway_id
@@ -184,7 +185,7 @@ class Broker:
         stale_s = block_ms / 1000 + 2 * READ_GRACE_S
         task = asyncio.create_task(self.listen(block_ms=block_ms), name=f"reader-{self.gateway_id}")
         try:
-            while True:
+            while not self.stopped:
                 await asyncio.sleep(check_s)
                 if task.done() or time.monotonic() - self.read_at > stale_s:
                     log.error("output stream reader stalled; starting a new one",
@@ -196,6 +197,12 @@ class Broker:
                     task = asyncio.create_task(self.listen(block_ms=block_ms), name=f"reader-{self.gateway_id}")
         finally:
             task.cancel()
+
+    def stop(self) -> None:
+        """End the supervisor and reader loops at their next turn, whether or not a cancellation
+        reaches them (a library that swallows one must not keep the app's cleanup waiting)."""
+        self.stopped = True
+        self._generation += 1
 
     def _replace_reader(self) -> None:
         """A fresh reader client (its old connection may be the trouble); the old one is closed
@@ -214,7 +221,7 @@ class Broker:
         self._generation += 1
         mine = self._generation
         try:
-            while mine == self._generation:
+            while mine == self._generation and not self.stopped:
                 self.read_at = time.monotonic()
                 try:
                     if not self.subscribed.is_set():

@@ -30,6 +30,7 @@ class Watch:
         self.orphan_after_s = orphan_after_s
         self.alive_ttl_ms = int(3000 * interval_s)
         self.no_engine_since: dict[str, float] = {}
+        self.stopped = False  # `run` ends at its next turn once set
 
     async def tick(self) -> None:
         broker = self.broker
@@ -62,7 +63,7 @@ class Watch:
         return failed
 
     async def run(self) -> None:
-        while True:
+        while not self.stopped:
             try:
                 await self.tick()
             except (RedisError, OSError, BrokerUnavailable) as exc:

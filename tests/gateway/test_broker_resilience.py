@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from engine.protocol import SeqOutput, Usage
+from gateway.broker.watch import Watch
 from gateway.state import BROKER
 from gateway.text.tokenizer import ModelTokenizer
 from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, parse_sse
@@ -152,3 +153,30 @@ async def test_a_wedged_reader_is_replaced_and_reads_on(redis_server: str, tiny_
         release.set()
         assert text == "Hello world! The quick brown fox" and events[-1] == "[DONE]", events
         assert broker.reader is not wedged
+
+
+@pytest.mark.timeout(120)  # the old shutdown hung here for good, past the wait_for below
+async def test_shutdown_ends_a_loop_that_swallows_its_cancellation_and_closes_the_pool(
+        redis_server: str, tiny_tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app's shutdown must end even when a background loop eats its cancellation (as a
+    cancellation racing a finished read can in Python 3.11's `wait_for`), and must close the
+    pooled connections too, not only the reader's."""
+    swallowed = asyncio.Event()
+
+    async def stubborn_tick(self: Watch) -> None:
+        try:
+            await asyncio.sleep(3600)  # each tick waits until it is cancelled, then goes on
+        except asyncio.CancelledError:
+            swallowed.set()
+
+    monkeypatch.setattr(Watch, "tick", stubborn_tick)
+    stack = contextlib.AsyncExitStack()
+    gw = await stack.enter_async_context(open_gateway(redis_server, tiny_tokenizer_dir))
+    await gw.engine.beat()
+    assert (await gw.client.get("/health")).status == 200
+    pool = gw.client.app[BROKER].client.connection_pool  # type: ignore[index]
+    connections = [*pool._available_connections, *pool._in_use_connections]
+    assert connections and any(c.is_connected for c in connections)
+    await asyncio.wait_for(stack.aclose(), 60)  # hung forever before the loops had a stop flag
+    assert swallowed.is_set()
+    assert not any(c.is_connected for c in connections)
