@@ -41,12 +41,19 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // Touch the next block's K and V so they stream in while this block is computed: blocks are
 // scattered, so the hardware prefetcher restarts at every block boundary.
+//
+// Into L2, not L1 (locality 1, `prefetcht2`): a prefetch into L1 holds one of the core's few L1
+// miss buffers until its line arrives from DRAM, and with two blocks in flight those ran out, so
+// the prefetches themselves stalled the loop. Into L2 the same kernel reads 1.1-1.9x the bytes per
+// second (benchmarks/kernel_bench.py --kernels decode; SmolLM2's shape 18 -> 34 GB/s).
+constexpr int kLocality = 1;
+
 template <typename T>
 inline void prefetch_block(const T* k, const T* v, int64_t elems) {
   constexpr int64_t kLine = 64 / sizeof(T);
   for (int64_t i = 0; i < elems; i += kLine) {
-    __builtin_prefetch(k + i);
-    __builtin_prefetch(v + i);
+    __builtin_prefetch(k + i, 0, kLocality);
+    __builtin_prefetch(v + i, 0, kLocality);
   }
 }
 
@@ -54,7 +61,7 @@ inline void prefetch_block(const T* k, const T* v, int64_t elems) {
 template <typename T>
 inline void prefetch_rows(const T* p, int64_t elems) {
   constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t i = 0; i < elems; i += kLine) __builtin_prefetch(p + i);
+  for (int64_t i = 0; i < elems; i += kLine) __builtin_prefetch(p + i, 0, kLocality);
 }
 
 // K/V elements below which one call runs on a single thread.
