@@ -19,16 +19,18 @@ log = get_logger("pubsub")
 async def subscribe_forever(
     client: aioredis.Redis, channel: str, on_message: Callable[[bytes], None], *,
     on_subscribed: Callable[[], None] | None = None, on_lost: Callable[[Exception], None] | None = None,
-    retry_s: float = 0.5, poll_s: float = 1.0,
+    retry_s: float = 0.5, poll_s: float = 1.0, running: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Run until cancelled. `on_message` must not block (the listener serves every request)."""
-    while True:
+    """Run until cancelled or, within `poll_s`, until `running()` turns false (a cancellation
+    can be lost in a race with a poll's timeout; a flag cannot). `on_message` must not block
+    (the listener serves every request)."""
+    while running():
         pubsub = client.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(channel)
             if on_subscribed is not None:
                 on_subscribed()
-            while True:
+            while running():
                 message = await pubsub.get_message(timeout=poll_s)
                 if message is not None and message.get("type") == "message":
                     on_message(message["data"])

@@ -11,12 +11,12 @@ checkpoints."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from aiohttp import web
 from redis.exceptions import RedisError
 
 from engine.config import EngineConfig
@@ -32,6 +32,7 @@ from engine.worker.outbox import Outbox, flush
 from engine.worker.request_stream import RequestStream
 from engine.worker.tracked import error_output, to_wire
 
+SHUTDOWN_STEP_S = 5.0  # the longest any one step of the shutdown may take
 log = get_logger("worker")
 
 
@@ -74,6 +75,7 @@ class EngineWorker:
         self.keys = Keys(config.redis_prefix)
         self.thread = EngineThread()
         self.stop = asyncio.Event()
+        self.closing = False  # set on the way out: the side tasks' loops end at their next turn
         self.stats: dict[str, Any] = {}
         self.metrics: EngineMetrics | None = None
         self.epoch = Epoch(self.keys.epoch)
@@ -107,23 +109,34 @@ class EngineWorker:
                 runner = await start_metrics_server(self.metrics, cfg.metrics_host, cfg.metrics_port)
             await intake.admit(await stream.read_own_pending(), claimed=True)
             await self._beat(beat, intake)
-            tasks = [asyncio.create_task(intake.listen_aborts(), name="aborts"),
+            tasks = [asyncio.create_task(intake.listen_aborts(lambda: not self.closing), name="aborts"),
                      asyncio.create_task(self._heartbeats(beat, intake), name="heartbeat"),
                      asyncio.create_task(self._takeovers(intake), name="takeover")]
             log.info("engine serving", engine_id=cfg.engine_id, model=cfg.model_name, stream=stream.key)
             await self._loop(client, intake, guards, beat)
         finally:
-            for task in tasks:
-                task.cancel()
-            for task in tasks:
-                with contextlib.suppress(asyncio.CancelledError, RedisError, OSError):
-                    await task
-            with contextlib.suppress(RedisError, OSError):
-                await beat.remove()
-            if runner is not None:
-                await runner.cleanup()
-            await client.aclose()
-            self.thread.close()
+            await self._shut(tasks, beat, runner, client)
+
+    async def _shut(self, tasks: list[asyncio.Task[None]], beat: Heartbeat, runner: web.AppRunner | None,
+                    client: aioredis.Redis) -> None:
+        """Stop the side tasks, drop the heartbeat, close the servers and connections, stop the
+        engine thread. Every await is bounded: a task that lost its cancellation (see
+        `subscribe_forever`) or a wedged connection must not keep the process from exiting."""
+        self.closing = True
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_STEP_S)
+            if pending:
+                log.error("side tasks did not stop when cancelled", tasks=[t.get_name() for t in pending])
+        steps = [beat.remove(), *([runner.cleanup()] if runner is not None else []),
+                 client.aclose(close_connection_pool=True)]
+        for step in steps:
+            try:
+                await asyncio.wait_for(step, SHUTDOWN_STEP_S)
+            except Exception as exc:  # best effort: Redis may be gone
+                log.warning("engine shutdown step failed", error=str(exc) or repr(exc))
+        self.thread.close()
 
     # ----- the main loop -----------------------------------------------------------------------
     async def _loop(self, client: aioredis.Redis, intake: Intake, guards: Guards, beat: Heartbeat) -> None:
@@ -281,7 +294,7 @@ class EngineWorker:
     async def _heartbeats(self, beat: Heartbeat, intake: Intake) -> None:
         """Every interval, from cached figures: never waits for the engine thread."""
         interval = self.config.heartbeat_interval_s
-        while True:
+        while not self.closing:
             await asyncio.sleep(interval)
             beat.draining = self.stop.is_set()
             try:
@@ -297,7 +310,7 @@ class EngineWorker:
     async def _takeovers(self, intake: Intake) -> None:
         """Every interval: take over entries of dead engines of this model."""
         interval = self.config.heartbeat_interval_s
-        while True:
+        while not self.closing:
             await asyncio.sleep(interval)
             if self.stop.is_set():
                 continue

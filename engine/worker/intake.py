@@ -172,6 +172,6 @@ class Intake:
         with contextlib.suppress(ProtocolError):
             self.on_abort(AbortMessage.decode(data).ids)
 
-    async def listen_aborts(self) -> None:
-        """Run forever: the abort channel (resubscribing after errors)."""
-        await subscribe_forever(self.client, self.keys.abort, self._on_abort_message)
+    async def listen_aborts(self, running: Callable[[], bool] = lambda: True) -> None:
+        """Run while `running()`: the abort channel (resubscribing after errors)."""
+        await subscribe_forever(self.client, self.keys.abort, self._on_abort_message, running=running)
