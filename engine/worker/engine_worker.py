@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from aiohttp import web
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from engine.config import EngineConfig
 from engine.log import get_logger
@@ -28,10 +28,11 @@ from engine.worker.guards import Guards, without
 from engine.worker.heartbeat import Heartbeat, model_config_hash
 from engine.worker.intake import Intake
 from engine.worker.metrics import EngineMetrics, start_metrics_server
-from engine.worker.outbox import Outbox, flush
+from engine.worker.outbox import Fence, FenceLost, Outbox, flush
 from engine.worker.request_stream import RequestStream
 from engine.worker.tracked import error_output, to_wire
 
+FENCE_TRIES = 8  # flush attempts per step when the heartbeat key changes under one
 SHUTDOWN_STEP_S = 5.0  # the longest any one step of the shutdown may take
 log = get_logger("worker")
 
@@ -249,11 +250,21 @@ class EngineWorker:
         """Flush (after any earlier outbox that failed), unless the heartbeat lapsed: then first
         drop what other engines took over. Reads back gateway liveness and the epoch."""
         self.unsent.merge(outbox)
+        margin = min(1.0, beat.ttl_s / 4)
+        fence = Fence(beat.key, lambda: beat.fresh(margin_s=margin))
         try:
-            if not beat.fresh(margin_s=min(1.0, beat.ttl_s / 4)):
-                await self._check_ownership(intake, guards, beat)
-            reply = await flush(client, self.keys, intake.stream.key, self.unsent, self.config.progress_ttl_s,
-                                guards.gateways_to_probe())
+            for _ in range(FENCE_TRIES):
+                try:
+                    reply = await flush(client, self.keys, intake.stream.key, self.unsent,
+                                        self.config.progress_ttl_s, guards.gateways_to_probe(), fence)
+                    break
+                except FenceLost:  # silent for too long: drop what other engines took over, then flush
+                    await self._check_ownership(intake, guards, beat)
+                except WatchError:  # the heartbeat key changed before EXEC (ours, or it expired): again
+                    continue
+            else:
+                log.warning("could not publish outputs: the heartbeat key kept changing; will retry")
+                return
         except (RedisError, OSError) as exc:
             log.warning("could not publish outputs; will retry", error=str(exc))
             await asyncio.sleep(0.2)

@@ -2,10 +2,18 @@
 its requests' messages, the progress checkpoint of each message (so what a client saw is
 always recoverable), the XACK + XDEL of requests that ended (so the request stream holds
 only queued and running work), and two probes read back for free: which gateways are still
-alive and the dataset epoch."""
+alive and the dataset epoch.
+
+The transaction is fenced by the engine's heartbeat key: other engines take over an engine's
+entries only once that key is gone, so the flush WATCHes it, checks that it still holds (and that
+the engine's own clock says it cannot have lapsed), and EXEC aborts if the key expired or changed
+in between. Without the fence, a process frozen between its freshness check and its EXEC would,
+once thawed, write checkpoints and acks for requests another engine had already taken over and
+finished (CI saw 42 such checkpoints left behind)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -46,6 +54,19 @@ class Outbox:
         return bool(self.by_gateway or self.ended or self.ack_only or self.requeue or self.forget_progress)
 
 
+class FenceLost(Exception):
+    """The heartbeat key is gone or may have lapsed: check what this engine still owns first."""
+
+
+@dataclass(slots=True)
+class Fence:
+    """The heartbeat key a flush is conditional on, and the engine's own view of whether it can
+    have lapsed since the last write (a freeze longer than the TTL)."""
+
+    key: str
+    fresh: Callable[[], bool]
+
+
 @dataclass(slots=True)
 class FlushReply:
     """What the probes of a flush read: gateways whose liveness key exists, the epoch."""
@@ -55,11 +76,18 @@ class FlushReply:
 
 
 async def flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,
-                probe_gateways: list[str]) -> FlushReply:
+                probe_gateways: list[str], fence: Fence | None = None) -> FlushReply:
     """Send an outbox in one transaction; `stream` is the engine's request stream. A request
-    handed back keeps its checkpoint (its next engine resumes from it)."""
+    handed back keeps its checkpoint (its next engine resumes from it). With a `fence`: raises
+    FenceLost when the heartbeat key is gone or may have lapsed, and redis' WatchError when it
+    changed before EXEC (this engine's own heartbeat did, or it expired): nothing was written."""
     ended = {request_id for request_id, _ in outbox.ended}
     async with client.pipeline(transaction=True) as pipe:
+        if fence is not None:
+            await pipe.watch(fence.key)
+            if not await pipe.exists(fence.key) or not fence.fresh():
+                raise FenceLost(fence.key)
+            pipe.multi()
         for gateway, messages in outbox.by_gateway.items():
             out = keys.out(gateway)
             pipe.xadd(out, {REQUEST_FIELD: encode_outputs(messages)}, maxlen=OUT_MAXLEN, approximate=True)
