@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.protocol import SeqOutput, TokenLogprob, Usage
-from tests.fixtures.gateway import MODEL, Gateway, collect_aborts, gateway, parse_sse
+from tests.fixtures.gateway import MODEL, Gateway, gateway, parse_sse, watch_aborts
 
 __all__ = ["gateway"]
 
@@ -68,8 +68,7 @@ async def test_completion_n2_streaming(gateway: Gateway) -> None:
 
 async def test_stop_string_aborts_engine(gateway: Gateway) -> None:
     aborted: list[str] = []
-    task = asyncio.create_task(collect_aborts(gateway.redis, gateway.engine.keys, aborted))
-    await asyncio.sleep(0.1)
+    task = await watch_aborts(gateway.redis, gateway.engine.keys, aborted)
     payload = {"model": MODEL, "prompt": "Paged", "stop": ["STOP"], "max_tokens": 50}
     post = asyncio.create_task(gateway.client.post("/v1/completions", json=payload))
     req = await gateway.engine.next_request()
@@ -139,8 +138,7 @@ async def test_engine_error_is_an_openai_error(gateway: Gateway) -> None:
 
 async def test_client_disconnect_aborts(gateway: Gateway) -> None:
     aborted: list[str] = []
-    task = asyncio.create_task(collect_aborts(gateway.redis, gateway.engine.keys, aborted))
-    await asyncio.sleep(0.1)
+    task = await watch_aborts(gateway.redis, gateway.engine.keys, aborted)
     resp = await gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True})
     req = await gateway.engine.next_request()
     await gateway.engine.publish(req, [SeqOutput(0, [72], 0)])

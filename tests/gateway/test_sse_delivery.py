@@ -13,7 +13,7 @@ import pytest
 
 from engine.protocol import ErrorInfo, SeqOutput
 from gateway.text.tokenizer import ModelTokenizer
-from tests.fixtures.gateway import MODEL, Gateway, collect_aborts, gateway, open_gateway
+from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, watch_aborts
 from tests.fixtures.sse_clients import StrippingSSEReader
 
 __all__ = ["gateway"]
@@ -95,8 +95,7 @@ async def short_write_gateway(redis_server: str, tiny_tokenizer_dir: Path) -> As
 async def test_client_that_stops_reading_is_aborted(short_write_gateway: Gateway) -> None:
     gw = short_write_gateway
     aborted: list[str] = []
-    watcher = asyncio.create_task(collect_aborts(gw.redis, gw.engine.keys, aborted))
-    await asyncio.sleep(0.1)
+    watcher = await watch_aborts(gw.redis, gw.engine.keys, aborted)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the gateway's writes back up
     sock.setblocking(False)
@@ -128,8 +127,7 @@ async def test_client_that_stops_reading_is_aborted(short_write_gateway: Gateway
 
 async def test_client_gone_before_the_first_token_is_aborted(gateway: Gateway) -> None:
     aborted: list[str] = []
-    watcher = asyncio.create_task(collect_aborts(gateway.redis, gateway.engine.keys, aborted))
-    await asyncio.sleep(0.1)
+    watcher = await watch_aborts(gateway.redis, gateway.engine.keys, aborted)
     post = asyncio.create_task(gateway.client.post("/v1/completions", json=BODY))
     req = await gateway.engine.next_request()
     post.cancel()  # drops the connection while the response has not started
