@@ -5,4 +5,4 @@ Subpackages, one concern each: `kv` (paged block manager), `sched` (continuous b
 Redis engine process), `launch` (`pagedserve up`), `sim` (memory simulator), `plan`
 (capacity planner). At the root: the public API (`llm.LLM`, `llm_engine.LLMEngine`,
 `sampling_params.SamplingParams`, `outputs.RequestOutput`), `config`, the wire `protocol`,
-`pubsub`, `log`, `sizes` and the `cli`. No torch import here or in `protocol`."""
+`pubsub`, `log`, `sizes`, `shutdown` (bounded service shutdown) and the `cli`. No torch import here or in `protocol`."""

@@ -13,9 +13,9 @@ from aiohttp.typedefs import Middleware
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from engine.log import get_logger
 from engine.protocol import Keys
 from engine.redis_conn import MeteredPool, pooled_client
+from engine.shutdown import shut_down
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.openai_routes import add_routes as add_openai_routes
 from gateway.broker.broker import Broker
@@ -26,9 +26,6 @@ from gateway.errors import Handler, auth_middleware, error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
 from gateway.ui.routes import add_routes as add_ui_routes
-
-log = get_logger("gateway.app")
-SHUTDOWN_STEP_S = 5.0  # the longest any one step of the app's shutdown may take
 
 
 async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -64,20 +61,11 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _shut(tasks: list[asyncio.Task[None]], broker: Broker, watch: Watch, client: aioredis.Redis,
                 *keys: str) -> None:
-    """Stop the loops, drop this gateway's keys, close every connection. Each await is bounded:
-    a wedged connection or a task that swallowed its cancellation must not hang a shutdown."""
+    """Stop the loops, drop this gateway's keys, close every connection, each step bounded."""
     broker.stop()
     watch.stopped = True
-    for task in tasks:
-        task.cancel()
-    _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_STEP_S)
-    if pending:
-        log.error("gateway tasks did not stop when cancelled", tasks=[t.get_name() for t in pending])
-    for step in (client.delete(*keys), broker.reader.aclose(), client.aclose(close_connection_pool=True)):
-        try:
-            await asyncio.wait_for(step, SHUTDOWN_STEP_S)
-        except Exception as exc:  # best effort: Redis may be gone
-            log.warning("gateway shutdown step failed", error=str(exc) or repr(exc))
+    await shut_down("gateway", tasks, [client.delete(*keys), broker.reader.aclose(),
+                                       client.aclose(close_connection_pool=True)])
 
 
 def _metrics_middleware(metrics: GatewayMetrics) -> Middleware:

@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.log import get_logger
 from engine.protocol import DEFAULT_PREFIX, Keys
 from engine.redis_conn import Epoch, pooled_client
+from engine.shutdown import shut_down
 from engine.worker.engine_thread import EngineThread, StepResult
 from engine.worker.guards import Guards, without
 from engine.worker.heartbeat import Heartbeat, model_config_hash
@@ -33,7 +34,6 @@ from engine.worker.request_stream import RequestStream
 from engine.worker.tracked import error_output, to_wire
 
 FENCE_TRIES = 8  # flush attempts per step when the heartbeat key changes under one
-SHUTDOWN_STEP_S = 5.0  # the longest any one step of the shutdown may take
 log = get_logger("worker")
 
 
@@ -120,23 +120,12 @@ class EngineWorker:
 
     async def _shut(self, tasks: list[asyncio.Task[None]], beat: Heartbeat, runner: web.AppRunner | None,
                     client: aioredis.Redis) -> None:
-        """Stop the side tasks, drop the heartbeat, close the servers and connections, stop the
-        engine thread. Every await is bounded: a task that lost its cancellation (see
-        `subscribe_forever`) or a wedged connection must not keep the process from exiting."""
+        """Stop the side tasks, drop the heartbeat, close the servers and connections (each step
+        bounded: `engine.shutdown`), stop the engine thread."""
         self.closing = True
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=SHUTDOWN_STEP_S)
-            if pending:
-                log.error("side tasks did not stop when cancelled", tasks=[t.get_name() for t in pending])
         steps = [beat.remove(), *([runner.cleanup()] if runner is not None else []),
                  client.aclose(close_connection_pool=True)]
-        for step in steps:
-            try:
-                await asyncio.wait_for(step, SHUTDOWN_STEP_S)
-            except Exception as exc:  # best effort: Redis may be gone
-                log.warning("engine shutdown step failed", error=str(exc) or repr(exc))
+        await shut_down("engine", tasks, steps)
         self.thread.close()
 
     # ----- the main loop -----------------------------------------------------------------------
