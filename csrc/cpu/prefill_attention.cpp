@@ -4,16 +4,21 @@
 //
 // Flash-style: a task is (sequence, KV head, tile of query rows), where the rows of a sequence
 // are its (token, head-of-the-GQA-group) pairs, so one K/V load serves every query head of the
-// group. The context is walked in key tiles of whole blocks (about 64 tokens: the softmax
-// bookkeeping is paid once per tile, not per block). Per tile: scores = Q K^T with 4-row x
-// 16-column register tiles, an online softmax (running max and sum per row, fp32), then
-// acc += P V with 4-row x 16-dim tiles. Tasks differ in cost (causal rows near the end see more
-// keys), so they are sorted longest first and handed out from an atomic counter.
+// group. The task's queries are transposed once (dims x rows) and the context is walked in key
+// tiles of whole blocks (about 64 tokens) whose K and V rows are used where they lie in the cache
+// (fp32; other dtypes are widened once per tile). Scores are kept keys x rows, so every step
+// vectorizes across query rows: S^T = K Q^T with 8-key x 16-row register tiles (one K value
+// broadcast per key and dim), the online softmax (running max and sum per row, fp32) lane-wise
+// with no horizontal reductions, then acc += P V with 4-row x 32-dim tiles. Each 16-row chunk of
+// the task stops at the last key its rows can see, so causal work past the diagonal is skipped at
+// that granularity. Tasks differ in cost (causal rows near the end see more keys), so they are
+// sorted longest first and handed out from an atomic counter.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -26,12 +31,15 @@ namespace {
 using vec::Vec;
 using vec::kWidth;
 
-constexpr int64_t kRows = 64;       // query rows per task: Q and acc tiles stay in L2 up to head 256
+constexpr int64_t kRows = 64;       // query rows per task: Q^T and acc stay in L2 up to head 256
+constexpr int64_t kChunk = 16;      // query rows per score tile column: two vectors
 constexpr int64_t kTileKeys = 64;   // keys per softmax step, rounded up to whole blocks
+constexpr int64_t kKeys = 12;       // keys per S^T register tile
+constexpr int64_t kPvRows = 4;      // query rows per P V register tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, group, head_size, dim_pad, block_size, tile_keys, cols_pad, num_blocks,
-      max_blocks;
+  int64_t num_heads, num_kv_heads, group, head_size, dim_pad, block_size, tile_keys, num_blocks, max_blocks;
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
   float scale;
 };
@@ -40,172 +48,191 @@ struct Task {
   int64_t seq, kv_head, row_begin, row_end, cost;
 };
 
+// One thread's scratch, reused across tasks and calls of the same shape.
 struct Workspace {
-  int64_t dim_pad, cols_pad, head_size, tile_keys;
-  std::vector<float> q, acc, scores, kt, v, maxes, sums;
-  std::vector<int64_t> pos;
+  int64_t head_size, dim_pad, tile_keys;
+  std::vector<float> qt;    // [head_size][kRows]: scaled queries, transposed
+  std::vector<float> acc;   // [kRows][dim_pad]: unnormalized outputs
+  std::vector<float> st;    // [tile_keys][kRows]: a tile's scores, then its softmax weights
+  std::vector<float> kbuf;  // [tile_keys][dim_pad]: K rows widened to fp32 (non-fp32 caches)
+  std::vector<float> vbuf;  // [tile_keys][dim_pad]: V rows widened or padded to whole vectors
+  std::vector<const float*> krow, vrow;  // [tile_keys]: where each key's K and V rows are read
+  std::vector<float> maxes, sums, pos;   // [kRows]: running max and sum, and the position, per row
 
   explicit Workspace(const Shape& s)
-      : dim_pad(s.dim_pad), cols_pad(s.cols_pad), head_size(s.head_size), tile_keys(s.tile_keys),
-        q(kRows * s.dim_pad), acc(kRows * s.dim_pad), scores(kRows * s.cols_pad), kt(s.head_size * s.cols_pad),
-        v(s.tile_keys * s.dim_pad), maxes(kRows), sums(kRows), pos(kRows) {}
+      : head_size(s.head_size), dim_pad(s.dim_pad), tile_keys(s.tile_keys), qt(s.head_size * kRows),
+        acc(kRows * s.dim_pad), st(s.tile_keys * kRows), kbuf(s.tile_keys * s.dim_pad),
+        vbuf(s.tile_keys * s.dim_pad), krow(s.tile_keys), vrow(s.tile_keys), maxes(kRows), sums(kRows),
+        pos(kRows) {}
 
   bool fits(const Shape& s) const {
-    return dim_pad == s.dim_pad && cols_pad == s.cols_pad && head_size == s.head_size && tile_keys == s.tile_keys;
+    return head_size == s.head_size && dim_pad == s.dim_pad && tile_keys == s.tile_keys;
   }
 };
 
-// scores[r][c..c + 8 * NC) = sum_d q[r][d] * kt[d][c..] for four rows from r: NC 8-wide column
-// chunks held in 4 x NC registers, one q value broadcast per row and d.
-template <int NC>
-inline void qk_block(const float* q, int64_t dim, int64_t dim_pad, const float* kt, int64_t cols_pad, float* s) {
-  Vec acc[4][NC] = {};
+// st[i][0 .. 16) = sum_d k[i][d] * qt[d][0 .. 16) for NK keys: NK x 2 accumulators in registers,
+// one K value broadcast per key and dim. `qt` and `st` rows are kRows apart.
+template <int NK>
+inline void qk_tile(const float* const* k, int64_t dim, const float* qt, float* st) {
+  Vec acc[NK][2] = {};
   for (int64_t d = 0; d < dim; ++d) {
-    Vec k[NC];
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) k[j] = vec::load(kt + d * cols_pad + j * kWidth);
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const float x = q[i * dim_pad + d];
-#pragma GCC unroll 4
-      for (int j = 0; j < NC; ++j) acc[i][j] += k[j] * x;
+    const Vec q0 = vec::load(qt + d * kRows), q1 = vec::load(qt + d * kRows + kWidth);
+#pragma GCC unroll 16
+    for (int i = 0; i < NK; ++i) {
+      const Vec x = vec::splat(k[i][d]);
+      acc[i][0] += q0 * x;
+      acc[i][1] += q1 * x;
     }
   }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) vec::store(s + i * cols_pad + j * kWidth, acc[i][j]);
+#pragma GCC unroll 16
+  for (int i = 0; i < NK; ++i) {
+    vec::store(st + i * kRows, acc[i][0]);
+    vec::store(st + i * kRows + kWidth, acc[i][1]);
+  }
 }
 
-// scores[r][c] = sum_d q[r][d] * kt[d][c] for rows [0, rows) (a multiple of 4) and cols_pad columns.
-void qk_tile(const float* q, int64_t rows, int64_t dim, int64_t dim_pad, const float* kt, int64_t cols_pad,
-             float* scores) {
-  int64_t c = 0;
-  for (; c + 2 * kWidth <= cols_pad; c += 2 * kWidth)
-    for (int64_t r = 0; r < rows; r += 4)
-      qk_block<2>(q + r * dim_pad, dim, dim_pad, kt + c, cols_pad, scores + r * cols_pad + c);
-  if (c < cols_pad)
-    for (int64_t r = 0; r < rows; r += 4)
-      qk_block<1>(q + r * dim_pad, dim, dim_pad, kt + c, cols_pad, scores + r * cols_pad + c);
+// S^T for keys [0, n) of one 16-row chunk (`qt`, `st` already offset to the chunk's columns).
+void scores(const float* const* k, int64_t n, int64_t dim, const float* qt, float* st) {
+  int64_t t = 0;
+  for (; t + kKeys <= n; t += kKeys) qk_tile<kKeys>(k + t, dim, qt, st + t * kRows);
+  if (t + 8 <= n) qk_tile<8>(k + t, dim, qt, st + t * kRows), t += 8;
+  if (t + 4 <= n) qk_tile<4>(k + t, dim, qt, st + t * kRows), t += 4;
+  if (t + 2 <= n) qk_tile<2>(k + t, dim, qt, st + t * kRows), t += 2;
+  if (t < n) qk_tile<1>(k + t, dim, qt, st + t * kRows);
 }
 
-// acc[r..r + 4)[d..d + 8 * NC) += sum_{t < n} p[r][t] * v[t][d..]: 4 x NC accumulators in registers.
-template <int NC>
-inline void pv_block(const float* p, int64_t cols_pad, const float* v, int64_t n, int64_t dim_pad, float* acc) {
-  Vec a[4][NC];
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) a[i][j] = vec::load(acc + i * dim_pad + j * kWidth);
+// Online softmax over keys [0, n) for 8 rows (lane r of every vector is row r): masks keys past
+// each row's position, turns scores into weights in place, rescales the rows' sums and
+// accumulators when their max grows.
+void softmax_rows(float* st, int64_t n, int64_t key0, const float* pos, float* maxes, float* sums, float* acc,
+                  int64_t dim_pad) {
+  const Vec row_pos = vec::load(pos), neg_inf = vec::splat(kNegInf);
+  Vec tile_max = neg_inf;
   for (int64_t t = 0; t < n; ++t) {
-    Vec vv[NC];
+    Vec s = vec::load(st + t * kRows);
+    s = vec::splat(static_cast<float>(key0 + t)) <= row_pos ? s : neg_inf;
+    vec::store(st + t * kRows, s);
+    tile_max = vec::vmax(tile_max, s);
+  }
+  const Vec old_max = vec::load(maxes), new_max = vec::vmax(old_max, tile_max);
+  const auto seen = new_max > neg_inf;  // rows that have seen a key: the others keep 0 weights
+  const Vec shift = seen ? new_max : Vec{};
+  const Vec alpha = seen ? vec::exp(old_max - shift) : vec::splat(1.f);  // ~0 on a row's first keys
+  Vec total{};
+  for (int64_t t = 0; t < n; ++t) {
+    const Vec s = vec::load(st + t * kRows);
+    Vec e = vec::exp(s - shift);
+    e = s > neg_inf ? e : Vec{};  // exp() of a huge negative is ~1e-38, not 0
+    vec::store(st + t * kRows, e);
+    total += e;
+  }
+  vec::store(sums, vec::load(sums) * alpha + total);
+  vec::store(maxes, new_max);
+  for (int64_t r = 0; r < kWidth; ++r) {
+    if (alpha[r] == 1.f) continue;
+    const Vec a = vec::splat(alpha[r]);
+    float* row = acc + r * dim_pad;
+    for (int64_t d = 0; d < dim_pad; d += kWidth) vec::store(row + d, vec::load(row + d) * a);
+  }
+}
+
+// acc[i][d0 .. d0 + 8 NC) += sum_{t < n} st[t][i] * v[t][d0 ..] for kPvRows rows: 4 x NC
+// accumulators in registers, one weight broadcast per row and key.
+template <int NC>
+inline void pv_tile(const float* st, const float* const* v, int64_t d0, int64_t n, float* acc, int64_t dim_pad) {
+  Vec a[kPvRows][NC];
 #pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) vv[j] = vec::load(v + t * dim_pad + j * kWidth);
+  for (int i = 0; i < kPvRows; ++i)
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const float w = p[i * cols_pad + t];
+    for (int j = 0; j < NC; ++j) a[i][j] = vec::load(acc + i * dim_pad + d0 + j * kWidth);
+  for (int64_t t = 0; t < n; ++t) {
+    Vec x[NC];
 #pragma GCC unroll 4
-      for (int j = 0; j < NC; ++j) a[i][j] += vv[j] * w;
+    for (int j = 0; j < NC; ++j) x[j] = vec::load(v[t] + d0 + j * kWidth);
+#pragma GCC unroll 4
+    for (int i = 0; i < kPvRows; ++i) {
+      const Vec w = vec::splat(st[t * kRows + i]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NC; ++j) a[i][j] += x[j] * w;
     }
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < kPvRows; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NC; ++j) vec::store(acc + i * dim_pad + j * kWidth, a[i][j]);
+    for (int j = 0; j < NC; ++j) vec::store(acc + i * dim_pad + d0 + j * kWidth, a[i][j]);
 }
 
-// acc[r][:] += sum_{t < n} p[r][t] * v[t][:] over dim_pad dims (a multiple of 8), rows a multiple of 4.
-void pv_tile(const float* p, int64_t rows, int64_t cols_pad, const float* v, int64_t n, int64_t dim_pad,
-             float* acc) {
+// acc[0 .. 4)[:] += P V over keys [0, n) and all dim_pad dims (a multiple of 8).
+void weighted_values(const float* st, const float* const* v, int64_t n, int64_t dim_pad, float* acc) {
   int64_t d = 0;
-  for (; d + 2 * kWidth <= dim_pad; d += 2 * kWidth)
-    for (int64_t r = 0; r < rows; r += 4)
-      pv_block<2>(p + r * cols_pad, cols_pad, v + d, n, dim_pad, acc + r * dim_pad + d);
-  if (d < dim_pad)
-    for (int64_t r = 0; r < rows; r += 4)
-      pv_block<1>(p + r * cols_pad, cols_pad, v + d, n, dim_pad, acc + r * dim_pad + d);
+  for (; d + 4 * kWidth <= dim_pad; d += 4 * kWidth) pv_tile<4>(st, v, d, n, acc, dim_pad);
+  for (; d + 2 * kWidth <= dim_pad; d += 2 * kWidth) pv_tile<2>(st, v, d, n, acc, dim_pad);
+  if (d < dim_pad) pv_tile<1>(st, v, d, n, acc, dim_pad);
 }
 
-// Turns one block's scores of a row into weights (zero past `valid`), rescaling the row's
-// running sum and accumulator when its max grows. Returns false when the row sees no key here.
-bool softmax_row(float* scores, int64_t valid, int64_t cols_pad, float& running_max, float& running_sum,
-                 float* acc, int64_t dim_pad) {
-  if (valid <= 0) {
-    std::fill(scores, scores + cols_pad, 0.f);
-    return false;
-  }
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-  Vec tile_max = vec::splat(neg_inf);
-  int64_t c = 0;
-  for (; c + kWidth <= valid; c += kWidth) tile_max = vec::vmax(tile_max, vec::load(scores + c));
-  float block_max = vec::hmax(tile_max);
-  for (; c < valid; ++c) block_max = std::max(block_max, scores[c]);
-  const float new_max = std::max(running_max, block_max);
-  if (new_max > running_max) {
-    const float alpha = std::exp(running_max - new_max);  // 0 on the row's first block
-    running_sum *= alpha;
-    const Vec a = vec::splat(alpha);
-    for (int64_t d = 0; d < dim_pad; d += kWidth) vec::store(acc + d, vec::load(acc + d) * a);
-    running_max = new_max;
-  }
-  Vec total{};
-  const Vec m = vec::splat(new_max);
-  const Vec limit = vec::splat(static_cast<float>(valid));
-  Vec idx = {0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f};
-  for (c = 0; c < cols_pad; c += kWidth, idx += static_cast<float>(kWidth)) {
-    Vec e = vec::exp(vec::load(scores + c) - m);
-    e = idx < limit ? e : Vec{};
-    total += e;
-    vec::store(scores + c, e);
-  }
-  running_sum += vec::hsum(total);
-  return true;
+// Keys [key0, key0 + n) of the tile that rows up to `last` (inclusive, a real row) can see.
+inline int64_t visible(const float* pos, int64_t last, int64_t key0, int64_t n) {
+  return std::clamp<int64_t>(static_cast<int64_t>(pos[last]) - key0 + 1, 0, n);
 }
 
 template <typename T>
 void run_task(const Task& task, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
               int64_t first_pos, int64_t q_begin, T* out, const Shape& s, Workspace& w) {
   const int64_t rows = task.row_end - task.row_begin;
-  const int64_t rows_pad = vec::round_up(rows, 4);
-  const int64_t dim = s.head_size, dp = s.dim_pad, bs = s.block_size, cp = s.cols_pad;
-  std::fill(w.q.begin(), w.q.begin() + rows_pad * dp, 0.f);
+  const int64_t rows_pad = vec::round_up(rows, kChunk);
+  const int64_t dim = s.head_size, dp = s.dim_pad, bs = s.block_size;
+  // fp32 K rows are read in place; V rows too when they are whole vectors.
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const bool v_in_place = kFloat && dim == dp;
+  std::fill(w.qt.begin(), w.qt.end(), 0.f);  // padding rows stay zero
   std::fill(w.acc.begin(), w.acc.begin() + rows_pad * dp, 0.f);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    w.maxes[r] = kNegInf;
+    w.sums[r] = 0.f;
+    if (r >= rows) {  // padding rows see what the last row sees, with zero queries: never output
+      w.pos[r] = w.pos[rows - 1];
+      continue;
+    }
     const int64_t row = task.row_begin + r, token = row / s.group, head = task.kv_head * s.group + row % s.group;
     const T* src = query + (q_begin + token) * s.q_stride_token + head * s.q_stride_head;
-    for (int64_t d = 0; d < dim; ++d) w.q[r * dp + d] = static_cast<float>(src[d]) * s.scale;
-    w.pos[r] = first_pos + token;
-    w.maxes[r] = -std::numeric_limits<float>::infinity();
-    w.sums[r] = 0.f;
+    for (int64_t d = 0; d < dim; ++d) w.qt[d * kRows + r] = static_cast<float>(src[d]) * s.scale;
+    w.pos[r] = static_cast<float>(first_pos + token);
   }
-  const int64_t kv_end = w.pos[rows - 1] + 1;  // rows are in token order: the last sees the most
+  const int64_t kv_end = static_cast<int64_t>(w.pos[rows - 1]) + 1;  // rows are in token order
   TORCH_CHECK((kv_end + bs - 1) / bs <= s.max_blocks, "context of ", kv_end, " tokens exceeds the block table");
-  std::fill(w.kt.begin(), w.kt.end(), 0.f);  // padding columns stay zero
-  std::fill(w.v.begin(), w.v.end(), 0.f);    // padding dims stay zero
+  if (!v_in_place) std::fill(w.vbuf.begin(), w.vbuf.end(), 0.f);  // padding dims stay zero
   for (int64_t start = 0; start < kv_end; start += s.tile_keys) {
     const int64_t n = std::min(s.tile_keys, kv_end - start);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t token = start + t, block = table[token / bs];
       TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
                   s.num_blocks, ")");
-      const int64_t row = ((block * s.num_kv_heads + task.kv_head) * bs + token % bs) * dim;
-      const T* k = key_cache + row;
-      for (int64_t d = 0; d < dim; ++d) w.kt[d * cp + t] = static_cast<float>(k[d]);
-      vec::widen(w.v.data() + t * dp, value_cache + row, dim);
-    }
-    // Slots past the context are never read; columns past n keep the previous tile's keys but
-    // are masked in softmax_row, and pv_tile reads only the first n V rows.
-    qk_tile(w.q.data(), rows_pad, dim, dp, w.kt.data(), cp, w.scores.data());
-    for (int64_t r = 0; r < rows_pad; ++r) {
-      const int64_t valid = r < rows ? std::min(n, w.pos[r] - start + 1) : 0;
-      float* sc = w.scores.data() + r * cp;
-      if (r < rows) {
-        softmax_row(sc, valid, cp, w.maxes[r], w.sums[r], w.acc.data() + r * dp, dp);
+      const int64_t offset = ((block * s.num_kv_heads + task.kv_head) * bs + token % bs) * dim;
+      if constexpr (kFloat) {
+        w.krow[t] = key_cache + offset;
+        if (v_in_place) {
+          w.vrow[t] = value_cache + offset;
+          continue;
+        }
       } else {
-        std::fill(sc, sc + cp, 0.f);
+        vec::widen(w.kbuf.data() + t * dp, key_cache + offset, dim);
+        w.krow[t] = w.kbuf.data() + t * dp;
+      }
+      vec::widen(w.vbuf.data() + t * dp, value_cache + offset, dim);
+      w.vrow[t] = w.vbuf.data() + t * dp;
+    }
+    for (int64_t c = 0; c < rows_pad; c += kChunk) {
+      const int64_t n_chunk = visible(w.pos.data(), std::min(c + kChunk, rows) - 1, start, n);
+      if (n_chunk == 0) continue;  // the chunk's rows all lie before this tile
+      scores(w.krow.data(), n_chunk, dim, w.qt.data() + c, w.st.data() + c);
+      for (int64_t h = c; h < c + kChunk; h += kWidth)
+        softmax_rows(w.st.data() + h, n_chunk, start, w.pos.data() + h, w.maxes.data() + h, w.sums.data() + h,
+                     w.acc.data() + h * dp, dp);
+      for (int64_t r = c; r < c + kChunk; r += kPvRows) {
+        const int64_t n_rows = visible(w.pos.data(), std::min(r + kPvRows, rows_pad) - 1, start, n_chunk);
+        if (n_rows) weighted_values(w.st.data() + r, w.vrow.data(), n_rows, dp, w.acc.data() + r * dp);
       }
     }
-    pv_tile(w.scores.data(), rows_pad, cp, w.v.data(), n, dp, w.acc.data());
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = task.row_begin + r, token = row / s.group, head = task.kv_head * s.group + row % s.group;
@@ -272,7 +299,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   const int64_t head_size = key_cache.size(3), block_size = key_cache.size(2);
   const int64_t tile_keys = vec::round_up(kTileKeys, block_size);
   const Shape s{num_heads, num_kv_heads, num_heads / num_kv_heads, head_size, vec::round_up(head_size, kWidth),
-                block_size, tile_keys, vec::round_up(tile_keys, kWidth), key_cache.size(0), block_tables.size(1),
+                block_size, tile_keys, key_cache.size(0), block_tables.size(1),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
   if (query.size(0) == 0 || context_lens.size(0) == 0) return;
   switch (query.scalar_type()) {
