@@ -127,6 +127,18 @@ inline void online_softmax_step(float* logits, int64_t n, float& running_max, fl
   }
 }
 
+// The first blocks of a task, fetched while the task before it runs (nothing else would warm them).
+template <typename T>
+inline void prefetch_start(const T* key_cache, const T* value_cache, const int32_t* table, int64_t context_len,
+                           int64_t kv_head, const Shape& s) {
+  const int64_t used = std::min(s.max_blocks, (context_len + s.block_size - 1) / s.block_size);
+  for (int64_t b = 0; b < std::min(used, kPrefetchAhead); ++b) {
+    if (table[b] < 0 || table[b] >= s.num_blocks) continue;
+    const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * s.block_size * s.head_size;
+    prefetch_block(key_cache + first, value_cache + first, s.block_size * s.head_size);
+  }
+}
+
 template <typename T>
 void attend_group(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
                   int64_t context_len, int64_t kv_head, const Shape& s, std::vector<float>& work) {
@@ -215,10 +227,16 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   }
   // A small batch (decode of a few short sequences) is done before a second thread would start.
   const bool small = total_len * s.num_kv_heads * s.head_size * 2 < kMinParallelElems;
-  parallel_chunks(num_tasks, small ? num_tasks : 1, [&](int64_t begin, int64_t end) {
+  // About eight chunks per thread: a chunk's tasks run in order, so each can warm the next one's blocks.
+  const int64_t chunk = small ? num_tasks : std::max<int64_t>(1, num_tasks / (8 * at::get_num_threads()));
+  parallel_chunks(num_tasks, chunk, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> work;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
+      if (task + 1 < end) {
+        const int64_t next = (task + 1) / s.num_kv_heads;
+        prefetch_start<T>(k_ptr, v_ptr, tables + next * table_stride, lens[next], (task + 1) % s.num_kv_heads, s);
+      }
       attend_group<T>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,
                       tables + seq * table_stride, lens[seq], kv_head, s, work);
     }
