@@ -5,9 +5,11 @@ progress on stderr.
 Parts (`--only`, comma-separated):
   offline  the ShareGPT-like trace of benchmarks/engine_bench.py (same generator and seed; 128
            requests, prompt and output lengths 16-256, greedy, fixed output lengths), SmolLM2,
-           one generate call each; also how many requests' greedy tokens agree exactly
+           one generate call per run, the fastest of --repeats (2) runs per system; also how
+           many requests' greedy tokens agree exactly
   tiny     SmolLM2's shape cut to 2 layers with random weights (step time is nearly all engine
-           overhead): 256 sequences, random 32-token prompts, 256 output tokens each
+           overhead): 256 sequences, random 32-token prompts, 256 output tokens each; fastest
+           of --repeats
   single   one request alone (batch 1), SmolLM2: decode tok/s = N / (t(prompt + N + 1 tokens)
            - t(prompt + 1 token)), prompt 32 tokens, N = 256; best of 2
   served   `pagedserve up` then `vllm serve` (never both at once), each driven by `vllm bench

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 PART_NAMES = ("offline", "tiny", "single", "served")
-QUICK = {"num_requests": 16, "tiny_seqs": 32, "tiny_output_len": 64, "single_output_len": 64, "single_repeats": 1,
-         "served_prompts": 16, "served_output_len": 32, "served_concurrency": 4}
+QUICK = {"num_requests": 16, "repeats": 1, "tiny_seqs": 32, "tiny_output_len": 64, "single_output_len": 64,
+         "single_repeats": 1, "served_prompts": 16, "served_output_len": 32, "served_concurrency": 4}
 
 
 def _parts(text: str) -> list[str]:
@@ -27,6 +27,8 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     add("--kv-cache-gib", type=int, default=2, help="KV pool of both systems, GiB (default %(default)s)")
     add("--max-model-len", type=int, default=2048)
     add("--seed", type=int, default=0, help="trace seed (default %(default)s, as engine_bench.py)")
+    add("--repeats", type=int, default=2, help="offline and tiny: timed runs per system in its one process, "
+        "the fastest kept (default %(default)s)")
     add("--num-requests", type=int, default=128, help="offline: ShareGPT-like requests")
     add("--min-len", type=int, default=16, help="offline: shortest prompt / output")
     add("--max-len", type=int, default=256, help="offline: longest prompt / output")

@@ -15,7 +15,7 @@ import pytest
 from benchmarks.peer.cli import QUICK, parse_args
 from benchmarks.peer.counters import heartbeat_figures, metric_value
 from benchmarks.peer.offline import agreement
-from benchmarks.peer.parts import served_ratios
+from benchmarks.peer.parts import _repeated, _throughput, served_ratios
 from benchmarks.peer.served import _descendants, _stop_group, alive, pagedserve_spec, summarize
 
 
@@ -64,6 +64,18 @@ def test_heartbeat_figures_sum_engines_and_report_the_oldest_beat() -> None:
         {"engine_id": "b", "time": 98.0, "stats": {"generation_tokens": 12.0, "running": 0.0, "swapped": 1.0}}]}
     assert heartbeat_figures(event) == (42.0, 4.0, 98.0)
     assert heartbeat_figures({"time": 1.0, "engines": []}) == (0.0, 0.0, 0.0)
+
+
+def test_repeated_runs_keep_the_fastest_and_list_every_time() -> None:
+    runs = _repeated("offline", [[1, 2]], [3], 3)
+    assert [r.name for r in runs] == ["offline0", "offline1", "offline2"]
+    assert [r.return_tokens for r in runs] == [True, False, False]
+    result = {"runs": {"offline0": {"seconds": 5.0, "output_tokens": 100},
+                       "offline1": {"seconds": 4.0, "output_tokens": 100},
+                       "offline2": {"seconds": 4.5, "output_tokens": 100},
+                       "offline_extra": {"seconds": 1.0, "output_tokens": 100}}}  # not one of the repeats
+    figures = _throughput("offline")(result)
+    assert figures == {"output_tokens": 100, "seconds": 4.0, "tokens_per_s": 25.0, "seconds_each": [5.0, 4.0, 4.5]}
 
 
 def test_agreement_counts_identical_requests_and_common_prefix() -> None:
