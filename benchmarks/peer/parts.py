@@ -86,9 +86,17 @@ def _side_by_side(part: str, work: Workload, venv: Path | None, log_dir: Path, e
     return results["pagedserve"], results.get("vllm")
 
 
-def _repeated(name: str, prompts: list[list[int]], lens: list[int], repeats: int) -> list[Run]:
-    """`repeats` identical timed runs `name0`, `name1`, ...; the first returns its token ids."""
-    return [Run(f"{name}{r}", prompts, lens, return_tokens=r == 0) for r in range(max(1, repeats))]
+def _repeated(name: str, prompts: list[list[int]], lens: list[int], repeats: int, vocab: int,
+              seed: int) -> list[Run]:
+    """`repeats` timed runs `name0`, `name1`, ... of the same work: the first on `prompts` (it returns
+    its token ids), each later one on fresh random ids of the same lengths, since a repeated prompt
+    would be a prefix-cache hit (both systems cache prefixes) and skip its prefill."""
+    runs = [Run(f"{name}0", prompts, lens, return_tokens=True)]
+    for r in range(1, max(1, repeats)):
+        rng = np.random.default_rng([seed, r])
+        fresh = [rng.integers(100, vocab - 100, size=len(p)).tolist() for p in prompts]
+        runs.append(Run(f"{name}{r}", fresh, lens))
+    return runs
 
 
 def _throughput(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -108,8 +116,8 @@ def offline(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Em
     model = model_dir(args)
     trace = make_trace(args.num_requests, _vocab(model), args.seed, args.min_len, args.max_len)
     prompts, lens = [p for p, _ in trace], [o for _, o in trace]
-    work = Workload(model, _repeated("offline", prompts, lens, args.repeats), (prompts[0][:16], 4),
-                    args.max_model_len, args.kv_cache_gib,
+    runs = _repeated("offline", prompts, lens, args.repeats, _vocab(model), args.seed)
+    work = Workload(model, runs, (prompts[0][:16], 4), args.max_model_len, args.kv_cache_gib,
                     {"requests": len(trace), "prompt_tokens": sum(map(len, prompts)), "model": Path(model).name})
     ours, theirs = _side_by_side("offline", work, venv, log_dir, emit, _throughput("offline"), "tokens_per_s")
     if theirs is not None:
@@ -120,9 +128,8 @@ def offline(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Em
 def tiny(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emit) -> None:
     model = str(tiny_model_dir(Path(model_dir(args)), peer_cache()))
     prompts = _random_prompts(args.tiny_seqs, args.tiny_prompt_len, _vocab(model), args.seed)
-    work = Workload(model, _repeated("tiny", prompts, [args.tiny_output_len] * len(prompts), args.repeats),
-                    (prompts[0][:16], 4),
-                    args.max_model_len, args.kv_cache_gib,
+    runs = _repeated("tiny", prompts, [args.tiny_output_len] * len(prompts), args.repeats, _vocab(model), args.seed)
+    work = Workload(model, runs, (prompts[0][:16], 4), args.max_model_len, args.kv_cache_gib,
                     {"sequences": len(prompts), "prompt_len": args.tiny_prompt_len,
                      "output_len": args.tiny_output_len, "model": Path(model).name})
     _side_by_side("tiny", work, venv, log_dir, emit, _throughput("tiny"), "tokens_per_s")

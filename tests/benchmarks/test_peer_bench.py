@@ -67,9 +67,16 @@ def test_heartbeat_figures_sum_engines_and_report_the_oldest_beat() -> None:
 
 
 def test_repeated_runs_keep_the_fastest_and_list_every_time() -> None:
-    runs = _repeated("offline", [[1, 2]], [3], 3)
+    prompts = [[101, 102, 103], [104] * 40]
+    runs = _repeated("offline", prompts, [3, 5], 3, vocab=1000, seed=0)
     assert [r.name for r in runs] == ["offline0", "offline1", "offline2"]
     assert [r.return_tokens for r in runs] == [True, False, False]
+    assert runs[0].prompts == prompts and all(r.output_lens == [3, 5] for r in runs)
+    # Later runs: the same lengths, other ids (a repeated prompt would be a prefix-cache hit).
+    for later in runs[1:]:
+        assert [len(p) for p in later.prompts] == [3, 40] and later.prompts != prompts
+        assert all(100 <= t < 900 for p in later.prompts for t in p)
+    assert runs[1].prompts != runs[2].prompts
     result = {"runs": {"offline0": {"seconds": 5.0, "output_tokens": 100},
                        "offline1": {"seconds": 4.0, "output_tokens": 100},
                        "offline2": {"seconds": 4.5, "output_tokens": 100},
