@@ -7,7 +7,7 @@
 // group. The task's queries are transposed once (dims x rows) and the context is walked in key
 // tiles of whole blocks (about 64 tokens) whose K and V rows are used where they lie in the cache
 // (fp32; other dtypes are widened once per tile). Scores are kept keys x rows, so every step
-// vectorizes across query rows: S^T = K Q^T with 8-key x 16-row register tiles (one K value
+// vectorizes across query rows: S^T = K Q^T with 12-key x 16-row register tiles (one K value
 // broadcast per key and dim), the online softmax (running max and sum per row, fp32) lane-wise
 // with no horizontal reductions, then acc += P V with 4-row x 32-dim tiles. Each 16-row chunk of
 // the task stops at the last key its rows can see, so causal work past the diagonal is skipped at
@@ -37,6 +37,7 @@ constexpr int64_t kTileKeys = 64;   // keys per softmax step, rounded up to whol
 constexpr int64_t kKeys = 12;       // keys per S^T register tile
 constexpr int64_t kPvRows = 4;      // query rows per P V register tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kChunk == 2 * kWidth && kRows % kChunk == 0 && kChunk % kPvRows == 0, "tile shapes");
 
 struct Shape {
   int64_t num_heads, num_kv_heads, group, head_size, dim_pad, block_size, tile_keys, num_blocks, max_blocks;
