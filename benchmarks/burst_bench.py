@@ -24,14 +24,14 @@ from typing import Any
 
 import aiohttp
 
-from engine.launch.redis_server import RedisServer, free_port
+from pagedserve.launch.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *args], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT, env={**os.environ, **env})
 
 

@@ -36,7 +36,7 @@ def make_engine(model: str, kv_cache_memory: int) -> Any:
 def add_requests(engine: Any, name: str, num: int, prompt_len: int, max_tokens: int, seed: int) -> None:
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

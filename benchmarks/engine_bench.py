@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model.capacity import resolve_device, resolve_model_dtype
-from engine.sampling_params import SamplingParams
 
 
 def make_trace(num_requests: int, vocab: int, seed: int, lo: int, hi: int) -> list[tuple[list[int], int]]:

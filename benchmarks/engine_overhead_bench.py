@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 2,
          "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from random_model import make_random_model
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], new_tokens: int, device: str,

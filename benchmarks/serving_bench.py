@@ -29,19 +29,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.launch.redis_server import free_port
 from gateway.clients.bench_trace import BenchRequest, synthetic
+from pagedserve.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "engine.cli", *args]
+    return [sys.executable, "-m", "pagedserve.cli", *args]
 
 
 def _run(engine: Any, tok: Any, requests: list[BenchRequest], tag: str) -> dict[str, Any]:
     """Add `requests` at t=0 and step to completion; TTFT from add to the first token."""
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     start = time.perf_counter()
     first: dict[str, float] = {}
@@ -132,7 +132,7 @@ def main() -> int:
     parser.add_argument("--gateway-pools", default="blocking",
                         help="gateway Redis pools to serve the burst with, comma-separated: blocking, plain")
     args = parser.parse_args()
-    from engine.sizes import parse_size
+    from common.sizes import parse_size
     from engine.worker.cli import resolve_model
 
     args.kv_bytes = parse_size(args.kv_cache_memory)

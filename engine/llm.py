@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
 
 
 class LLM:

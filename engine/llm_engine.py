@@ -11,9 +11,11 @@ from typing import Any
 import torch
 
 import ops
+from common.log import get_logger
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.kv.block_manager import BlockManager
-from engine.log import get_logger
+from engine.kv.block_stats import block_tables, pool_snapshot
 from engine.model.attention import AttentionMetadata
 from engine.model.capacity import (
     log_capacity,
@@ -28,8 +30,7 @@ from engine.model.runner import ModelRunner, sampling_rows
 from engine.outputs import RequestOutput
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sample_step import SampleStage
-from engine.sampling_params import SamplingParams
-from engine.sched.admission import check_request
+from engine.sched.admission import RequestRejected, check_request
 from engine.sched.output import StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
@@ -82,17 +83,17 @@ class LLMEngine:
     # ----- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, generated: list[int] | None = None) -> None:
-        """Queue a request; raises ValueError (and queues nothing) when it can never run.
+        """Queue a request; raises RequestRejected (a ValueError; nothing is queued) when it can never run.
 
         `generated`: tokens a previous engine already sent to the client (resume after
         failover, one sequence only). The request continues after them, by recompute, with its
         grammar advanced over them; its deltas (and prompt logprobs) start after them."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestRejected(f"request id {request_id!r} is already in use", "duplicate_request_id")
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.block_manager)
         generated = list(generated or [])
-        if generated and (params.num_candidates > 1 or params.use_beam_search):
-            raise ValueError("only a single-sequence request resumes from generated tokens")
+        if generated and not params.resumes_in_place:
+            raise RequestRejected("only a single-sequence request resumes from generated tokens", "invalid_parameter")
         params = params.with_default_seed(request_id)
         request = Request(request_id, list(prompt_token_ids), params)
         if arrival_time is not None:
@@ -118,6 +119,35 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ----- queries (what a driver may ask; it never reaches into the scheduler) ------------
+    def queue_lengths(self) -> tuple[int, int, int]:
+        """Requests (running, waiting, swapped) right now."""
+        s = self.scheduler
+        return len(s.running), len(s.waiting), len(s.swapped)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is queued or running here (not finished, not aborted)."""
+        return request_id in self.requests
+
+    def running_request_ids(self) -> list[str]:
+        """Requests holding device blocks now: what the next step runs first."""
+        return [request.request_id for request in self.scheduler.running]
+
+    def waiting_request_ids(self) -> list[str]:
+        """Requests not admitted yet (new, or preempted by recompute)."""
+        return [request.request_id for request in self.scheduler.waiting]
+
+    def block_tables(self, max_seqs: int = 64) -> list[dict[str, Any]]:
+        """Run-length encoded block tables of up to `max_seqs` running and swapped sequences."""
+        s = self.scheduler
+        seqs = ((req.request_id, seq.index, seq.seq_id) for queue in (s.running, s.swapped)
+                for req in queue for seq in req.unfinished_seqs())
+        return block_tables(self.block_manager, seqs, max_seqs)
+
+    def pool_snapshot(self) -> list[list[int]]:
+        """Run-length encoded state of every device block (see `engine.kv.block_stats`)."""
+        return pool_snapshot(self.block_manager)
 
     # ----- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

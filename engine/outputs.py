@@ -29,6 +29,7 @@ class RequestOutput:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    error_code: str | None = None  # with `error`: the OpenAI error code its client gets
     prompt_token_ids: list[int] = field(default_factory=list)
     # with SamplingParams.prompt_logprobs, on the first delta: per prompt token (None for the
     # first) {"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]}

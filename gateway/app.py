@@ -13,9 +13,9 @@ from aiohttp.typedefs import Middleware
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from engine.protocol import Keys
-from engine.redis_conn import MeteredPool, pooled_client
-from engine.shutdown import shut_down
+from common.protocol import Keys
+from common.redis_conn import MeteredPool, pooled_client
+from common.shutdown import shut_down
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.openai_routes import add_routes as add_openai_routes
 from gateway.broker.broker import Broker

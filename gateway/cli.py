@@ -7,9 +7,9 @@ import os
 
 from aiohttp import web
 
-from engine.log import get_logger
-from engine.protocol import DEFAULT_PREFIX
-from engine.redis_conn import redact_url
+from common.log import get_logger
+from common.protocol import DEFAULT_PREFIX
+from common.redis_conn import redact_url
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from engine.protocol import DEFAULT_PREFIX
+from common.protocol import DEFAULT_PREFIX
 
 
 @dataclass(frozen=True, slots=True)

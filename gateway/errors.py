@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from engine.log import get_logger
+from common.log import get_logger
 from gateway.state import CONFIG
 
 log = get_logger("gateway")

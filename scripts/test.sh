@@ -10,7 +10,7 @@ echo "== ruff"
 ruff check .
 
 echo "== mypy"
-mypy engine gateway ops
+mypy common engine gateway ops pagedserve
 
 echo "== nvcc compile check"
 bash scripts/check_cuda.sh

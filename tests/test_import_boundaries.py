@@ -9,9 +9,8 @@ import sys
 import pytest
 
 TORCH_FREE = [
-    "gateway", "engine.kv", "engine.sched", "engine.worker", "engine.launch", "engine.sim", "engine.plan",
-    "engine.protocol", "engine.sampling_params", "engine.config", "engine.log", "engine.pubsub",
-    "engine.outputs", "engine.sizes", "engine.shutdown", "engine.cli", "engine.model.spec", "engine.model.fetch",
+    "common", "gateway", "pagedserve", "engine.kv", "engine.sched", "engine.worker", "engine.config",
+    "engine.outputs", "engine.model.spec", "engine.model.fetch",
 ]
 
 _PROBE = """

@@ -43,7 +43,7 @@ class Workload:
 
 def _generate(llm: Any, prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
     """One timed `LLM.generate` call, greedy, every request exactly its length; (seconds, token ids)."""
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lens]
     t0 = time.perf_counter()

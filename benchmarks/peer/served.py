@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peer.counters import pagedserve_figures, vllm_figures
-from engine.launch.redis_server import free_port
+from pagedserve.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUPS = 1  # untimed client requests before each run (the first request of the trace)
@@ -43,7 +43,7 @@ class ServerSpec:
 
 def pagedserve_spec(model: str, kv_cache_gib: int, extra: str = "") -> ServerSpec:
     port = free_port()
-    cmd = [sys.executable, "-m", "engine.cli", "up", "--port", str(port), "--model", model,
+    cmd = [sys.executable, "-m", "pagedserve.cli", "up", "--port", str(port), "--model", model,
            "--kv-cache-memory", f"{kv_cache_gib}GiB", *shlex.split(extra)]
     return ServerSpec(cmd, port, pagedserve_figures)
 

@@ -2,5 +2,5 @@
 per-sequence block tables, on-demand allocation, copy-on-write sharing, swap, prefix caching,
 and the pool's figures and invariants.
 
-Pure bookkeeping on integer ids: imports only the standard library and `engine.log`; never
+Pure bookkeeping on integer ids: imports only the standard library and `common.log`; never
 torch (the runner does the tensor work the manager asks for)."""

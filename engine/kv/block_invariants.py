@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import PoolView
 
 
-def check_invariants(manager: BlockManager) -> None:
+def check_invariants(manager: PoolView) -> None:
     """free + used == total; every ref count equals the number of tables holding the block;
     no block both free and referenced; cache entries and token counts agree."""
     free = list(manager.free_queue)

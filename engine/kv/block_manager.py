@@ -7,23 +7,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from engine.kv.block_pool import Block, FreeBlockQueue, hash_block
+from common.log import get_logger
+from engine.kv.block_invariants import check_invariants
+from engine.kv.block_pool import Block, FreeBlockQueue, SeqBlocks, hash_block
 from engine.kv.block_stats import BlockStats, compute_stats
-from engine.log import get_logger
 
 log = get_logger("blocks")
-
-
-@dataclass(slots=True)
-class SeqBlocks:
-    """One sequence's block table (device ids, or host ids while swapped) and its tokens."""
-
-    block_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks
-    on_host: bool = False
 
 
 class BlockManager:
@@ -363,6 +353,4 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the pool's bookkeeping is inconsistent."""
-        from engine.kv.block_invariants import check_invariants
-
         check_invariants(self)

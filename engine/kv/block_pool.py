@@ -1,13 +1,18 @@
 """Physical KV blocks and the free list: an intrusive doubly linked list with O(1) pop,
 append and remove-from-middle. Freed blocks keep their prefix hash and sit in LRU order
-until they are reused, so a later request with the same prefix can revive them."""
+until they are reused, so a later request with the same prefix can revive them.
+
+Also the per-sequence table (`SeqBlocks`) and `PoolView`, the read-only face of a block manager
+that its figures (`block_stats`) and consistency checks (`block_invariants`) read, so neither
+imports the manager."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(slots=True, eq=False)
@@ -90,3 +95,56 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     digest.update(b"root" if parent_hash is None else parent_hash.to_bytes(8, "little"))
     digest.update(array("q", token_ids).tobytes())
     return int.from_bytes(digest.digest(), "little")
+
+
+@dataclass(slots=True)
+class SeqBlocks:
+    """One sequence's block table (device ids, or host ids while swapped) and its tokens."""
+
+    block_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks
+    on_host: bool = False
+
+
+class PoolView(Protocol):
+    """What a block manager shows of its pools to its figures and its consistency checks."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_used_blocks(self) -> int: ...
+    @property
+    def num_free_cpu_blocks(self) -> int: ...
+    @property
+    def num_cached_free_blocks(self) -> int: ...
+    @property
+    def num_stored_tokens(self) -> int: ...
+    @property
+    def blocks(self) -> list[Block]: ...
+    @property
+    def free_queue(self) -> FreeBlockQueue: ...
+    @property
+    def cached(self) -> Mapping[int, Block]: ...
+    @property
+    def seqs(self) -> Mapping[int, SeqBlocks]: ...
+    @property
+    def cpu_ref(self) -> list[int]: ...
+    @property
+    def free_cpu(self) -> list[int]: ...
+    @property
+    def cow_copies(self) -> int: ...
+    @property
+    def prefix_queries(self) -> int: ...
+    @property
+    def prefix_hits(self) -> int: ...
+    @property
+    def swapped_out_blocks(self) -> int: ...
+    @property
+    def swapped_in_blocks(self) -> int: ...

@@ -5,10 +5,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from engine.kv.block_manager import BlockManager
+from engine.kv.block_pool import PoolView
 
 # Pool snapshot states, one per device block.
 FREE, USED, SHARED, CACHED = 0, 1, 2, 3
@@ -42,7 +41,7 @@ class BlockStats:
         return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
 
 
-def compute_stats(manager: BlockManager) -> BlockStats:
+def compute_stats(manager: PoolView) -> BlockStats:
     """Figures of a block manager; O(1), cheap enough for every step."""
     used = manager.num_used_blocks
     return BlockStats(
@@ -64,7 +63,7 @@ def compute_stats(manager: BlockManager) -> BlockStats:
     )
 
 
-def pool_snapshot(manager: BlockManager) -> list[list[int]]:
+def pool_snapshot(manager: PoolView) -> list[list[int]]:
     """Run-length encoded state of every device block: [[state, run_length], ...] with states
     FREE, USED, SHARED (ref count > 1) and CACHED (free but still a prefix-cache entry)."""
     runs: list[list[int]] = []
@@ -95,7 +94,7 @@ def block_id_runs(block_ids: list[int], max_runs: int) -> list[list[int]]:
     return runs
 
 
-def block_tables(manager: BlockManager, seqs: Iterable[tuple[str, int, int]], max_seqs: int = 64,
+def block_tables(manager: PoolView, seqs: Iterable[tuple[str, int, int]], max_seqs: int = 64,
                  max_runs: int = 64) -> list[dict[str, Any]]:
     """Block tables of up to `max_seqs` sequences given as (request_id, sample index, seq_id):
     ``{"id", "index", "host" (swapped out: host block ids), "num_blocks", "runs"}`` with the

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from common.log import get_logger
 from engine.config import EngineConfig
-from engine.log import get_logger
 
 log = get_logger("capacity")
 

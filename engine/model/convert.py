@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.log import get_logger
+from common.log import get_logger
 
 log = get_logger("convert")
 

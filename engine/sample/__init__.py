@@ -4,5 +4,5 @@ argmax fast path, temperature, top-k/p, min-p, seeded draws, logprobs), logits p
 (penalties, logit_bias, min_tokens), structured-output masks (llguidance), prompt logprobs,
 and beam search.
 
-May import torch, llguidance, `engine.sched` (its data types), `engine.sampling_params` and
+May import torch, llguidance, `engine.sched` (its data types), `common.sampling_params` and
 `engine.outputs`; never the model, the runner or anything that does I/O."""

@@ -15,14 +15,18 @@ def beam_step(request: Request, items: list[tuple[Sequence, int]], logits: torch
               eos_token_ids: set[int]) -> BeamChoice:
     """Advance the search of one request by one token, given its beams' logits rows."""
     params = request.params
-    if request.beam is None:
+    search = request.beam
+    if search is None:
         eos = [] if params.ignore_eos else sorted(eos_token_ids | set(params.stop_token_ids))
-        request.beam = BeamSearchState(params.num_candidates, params.length_penalty, params.early_stopping,
-                                       eos, params.max_tokens, params.min_tokens)
+        search = BeamSearchState(params.num_candidates, params.length_penalty, params.early_stopping,
+                                 eos, params.max_tokens, params.min_tokens)
+        request.beam = search
+    elif not isinstance(search, BeamSearchState):
+        raise TypeError(f"request {request.request_id} carries a beam search this stage did not make")
     order = {seq.seq_id: row for seq, row in items}
     beams = request.unfinished_seqs()
     rows = torch.tensor([order[seq.seq_id] for seq in beams], device=logits.device)
-    chosen = request.beam.step(torch.log_softmax(logits.index_select(0, rows), dim=-1))
+    chosen = search.step(torch.log_softmax(logits.index_select(0, rows), dim=-1))
     if not chosen:  # the search ended without new beams this step
         return BeamChoice(request, [], True)
-    return BeamChoice(request, [(beams[parent], token) for parent, token in chosen], request.beam.is_done)
+    return BeamChoice(request, [(beams[parent], token) for parent, token in chosen], search.is_done)

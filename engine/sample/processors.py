@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from engine.sched.sequence import Sequence
 
 

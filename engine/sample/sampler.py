@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 import ops
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 def uniform(seed: int | None, stream: str, token_index: int) -> float:

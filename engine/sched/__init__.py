@@ -4,5 +4,5 @@ owner of post-step sequence state (`Scheduler.update_from_output` → `postproce
 counts, appended tokens, forks, frees, stops and the step's deltas.
 
 `output` holds the data handed between a step's stages (`SchedulerOutput` to the runner,
-`StepSamples` back from the sampler). May import `engine.kv`, `engine.sampling_params`,
-`engine.outputs` and `engine.log`; never torch, the model or the runner."""
+`StepSamples` back from the sampler). May import `engine.kv`, `common.sampling_params`,
+`engine.outputs` and `common.log`; never torch, the model or the runner."""

@@ -4,35 +4,45 @@ that fails here is refused with the numbers, never queued to hang or to crash a 
 
 from __future__ import annotations
 
+from common.sampling_params import SamplingParams
 from engine.kv.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never run here; `code` is the OpenAI error code its client gets
+    (`context_length_exceeded`, `invalid_token_id`, `invalid_parameter`, `empty_prompt`, ...)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                   block_manager: BlockManager) -> None:
-    """Raise ValueError (message for the client) when the request can never run correctly."""
+    """Raise RequestRejected (message and code for the client) when the request can never run."""
     _check_prompt(prompt, vocab_size, max_model_len, block_manager)
     outside = sorted(t for t in params.token_ids_to_check if t >= vocab_size)
     if outside:
-        raise ValueError(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})")
+        raise RequestRejected(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
+                              "invalid_token_id")
     if params.use_beam_search and (params.logit_bias or params.presence_penalty or params.frequency_penalty
                                    or params.repetition_penalty != 1.0):
-        raise ValueError("penalties and logit_bias do not apply to beam search")
+        raise RequestRejected("penalties and logit_bias do not apply to beam search", "invalid_parameter")
     _check_fits_pool(len(prompt), params, max_model_len, block_manager)
 
 
 def _check_prompt(prompt: list[int], vocab_size: int, max_model_len: int, block_manager: BlockManager) -> None:
     if not prompt:
-        raise ValueError("the prompt is empty")
+        raise RequestRejected("the prompt is empty", "empty_prompt")
     if len(prompt) >= max_model_len:
-        raise ValueError(f"prompt of {len(prompt)} tokens does not fit max_model_len {max_model_len}")
+        raise RequestRejected(f"prompt of {len(prompt)} tokens does not fit max_model_len {max_model_len}",
+                              "context_length_exceeded")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise ValueError(f"prompt token ids must lie in [0, {vocab_size})")
+        raise RequestRejected(f"prompt token ids must lie in [0, {vocab_size})", "invalid_token_id")
     if not block_manager.can_ever_allocate(len(prompt) + 1):
-        raise ValueError(
+        raise RequestRejected(
             f"prompt of {len(prompt)} tokens is larger than the whole KV cache "
-            f"({block_manager.num_blocks} blocks of {block_manager.block_size})"
-        )
+            f"({block_manager.num_blocks} blocks of {block_manager.block_size})", "context_length_exceeded")
 
 
 def _check_fits_pool(prompt_len: int, params: SamplingParams, max_model_len: int,
@@ -46,8 +56,7 @@ def _check_fits_pool(prompt_len: int, params: SamplingParams, max_model_len: int
     need = shared + params.num_candidates * per_seq
     have = block_manager.num_blocks - block_manager.watermark_blocks
     if need > have:
-        raise ValueError(
+        raise RequestRejected(
             f"{params.num_candidates} sequence(s) of up to {length} tokens (prompt {prompt_len} + max_tokens "
             f"{params.max_tokens}) need {need} KV blocks of {size} tokens; the whole cache has {have}: "
-            f"lower n, best_of or max_tokens"
-        )
+            f"lower n, best_of or max_tokens", "context_length_exceeded")

@@ -7,33 +7,50 @@ stops, then one delta per touched request. A request of n = 2 at its first token
     samples   seqs=[s0]  token_ids=[[t_a, t_b]]       (one row, one token per candidate)
     s0 ── fork ──▶ s1       (s1 shares every block of s0, copy-on-write)
     s0 += t_a, s1 += t_b    then each is checked for a stop on its own
+
+It frees nothing itself: `update` returns the sequences and requests that finished
+(`StepUpdate`), and the scheduler, which owns the queues, releases them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
+from engine.kv.block_manager import BlockManager
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sched.output import BeamChoice, SchedulerOutput, StepSamples
 from engine.sched.sequence import Request, SeqStatus, Sequence
 
-if TYPE_CHECKING:
-    from engine.sched.scheduler import Scheduler
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What one step's results did: the deltas to send, and what the scheduler must release."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    finished_seqs: list[Sequence] = field(default_factory=list)  # their blocks go back to the pool
+    finished_requests: list[Request] = field(default_factory=list)  # leave the running queue
 
 
 class Postprocessor:
     """Applies `StepSamples` to the scheduler's sequences and builds the step's deltas."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: set[int], max_model_len: int) -> None:
-        self.scheduler = scheduler
-        self.block_manager = scheduler.block_manager
+    def __init__(self, block_manager: BlockManager, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.block_manager = block_manager
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.finished: Counter[str] = Counter()
+        self._update = StepUpdate()
 
-    def update(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
+    def update(self, sched: SchedulerOutput, samples: StepSamples) -> StepUpdate:
+        """Apply one step's samples; the deltas and what finished (nothing is freed here)."""
+        self._update = update = StepUpdate()
+        update.outputs = self._apply(sched, samples)
+        self._update = StepUpdate()
+        return update
+
+    def _apply(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
         outputs = [self._reject(request) for request in sched.rejected]
         for item in sched.scheduled:
             seq = item.seq
@@ -104,9 +121,10 @@ class Postprocessor:
         return None
 
     def finish_seq(self, seq: Sequence, reason: str) -> None:
+        """Set the sequence's one finish reason; its blocks are released after the step."""
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.scheduler.free_seq(seq)
+        self._update.finished_seqs.append(seq)
 
     def _apply_beams(self, choice: BeamChoice) -> None:
         """Fork parents chosen more than once, free parents nobody chose, append the tokens."""
@@ -138,7 +156,7 @@ class Postprocessor:
     # ----- deltas --------------------------------------------------------------------------
     def _reject(self, request: Request) -> RequestOutput:
         self.finished["error"] += 1
-        return RequestOutput(request.request_id, finished=True, error=request.error,
+        return RequestOutput(request.request_id, finished=True, error=request.error, error_code=request.error_code,
                              num_prompt_tokens=len(request.prompt_token_ids))
 
     def _output(self, request: Request) -> RequestOutput | None:
@@ -152,7 +170,7 @@ class Postprocessor:
             return None
         if finished:
             request.finish_time = time.monotonic()
-            self.scheduler.finish_request(request)
+            self._update.finished_requests.append(request)
             self.finished[outputs[0].finish_reason or "stop" if outputs else "stop"] += 1
         if not outputs and not finished:
             return None

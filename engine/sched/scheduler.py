@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 
+from common.log import get_logger
 from engine.kv.block_manager import BlockManager
-from engine.log import get_logger
 from engine.outputs import RequestOutput
 from engine.sched.output import ScheduledSeq, SchedulerOutput, StepSamples
 from engine.sched.postprocess import Postprocessor
@@ -49,7 +49,7 @@ class Scheduler:
         self.running: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.num_preemptions: Counter[str] = Counter()
-        self.post = Postprocessor(self, eos_token_ids or set(), max_model_len)
+        self.post = Postprocessor(block_manager, eos_token_ids or set(), max_model_len)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -77,8 +77,14 @@ class Scheduler:
             self.free_seq(seq)
 
     def update_from_output(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
-        """Apply one step's results to the sequences; the step's deltas (refusals included)."""
-        return self.post.update(sched, samples)
+        """Apply one step's results to the sequences, release what finished, and return the
+        step's deltas (refusals included)."""
+        update = self.post.update(sched, samples)
+        for seq in update.finished_seqs:
+            self.free_seq(seq)
+        for request in update.finished_requests:
+            self.finish_request(request)
+        return update.outputs
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -185,6 +191,7 @@ class Scheduler:
                     f"prompt of {len(seqs[0].token_ids)} tokens can never fit in the KV cache "
                     f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)"
                 )
+                request.error_code = "context_length_exceeded"
                 out.rejected.append(request)
                 continue
             if not self._allocate(seqs):

@@ -7,12 +7,9 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.sample.beam_search import BeamSearchState
+from common.sampling_params import SamplingParams
 
 
 class TokenConstraint(Protocol):
@@ -25,6 +22,19 @@ class TokenConstraint(Protocol):
 
     def fork(self) -> TokenConstraint:
         """An independent copy in the same state (for a forked sequence)."""
+        ...
+
+
+class BeamSearch(Protocol):
+    """A request's beam search as the scheduler sees it: whether it is over, and its best
+    finished beams. The implementation is `engine.sample.beam_search.BeamSearchState`; the
+    sampling stage steps it, the scheduler only asks."""
+
+    @property
+    def is_done(self) -> bool: ...
+
+    def best(self, n: int) -> list[tuple[list[int], float]]:
+        """The `n` best beams as (output token ids, score), best first."""
         ...
 
 
@@ -105,11 +115,12 @@ class Request:
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)
-    beam: BeamSearchState | None = None
+    beam: BeamSearch | None = None
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None
+    error_code: str | None = None
     # prompt logprobs (SamplingParams.prompt_logprobs): gathered chunk by chunk, sent once
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_logprobs_sent: bool = False

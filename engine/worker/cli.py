@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
+from common.log import get_logger
+from common.protocol import DEFAULT_PREFIX
+from common.sizes import parse_size
 from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
-from engine.log import get_logger
-from engine.protocol import DEFAULT_PREFIX
-from engine.sizes import parse_size
 
 if TYPE_CHECKING:
     from engine.worker.engine_worker import EngineWorker

@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from common.log import get_logger
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.kv.block_stats import block_tables, pool_snapshot
-from engine.log import get_logger
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sched.admission import RequestRejected
 
 T = TypeVar("T")
 log = get_logger("worker.engine")
@@ -34,8 +34,21 @@ class AddJob:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
     generated: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Queues:
+    """How many requests the engine holds in each queue after a trip: what the worker steers by."""
+
+    running: int = 0
+    waiting: int = 0
+    swapped: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.running + self.waiting + self.swapped
 
 
 @dataclass(slots=True)
@@ -43,9 +56,10 @@ class StepResult:
     """What one trip to the engine thread produced."""
 
     outputs: list[RequestOutput]
-    rejected: dict[str, str]
+    rejected: dict[str, tuple[str, str]]  # request id -> (why it could not be queued, error code)
     aborted: list[str]
     stats: dict[str, Any]
+    queues: Queues = field(default_factory=Queues)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why its step raised
 
 
@@ -79,31 +93,33 @@ class EngineThread:
 
     def add(self, job: AddJob) -> None:
         """Queue a request; a resumed one restarts by recompute from prompt + generated tokens."""
-        params = SamplingParams.from_dict(job.params)
-        self.engine.add_request(job.request_id, job.prompt_token_ids, params, generated=job.generated)
+        self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, generated=job.generated)
 
     def step(self, jobs: list[AddJob], aborts: list[str]) -> StepResult:
         """Apply aborts and adds, then run one engine step when there is work."""
         aborted = [rid for rid in aborts if self.engine.abort_request(rid)]
-        rejected: dict[str, str] = {}
+        rejected: dict[str, tuple[str, str]] = {}
         for job in jobs:
             try:
                 self.add(job)
-            except ValueError as exc:  # nothing was queued
-                rejected[job.request_id] = str(exc)
+            except RequestRejected as exc:  # nothing was queued
+                rejected[job.request_id] = (str(exc), exc.code)
+            except ValueError as exc:  # a parameter the engine cannot apply (a grammar, resumed tokens)
+                self.engine.abort_request(job.request_id)
+                rejected[job.request_id] = (str(exc), "invalid_parameter")
             except Exception as exc:  # a request the engine cannot even queue: only it fails
                 self.engine.abort_request(job.request_id)
-                rejected[job.request_id] = f"the engine could not queue this request: {exc!r}"
+                rejected[job.request_id] = (f"the engine could not queue this request: {exc!r}", "engine_error")
         outputs: list[RequestOutput] = []
         failed: dict[str, str] = {}
         if self.engine.has_unfinished_requests():
-            in_step = [req.request_id for req in self.engine.scheduler.running]
-            in_step += [req.request_id for req in self.engine.scheduler.waiting]
+            in_step = self.engine.running_request_ids() + self.engine.waiting_request_ids()
             try:
                 outputs = self.engine.step()
             except Exception as exc:
                 failed = self._fail_step(in_step, exc)
-        return StepResult(outputs, rejected, aborted, self._refresh_cache(), failed)
+        queues = Queues(*self.engine.queue_lengths())
+        return StepResult(outputs, rejected, aborted, self._refresh_cache(), queues, failed)
 
     def _refresh_cache(self) -> dict[str, Any]:
         # idle after this trip: no later step would refresh it, so take the full snapshot now
@@ -120,9 +136,9 @@ class EngineThread:
         candidates it may have admitted), so their blocks return and the engine goes on."""
         log.error("engine step failed; failing its requests", error=repr(exc),
                   traceback=traceback.format_exc(limit=8))
-        ran = {req.request_id for req in self.engine.scheduler.running}
-        ran |= {rid for rid in candidates if rid in self.engine.requests and rid not in
-                {req.request_id for req in self.engine.scheduler.waiting}}
+        waiting = set(self.engine.waiting_request_ids())
+        ran = set(self.engine.running_request_ids())
+        ran |= {rid for rid in candidates if self.engine.has_request(rid) and rid not in waiting}
         message = f"the engine failed while running this request: {exc!r}"
         failed = {}
         for request_id in sorted(ran):
@@ -140,9 +156,6 @@ class EngineThread:
     def snapshot(self) -> tuple[dict[str, Any], list[list[int]]]:
         """Current figures (with the running and swapped sequences' ``block_tables``) and the
         run-length block-pool snapshot."""
-        scheduler = self.engine.scheduler
-        seqs = ((req.request_id, seq.index, seq.seq_id) for queue in (scheduler.running, scheduler.swapped)
-                for req in queue for seq in req.unfinished_seqs())
         stats = self.engine.stats()
-        stats["block_tables"] = block_tables(self.engine.block_manager, seqs)
-        return stats, pool_snapshot(self.engine.block_manager)
+        stats["block_tables"] = self.engine.block_tables()
+        return stats, self.engine.pool_snapshot()

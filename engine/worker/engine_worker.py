@@ -19,19 +19,18 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from redis.exceptions import RedisError, WatchError
 
+from common.log import get_logger
+from common.protocol import DEFAULT_PREFIX, Keys
+from common.redis_conn import Epoch, pooled_client
+from common.shutdown import shut_down
 from engine.config import EngineConfig
-from engine.log import get_logger
-from engine.protocol import DEFAULT_PREFIX, Keys
-from engine.redis_conn import Epoch, pooled_client
-from engine.shutdown import shut_down
-from engine.worker.engine_thread import EngineThread, StepResult
-from engine.worker.guards import Guards, without
+from engine.worker.engine_thread import EngineThread, Queues, StepResult
+from engine.worker.guards import Guards
 from engine.worker.heartbeat import Heartbeat, model_config_hash
 from engine.worker.intake import Intake
 from engine.worker.metrics import EngineMetrics, start_metrics_server
 from engine.worker.outbox import Fence, FenceLost, Outbox, flush
 from engine.worker.request_stream import RequestStream
-from engine.worker.tracked import error_output, to_wire
 
 FENCE_TRIES = 8  # flush attempts per step when the heartbeat key changes under one
 log = get_logger("worker")
@@ -77,7 +76,8 @@ class EngineWorker:
         self.thread = EngineThread()
         self.stop = asyncio.Event()
         self.closing = False  # set on the way out: the side tasks' loops end at their next turn
-        self.stats: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}  # the engine's figures after the last step (metrics, heartbeat)
+        self.queues = Queues()
         self.metrics: EngineMetrics | None = None
         self.epoch = Epoch(self.keys.epoch)
         self.unsent = Outbox()  # outboxes whose flush failed, retried first
@@ -93,7 +93,7 @@ class EngineWorker:
         stream = RequestStream(client, self.keys, cfg.model_name, cfg.engine_id)
         intake = Intake(client, self.keys, stream, cfg.model_name, cfg.max_claims, self.epoch)
         guards = Guards(intake, cfg.gateway_grace_s)
-        intake.on_data_lost = lambda: self._forget_everything(intake, guards)
+        intake.on_data_lost = lambda: self._forget_everything(intake)
         beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, str(engine.config.model),
                          engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
                          config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size)
@@ -121,7 +121,7 @@ class EngineWorker:
     async def _shut(self, tasks: list[asyncio.Task[None]], beat: Heartbeat, runner: web.AppRunner | None,
                     client: aioredis.Redis) -> None:
         """Stop the side tasks, drop the heartbeat, close the servers and connections (each step
-        bounded: `engine.shutdown`), stop the engine thread."""
+        bounded: `common.shutdown`), stop the engine thread."""
         self.closing = True
         steps = [beat.remove(), *([runner.cleanup()] if runner is not None else []),
                  client.aclose(close_connection_pool=True)]
@@ -144,18 +144,17 @@ class EngineWorker:
                 if not self._busy(intake):
                     await self._pull(intake, block=True)
                     if not self._busy(intake):
-                        await self._publish(client, intake, guards, beat, intake.pending)
-                        intake.pending = Outbox()
+                        await self._publish(client, intake, guards, beat, intake.take_pending())
                         continue
                 step = self._start_step(intake, guards)
             result = await step
-            self.stats = result.stats
+            self.stats, self.queues = result.stats, result.queues
             assert self.metrics is not None
             self.metrics.update(result.stats)
-            outbox, intake.pending = intake.pending, Outbox()
+            outbox = intake.take_pending()
             self._collect(intake, result, outbox)
             step = None
-            if self._drain_due(intake, guards, outbox):
+            if self._drain_due(intake, outbox):
                 await self._publish(client, intake, guards, beat, outbox)
                 continue
             if not self.stop.is_set():
@@ -170,10 +169,9 @@ class EngineWorker:
 
     def _done(self, intake: Intake) -> bool:
         """Stopping and nothing left to run (or hand back)."""
-        return (self.stop.is_set() and not intake.tracked and not intake.forced_aborts and not intake.pending
-                and not self.unsent)
+        return self.stop.is_set() and intake.is_empty and not self.unsent
 
-    def _drain_due(self, intake: Intake, guards: Guards, outbox: Outbox) -> bool:
+    def _drain_due(self, intake: Intake, outbox: Outbox) -> bool:
         """After SIGTERM: past the drain timeout, hand every tracked request back."""
         if not self.stop.is_set():
             return False
@@ -181,23 +179,20 @@ class EngineWorker:
             self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
             log.info("draining", requests=len(intake.tracked), timeout_s=self.config.drain_timeout_s)
         if intake.tracked and time.monotonic() >= self._drain_deadline:
-            log.info("drain timeout: handing requests back", requests=guards.hand_back(outbox))
+            log.info("drain timeout: handing requests back", requests=intake.hand_back(outbox))
             return True
         return False
 
     def _busy(self, intake: Intake) -> bool:
-        s = self.stats
-        queued = s.get("running", 0) + s.get("waiting", 0) + s.get("swapped", 0)
-        return bool(queued or intake.jobs or intake.aborts or intake.forced_aborts)
+        return self.queues.total > 0 or intake.has_work
 
     async def _pull(self, intake: Intake, block: bool) -> None:
         if self.stop.is_set():
             if block:
                 await asyncio.sleep(0.05)
             return
-        s = self.stats
-        room = self.engine_config.max_num_seqs - s.get("running", 0) - len(intake.jobs)
-        count = min(self.config.max_pull, room) if s.get("waiting", 0) == 0 else 0
+        room = self.engine_config.max_num_seqs - self.queues.running - len(intake.jobs)
+        count = min(self.config.max_pull, room) if self.queues.waiting == 0 else 0
         try:
             await intake.pull(count, self.config.idle_block_ms if block else None)
         except (RedisError, OSError) as exc:
@@ -205,34 +200,11 @@ class EngineWorker:
             await asyncio.sleep(0.5)
 
     def _collect(self, intake: Intake, result: StepResult, outbox: Outbox) -> None:
-        """Engine deltas, rejections, failures and aborts → wire messages, acks and metrics."""
+        """Engine deltas, rejections, failures and aborts → wire messages and acks; metrics."""
         now = time.time()
-        for request_id, message in result.rejected.items():
-            tracked = intake.tracked.pop(request_id, None)
-            if tracked is not None:
-                outbox.add(tracked.gateway, error_output(tracked, message, "invalid_request_error",
-                                                         "invalid_parameter"))
-                outbox.end(request_id, tracked.entry_id)
-        for request_id, message in result.failed.items():
-            tracked = intake.tracked.pop(request_id, None)
-            if tracked is not None:
-                outbox.add(tracked.gateway, error_output(tracked, message, "server_error", "engine_step_failed"))
-                outbox.end(request_id, tracked.entry_id)
-        for request_id in result.aborted:
-            aborted = intake.tracked.pop(request_id, None)
-            if aborted is not None:
-                outbox.end(request_id, aborted.entry_id)
-        for out in result.outputs:
-            live = intake.tracked.get(out.request_id)
-            if live is None:
-                continue
-            outbox.add(live.gateway, to_wire(live, out))
-            if out.finished:
-                intake.tracked.pop(out.request_id)
-                outbox.end(out.request_id, live.entry_id)
-                if self.metrics is not None and out.error is None:
-                    self.metrics.observe_finished(live.request.arrival, live.first_token_at, now,
-                                                  out.num_generated_tokens)
+        for live, out in intake.collect(result, outbox):
+            if self.metrics is not None:
+                self.metrics.observe_finished(live.request.arrival, live.first_token_at, now, out.num_generated_tokens)
 
     async def _publish(self, client: aioredis.Redis, intake: Intake, guards: Guards, beat: Heartbeat,
                        outbox: Outbox) -> None:
@@ -273,20 +245,18 @@ class EngineWorker:
         lost = {rid for entry, rid in entries.items() if entry not in owned}
         guards.lose(lost, "taken over by another engine while this one was silent")
         if lost:
-            self.unsent = without(self.unsent, lost)
+            self.unsent = self.unsent.without(lost)
         beat.suspect = False
 
-    def _forget_everything(self, intake: Intake, guards: Guards) -> None:
+    def _forget_everything(self, intake: Intake) -> None:
         """Redis restarted without persistence: every in-flight request is gone there (its
         gateway fails it with a clear error), so drop them all and publish nothing for them."""
-        lost = set(intake.tracked)
-        log.error("Redis lost its data (epoch changed): dropping in-flight requests", requests=len(lost))
-        guards.lose(lost, "Redis lost its data")
-        intake.pending = Outbox(forget_progress=sorted(lost))  # checkpoints written since the loss
+        lost = intake.forget_all()
+        log.error("Redis lost its data (epoch changed): dropped in-flight requests", requests=len(lost))
         self.unsent = Outbox()
 
     async def _redis_lost(self, client: aioredis.Redis, intake: Intake, guards: Guards) -> None:
-        self._forget_everything(intake, guards)
+        self._forget_everything(intake)
         await self.epoch.check(client)
         await intake.stream.ensure_group()
 

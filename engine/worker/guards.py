@@ -14,24 +14,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.log import get_logger
-from engine.protocol import EngineRequest
+from common.log import get_logger
 from engine.worker.intake import Intake
-from engine.worker.outbox import Outbox
-from engine.worker.tracked import error_output
 
 log = get_logger("worker.guards")
-
-
-def without(outbox: Outbox, request_ids: set[str]) -> Outbox:
-    """The outbox less every message and ack of these requests."""
-    kept = Outbox(ack_only=list(outbox.ack_only), requeue=list(outbox.requeue))
-    for gateway, messages in outbox.by_gateway.items():
-        for message in messages:
-            if message.id not in request_ids:
-                kept.add(gateway, message)
-    kept.ended = [(rid, entry) for rid, entry in outbox.ended if rid not in request_ids]
-    return kept
 
 
 @dataclass(slots=True)
@@ -45,15 +31,13 @@ class Guards:
     def expire(self, now: float | None = None) -> list[str]:
         """Abort requests past their deadline, with a timeout error for their clients."""
         now = time.time() if now is None else now
-        late = [t for t in self.intake.tracked.values() if t.request.deadline is not None and now > t.request.deadline]
-        for tracked in late:
-            self.intake.drop([tracked.request_id])
-            self.intake.pending.add(tracked.gateway, error_output(tracked, "request deadline passed", "timeout",
-                                                                  "timeout"))
-            self.intake.pending.end(tracked.request_id, tracked.entry_id)
+        late = [t.request_id for t in self.intake.tracked.values()
+                if t.request.deadline is not None and now > t.request.deadline]
+        for request_id in late:
+            self.intake.fail(request_id, "request deadline passed", "timeout", "timeout")
         if late:
             log.warning("requests past their deadline aborted", count=len(late))
-        return [t.request_id for t in late]
+        return late
 
     def gateways_to_probe(self, limit: int = 64) -> list[str]:
         return sorted({t.gateway for t in self.intake.tracked.values()})[:limit]
@@ -73,28 +57,12 @@ class Guards:
         for gateway in gone:
             self.missing_since.pop(gateway, None)
             ids = [t.request_id for t in self.intake.tracked.values() if t.gateway == gateway]
-            for tracked in self.intake.drop(ids):
-                self.intake.pending.end(tracked.request_id, tracked.entry_id)
-                dropped.append(tracked.request_id)
+            dropped += self.intake.end(ids)
             log.warning("gateway gone: its requests aborted", gateway=gateway, requests=len(ids))
         return dropped
 
     def lose(self, request_ids: set[str], why: str) -> None:
         """Requests this engine must stop without touching Redis for them (not ours any more)."""
         if request_ids:
-            self.intake.drop(sorted(request_ids))
-            self.intake.pending = without(self.intake.pending, request_ids)
+            self.intake.lose(request_ids)
             log.warning("requests dropped", why=why, count=len(request_ids))
-
-    def hand_back(self, outbox: Outbox) -> int:
-        """Drain timeout: put every tracked request back on the stream (with `handoffs` + 1,
-        so its next engine resumes it from its checkpoint) and acknowledge our entries."""
-        tracked = self.intake.drop(list(self.intake.tracked))
-        for item in tracked:
-            request = item.request
-            again = EngineRequest(request.id, request.gateway, request.model, request.prompt_token_ids,
-                                  request.params, request.arrival, request.deadline, request.handoffs + 1,
-                                  request.epoch)
-            outbox.requeue.append(again.encode())
-            outbox.ack_only.append(item.entry_id)
-        return len(tracked)

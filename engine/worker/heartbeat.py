@@ -17,7 +17,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from engine.protocol import EngineHeartbeat, Keys
+from common.protocol import EngineHeartbeat, Keys
 
 
 def flatten_stats(stats: dict[str, Any]) -> dict[str, float]:

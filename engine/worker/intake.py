@@ -6,28 +6,35 @@ lands on must not take the whole model down."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import redis.asyncio as aioredis
 
-from engine.log import get_logger
-from engine.protocol import REQUEST_FIELD, AbortMessage, EngineRequest, Keys, Progress, ProtocolError, merge_progress
-from engine.pubsub import subscribe_forever
-from engine.redis_conn import Epoch
-from engine.worker.engine_thread import AddJob
+from common.log import get_logger
+from common.protocol import REQUEST_FIELD, AbortMessage, EngineRequest, Keys, Progress, ProtocolError, merge_progress
+from common.pubsub import subscribe_forever
+from common.redis_conn import Epoch
+from engine.outputs import RequestOutput
+from engine.worker.engine_thread import AddJob, StepResult
 from engine.worker.outbox import Outbox
 from engine.worker.request_stream import RequestStream, StreamEntry
-from engine.worker.tracked import Tracked, error_output, resume
+from engine.worker.tracked import Tracked, error_output, resume, to_wire
 
 log = get_logger("worker.intake")
 ABORT_MEMORY_S = 300.0
+MAX_REMEMBERED_ABORTS = 100_000
 DEAD_LETTER_MAXLEN = 1000
 
 
 class Intake:
-    """Turns stream entries and aborts into engine jobs; owns the `tracked` requests table."""
+    """Turns stream entries and aborts into engine jobs, and owns the table of requests this
+    engine serves (`tracked`, read-only to everyone else) and the outbox of what admission,
+    drops and failures produce (`take_pending`). Every change to either goes through a method
+    here."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, stream: RequestStream, model: str,
                  max_claims: int = 3, epoch: Epoch | None = None,
@@ -39,48 +46,149 @@ class Intake:
         self.stream = stream
         self.model = model
         self.max_claims = max_claims
-        self.tracked: dict[str, Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
+        self.tracked: Mapping[str, Tracked] = MappingProxyType(self._tracked)
         self.jobs: list[AddJob] = []
         self.aborts: set[str] = set()
         self.forced_aborts: set[str] = set()  # already ended here; the engine must still drop them
-        self.recent_aborts: dict[str, float] = {}
-        self.pending = Outbox()  # errors and acks produced while admitting
+        self.recent_aborts: OrderedDict[str, float] = OrderedDict()  # id -> when, oldest first
+        self.bad_aborts = 0
+        self._pending = Outbox()  # errors and acks produced between two steps
+        self.dead_lettered = 0  # entries moved to the dead-letter stream (metric)
+
+    # ----- the table and the pending outbox ----------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        """Jobs or aborts wait for the engine thread."""
+        return bool(self.jobs or self.aborts or self.forced_aborts)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing tracked, nothing to tell the engine, nothing to publish."""
+        return not (self._tracked or self.forced_aborts or self._pending)
+
+    def take_pending(self) -> Outbox:
+        """What was produced since the last call, to publish with the next step's outputs."""
+        pending, self._pending = self._pending, Outbox()
+        return pending
+
+    def fail(self, request_id: str, message: str, type_: str, code: str) -> None:
+        """End a tracked request with an error for its client (the engine drops it next step)."""
+        for tracked in self.drop([request_id]):
+            self._pending.add(tracked.gateway, error_output(tracked, message, type_, code))
+            self._pending.end(request_id, tracked.entry_id)
+
+    def end(self, request_ids: list[str]) -> list[str]:
+        """Stop serving these requests without a message (their client is gone): acknowledge
+        their entries; returns those that were tracked."""
+        dropped = self.drop(request_ids)
+        for tracked in dropped:
+            self._pending.end(tracked.request_id, tracked.entry_id)
+        return [t.request_id for t in dropped]
+
+    def lose(self, request_ids: set[str]) -> None:
+        """Requests this engine no longer owns: stop them and publish nothing for them."""
+        self.drop(sorted(request_ids))
+        self._pending = self._pending.without(request_ids)
+
+    def forget_all(self) -> set[str]:
+        """Redis lost its data: drop every request, and the checkpoints written since the loss."""
+        lost = set(self._tracked)
+        self.drop(sorted(lost))
+        self._pending = Outbox(forget_progress=sorted(lost))
+        return lost
+
+    def hand_back(self, outbox: Outbox) -> int:
+        """Put every tracked request back on the stream (`handoffs` + 1, so its next engine
+        resumes it from its checkpoint) and acknowledge our entries; returns how many."""
+        dropped = self.drop(list(self._tracked))
+        for tracked in dropped:
+            again = dataclasses.replace(tracked.request, handoffs=tracked.request.handoffs + 1)
+            outbox.requeue.append(again.encode())
+            outbox.ack_only.append(tracked.entry_id)
+        return len(dropped)
+
+    def collect(self, result: StepResult, outbox: Outbox) -> list[tuple[Tracked, RequestOutput]]:
+        """One step's deltas, refusals, failures and aborts → wire messages and acks in `outbox`;
+        returns the requests that finished cleanly with their last delta (for metrics)."""
+        for request_id, (message, code) in result.rejected.items():
+            self._end_with(outbox, request_id, message, "invalid_request_error", code)
+        for request_id, message in result.failed.items():
+            self._end_with(outbox, request_id, message, "server_error", "engine_step_failed")
+        for request_id in result.aborted:
+            aborted = self._tracked.pop(request_id, None)
+            if aborted is not None:
+                outbox.end(request_id, aborted.entry_id)
+        finished = []
+        for out in result.outputs:
+            live = self._tracked.get(out.request_id)
+            if live is None:
+                continue
+            outbox.add(live.gateway, to_wire(live, out))
+            if out.finished:
+                del self._tracked[out.request_id]
+                outbox.end(out.request_id, live.entry_id)
+                if out.error is None:
+                    finished.append((live, out))
+        return finished
+
+    def _end_with(self, outbox: Outbox, request_id: str, message: str, type_: str, code: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None:
+            outbox.add(tracked.gateway, error_output(tracked, message, type_, code))
+            outbox.end(request_id, tracked.entry_id)
 
     # ----- admission ---------------------------------------------------------------------------
     async def admit(self, entries: list[StreamEntry], claimed: bool) -> None:
         """Decode entries; claimed ones, handed-back ones (and this engine's own after a
-        restart) resume from their checkpoints."""
+        restart) resume from their checkpoints. An entry that does not decode is dead-lettered
+        with its reason and raw bytes and acknowledged, before anything else can fail on it."""
         for entry in entries:
             try:
                 request = EngineRequest.decode(entry.payload or b"")
             except ProtocolError as exc:
-                log.error("undecodable request dropped", entry=entry.entry_id, error=str(exc))
-                self.pending.ack_only.append(entry.entry_id)
+                await self._dead_letter_raw(entry, f"undecodable: {exc}")
                 continue
-            if request.id in self.tracked:
-                continue
-            await self._sync_epoch(request.epoch)
-            if request.id in self.recent_aborts:
-                self.pending.end(request.id, entry.entry_id)
+            if request.id in self._tracked:
                 continue
             if entry.deliveries - 1 > self.max_claims:
                 await self._dead_letter(request, entry)
                 continue
-            progress = await self._progress(request.id) if claimed or request.handoffs else Progress()
-            resumed = resume(request, entry.entry_id, progress)
-            if resumed is None:  # its client already got everything
-                self.pending.end(request.id, entry.entry_id)
+            await self._sync_epoch(request.epoch)
+            if request.id in self.recent_aborts:
+                self._pending.end(request.id, entry.entry_id)
                 continue
-            tracked, job = resumed
-            if request.deadline is not None and time.time() > request.deadline:
-                self.pending.add(request.gateway, error_output(tracked, "request deadline passed", "timeout",
-                                                               "timeout"))
-                self.pending.end(request.id, entry.entry_id)
-                continue
-            if tracked.resumed:
-                log.info("resuming request", request_id=request.id, tokens=len(job.generated), seq=tracked.seq)
-            self.tracked[request.id] = tracked
-            self.jobs.append(job)
+            await self._start(request, entry, claimed)
+
+    async def _start(self, request: EngineRequest, entry: StreamEntry, claimed: bool) -> None:
+        progress = await self._progress(request.id) if claimed or request.handoffs else Progress()
+        resumed = resume(request, entry.entry_id, progress)
+        if resumed is None:  # its client already got everything
+            self._pending.end(request.id, entry.entry_id)
+            return
+        tracked, job = resumed
+        if request.deadline is not None and time.time() > request.deadline:
+            self._pending.add(request.gateway, error_output(tracked, "request deadline passed", "timeout",
+                                                            "timeout"))
+            self._pending.end(request.id, entry.entry_id)
+            return
+        if tracked.resumed:
+            log.info("resuming request", request_id=request.id, tokens=len(job.generated), seq=tracked.seq)
+        self._tracked[request.id] = tracked
+        self.jobs.append(job)
+
+    async def _dead_letter_raw(self, entry: StreamEntry, reason: str) -> None:
+        """Park an entry nobody can serve (with why, and its bytes as they came) and ack it."""
+        log.error("request entry dead-lettered", entry=entry.entry_id, reason=reason[:300],
+                  stream=self.keys.dead(self.model))
+        self.dead_lettered += 1
+        fields: dict[str, bytes | str | int] = {REQUEST_FIELD: entry.payload or b"", "reason": reason[:1000],
+                                                "entry": entry.entry_id}
+        try:
+            await self.client.xadd(self.keys.dead(self.model), fields,  # type: ignore[arg-type]
+                                   maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        finally:
+            self._pending.ack_only.append(entry.entry_id)
 
     async def _sync_epoch(self, token: str) -> None:
         """A request from another dataset epoch: Redis lost its data since we last looked."""
@@ -93,14 +201,16 @@ class Intake:
         """Park a request taken over more than `max_claims` times and tell its client."""
         claims = entry.deliveries - 1
         log.error("request taken over too often: dead-lettered", request_id=request.id, claims=claims)
-        await self.client.xadd(self.keys.dead(self.model), {REQUEST_FIELD: entry.payload or b"", "claims": claims},
+        self.dead_lettered += 1
+        await self.client.xadd(self.keys.dead(self.model), {REQUEST_FIELD: entry.payload or b"", "claims": claims,
+                                                            "reason": f"taken over {claims} times"},
                                maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         progress = await self._progress(request.id)
         tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1)
         message = (f"request abandoned after {claims} engine takeovers (each engine that ran it stopped); "
                    f"it was moved to {self.keys.dead(self.model)}")
-        self.pending.add(request.gateway, error_output(tracked, message, "server_error", "request_dead_lettered"))
-        self.pending.end(request.id, entry.entry_id)
+        self._pending.add(request.gateway, error_output(tracked, message, "server_error", "request_dead_lettered"))
+        self._pending.end(request.id, entry.entry_id)
 
     async def _progress(self, request_id: str) -> Progress:
         try:
@@ -117,15 +227,15 @@ class Intake:
         jobs = [job for job in self.jobs if job.request_id not in aborts and job.request_id not in forced]
         for job in self.jobs:
             if job.request_id in aborts:
-                tracked = self.tracked.pop(job.request_id)
-                self.pending.end(job.request_id, tracked.entry_id)
+                tracked = self._tracked.pop(job.request_id)
+                self._pending.end(job.request_id, tracked.entry_id)
         queued = {job.request_id for job in self.jobs}
         self.jobs = []
         return jobs, [rid for rid in aborts if rid in self.tracked] + [rid for rid in forced if rid not in queued]
 
     def drop(self, request_ids: list[str]) -> list[Tracked]:
         """Stop tracking these requests (the engine drops them at its next step); returns them."""
-        dropped = [t for t in (self.tracked.pop(rid, None) for rid in request_ids) if t is not None]
+        dropped = [t for t in (self._tracked.pop(rid, None) for rid in request_ids) if t is not None]
         self.forced_aborts.update(t.request_id for t in dropped)
         return dropped
 
@@ -158,19 +268,28 @@ class Intake:
         return total
 
     def on_abort(self, ids: list[str]) -> None:
+        """Stop tracked requests at the next step; remember the others for `ABORT_MEMORY_S`
+        (their entry may still be queued) in insertion order, so expiry is O(1) per id."""
         now = time.monotonic()
         for request_id in ids:
-            if request_id in self.tracked:
+            if request_id in self._tracked:
                 self.aborts.add(request_id)
             else:
+                self.recent_aborts.pop(request_id, None)
                 self.recent_aborts[request_id] = now
-        if len(self.recent_aborts) > 10_000:
-            cutoff = now - ABORT_MEMORY_S
-            self.recent_aborts = {k: t for k, t in self.recent_aborts.items() if t >= cutoff}
+        while self.recent_aborts and (len(self.recent_aborts) > MAX_REMEMBERED_ABORTS
+                                      or next(iter(self.recent_aborts.values())) < now - ABORT_MEMORY_S):
+            self.recent_aborts.popitem(last=False)
 
     def _on_abort_message(self, data: bytes) -> None:
-        with contextlib.suppress(ProtocolError):
-            self.on_abort(AbortMessage.decode(data).ids)
+        try:
+            message = AbortMessage.decode(data)
+        except ProtocolError as exc:
+            self.bad_aborts += 1
+            log.warning("undecodable abort message ignored", error=str(exc)[:200])
+            return
+        if not message.model or message.model == self.model:
+            self.on_abort(message.ids)
 
     async def listen_aborts(self, running: Callable[[], bool] = lambda: True) -> None:
         """Run while `running()`: the abort channel (resubscribing after errors)."""

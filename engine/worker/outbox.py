@@ -14,11 +14,11 @@ finished (CI saw 42 such checkpoints left behind)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import redis.asyncio as aioredis
 
-from engine.protocol import REQUEST_FIELD, Keys, OutputMessage, encode_outputs
+from common.protocol import REQUEST_FIELD, Keys, OutputMessage, encode_outputs
 
 OUT_MAXLEN = 10_000  # entries kept per gateway output stream (approximate; gateways trim what they read)
 OUT_TTL_MS = 600_000  # a gateway that never comes back leaves no stream behind
@@ -45,13 +45,26 @@ class Outbox:
         """Append a later outbox (a failed flush is retried together with the next one)."""
         for gateway, messages in later.by_gateway.items():
             self.by_gateway.setdefault(gateway, []).extend(messages)
-        self.ended += later.ended
-        self.ack_only += later.ack_only
-        self.requeue += later.requeue
-        self.forget_progress += later.forget_progress
+        for f in fields(self):
+            if f.name != "by_gateway":
+                getattr(self, f.name).extend(getattr(later, f.name))
+
+    def without(self, request_ids: set[str]) -> Outbox:
+        """A copy less every message and ended entry of these requests (acks of other entries,
+        hand-backs and checkpoints to forget are kept)."""
+        kept = Outbox()
+        for f in fields(self):
+            if f.name != "by_gateway":
+                setattr(kept, f.name, list(getattr(self, f.name)))
+        for gateway, messages in self.by_gateway.items():
+            for message in messages:
+                if message.id not in request_ids:
+                    kept.add(gateway, message)
+        kept.ended = [(rid, entry) for rid, entry in self.ended if rid not in request_ids]
+        return kept
 
     def __bool__(self) -> bool:
-        return bool(self.by_gateway or self.ended or self.ack_only or self.requeue or self.forget_progress)
+        return any(getattr(self, f.name) for f in fields(self))
 
 
 class FenceLost(Exception):
@@ -95,7 +108,7 @@ async def flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox,
             for message in messages:
                 if message.id not in ended:
                     key = keys.progress(message.id)
-                    pipe.rpush(key, message.encode())
+                    pipe.rpush(key, message.checkpoint().encode())
                     pipe.expire(key, progress_ttl_s)
         for payload in outbox.requeue:
             pipe.xadd(stream, {REQUEST_FIELD: payload})

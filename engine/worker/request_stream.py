@@ -15,7 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from engine.protocol import REQUEST_FIELD, Keys
+from common.protocol import REQUEST_FIELD, Keys
 
 # KEYS: stream, heartbeat key of the dead consumer. ARGV: group, me, min idle ms, dead consumer, count.
 # Returns {{id, deliveries, payload}, ...}; entries deleted from the stream are acked and skipped.

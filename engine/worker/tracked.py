@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import RequestOutput
-from engine.protocol import (
+from common.protocol import (
     EngineRequest,
     ErrorInfo,
     OutputMessage,
@@ -17,6 +16,7 @@ from engine.protocol import (
     TokenLogprob,
     Usage,
 )
+from engine.outputs import RequestOutput
 from engine.worker.engine_thread import AddJob
 
 
@@ -64,7 +64,8 @@ def to_wire(tracked: Tracked, out: RequestOutput) -> OutputMessage:
     if tracked.first_token_at is None and any(o.token_ids for o in outputs):
         tracked.first_token_at = time.time()
     usage = Usage(out.num_prompt_tokens, out.num_generated_tokens, out.num_cached_tokens) if out.finished else None
-    error = None if out.error is None else ErrorInfo(out.error, "invalid_request_error", "context_length_exceeded")
+    error = None if out.error is None else ErrorInfo(out.error, "invalid_request_error",
+                                                     out.error_code or "engine_error")
     prompt = None if out.prompt_logprobs is None else [
         None if e is None else _token_logprob(e) for e in out.prompt_logprobs]
     return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt)
@@ -76,21 +77,13 @@ def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_e
     return OutputMessage(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code))
 
 
-def is_resumable_in_place(params: dict[str, object]) -> bool:
-    """One streamed sequence: it can continue from its checkpointed tokens. Others (n > 1,
-    best_of, beam search) restart; seeded draws repeat and the gateway drops duplicates."""
-    n, best_of = params.get("n", 1), params.get("best_of")
-    return n == 1 and best_of in (None, 1) and not params.get("use_beam_search", False)
-
-
 def resume(request: EngineRequest, entry_id: str, progress: Progress) -> tuple[Tracked, AddJob] | None:
     """Bookkeeping and engine job for a claimed request; None when its client already has it all."""
-    n = int(request.params.get("n", 1))
-    if progress.last_seq >= 0 and len(progress.finished) >= n:
+    if progress.last_seq >= 0 and len(progress.finished) >= request.params.n:
         return None
     tracked = Tracked(request, entry_id, seq=progress.last_seq + 1, resumed=progress.last_seq >= 0)
     generated: list[int] = []
-    if is_resumable_in_place(request.params):
+    if request.params.resumes_in_place:
         generated = list(progress.token_ids.get(0, []))
         tracked.sent = {0: len(generated)}
         if generated:

@@ -2,5 +2,5 @@
 shapes, and the per-request generation driver.
 
 May import aiohttp, llguidance (to check output constraints; never to build token masks),
-`gateway.broker`, `gateway.text` and the torch-free engine modules (`engine.protocol`,
-`engine.sampling_params`, `engine.log`)."""
+`gateway.broker`, `gateway.text` and the torch-free engine modules (`common.protocol`,
+`common.sampling_params`, `common.log`)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.protocol import TokenLogprob
+from common.protocol import TokenLogprob
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import ChoiceEvent
 from gateway.api.responses import (

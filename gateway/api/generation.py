@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.protocol import ErrorInfo, TokenLogprob, Usage
+from common.protocol import ErrorInfo, TokenLogprob, Usage
 from gateway.broker.broker import Broker
 from gateway.broker.collector import ChoiceDelta, RequestCollector
 from gateway.text.detokenize import IncrementalDetokenizer
@@ -112,10 +112,10 @@ class Generation:
             if all(c.finish_reason is not None for c in self.choices):
                 self.finished = True
                 if not update.done:  # stopped here by a stop string: stop the engine too
-                    await self.broker.abort([self.request_id])
+                    await self.broker.abort([self.request_id], self.collector.model)
 
     async def close(self) -> None:
         """Release the collector; abort on the engine when the client left early."""
         self.broker.release(self.request_id)
         if not self.finished and not self.collector.done:
-            await self.broker.abort([self.request_id])
+            await self.broker.abort([self.request_id], self.collector.model)

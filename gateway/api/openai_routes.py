@@ -9,8 +9,8 @@ import uuid
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from engine.protocol import EngineRequest
-from engine.redis_conn import PoolBusy
+from common.protocol import EngineRequest
+from common.redis_conn import PoolBusy
 from gateway.api.body import read_json
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
@@ -53,7 +53,7 @@ async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     check_context(req, len(ids), model.max_model_len, cfg)
     rid = kind.id_prefix + uuid.uuid4().hex
     now = time.time()
-    engine_req = EngineRequest(rid, cfg.gateway_id, model.name, ids, req.params.to_dict(), now,
+    engine_req = EngineRequest(rid, cfg.gateway_id, model.name, ids, req.params, now,
                                now + cfg.request_timeout_s)
     try:
         collector = await broker.submit(engine_req, req.params.n)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from engine.protocol import TokenLogprob, Usage
+from common.protocol import TokenLogprob, Usage
 from gateway.api.endpoint import Endpoint
 from gateway.text.tool_parser import ToolCall
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engine.sampling_params import ParamError, SamplingParams
+from common.sampling_params import ParamError, SamplingParams
 from gateway.api.endpoint import Endpoint
 from gateway.api.fields import (
     as_bool,

@@ -2,4 +2,4 @@
 listener that demultiplexes engine output into per-request collectors, aborts, and the
 registry of live engines read from their heartbeats.
 
-May import redis and `engine.protocol`; never aiohttp or torch."""
+May import redis and `common.protocol`; never aiohttp or torch."""

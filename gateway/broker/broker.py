@@ -17,8 +17,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from engine.log import get_logger
-from engine.protocol import (
+from common.log import get_logger
+from common.protocol import (
     REQUEST_FIELD,
     AbortMessage,
     EngineRequest,
@@ -27,7 +27,7 @@ from engine.protocol import (
     ProtocolError,
     decode_outputs,
 )
-from engine.redis_conn import Epoch, PoolBusy
+from common.redis_conn import Epoch, PoolBusy
 from gateway.broker.collector import RequestCollector
 
 log = get_logger("gateway.broker")
@@ -130,10 +130,10 @@ class Broker:
     def release(self, request_id: str) -> None:
         self.collectors.pop(request_id, None)
 
-    async def abort(self, request_ids: list[str]) -> None:
-        """Tell engines to stop these requests; best effort (Redis may be down)."""
+    async def abort(self, request_ids: list[str], model: str = "") -> None:
+        """Tell engines (of `model`, when given) to stop these requests; best effort (Redis may be down)."""
         try:
-            await self.client.publish(self.keys.abort, AbortMessage(request_ids).encode())
+            await self.client.publish(self.keys.abort, AbortMessage(request_ids, model).encode())
         except RedisError as exc:
             log.warning("abort not published", ids=request_ids, error=str(exc))
 

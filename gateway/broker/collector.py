@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.protocol import ErrorInfo, OutputGap, OutputMessage, TokenLogprob, Usage, num_repeated
+from common.protocol import ErrorInfo, OutputGap, OutputMessage, TokenLogprob, Usage, num_repeated
 
 
 @dataclass(slots=True)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from engine.log import get_logger
-from engine.protocol import EngineHeartbeat, Keys, ProtocolError
+from common.log import get_logger
+from common.protocol import EngineHeartbeat, Keys, ProtocolError
 from gateway.text.tokenizer import ModelTokenizer
 
 log = get_logger("gateway.engines")

@@ -11,8 +11,8 @@ import time
 
 from redis.exceptions import RedisError
 
-from engine.log import get_logger
-from engine.protocol import ErrorInfo
+from common.log import get_logger
+from common.protocol import ErrorInfo
 from gateway.broker.broker import Broker, BrokerUnavailable
 from gateway.broker.engines import EngineRegistry
 

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from engine.protocol import EngineHeartbeat
+from common.protocol import EngineHeartbeat
 from gateway.api.sse import SSEStream
 from gateway.state import REGISTRY
 

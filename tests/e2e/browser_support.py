@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.launch.redis_server import free_port
+from pagedserve.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = ROOT / "artifacts" / "screenshots"
@@ -50,7 +50,7 @@ class Stack:
     def start(cls, model: Path, log_dir: Path, kv_cache_memory: str = "1MiB") -> Stack:
         port = free_port()
         log_path = log_dir / "up.log"
-        cmd = [sys.executable, "-m", "engine.cli", "up", "--model", str(model), "--port", str(port),
+        cmd = [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(model), "--port", str(port),
                "--served-model-name", "tiny", "--device", "cpu", "--kv-cache-memory", kv_cache_memory,
                "--api-key", API_KEY]
         with open(log_path, "wb") as log:

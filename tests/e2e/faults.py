@@ -23,8 +23,8 @@ from pathlib import Path
 import aiohttp
 import redis
 
-from engine.launch.redis_server import RedisServer
-from engine.protocol import Keys
+from common.protocol import Keys
+from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, GatewayProcess
 
 MODEL = "tiny"

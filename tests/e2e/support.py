@@ -1,4 +1,4 @@
-"""End-to-end test support: real engine processes (`python -m engine.cli engine`), in-process
+"""End-to-end test support: real engine processes (`python -m pagedserve.cli engine`), in-process
 gateways on free ports, and reading an engine's figures from its heartbeat."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import redis
 from aiohttp import web
 
-from engine.launch.redis_server import free_port
-from engine.protocol import EngineHeartbeat, Keys
+from common.protocol import EngineHeartbeat, Keys
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.state import BROKER
+from pagedserve.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ class ChildProcess:
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, stdout=self._log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *args], cwd=ROOT, stdout=self._log,
                                      stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 

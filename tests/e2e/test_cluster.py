@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.launch.redis_server import RedisServer
+from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 
 MODEL = "tiny"

@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from engine.launch.redis_server import RedisServer
+from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 
 MODEL = "tiny"

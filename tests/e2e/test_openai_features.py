@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 from openai import AsyncOpenAI
 
-from engine.launch.redis_server import RedisServer
+from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 from tests.fixtures.gateway import parse_sse
 from tests.fixtures.models import make_tiny_model_dir

@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from engine.launch.redis_server import RedisServer
+from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import ROOT, EngineProcess, owner_of_most, serve_gateway
 from tests.fixtures.models import make_tiny_model_dir
 
@@ -54,8 +54,8 @@ def stack(tiny_llama_dir: Path, beta_dir: Path,
 
 def greedy_texts(model_dir: Path, prompts: list[str], max_tokens: int) -> list[str]:
     """The model's in-process greedy output, decoded the way the gateway decodes it."""
+    from common.sampling_params import SamplingParams
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
     from gateway.text.tokenizer import ModelTokenizer
 
     llm = LLM(model=str(model_dir), device="cpu", kv_cache_memory=8 << 20)
@@ -151,7 +151,7 @@ def test_an_engine_with_other_weights_under_a_served_name_is_refused(
     server, engines = stack
     alive = [e for e in engines[ALPHA] if e.proc.poll() is None]
     assert alive and alive[0].heartbeat() is not None
-    result = subprocess.run([sys.executable, "-m", "engine.cli", "engine", "--model", str(beta_dir),
+    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "engine", "--model", str(beta_dir),
                              "--served-model-name", ALPHA, "--redis-url", server.url, "--engine-id", "impostor",
                              *ENGINE_ARGS], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 
-from engine.launch.redis_server import free_port
+from pagedserve.launch.redis_server import free_port
 from tests.e2e.support import ROOT
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -43,8 +43,9 @@ def _alive(pid: int) -> bool:
 def test_up_serves_the_default_model_and_stops_cleanly(smollm2_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed below
-    up = subprocess.Popen([sys.executable, "-m", "engine.cli", "up", "--port", str(port), "--model", str(smollm2_dir),
-                           "--kv-cache-memory", "64MiB"], cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+    up = subprocess.Popen([sys.executable, "-m", "pagedserve.cli", "up", "--port", str(port),
+                           "--model", str(smollm2_dir), "--kv-cache-memory", "64MiB"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     children: list[int] = []
     try:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model.loader import ModelLoadError
-from engine.sampling_params import SamplingParams
 from tests.engine.helpers import assert_no_leaks
 
 OK = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)

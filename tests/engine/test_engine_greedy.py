@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from tests.engine.helpers import assert_no_leaks, generated, hf_greedy, smollm2_prompt_ids
 
 NEW_TOKENS = 64

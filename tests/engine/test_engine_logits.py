@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from tests.engine.helpers import assert_no_leaks
 
 REPETITIVE = [40, 41, 42, 43] * 6  # the same four tokens over and over

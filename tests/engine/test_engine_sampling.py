@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from tests.engine.helpers import assert_no_leaks
 
 PROMPT = list(range(10, 30))  # 20 tokens: one full block of 16 and a partial one

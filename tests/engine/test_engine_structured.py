@@ -11,8 +11,8 @@ from typing import Any
 import jsonschema
 import pytest
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from engine.worker.engine_thread import AddJob, EngineThread
 from tests.engine.helpers import assert_no_leaks
 
@@ -93,12 +93,13 @@ def test_resume_rebuilds_the_grammar_from_sent_tokens(tiny_llama_dir: Path) -> N
                     return tokens
                 result = host.step([], [])
 
-        params = _params(5).to_dict()
+        params = _params(5)
         full = run(AddJob("so-1", PROMPT, params))
         resumed = run(AddJob("so-1", PROMPT, params, generated=full[:7]))
         assert full[:7] + resumed == full
         bad = host.step([AddJob("so-2", PROMPT, params, generated=[0, 0])], [])  # NUL bytes: not JSON
-        assert "do not follow the grammar" in bad.rejected["so-2"]
+        message, code = bad.rejected["so-2"]
+        assert "do not follow the grammar" in message and code == "invalid_parameter"
     finally:
         host.close()
 

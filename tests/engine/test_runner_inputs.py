@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.model.runner import BlockTableBuffer, ModelRunner
-from engine.sampling_params import SamplingParams
 from engine.sched.output import ScheduledSeq
 from engine.sched.sequence import Request, Sequence
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine.protocol import SeqOutput, Usage
+from common.protocol import SeqOutput, Usage
 from gateway.broker.watch import Watch
 from gateway.state import BROKER
 from gateway.text.tokenizer import ModelTokenizer

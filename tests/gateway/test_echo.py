@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.protocol import SeqOutput, TokenLogprob, Usage
+from common.protocol import SeqOutput, TokenLogprob, Usage
 from gateway.text.tokenizer import ModelTokenizer
 from tests.fixtures.gateway import MODEL, Gateway, gateway, parse_sse
 

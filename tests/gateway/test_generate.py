@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.protocol import SeqOutput, TokenLogprob, Usage
+from common.protocol import SeqOutput, TokenLogprob, Usage
 from tests.fixtures.gateway import MODEL, Gateway, gateway, parse_sse, watch_aborts
 
 __all__ = ["gateway"]
@@ -125,7 +125,7 @@ async def test_chat_logprobs(gateway: Gateway) -> None:
 
 
 async def test_engine_error_is_an_openai_error(gateway: Gateway) -> None:
-    from engine.protocol import ErrorInfo
+    from common.protocol import ErrorInfo
 
     post = asyncio.create_task(gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
     req = await gateway.engine.next_request()

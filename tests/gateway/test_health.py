@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.launch.redis_server import RedisServer
+from pagedserve.launch.redis_server import RedisServer
 from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway
 
 __all__ = ["gateway"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from tests.fixtures.gateway import MODEL, Gateway, gateway
 
 __all__ = ["gateway"]

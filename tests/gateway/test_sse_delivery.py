@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.protocol import ErrorInfo, SeqOutput
+from common.protocol import ErrorInfo, SeqOutput
 from gateway.text.tokenizer import ModelTokenizer
 from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, watch_aborts
 from tests.fixtures.sse_clients import StrippingSSEReader

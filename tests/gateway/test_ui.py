@@ -10,9 +10,9 @@ from typing import Any
 
 from aiohttp import ClientResponse
 
+from common.protocol import EngineHeartbeat
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_stats import SHARED, USED, block_tables, pool_snapshot
-from engine.protocol import EngineHeartbeat
 from gateway.ui.routes import STATIC_DIR
 from tests.fixtures.gateway import Gateway, gateway, open_gateway
 

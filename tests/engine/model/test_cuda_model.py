@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model import load_model
-from engine.sampling_params import SamplingParams
 from tests.fixtures.models import PagedHarness, Seq, make_tiny_model_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -16,7 +16,7 @@ from tests.fixtures.models import PagedHarness, Seq
 
 
 def _fetch(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "engine.cli", "fetch-model", "--quiet"], env=env,
+    return subprocess.run([sys.executable, "-m", "pagedserve.cli", "fetch-model", "--quiet"], env=env,
                           capture_output=True, text=True, timeout=600, check=False)
 
 

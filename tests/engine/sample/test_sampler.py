@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
-from engine.sampling_params import SamplingParams
 from ops.reference.sampling import TOP_P_PROBE
 
 sampler = Sampler()

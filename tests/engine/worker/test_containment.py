@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.worker.engine_thread import AddJob, EngineThread
 
-PARAMS = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture

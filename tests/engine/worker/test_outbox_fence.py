@@ -12,7 +12,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
-from engine.protocol import Keys, OutputMessage, SeqOutput
+from common.protocol import Keys, OutputMessage, SeqOutput
 from engine.worker.outbox import Fence, FenceLost, Outbox, flush
 
 KEYS = Keys("fence")

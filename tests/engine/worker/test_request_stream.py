@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from engine.launch.redis_server import RedisServer
-from engine.protocol import REQUEST_FIELD, Keys
+from common.protocol import REQUEST_FIELD, Keys
 from engine.worker.request_stream import RequestStream
+from pagedserve.launch.redis_server import RedisServer
 
 KEYS = Keys("t")
 MODEL = "m"

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from common.protocol import EngineRequest, Progress
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.protocol import EngineRequest, Progress
 from engine.worker.engine_thread import AddJob, EngineThread
 from engine.worker.tracked import Tracked, resume, to_wire
 
@@ -35,12 +36,13 @@ def _run(host: EngineThread, job: AddJob) -> list[int]:
         result = host.step([], [])
 
 
-@pytest.mark.parametrize("params", [
+@pytest.mark.parametrize("raw", [
     {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
     {"temperature": 1.0, "seed": 11, "max_tokens": 24, "ignore_eos": True},
     {"temperature": 1.0, "max_tokens": 24, "ignore_eos": True},  # unseeded: seed derived from the id
 ])
-def test_resume_continues_the_same_tokens(host: EngineThread, params: dict[str, Any]) -> None:
+def test_resume_continues_the_same_tokens(host: EngineThread, raw: dict[str, Any]) -> None:
+    params = SamplingParams.from_dict(raw)
     prompt = [5, 80, 17, 33, 101, 7]
     full = _run(host, AddJob("req-a", prompt, params))
     assert len(full) == 24
@@ -50,18 +52,18 @@ def test_resume_continues_the_same_tokens(host: EngineThread, params: dict[str, 
 
 
 def test_resume_bookkeeping_from_progress() -> None:
-    request = EngineRequest("r1", "gw", "tiny", [1, 2, 3], {"n": 1, "max_tokens": 8}, 0.0)
+    request = EngineRequest("r1", "gw", "tiny", [1, 2, 3], SamplingParams(n=1, max_tokens=8), 0.0)
     tracked, job = resume(request, "1-0", Progress(last_seq=4, token_ids={0: [9, 9, 9]}))  # type: ignore[misc]
     assert (tracked.seq, tracked.sent, job.generated, tracked.resumed) == (5, {0: 3}, [9, 9, 9], True)
     assert resume(request, "1-0", Progress(last_seq=6, token_ids={0: [9]}, finished={0: "stop"})) is None
-    several = EngineRequest("r2", "gw", "tiny", [1], {"n": 2, "max_tokens": 8}, 0.0)
+    several = EngineRequest("r2", "gw", "tiny", [1], SamplingParams(n=2, max_tokens=8), 0.0)
     tracked2, job2 = resume(several, "2-0", Progress(last_seq=1, token_ids={0: [4], 1: [5]}))  # type: ignore[misc]
     assert (tracked2.seq, tracked2.sent, job2.generated) == (2, {}, [])  # restarts; gateway de-dups
 
 
 def test_to_wire_numbers_messages_and_offsets(host: EngineThread) -> None:
-    tracked = Tracked(EngineRequest("req-w", "gw", "tiny", [4, 5, 6], {"max_tokens": 3, "ignore_eos": True,
-                                                                       "temperature": 0.0}, 0.0), "1-0")
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    tracked = Tracked(EngineRequest("req-w", "gw", "tiny", [4, 5, 6], params, 0.0), "1-0")
     messages = []
     result = host.step([AddJob("req-w", [4, 5, 6], tracked.request.params)], [])
     while result.outputs or host.engine.has_unfinished_requests():

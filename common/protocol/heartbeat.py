@@ -1,0 +1,92 @@
+"""An engine's heartbeat: the ``{prefix}:engine:<id>`` hash (with a TTL) gateways read to find
+live engines, their models, tokenizers and figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.protocol.fields import ProtocolError, decoding
+
+MAX_FIELD = 1 << 22  # bytes of one hash field (the pool snapshot of a 100k-block pool is far less)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="strict")
+    if isinstance(value, str):
+        return value
+    raise ProtocolError(f"heartbeat: field of type {type(value).__name__}")
+
+
+def _float(value: str) -> float:
+    number = float(value)
+    if not math.isfinite(number):
+        raise ProtocolError(f"heartbeat: non-finite number {value[:20]!r}")
+    return number
+
+
+@dataclass(slots=True)
+class EngineHeartbeat:
+    """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
+    `tokenizer` the directory a gateway loads the tokenizer and chat template from. `pool` is
+    the run-length snapshot of the device block pool (`engine.kv.block_stats.pool_snapshot`:
+    ``[[state, run_length], ...]``), stored as ``"state:run,state:run"`` in field ``pool``.
+    `tables` are the block tables of running and swapped sequences
+    (`engine.kv.block_stats.block_tables`), JSON in field ``tables``. `config_hash` and
+    `vocab_size` identify the weights and tokenizer: engines announcing one name must agree,
+    or failover between them would change answers. `draining` is set after SIGTERM."""
+
+    engine_id: str
+    model: str
+    tokenizer: str
+    max_model_len: int
+    time: float
+    stats: dict[str, float] = field(default_factory=dict)
+    pool: list[list[int]] = field(default_factory=list)
+    tables: list[dict[str, Any]] = field(default_factory=list)
+    config_hash: str = ""
+    vocab_size: int = 0
+    draining: bool = False
+
+    def identity(self) -> tuple[str, int, int]:
+        """What must be equal between engines serving one model name."""
+        return self.config_hash, self.vocab_size, self.max_model_len
+
+    def to_hash(self) -> dict[str, str]:
+        fields = {"engine_id": self.engine_id, "model": self.model, "tokenizer": self.tokenizer,
+                  "max_model_len": str(self.max_model_len), "time": repr(self.time),
+                  "config_hash": self.config_hash, "vocab_size": str(self.vocab_size),
+                  "draining": "1" if self.draining else "0"}
+        fields.update({f"stat:{k}": repr(float(v)) for k, v in self.stats.items()})
+        if self.pool:
+            fields["pool"] = ",".join(f"{state}:{run}" for state, run in self.pool)
+        if self.tables:
+            fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
+        return fields
+
+    @classmethod
+    def from_hash(cls, data: dict[Any, Any]) -> EngineHeartbeat:
+        """Raises only ProtocolError, whatever the hash holds."""
+        with decoding("heartbeat"):
+            text = {_text(k): _text(v) for k, v in data.items()}
+            if any(len(v) > MAX_FIELD for v in text.values()):
+                raise ProtocolError("heartbeat: a field is too large")
+            tables = json.loads(text.get("tables", "[]"))
+            if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+                raise ProtocolError("heartbeat: tables must be a list of maps")
+            beat = cls(
+                engine_id=text["engine_id"], model=text["model"], tokenizer=text.get("tokenizer", ""),
+                max_model_len=int(text.get("max_model_len", "0")), time=_float(text.get("time", "0")),
+                stats={k[5:]: _float(v) for k, v in text.items() if k.startswith("stat:")},
+                pool=[[int(x) for x in run.split(":", 1)] for run in text.get("pool", "").split(",") if run],
+                tables=tables, config_hash=text.get("config_hash", ""),
+                vocab_size=int(text.get("vocab_size", "0")), draining=text.get("draining", "0") == "1",
+            )
+            if not beat.engine_id or not beat.model or beat.max_model_len < 0 or beat.vocab_size < 0:
+                raise ProtocolError("heartbeat: empty engine id or model, or a negative size")
+            if any(len(run) != 2 or run[1] < 0 for run in beat.pool):
+                raise ProtocolError("heartbeat: bad pool snapshot")
+            return beat

@@ -1,0 +1,101 @@
+"""Gateway → engine messages: a generation request (XADDed to its model's stream) and an abort
+(published on the abort channel)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.protocol.fields import (
+    PROTOCOL_VERSION,
+    ProtocolError,
+    decoding,
+    int_list,
+    integer,
+    items,
+    mapping,
+    message_map,
+    number,
+    optional_number,
+    pack,
+    text,
+    unpack,
+)
+from common.sampling_params import ParamError, SamplingParams
+
+MAX_ABORT_IDS = 10_000
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One generation request, XADDed to its model's request stream under field ``m``; its
+    `params` are decoded and validated (`SamplingParams`) on both sides. `handoffs` counts how
+    often a draining engine put the request back on the stream (the reader then resumes it from
+    its progress checkpoint). `epoch` is the dataset token the gateway saw when it submitted: an
+    engine reading a request of a newer epoch knows Redis lost its data and drops what it was
+    running before admitting it."""
+
+    id: str
+    gateway: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    deadline: float | None = None
+    handoffs: int = 0
+    epoch: str = ""
+
+    def encode(self) -> bytes:
+        return pack({
+            "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
+            "prompt_token_ids": list(self.prompt_token_ids), "params": self.params.to_dict(),
+            "arrival": self.arrival, "deadline": self.deadline, "handoffs": self.handoffs,
+            "epoch": self.epoch,
+        })
+
+    @classmethod
+    def decode(cls, data: bytes) -> EngineRequest:
+        """Raises only ProtocolError, whatever `data` holds (the reader dead-letters it)."""
+        obj = message_map(unpack(data), "request")
+        what = "request"
+        with decoding(what):
+            request = cls(
+                id=text(obj, "id", what), gateway=text(obj, "gateway", what), model=text(obj, "model", what),
+                prompt_token_ids=int_list(obj, "prompt_token_ids", what),
+                params=_params(mapping(obj, "params", what)),
+                arrival=number(obj, "arrival", what), deadline=optional_number(obj, "deadline", what),
+                handoffs=integer(obj, "handoffs", what, hi=1 << 20, default=0),
+                epoch=text(obj, "epoch", what, default=""),
+            )
+        if not request.id:
+            raise ProtocolError("request: empty id")
+        return request
+
+
+def _params(raw: dict[str, object]) -> SamplingParams:
+    if not all(isinstance(key, str) for key in raw):
+        raise ProtocolError("request: params keys must be strings")
+    try:
+        return SamplingParams.from_dict(raw)
+    except ParamError as exc:
+        raise ProtocolError(f"request: params.{exc.param}: {exc}") from exc
+
+
+@dataclass(slots=True)
+class AbortMessage:
+    """Request ids whose generation should stop (client left, stop string matched). `model`,
+    when set, scopes it: engines of other models ignore it."""
+
+    ids: list[str]
+    model: str = ""
+
+    def encode(self) -> bytes:
+        return pack({"v": PROTOCOL_VERSION, "ids": list(self.ids), "model": self.model})
+
+    @classmethod
+    def decode(cls, data: bytes) -> AbortMessage:
+        """Raises only ProtocolError."""
+        obj = message_map(unpack(data), "abort")
+        ids = items(obj, "ids", "abort")
+        if len(ids) > MAX_ABORT_IDS or not all(isinstance(i, str) and 0 < len(i) <= 256 for i in ids):
+            raise ProtocolError(f"abort: ids must be at most {MAX_ABORT_IDS} non-empty strings")
+        return cls(ids=list(ids), model=text(obj, "model", "abort", default=""))

@@ -1,0 +1,247 @@
+"""User-facing sampling parameters: the one type that travels from the gateway (which
+builds it from an OpenAI body) over the wire (`to_dict`) to the engine (`from_dict`),
+validated on construction on both sides. Torch-free."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+MAX_LOGPROBS = 20
+MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries: a request is no place for a vocabulary
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (argmax), as vLLM does
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
+
+
+class ParamError(ValueError):
+    """An invalid sampling parameter; `param` names it (the gateway's 400 says which)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def stable_seed(request_id: str) -> int:
+    """The seed of an unseeded random request: derived from its id, so every engine that
+    runs it (after a preemption, or resuming it after another engine died) draws the same."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little") >> 1
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next tokens of one request (vLLM / OpenAI semantics).
+
+    `top_k` of 0 or -1 means off. `logprobs` None returns none, 0 the sampled token's
+    logprob, k > 0 also the k most likely alternatives. `best_of` defaults to `n`; with
+    beam search it is the beam width. `early_stopping` is False, True or "never" (the
+    Hugging Face beam-search stopping rules).
+
+    Penalties: `presence_penalty` and `frequency_penalty` (OpenAI, -2..2) subtract from the
+    logits of tokens already generated (once, and once per occurrence); `repetition_penalty`
+    (HF/vLLM, > 0) divides positive and multiplies negative logits of tokens seen in the
+    prompt or the output; `logit_bias` adds its value (-100..100) to a token's logit.
+    `structured_output` constrains the output: ``{"kind": K, "spec": S}`` with K one of
+    STRUCTURED_KINDS: json_schema (S the schema as JSON text), json_object (S None), regex (S a
+    regular expression), grammar (S a Lark/EBNF grammar), choice (S a list of strings).
+    `prompt_logprobs` None returns none, k the prompt tokens' logprobs with k alternatives."""
+
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_randomness()
+        self._check_lengths()
+        self._check_beam_search()
+        self._check_logit_processing()
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the sampler should take the argmax (temperature ~ 0, no beam search)."""
+        return self.temperature < GREEDY_EPS and not self.use_beam_search
+
+    def with_default_seed(self, request_id: str) -> SamplingParams:
+        """These parameters, with `stable_seed(request_id)` when random and unseeded."""
+        if self.seed is not None or self.is_greedy:
+            return self
+        return replace(self, seed=stable_seed(request_id))
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated per request: `best_of` (the beam width for beam search) or `n`."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def resumes_in_place(self) -> bool:
+        """One sequence, no beams: a request taken over from a dead engine continues after the
+        tokens its client already has. Others (n > 1, best_of, beam search) restart from the
+        prompt; their seeded draws repeat and the gateway drops what it already has."""
+        return self.num_candidates == 1 and not self.use_beam_search
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only, ready for msgpack."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = dict(self.logit_bias)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Inverse of `to_dict`; unknown keys are ignored (newer senders), values validated."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if "stop_token_ids" in kwargs:
+            kwargs["stop_token_ids"] = list(kwargs["stop_token_ids"])
+        if isinstance(kwargs.get("logit_bias"), dict):
+            kwargs["logit_bias"] = dict(kwargs["logit_bias"])
+        return cls(**kwargs)
+
+    @property
+    def token_ids_to_check(self) -> set[int]:
+        """Every token id the request names (the engine checks them against its vocabulary)."""
+        return set(self.stop_token_ids) | set(self.logit_bias)
+
+    def _check_counts(self) -> None:
+        _require_int("n", self.n)
+        if self.n < 1:
+            raise ParamError(f"n must be at least 1, got {self.n}", "n")
+        if self.best_of is not None:
+            _require_int("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ParamError(f"best_of must be >= n (got best_of={self.best_of}, n={self.n})", "best_of")
+        if self.logprobs is not None:
+            _require_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ParamError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+
+    def _check_randomness(self) -> None:
+        if not _is_real(self.temperature) or self.temperature < 0:
+            raise ParamError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ParamError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        _require_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ParamError(f"top_k must be -1 or 0 (off) or a positive count, got {self.top_k}", "top_k")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ParamError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
+        if self.seed is not None:
+            _require_int("seed", self.seed)
+            if not _INT64_MIN <= self.seed <= _UINT64_MAX:
+                raise ParamError(f"seed must fit in 64 bits, got {self.seed}", "seed")
+
+    def _check_lengths(self) -> None:
+        _require_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ParamError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _require_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ParamError(
+                f"min_tokens must be between 0 and max_tokens={self.max_tokens}, got {self.min_tokens}", "min_tokens"
+            )
+        if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
+            raise ParamError(f"stop_token_ids accepts at most {MAX_TOKEN_ID_LIST} ids", "stop_token_ids")
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids entries", token_id)
+            if token_id < 0:
+                raise ParamError(f"stop_token_ids must be non-negative token ids, got {token_id}", "stop_token_ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise ParamError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos")
+
+    def _check_beam_search(self) -> None:
+        if not isinstance(self.use_beam_search, bool):
+            raise ParamError(f"use_beam_search must be true or false, got {self.use_beam_search!r}", "use_beam_search")
+        if self.early_stopping not in (False, True, "never"):
+            raise ParamError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}',
+                             "early_stopping")
+        if not _is_real(self.length_penalty):
+            raise ParamError(f"length_penalty must be a finite number, got {self.length_penalty!r}", "length_penalty")
+        if not self.use_beam_search:
+            if self.early_stopping is not False:
+                raise ParamError("early_stopping only applies to beam search; set use_beam_search=true",
+                                 "early_stopping")
+            if self.length_penalty != 1.0:
+                raise ParamError("length_penalty only applies to beam search; set use_beam_search=true",
+                                 "length_penalty")
+            return
+        if self.temperature > GREEDY_EPS:
+            raise ParamError(
+                f"beam search is deterministic and needs temperature=0, got temperature={self.temperature}",
+                "temperature")
+        if self.top_p != 1.0 or self.top_k not in (-1, 0) or self.min_p != 0.0:
+            raise ParamError("beam search does not use top_p, top_k or min_p; leave them at their defaults", "top_p")
+
+
+    def _check_logit_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ParamError(f"{name} must be in [-2, 2], got {value!r}", name)
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ParamError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}", "repetition_penalty")
+        self._check_logit_bias()
+        if self.prompt_logprobs is not None:
+            _require_int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ParamError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", "prompt_logprobs")
+        if self.structured_output is not None:
+            _check_structured(self.structured_output)
+            if self.use_beam_search:
+                raise ParamError("structured output does not combine with beam search", "structured_output")
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ParamError("logit_bias must map token ids to numbers", "logit_bias")
+        if len(self.logit_bias) > MAX_TOKEN_ID_LIST:
+            raise ParamError(f"logit_bias accepts at most {MAX_TOKEN_ID_LIST} entries", "logit_bias")
+        for token_id, bias in self.logit_bias.items():
+            _require_int("logit_bias keys", token_id)
+            if token_id < 0:
+                raise ParamError(f"logit_bias keys must be non-negative token ids, got {token_id}", "logit_bias")
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise ParamError(f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias")
+
+
+def _check_structured(spec: Any) -> None:
+    """``{"kind": K, "spec": S}`` with S of the type K needs."""
+    if not isinstance(spec, dict) or spec.get("kind") not in STRUCTURED_KINDS:
+        raise ParamError(f"structured_output must be {{'kind': one of {list(STRUCTURED_KINDS)}, 'spec': ...}}",
+                         "structured_output")
+    kind, value = spec["kind"], spec.get("spec")
+    if kind == "json_object":
+        ok = value is None
+    elif kind == "choice":
+        ok = isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+    else:
+        ok = isinstance(value, str) and bool(value)
+    if not ok:
+        raise ParamError(f"structured_output of kind {kind!r} has a spec of the wrong type", "structured_output")
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ParamError(f"{name} must be an integer, got {value!r}", name.split()[0])

@@ -1,0 +1,157 @@
+"""`pagedserve up`: Redis + one engine + the gateway on this machine, one command.
+
+Starts an embedded `redis-server` on a free loopback port (unless `--redis-url`), fetches the
+default model on first run (with progress), then runs `pagedserve engine` and
+`pagedserve gateway` as child processes in their own sessions. Ctrl-C (or SIGTERM) stops the
+gateway, then the engine, then Redis."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import FrameType
+
+from common.log import get_logger
+from common.redis_conn import redact_url
+from pagedserve.launch.redis_server import RedisServer, RedisServerError
+
+log = get_logger("up")
+
+
+class Stop(Exception):
+    """SIGTERM / SIGINT received."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """CLI options of `pagedserve up`."""
+    parser.add_argument("--port", type=int, default=8000, help="gateway port (default %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway address (default %(default)s)")
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct, fetched on first run)")
+    parser.add_argument("--served-model-name", help="model name for clients (default: the directory name)")
+    parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache bytes on the CPU (default %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--metrics-port", type=int, help="engine Prometheus port (gateway: /metrics)")
+    parser.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--sse-keepalive", type=float, default=0.0, metavar="SECONDS",
+                        help="SSE comment frames on streams idle this long (default 0 = never)")
+    parser.add_argument("--engine-args", default="", metavar="ARGS",
+                        help="more `pagedserve engine` flags, one shell-quoted string, e.g. "
+                             "\"--max-num-batched-tokens 512 --no-prefix-caching\"")
+    parser.add_argument("--gateway-args", default="", metavar="ARGS",
+                        help="more `pagedserve gateway` flags, e.g. \"--redis-pool-size 128 --max-queued 1000\"")
+
+
+def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`python -m pagedserve.cli ARGS` in its own session: Ctrl-C reaches only this process.
+    Secrets (API keys, the Redis URL with its password) go by environment, never argv, which
+    every user of the machine can read in `ps`."""
+    return subprocess.Popen([sys.executable, "-m", "pagedserve.cli", *args], start_new_session=True,
+                            env={**os.environ, **env})
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop(proc: subprocess.Popen[bytes], name: str, timeout: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("killing", process=name)
+            proc.kill()
+            proc.wait()
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise Stop
+
+
+def _wait_ready(url: str, children: dict[str, subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not _healthy(url):
+        for name, proc in children.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during startup")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the gateway at {url} was not healthy within {timeout:.0f}s")
+        time.sleep(0.5)
+
+
+def _banner(url: str, model: str, api_key: str | None) -> str:
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    return (f"\npagedserve is up: {url}  (model '{model}')\n\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+            f"\"stream\": true}}'\n\nCtrl-C stops everything.\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start everything, print the URL, wait for Ctrl-C; exit 1 if a child dies."""
+    from engine.model.fetch import FetchError
+    from engine.worker.cli import resolve_model
+
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)  # also when started with SIGINT ignored (background job)
+    redis: RedisServer | None = None
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        model = resolve_model(args.model)
+        name = args.served_model_name or Path(model).name
+        if args.redis_url:
+            redis_url = args.redis_url
+        else:
+            redis = RedisServer().start()
+            redis_url = redis.url
+            log.info("redis started", url=redact_url(redis_url), binary=redis.binary)
+        secrets = {"PAGEDSERVE_REDIS_URL": redis_url}
+        engine_args = ["engine", "--model", model, "--served-model-name", name,
+                       "--engine-id", "up-engine-0", "--device", args.device,
+                       "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
+        if args.metrics_port:
+            engine_args += ["--metrics-port", str(args.metrics_port)]
+        children["engine"] = _child(engine_args + shlex.split(args.engine_args), secrets)
+        gateway_args = ["gateway", "--host", args.host, "--port", str(args.port),
+                        "--sse-keepalive", str(args.sse_keepalive), *shlex.split(args.gateway_args)]
+        children["gateway"] = _child(gateway_args, secrets | (
+            {"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}))
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        url = f"http://{host}:{args.port}"
+        _wait_ready(url, children, args.ready_timeout)
+        print(_banner(url, name, args.api_key[0] if args.api_key else None), flush=True)
+        while all(proc.poll() is None for proc in children.values()):
+            time.sleep(0.5)
+        dead = [f"{n} (code {p.returncode})" for n, p in children.items() if p.poll() is not None]
+        print(f"pagedserve up: {', '.join(dead)} exited; stopping", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Stop):
+        print("\nstopping…", file=sys.stderr)
+        return 0
+    except (FetchError, RedisServerError, RuntimeError) as exc:
+        print(f"pagedserve up: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
+        for child_name in ("gateway", "engine"):
+            if child_name in children:
+                _stop(children[child_name], child_name)
+        if redis is not None:
+            redis.stop()
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)

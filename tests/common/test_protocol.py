@@ -1,0 +1,140 @@
+"""Wire protocol: round-trips, versioning, key names, progress folding, no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from common.protocol import (
+    PROTOCOL_VERSION,
+    AbortMessage,
+    EngineHeartbeat,
+    EngineRequest,
+    ErrorInfo,
+    Keys,
+    OutputMessage,
+    ProtocolError,
+    SeqOutput,
+    TokenLogprob,
+    Usage,
+    decode_outputs,
+    encode_outputs,
+    merge_progress,
+)
+from common.sampling_params import SamplingParams
+
+
+def test_keys_follow_prefix() -> None:
+    keys = Keys("tst")
+    assert keys.requests("smol") == "tst:requests:smol"  # one stream per served model name
+    assert keys.dead("smol") == "tst:dead:smol"
+    assert keys.group == "engines"
+    assert keys.out("gw1") == "tst:out:gw1"
+    assert keys.gateway("gw1") == "tst:gateway:gw1"
+    assert keys.epoch == "tst:epoch"
+    assert keys.abort == "tst:abort"
+    assert keys.engine("e0") == "tst:engine:e0"
+    assert keys.engine_pattern == "tst:engine:*"
+    assert keys.progress("r1") == "tst:progress:r1"
+    assert Keys().requests("m") == "ps:requests:m"
+
+
+def test_version_2_fields_round_trip_and_version_1_is_refused() -> None:
+    req = EngineRequest("r1", "gw", "m", [1], SamplingParams(n=1), 1.0, 2.0, handoffs=2, epoch="abc")
+    back = EngineRequest.decode(req.encode())
+    assert (back.handoffs, back.epoch, back.deadline) == (2, "abc", 2.0)
+    old = msgpack.packb({"v": 1, "id": "r", "gateway": "g", "model": "m", "prompt_token_ids": [1],
+                         "params": {}, "arrival": 0.0})
+    with pytest.raises(ProtocolError, match="version 1"):
+        EngineRequest.decode(old)
+    beat = EngineHeartbeat("e", "m", "/tok", 512, 1.0, config_hash="h1", vocab_size=320, draining=True)
+    again = EngineHeartbeat.from_hash(beat.to_hash())
+    assert again.identity() == ("h1", 320, 512) and again.draining
+
+
+def test_request_round_trip() -> None:
+    params = SamplingParams(n=2, temperature=0.5, top_k=4, seed=7, max_tokens=9, stop_token_ids=[2], logprobs=3)
+    req = EngineRequest("r1", "gw", "m", [1, 2, 3], params, arrival=1.5, deadline=None)
+    data = req.encode()
+    assert isinstance(data, bytes)
+    assert msgpack.unpackb(data)["v"] == PROTOCOL_VERSION
+    back = EngineRequest.decode(data)
+    assert back == req
+    assert back.params == params and isinstance(back.params, SamplingParams)
+
+
+def test_sampling_params_travel_whole_and_unknown_keys_are_ignored() -> None:
+    params = SamplingParams(n=2, best_of=3, temperature=0.5, top_k=4, top_p=0.9, min_p=0.1, seed=7,
+                            max_tokens=9, min_tokens=2, stop_token_ids=[2], ignore_eos=True, logprobs=3)
+    back = EngineRequest.decode(EngineRequest("r", "gw", "m", [1], params, 0.0).encode())
+    assert back.params == params
+    assert SamplingParams.from_dict({"n": 3, "unknown": 1}).n == 3
+
+
+def test_output_batch_round_trip() -> None:
+    outs = [
+        OutputMessage("a", 0, [SeqOutput(0, [5, 6], offset=0)]),
+        OutputMessage("b", 3, [SeqOutput(1, [7], offset=4, finish_reason="stop",
+                                         logprobs=[TokenLogprob(-0.5, [(7, -0.5), (8, -1.25)])])],
+                      usage=Usage(3, 5)),
+        OutputMessage("c", 1, error=ErrorInfo("prompt too long", "invalid_request_error", "context_length")),
+    ]
+    assert decode_outputs(encode_outputs(outs)) == outs
+
+
+@pytest.mark.parametrize("bad", [
+    msgpack.packb({"v": 99, "id": "x"}),
+    msgpack.packb({"v": PROTOCOL_VERSION, "id": "x"}),
+    msgpack.packb([1, 2]),
+    b"\xc1",
+])
+def test_request_rejects_bad_messages(bad: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        EngineRequest.decode(bad)
+
+
+def test_output_batch_rejects_wrong_version_and_shape() -> None:
+    with pytest.raises(ProtocolError):
+        decode_outputs(msgpack.packb([{"v": PROTOCOL_VERSION + 1, "id": "a", "seq": 0, "outputs": []}]))
+    with pytest.raises(ProtocolError):
+        decode_outputs(msgpack.packb({"id": "a"}))
+
+
+def test_abort_round_trip() -> None:
+    assert AbortMessage.decode(AbortMessage(["a", "b"]).encode()).ids == ["a", "b"]
+
+
+def test_heartbeat_hash_round_trip_with_bytes() -> None:
+    hb = EngineHeartbeat("e0", "smollm2", "/models/smol", 2048, 12.5, {"kv_free": 10.0})
+    raw = {k.encode(): v.encode() for k, v in hb.to_hash().items()}
+    assert EngineHeartbeat.from_hash(raw) == hb
+
+
+def test_merge_progress_dedups_by_offset() -> None:
+    entries = [
+        OutputMessage("r", 0, [SeqOutput(0, [1, 2], 0), SeqOutput(1, [9], 0)]).encode(),
+        OutputMessage("r", 1, [SeqOutput(0, [2, 3], 1)]).encode(),  # resumed: token 2 repeated
+        OutputMessage("r", 2, [SeqOutput(0, [4], 3, finish_reason="length")]).encode(),
+    ]
+    progress = merge_progress(entries)
+    assert progress.last_seq == 2
+    assert progress.token_ids == {0: [1, 2, 3, 4], 1: [9]}
+    assert progress.finished == {0: "length"}
+    with pytest.raises(ProtocolError):
+        merge_progress([OutputMessage("r", 0, [SeqOutput(0, [1], 2)]).encode()])
+
+
+def test_protocol_import_is_torch_free() -> None:
+    code = "import sys, engine, common.protocol; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prompt_logprobs_and_cached_tokens_round_trip() -> None:
+    message = OutputMessage("r", 0, [], Usage(4, 1, cached_tokens=16),
+                            prompt_logprobs=[None, TokenLogprob(-1.5, [(7, -0.5)]), TokenLogprob(-0.25)])
+    back = OutputMessage.decode(message.encode())
+    assert back == message
+    assert OutputMessage.decode(OutputMessage("r", 1).encode()).prompt_logprobs is None
