@@ -90,7 +90,8 @@ class LLMEngine:
         grammar advanced over them; its deltas (and prompt logprobs) start after them."""
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", "duplicate_request_id")
-        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.block_manager)
+        check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.block_manager,
+                      self.config.max_num_seqs)
         generated = list(generated or [])
         if generated and not params.resumes_in_place:
             raise RequestRejected("only a single-sequence request resumes from generated tokens", "invalid_parameter")

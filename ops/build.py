@@ -82,11 +82,28 @@ def build_key(kind: str, files: tuple[str, ...], flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
+STALE_LOCK_S = 600.0  # no file of a build touched for this long: its builder died holding the lock
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's JIT build waits forever on the `lock` file of a builder that was killed (kill -9,
+    a test timeout): remove it when nothing in the build directory changed for `STALE_LOCK_S`."""
+    lock = build_dir / "lock"
+    try:
+        newest = max(path.stat().st_mtime for path in build_dir.iterdir())
+    except (OSError, ValueError):
+        return
+    if lock.exists() and time.time() - newest > STALE_LOCK_S:
+        log.warning("removing a stale kernel build lock (its builder is gone)", lock=str(lock))
+        lock.unlink(missing_ok=True)
+
+
 def _load(kind: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), **flags: Any) -> str:
     name = f"pagedserve_{kind}"
     key = build_key(kind, (*sources, *headers), [*flags.get("extra_cflags", []), *flags.get("extra_cuda_cflags", [])])
     build_dir = cache_root() / f"{kind}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir)
     fresh = not (build_dir / f"{name}.so").exists()
     if fresh:
         log.info("building kernels (first use: ~10 s CPU, minutes CUDA)", kind=kind, dir=str(build_dir))

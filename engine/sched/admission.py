@@ -18,9 +18,13 @@ class RequestRejected(ValueError):
 
 
 def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                  block_manager: BlockManager) -> None:
+                  block_manager: BlockManager, max_num_seqs: int | None = None) -> None:
     """Raise RequestRejected (message and code for the client) when the request can never run."""
     _check_prompt(prompt, vocab_size, max_model_len, block_manager)
+    if max_num_seqs is not None and params.num_candidates > max_num_seqs:
+        raise RequestRejected(
+            f"the request runs {params.num_candidates} sequences at once (n / best_of / beam width) but this "
+            f"engine runs at most {max_num_seqs} (--max-num-seqs)", "invalid_parameter")
     outside = sorted(t for t in params.token_ids_to_check if t >= vocab_size)
     if outside:
         raise RequestRejected(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",

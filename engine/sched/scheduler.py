@@ -25,8 +25,9 @@ class _Budget:
     tokens: int
     seqs: int
 
-    def fits(self, num_seqs: int) -> bool:
-        return self.seqs >= num_seqs and self.tokens >= num_seqs
+    def fits(self, num_seqs: int, num_seqs_at_peak: int | None = None) -> bool:
+        """Room for `num_seqs` rows now, and `num_seqs_at_peak` sequences once they fork."""
+        return self.seqs >= max(num_seqs, num_seqs_at_peak or 0) and self.tokens >= num_seqs
 
 
 class Scheduler:
@@ -183,7 +184,8 @@ class Scheduler:
         while self.waiting and budget.tokens > 0:
             request = self.waiting[0]
             seqs = request.unfinished_seqs()
-            if not budget.fits(len(seqs)):
+            peak = request.num_seqs_at_peak
+            if not budget.fits(len(seqs), peak):
                 return
             if not all(self.block_manager.can_ever_allocate(len(seq.token_ids) + 1) for seq in seqs):
                 self.waiting.popleft()
@@ -198,6 +200,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             self._schedule_tokens(seqs, out, budget)
+            budget.seqs -= peak - len(seqs)  # the rows its forks take from the next step on
             self.running.append(request)
 
     def _allocate(self, seqs: list[Sequence]) -> bool:

@@ -136,6 +136,16 @@ class Request:
         return [seq for seq in self.seqs if not seq.is_finished]
 
     @property
+    def num_seqs_at_peak(self) -> int:
+        """Sequences this request will run at once: before its first token, the n / best_of /
+        beam width it forks into then; after, its unfinished ones. Admission counts this against
+        `max_num_seqs`, so a queue of n = 16 requests cannot become 16x the sequences it allows."""
+        unfinished = len(self.unfinished_seqs())
+        if self.first_token_time is None and self.beam is None:
+            return max(unfinished, self.params.num_candidates)
+        return unfinished
+
+    @property
     def is_finished(self) -> bool:
         if self.beam is not None:
             return self.beam.is_done or not self.unfinished_seqs()

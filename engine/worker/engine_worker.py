@@ -148,9 +148,9 @@ class EngineWorker:
                         continue
                 step = self._start_step(intake, guards)
             result = await step
-            self.stats, self.queues = result.stats, result.queues
+            self.stats, self.queues = result.stats | intake.counters(), result.queues
             assert self.metrics is not None
-            self.metrics.update(result.stats)
+            self.metrics.update(self.stats)
             outbox = intake.take_pending()
             self._collect(intake, result, outbox)
             step = None
@@ -275,7 +275,7 @@ class EngineWorker:
     async def _beat(self, beat: Heartbeat, intake: Intake) -> None:
         stats, pool = self.thread.snapshot_cache
         self.thread.want_snapshot = True  # the next step refreshes pool and block tables
-        await beat.beat(stats, pool, {"in_flight": float(len(intake.tracked))})
+        await beat.beat(stats, pool, intake.counters())
 
     async def _takeovers(self, intake: Intake) -> None:
         """Every interval: take over entries of dead engines of this model."""

@@ -67,6 +67,11 @@ class Intake:
         """Nothing tracked, nothing to tell the engine, nothing to publish."""
         return not (self._tracked or self.forced_aborts or self._pending)
 
+    def counters(self) -> dict[str, float]:
+        """What the intake refused so far (for metrics and heartbeats)."""
+        return {"dead_lettered": float(self.dead_lettered), "bad_aborts": float(self.bad_aborts),
+                "in_flight": float(len(self._tracked))}
+
     def take_pending(self) -> Outbox:
         """What was produced since the last call, to publish with the next step's outputs."""
         pending, self._pending = self._pending, Outbox()

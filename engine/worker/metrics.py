@@ -49,7 +49,9 @@ class _StatsCollector(Collector):
                                 ("prefix_cache_queries", "prefix_queries", "prefix-cache lookups"),
                                 ("prefix_cache_hits", "prefix_hits", "prefix-cache hits"),
                                 ("prompt_tokens", "prompt_tokens", "prompt tokens admitted"),
-                                ("generation_tokens", "generation_tokens", "tokens generated")):
+                                ("generation_tokens", "generation_tokens", "tokens generated"),
+                                ("dead_lettered", "dead_lettered", "request entries moved to the dead-letter stream"),
+                                ("bad_abort_messages", "bad_aborts", "undecodable abort messages ignored")):
             yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(s.get(key, 0)))
         success = CounterMetricFamily("pagedserve_request_success", "finished requests by reason",
                                       labels=["finished_reason"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -154,3 +156,21 @@ def test_fused_ops_reject() -> None:
     with pytest.raises(ValueError, match="positions \\(3\\) and query \\(2\\)"):
         ops.rotary_embedding_and_cache(torch.zeros(3, dtype=torch.int64), q, k, k, torch.randn(9, 8), empty, empty,
                                        torch.zeros(2, dtype=torch.int64))
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from ops.build import STALE_LOCK_S, _clear_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    (tmp_path / "build.ninja").touch()
+    _clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build that is still writing its files keeps its lock
+    old = time.time() - STALE_LOCK_S - 5
+    for path in tmp_path.iterdir():
+        os.utime(path, (old, old))
+    _clear_stale_lock(tmp_path)
+    assert not lock.exists()
