@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.clients.sse_reader import SSE_DONE, sse_payloads
 from pagedserve.launch.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,12 +72,10 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, i: int, max
             if resp.status != 200:
                 await resp.read()
                 return resp.status, time.perf_counter() - start, 0
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
+            async for event in sse_payloads(resp.content):
+                if event == SSE_DONE:
                     done = True
-                elif line.startswith("data: {"):
-                    event = json.loads(line[6:])
+                else:
                     if "error" in event:
                         return 500 if event["error"].get("type") != "rate_limit_error" else 429, 0.0, 0
                     if event.get("usage"):

@@ -8,7 +8,7 @@ then the ratios: served / in-process output throughput, and the TTFT the serving
     python benchmarks/serving_bench.py --num-prompts 32 --prompt-len 64 --output-len 64
 
 `--gateway-pools blocking,plain` serves the burst once per gateway Redis pool: the blocking
-pool (the default since issue 13) and redis-py's plain pool, which fails a burst with "Too many
+pool (the default) and redis-py's plain pool, which fails a burst with "Too many
 connections" once more requests than connections are in flight. With 256 prompts:
 
     python benchmarks/serving_bench.py --model TINY_DIR --num-prompts 256 --prompt-len 128 \

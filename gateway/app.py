@@ -35,7 +35,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2)
     options: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 10.0,
                                "health_check_interval": 10, "retry": retry}
-    if cfg.redis_pool == "plain":  # the pool before issue 13, kept to measure against
+    if cfg.redis_pool == "plain":  # redis-py's plain pool, kept to measure against
         client = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.redis_pool_size, **options)
     else:
         client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, **options)

@@ -11,10 +11,11 @@ on the client parsing every stream nor on requests finishing.
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 from typing import Any
+
+from gateway.clients.sse_reader import sse_data
 
 
 def metric_value(text: str, name: str) -> float:
@@ -49,10 +50,10 @@ def pagedserve_figures(base_url: str, since: float, timeout: float = 60.0) -> tu
     deadline = time.monotonic() + timeout
     with urllib.request.urlopen(f"{base_url}/v1/engines/stream?interval=0.25", timeout=timeout) as resp:
         for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            event = sse_data(raw)
+            if not isinstance(event, dict):
                 continue
-            tokens, in_flight, oldest = heartbeat_figures(json.loads(line.removeprefix("data: ")))
+            tokens, in_flight, oldest = heartbeat_figures(event)
             if oldest > since:
                 return tokens, in_flight
             if time.monotonic() > deadline:

@@ -9,7 +9,7 @@ entries only once that key is gone, so the flush WATCHes it, checks that it stil
 the engine's own clock says it cannot have lapsed), and EXEC aborts if the key expired or changed
 in between. Without the fence, a process frozen between its freshness check and its EXEC would,
 once thawed, write checkpoints and acks for requests another engine had already taken over and
-finished (CI saw 42 such checkpoints left behind)."""
+finished."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ Verdicts, per request:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import aiohttp
 import redis
 
 from common.protocol import Keys
+from gateway.clients.sse_reader import SSE_DONE, sse_payloads
 from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, GatewayProcess
 
@@ -73,12 +73,10 @@ async def stream_one(session: aiohttp.ClientSession, url: str, text: str, max_to
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return out
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
+            async for event in sse_payloads(resp.content):
+                if event == SSE_DONE:
                     out.done = True
-                elif line.startswith("data: {"):
-                    event = json.loads(line[6:])
+                else:
                     if "error" in event:
                         out.error = str(event["error"].get("code") or event["error"].get("message"))
                         continue

@@ -8,7 +8,6 @@ redis-py's plain pool (`--redis-pool plain`) this burst got 940 503s out of 1,00
 from __future__ import annotations
 
 import asyncio
-import json
 import resource
 import urllib.request
 from collections import Counter
@@ -18,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.clients.sse_reader import SSE_DONE, sse_payloads
 from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, GatewayProcess, start_engines
 
@@ -55,12 +55,10 @@ async def _stream(session: aiohttp.ClientSession, url: str, i: int, gate: asynci
             if resp.status != 200:
                 return f"http {resp.status}"
             tokens, done = 0, False
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line == "data: [DONE]":
+            async for event in sse_payloads(resp.content):
+                if event == SSE_DONE:
                     done = True
-                elif line.startswith("data: "):
-                    event = json.loads(line[6:])
+                else:
                     if "error" in event:
                         return f"error {event['error'].get('code')}"
                     if event.get("usage"):

@@ -5,7 +5,6 @@ engine; every text equals an undisturbed greedy run, no token lost or doubled)."
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.clients.sse_reader import sse_events
 from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 
@@ -40,11 +40,7 @@ async def stream_text(session: aiohttp.ClientSession, url: str, prompt: str, max
     text, finish, tokens, chunks = "", None, 0, 0
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
+        async for event in sse_events(resp):
             assert "error" not in event, event
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]

@@ -109,7 +109,8 @@ BAD_BODIES: list[dict[str, object]] = [
 
 
 async def test_engine_clean_after_bad_request_burst(stack: tuple[str, EngineProcess]) -> None:
-    """30+ bad requests each get a 4xx with an OpenAI error body; then the engine still serves."""
+    """31 bad requests (each bad body three times, and a body that is a JSON string) each get a 4xx
+    with an OpenAI error body; then the engine still serves."""
     redis_url, engine = stack
     async with serve_gateway(redis_url) as url, aiohttp.ClientSession() as session:
         async def bad(body: object) -> tuple[int, dict[str, object]]:
@@ -117,7 +118,7 @@ async def test_engine_clean_after_bad_request_burst(stack: tuple[str, EngineProc
                 return resp.status, await resp.json()
 
         results = await asyncio.gather(*(bad(b) for b in BAD_BODIES * 3), bad(b"{oops".decode()))
-        assert len(results) >= 30
+        assert len(results) == 3 * len(BAD_BODIES) + 1
         for status, body in results:
             assert 400 <= status < 500
             assert set(body["error"]) >= {"message", "type", "param", "code"}  # type: ignore[arg-type]

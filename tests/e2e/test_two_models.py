@@ -1,4 +1,4 @@
-"""Two models behind one gateway (issue 14), real processes: one Redis, engines for two
+"""Two models behind one gateway, real processes: one Redis, engines for two
 different tiny models ("alpha" twice, "beta" once), one gateway. Every answer equals its
 own model's in-process greedy output; a kill -9 of one alpha engine mid-generation moves its
 requests to the other alpha engine, never to beta; a model with no live engine answers at
@@ -7,7 +7,6 @@ once (404), and the in-flight requests of a model whose engines all died fail cl
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway.clients.sse_reader import sse_events
 from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import ROOT, EngineProcess, owner_of_most, serve_gateway
 from tests.fixtures.models import make_tiny_model_dir
@@ -73,16 +73,13 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, prompt:
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         if resp.status != 200:
             return resp.status, "", (await resp.json())["error"]["code"]
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = event["error"]["code"]
-                    continue
-                text += "".join(c["text"] for c in event["choices"])
-                if started is not None and text:
-                    started.set()
+        async for event in sse_events(resp):
+            if "error" in event:
+                error = event["error"]["code"]
+                continue
+            text += "".join(c["text"] for c in event["choices"])
+            if started is not None and text:
+                started.set()
     if started is not None:
         started.set()
     return 200, text, error

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from aiohttp import ClientResponse
 from common.protocol import EngineHeartbeat
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_stats import SHARED, USED, block_tables, pool_snapshot
+from gateway.clients.sse_reader import sse_data
 from gateway.ui.routes import STATIC_DIR
 from tests.fixtures.gateway import Gateway, gateway, open_gateway
 
@@ -23,10 +23,10 @@ KEY = "sk-ui-test"
 async def first_event(resp: ClientResponse) -> dict[str, Any]:
     """The first `data:` payload of an SSE response."""
     while True:
-        line = (await resp.content.readline()).decode()
+        line = await resp.content.readline()
         assert line, "stream ended before an event"
-        if line.startswith("data: "):
-            return dict(json.loads(line[6:]))
+        if isinstance(payload := sse_data(line), dict):
+            return payload
 
 
 def busy_pool() -> tuple[list[list[int]], list[dict[str, Any]]]:
