@@ -186,34 +186,54 @@ void int8_rows(const ActBlock* act, int64_t nb, const uint8_t* w, int64_t row_by
   }
 }
 
+// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4, signed for Q8_0).
+template <int64_t F>
+inline void block_affine(const void* wb, float& d, float& m) {
+  if constexpr (F == kQuantQ8_0) {
+    d = half_to_float(static_cast<const BlockQ8_0*>(wb)->d);
+    m = 0.f;
+  } else if constexpr (F == kQuantQ4_0) {
+    d = half_to_float(static_cast<const BlockQ4_0*>(wb)->d);
+    m = -8.f * d;
+  } else {
+    d = half_to_float(static_cast<const BlockQ4_1*>(wb)->d);
+    m = half_to_float(static_cast<const BlockQ4_1*>(wb)->m);
+  }
+}
+
+template <int64_t F>
+inline const uint8_t* block_quants(const void* wb) {
+  if constexpr (F == kQuantQ8_0) return reinterpret_cast<const uint8_t*>(static_cast<const BlockQ8_0*>(wb)->q);
+  if constexpr (F == kQuantQ4_0) return static_cast<const BlockQ4_0*>(wb)->q;
+  return static_cast<const BlockQ4_1*>(wb)->q;
+}
+
 // fp32 values of weight block `wb` into dst[32].
 template <int64_t F>
 inline void dequant_block(const void* wb, float* dst) {
+  float d, m;
+  block_affine<F>(wb, d, m);
+  const uint8_t* q = block_quants<F>(wb);
+#if defined(__AVX2__)
+  const __m256i bytes = F == kQuantQ8_0 ? load32(reinterpret_cast<const int8_t*>(q)) : unpack_nibbles(q);
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int u = 0; u < 4; ++u) {
+    const __m128i part = parts[u];
+    const __m256i wide = F == kQuantQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+    _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
+  }
+#else
   if constexpr (F == kQuantQ8_0) {
-    const auto* w = static_cast<const BlockQ8_0*>(wb);
-    const float d = half_to_float(w->d);
-#pragma omp simd
-    for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(w->q[i]);
+    for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(q[i]));
   } else {
-    float d, m;
-    const uint8_t* q;
-    if constexpr (F == kQuantQ4_0) {
-      const auto* w = static_cast<const BlockQ4_0*>(wb);
-      d = half_to_float(w->d);
-      m = -8.f * d;
-      q = w->q;
-    } else {
-      const auto* w = static_cast<const BlockQ4_1*>(wb);
-      d = half_to_float(w->d);
-      m = half_to_float(w->m);
-      q = w->q;
-    }
-#pragma omp simd
     for (int i = 0; i < kBlock / 2; ++i) {
       dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
       dst[i + kBlock / 2] = d * static_cast<float>(q[i] >> 4) + m;
     }
   }
+#endif
 }
 
 // Rows [begin, end) of out with fp32 activations x[M][K]: each weight block widened, then FMA'd.
@@ -238,24 +258,18 @@ void fp32_rows(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_
   }
 }
 
+// Output rows [begin, end) for every activation row, four activation rows per pass over the
+// chunk's weight rows (which stay in cache between passes).
 template <int64_t F, int M>
-void run_group(const at::Tensor& out, const at::Tensor& x, int64_t row0, const uint8_t* w, int64_t n_len,
-               int64_t k_len, const float* bias, bool int8_act, const std::vector<ActBlock>& act, bool openmp) {
-  const int64_t nb = k_len / kBlock, bsize = block_bytes(F), row_bytes = nb * bsize;
-  float* op = out.data_ptr<float>() + row0 * out.stride(0);
-  const int64_t ldo = out.stride(0);
-  // Chunks of at least ~64 KiB of packed weights, about eight per thread.
-  const int64_t chunk = row_chunk(n_len, row_bytes, 64 * 1024);
+void rows_for_group(const at::Tensor& out, const at::Tensor& x, int64_t row0, const uint8_t* w, int64_t k_len,
+                    const float* bias, bool int8_act, const ActBlock* act, int64_t begin, int64_t end) {
+  const int64_t nb = k_len / kBlock, bsize = block_bytes(F), row_bytes = nb * bsize, ldo = out.stride(0);
+  float* op = out.data_ptr<float>() + row0 * ldo;
   if (int8_act) {
-    const ActBlock* a = act.data() + row0 * nb;
-    parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
-      int8_rows<F, M>(a, nb, w, row_bytes, bias, op, ldo, begin, end);
-    }, openmp);
+    int8_rows<F, M>(act + row0 * nb, nb, w, row_bytes, bias, op, ldo, begin, end);
   } else {
     const float* xp = x.data_ptr<float>() + row0 * x.stride(0);
-    parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
-      fp32_rows<F, M>(xp, x.stride(0), nb, w, row_bytes, bsize, bias, op, ldo, begin, end);
-    }, openmp);
+    fp32_rows<F, M>(xp, x.stride(0), nb, w, row_bytes, bsize, bias, op, ldo, begin, end);
   }
 }
 
@@ -268,16 +282,18 @@ void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, in
     act.resize(m_len * nb);
     for (int64_t m = 0; m < m_len; ++m) quantize_row(x.data_ptr<float>() + m * x.stride(0), k_len, &act[m * nb]);
   }
-  const bool openmp = m_len >= kOpenMPRows;
-  // Groups of up to four rows share each pass over the weight.
-  for (int64_t row0 = 0; row0 < m_len; row0 += 4) {
-    switch (std::min<int64_t>(4, m_len - row0)) {
-      case 1: run_group<F, 1>(out, x, row0, w, n_len, k_len, bias, int8_act, act, openmp); break;
-      case 2: run_group<F, 2>(out, x, row0, w, n_len, k_len, bias, int8_act, act, openmp); break;
-      case 3: run_group<F, 3>(out, x, row0, w, n_len, k_len, bias, int8_act, act, openmp); break;
-      default: run_group<F, 4>(out, x, row0, w, n_len, k_len, bias, int8_act, act, openmp); break;
+  // Chunks of at least ~64 KiB of packed weights, about eight per thread.
+  const int64_t chunk = row_chunk(n_len, nb * block_bytes(F), 64 * 1024);
+  parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
+    for (int64_t row0 = 0; row0 < m_len; row0 += 4) {
+      switch (std::min<int64_t>(4, m_len - row0)) {
+        case 1: rows_for_group<F, 1>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
+        case 2: rows_for_group<F, 2>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
+        case 3: rows_for_group<F, 3>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
+        default: rows_for_group<F, 4>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
+      }
     }
-  }
+  }, /*openmp=*/m_len >= kOpenMPRows);
 }
 
 template <int64_t F>

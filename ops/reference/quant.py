@@ -83,3 +83,12 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2),
                 q[..., :16] | (q[..., 16:] << 4)]
     return torch.cat(body, dim=-1).reshape(rows, -1)
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as the int8-activation kernel sees it: per 32-block ``d * round(x / d)`` with
+    ``d = max|x| / 127`` (the kernel's only rounding besides fp32 sums)."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / d, 0.0)
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
