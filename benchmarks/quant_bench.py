@@ -25,7 +25,7 @@ from timing import best_seconds
 
 import ops
 from ops.build import cpu_ops
-from ops.quant import Q4_0, Q4_1, Q8_0, QuantFormat
+from ops.quant import FORMATS, QuantFormat
 from ops.reference.quant import quantize
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down
@@ -55,9 +55,9 @@ def _layer_calls(fmt: QuantFormat, rows: int) -> tuple[dict[str, Callable[[], ob
     return calls, sizes
 
 
-def bench_kernels(rows_list: list[int], budget: float) -> None:
+def bench_kernels(formats: list[QuantFormat], rows_list: list[int], budget: float) -> None:
     flops_per_row = 2.0 * sum(n * k for n, k in LAYER_SHAPES)
-    for fmt in (Q4_1, Q4_0, Q8_0):
+    for fmt in formats:
         for rows in rows_list:
             calls, sizes = _layer_calls(fmt, rows)
             best = best_seconds(calls, "cpu", budget)
@@ -97,6 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="kernel,engine")
     parser.add_argument("--rows", default="1,4,32,256")
+    parser.add_argument("--formats", default="Q4_1,Q4_0,Q8_0")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per implementation")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -104,7 +105,7 @@ def main() -> None:
     parts: Any = set(args.parts.split(","))
     with torch.inference_mode():
         if "kernel" in parts:
-            bench_kernels([int(r) for r in args.rows.split(",")], args.budget)
+            bench_kernels([FORMATS[f] for f in args.formats.split(",")], [int(r) for r in args.rows.split(",")], args.budget)
         if "engine" in parts:
             bench_engine(args.steps, args.prompt_len)
 
