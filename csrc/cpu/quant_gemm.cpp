@@ -135,54 +135,63 @@ template <int64_t F, int M>
 void int8_rows(const ActBlock* act, int64_t nb, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
                int64_t ldo, int64_t begin, int64_t end) {
   using Block = std::conditional_t<F == kQuantQ8_0, BlockQ8_0, std::conditional_t<F == kQuantQ4_0, BlockQ4_0, BlockQ4_1>>;
+#if defined(__AVX2__)
+  // Block b of a row into acc[m] / extra[m]; two interleaved sets of accumulators per row hide the
+  // FMA latency (one chain per block pair: measured 4.4 -> fewer cycles per block).
+  const auto step = [&](const Block& blk, int64_t b, __m256* acc, float* extra) {
+    const float wd = half_to_float(blk.d);
+    [[maybe_unused]] float wm = 0.f;
+    if constexpr (F == kQuantQ4_0) wm = -8.f * wd;
+    if constexpr (F == kQuantQ4_1) wm = half_to_float(blk.m);
+    __m256i wu, wsign;
+    if constexpr (F == kQuantQ8_0) {
+      wsign = load32(blk.q);
+      wu = _mm256_sign_epi8(wsign, wsign);  // |w|, and the sign moves onto the activations
+    } else {
+      wu = unpack_nibbles(blk.q);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const ActBlock& a = act[m * nb + b];
+      __m256i xs = load32(a.q);
+      if constexpr (F == kQuantQ8_0) xs = _mm256_sign_epi8(xs, wsign);
+      const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd * a.d), acc[m]);
+      if constexpr (F != kQuantQ8_0) extra[m] += wm * a.s;
+    }
+  };
+#endif
   for (int64_t n = begin; n < end; ++n) {
     const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
-    float extra[M] = {};  // the Q4_0 offset and Q4_1 min terms
 #if defined(__AVX2__)
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    __m256 acc0[M], acc1[M];
+    float extra0[M] = {}, extra1[M] = {};  // the Q4_0 offset and Q4_1 min terms
+    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+      step(row[b], b, acc0, extra0);
+      step(row[b + 1], b + 1, acc1, extra1);
+    }
+    if (b < nb) step(row[b], b, acc0, extra0);
+    for (int m = 0; m < M; ++m)
+      out[m * ldo + n] = hsum(_mm256_add_ps(acc0[m], acc1[m])) + extra0[m] + extra1[m] +
+                         (bias != nullptr ? bias[n] : 0.f);
 #else
-    float acc[M] = {};
-#endif
+    float acc[M] = {}, extra[M] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const Block& blk = row[b];
       const float wd = half_to_float(blk.d);
-      [[maybe_unused]] float wm = 0.f;
+      float wm = 0.f;
       if constexpr (F == kQuantQ4_0) wm = -8.f * wd;
       if constexpr (F == kQuantQ4_1) wm = half_to_float(blk.m);
-#if defined(__AVX2__)
-      __m256i wu, wsign;
-      if constexpr (F == kQuantQ8_0) {
-        wsign = load32(blk.q);
-        wu = _mm256_sign_epi8(wsign, wsign);  // |w|, and the sign moves onto the activations
-      } else {
-        wu = unpack_nibbles(blk.q);
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const ActBlock& a = act[m * nb + b];
-        __m256i xs = load32(a.q);
-        if constexpr (F == kQuantQ8_0) xs = _mm256_sign_epi8(xs, wsign);
-        const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
-        acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd * a.d), acc[m]);
-        if constexpr (F != kQuantQ8_0) extra[m] += wm * a.s;
-      }
-#else
       for (int m = 0; m < M; ++m) {
         const ActBlock& a = act[m * nb + b];
         acc[m] += wd * a.d * static_cast<float>(block_idot<F>(&blk, a));
         if constexpr (F != kQuantQ8_0) extra[m] += wm * a.s;
       }
-#endif
     }
-    for (int m = 0; m < M; ++m) {
-#if defined(__AVX2__)
-      const float total = hsum(acc[m]);
-#else
-      const float total = acc[m];
+    for (int m = 0; m < M; ++m) out[m * ldo + n] = acc[m] + extra[m] + (bias != nullptr ? bias[n] : 0.f);
 #endif
-      out[m * ldo + n] = total + extra[m] + (bias != nullptr ? bias[n] : 0.f);
-    }
   }
 }
 
@@ -243,18 +252,20 @@ void fp32_rows(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_
   using vec::Vec;
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    Vec acc[M] = {};
+    constexpr int U = kBlock / vec::kWidth;
+    Vec acc[M][U] = {};  // one FMA chain per eighth of a block
     alignas(32) float wf[kBlock];
     for (int64_t b = 0; b < nb; ++b) {
       dequant_block<F>(row + b * bsize, wf);
 #pragma GCC unroll 4
-      for (int u = 0; u < kBlock / vec::kWidth; ++u) {
+      for (int u = 0; u < U; ++u) {
         const Vec wv = vec::load(wf + u * vec::kWidth);
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) acc[m] += wv * vec::load(x + m * ldx + b * kBlock + u * vec::kWidth);
+        for (int m = 0; m < M; ++m) acc[m][u] += wv * vec::load(x + m * ldx + b * kBlock + u * vec::kWidth);
       }
     }
-    for (int m = 0; m < M; ++m) out[m * ldo + n] = vec::hsum(acc[m]) + (bias != nullptr ? bias[n] : 0.f);
+    for (int m = 0; m < M; ++m)
+      out[m * ldo + n] = vec::hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) + (bias != nullptr ? bias[n] : 0.f);
   }
 }
 
