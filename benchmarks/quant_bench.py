@@ -41,13 +41,14 @@ def _layer_calls(fmt: QuantFormat, rows: int) -> tuple[dict[str, Callable[[], ob
     lib = cpu_ops()
 
     def gemv(int8: bool) -> Callable[[], object]:
-        return lambda: [lib.quant_linear(o, x, q, fmt.type_id, None, int8) for o, x, q in zip(outs, xs, packed)]
+        triples = list(zip(outs, xs, packed, strict=True))
+        return lambda: [lib.quant_linear(o, x, q, fmt.type_id, None, int8) for o, x, q in triples]
 
     calls: dict[str, Callable[[], object]] = {
         "int8_act": gemv(True),
         "fp32_act": gemv(False),
-        "dequant_onednn": lambda: [F.linear(x, ops.dequantize(q, fmt)) for x, q in zip(xs, packed)],
-        "fp32_linear": lambda: [ops.linear(x, w, None, p) for x, w, p in zip(xs, weights, onednn)],
+        "dequant_onednn": lambda: [F.linear(x, ops.dequantize(q, fmt)) for x, q in zip(xs, packed, strict=True)],
+        "fp32_linear": lambda: [ops.linear(x, w, None, p) for x, w, p in zip(xs, weights, onednn, strict=True)],
     }
     qbytes = float(sum(q.numel() for q in packed))
     fbytes = float(sum(w.numel() * 4 for w in weights))
@@ -121,7 +122,8 @@ def main() -> None:
     parts: Any = set(args.parts.split(","))
     with torch.inference_mode():
         if "kernel" in parts:
-            bench_kernels([FORMATS[f] for f in args.formats.split(",")], [int(r) for r in args.rows.split(",")], args.budget)
+            formats = [FORMATS[f] for f in args.formats.split(",")]
+            bench_kernels(formats, [int(r) for r in args.rows.split(",")], args.budget)
         if "engine" in parts:
             bench_engine(args.steps, args.rounds, args.prompt_len)
 

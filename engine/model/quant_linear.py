@@ -69,6 +69,7 @@ class QuantEmbedding(nn.Module):
         ops.quant.check_qweight(qweight, fmt, embedding_dim)
         self.fmt = fmt
         self.embedding_dim = embedding_dim
+        self.qweight: torch.Tensor
         self.register_buffer("qweight", qweight.contiguous())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

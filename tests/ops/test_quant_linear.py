@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ops
-from ops.quant import FORMATS, QUANT_GEMV_MAX_ROWS, Q4_1, QuantFormat
+from ops.quant import FORMATS, Q4_1, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import quant as ref
 
 gguf = pytest.importorskip("gguf")
