@@ -75,7 +75,7 @@ def _engine(model: str, total_steps: int, prompt_len: int, int8_activations: boo
     from engine.sampling_params import SamplingParams
 
     engine = LLM(model, kv_cache_memory=1 << 28).engine
-    for module in engine.model.modules():
+    for module in engine.model.model.modules():  # the decoder layers (the lm_head stays fp32-activation)
         if isinstance(module, QuantLinear):
             module.int8_activations = int8_activations
     params = SamplingParams(temperature=0.0, max_tokens=total_steps + 4, ignore_eos=True)

@@ -83,8 +83,9 @@ def greedy(model: LlamaForCausalLM, prompt: list[int], new_tokens: int) -> list[
     return out
 
 
-def set_int8_activations(model: torch.nn.Module, on: bool) -> None:
-    for module in model.modules():
+def set_int8_activations(model: LlamaForCausalLM, on: bool) -> None:
+    """Int8 activations in the decoder layers (the lm_head keeps fp32 activations, as loaded)."""
+    for module in model.model.modules():
         if isinstance(module, QuantLinear):
             module.int8_activations = on
 

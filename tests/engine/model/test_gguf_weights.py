@@ -104,6 +104,7 @@ def test_smollm2_q4_1_matches_its_dequantized_weights() -> None:
     gguf_file = _smollm2_gguf()
     quant = load_model(gguf_file)
     assert isinstance(quant.lm_head, QuantLinear) and quant.lm_head.formats == [Q8_0]
+    assert not quant.lm_head.int8_activations and quant.model.layers[0].mlp.down_proj.int8_activations
     assert isinstance(quant.model.embed_tokens, QuantEmbedding)
     assert quant.logit_screen() is None
     hf = load_file(str(gguf_file.parent / "model.safetensors"))
