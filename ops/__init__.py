@@ -1,4 +1,5 @@
-"""Python face of the kernels (paged attention, cache ops, fused decoder ops, small-batch linear):
+"""Python face of the kernels (paged attention, cache ops, fused decoder ops, small-batch linear,
+GGUF-quantized linear):
 build, dispatch, checks and the torch reference.
 
 ``set_backend("reference")`` routes every op to the plain-torch oracle in :mod:`ops.reference`;
@@ -12,14 +13,17 @@ from ops.build import KernelBuildError
 from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
 from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
+from ops.quant import QuantFormat, dequantize, quant_format, quant_linear
 from ops.sampling import sample_filtered, sample_from_logits
 from ops.screen import native_bf16, pack_screen_weight, screen_logits, screened_argmax, weight_norms
 
 __all__ = [
     "SMALL_GEMM_MAX_ROWS",
     "KernelBuildError",
+    "QuantFormat",
     "can_pack",
     "copy_blocks",
+    "dequantize",
     "fused_add_rms_norm",
     "get_backend",
     "linear",
@@ -28,6 +32,8 @@ __all__ = [
     "pack_weight",
     "paged_attention",
     "paged_prefill_attention",
+    "quant_format",
+    "quant_linear",
     "reference",
     "reshape_and_cache",
     "rms_norm",

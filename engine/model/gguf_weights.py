@@ -1,0 +1,208 @@
+"""Fill a paged Llama model from a GGUF file with its quantized weights kept packed.
+
+Tensors are read with `gguf.GGUFReader` (memory-mapped; nothing is dequantized wholesale):
+
+- quantized linear weights (Q8_0, Q4_0, Q4_1) become `QuantLinear` modules; q/k/v and gate/up are
+  stacked as packed row shards (one buffer when their formats agree);
+- F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32;
+- the token embedding stays packed (`QuantEmbedding`), and a tied lm_head runs the quantized
+  kernel on the same packed bytes (fewer bytes per decode step than the fp32 lm_head or its bf16
+  logit screen), with fp32 activations (the greedy argmax of the stored weights); the logit
+  screen is then off, as it needs an fp32 lm_head weight;
+- llama.cpp's converter permutes the rows of Q and K within each head (RoPE's interleaved pairs);
+  whole rows are moved back here, which is possible in packed form because blocks run along K.
+
+Any other tensor type raises `ModelLoadError` naming the tensor and its type.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from engine.model.llama import LlamaForCausalLM
+from engine.model.quant_linear import QuantEmbedding, QuantLinear
+from ops.quant import FORMATS, QuantFormat
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# GGUF per-layer tensor -> (module path under model.layers.N, shard index)
+_LAYER_LINEARS = {
+    "attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1), "attn_v": ("self_attn.qkv_proj", 2),
+    "attn_output": ("self_attn.o_proj", 0), "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
+    "ffn_down": ("mlp.down_proj", 0),
+}
+_LAYER_NORMS = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"}
+_SKIPPED = ("rope_freqs.weight",)  # RoPE frequencies come from the config
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+class GGUFWeightError(ValueError):
+    """A GGUF tensor cannot be used as it is stored (the message names it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """One GGUF tensor as stored: its format (None for float types) and data (packed uint8 or fp32)."""
+
+    fmt: QuantFormat | None
+    data: torch.Tensor
+
+
+def read_tensor(tensor: Any) -> Stored:
+    """A reader tensor as `Stored`, copied out of the memory map; GGUFWeightError for other types."""
+    kind = tensor.tensor_type.name
+    array = np.array(tensor.data)
+    if kind in FORMATS:
+        return Stored(FORMATS[kind], torch.from_numpy(array).reshape(array.shape[0], -1) if array.ndim > 1
+                      else torch.from_numpy(array).reshape(1, -1))
+    if kind in FLOAT_TYPES:
+        shape = [int(s) for s in reversed(tensor.shape.tolist())]
+        if kind == "BF16":
+            raw = torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            raw = torch.from_numpy(array)
+        return Stored(None, raw.float().reshape(shape))
+    raise GGUFWeightError(
+        f"tensor {tensor.name!r} is {kind}, which the quantized path does not support (supported: "
+        f"{', '.join(sorted(FORMATS))}, {', '.join(FLOAT_TYPES)}); load with quantization='dequantize'"
+    )
+
+
+def unpermute_rope_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row order: within each head, GGUF row 2i + j is HF row j * D/2 + i."""
+    head_dim = rows.shape[0] // num_heads
+    return rows.reshape(num_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+
+
+def _shards(stored: list[Stored], in_features: int) -> list[tuple[QuantFormat | None, torch.Tensor]]:
+    """Consecutive shards of one format merged into one buffer (same bytes per row)."""
+    merged: list[tuple[QuantFormat | None, list[torch.Tensor]]] = []
+    for s in stored:
+        if merged and merged[-1][0] == s.fmt:
+            merged[-1][1].append(s.data)
+        else:
+            merged.append((s.fmt, [s.data]))
+    for fmt, _ in merged:
+        if fmt is not None and in_features % 32:
+            raise GGUFWeightError(f"in_features {in_features} is not a multiple of 32 for {fmt.name}")
+    return [(fmt, torch.cat(parts) if len(parts) > 1 else parts[0]) for fmt, parts in merged]
+
+
+def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+class _Collector:
+    """Sorts GGUF tensors into linear shards, biases and plain parameters of the model."""
+
+    def __init__(self, model: LlamaForCausalLM, permute: bool) -> None:
+        self.model, self.spec, self.permute = model, model.spec, permute
+        self.linears: dict[str, dict[int, Stored]] = {}
+        self.biases: dict[str, dict[int, Stored]] = {}
+        self.params: dict[str, Stored] = {}
+
+    def add(self, name: str, stored: Stored) -> None:
+        if name == "token_embd.weight":
+            self.params["model.embed_tokens.weight"] = stored
+        elif name == "output_norm.weight":
+            self.params["model.norm.weight"] = stored
+        elif name == "output.weight":
+            self.linears.setdefault("lm_head", {})[0] = stored
+        elif (match := _BLOCK_NAME.match(name)) is not None:
+            self._add_layer(name, int(match[1]), match[2], match[3], stored)
+        elif name not in _SKIPPED:
+            raise GGUFWeightError(f"GGUF tensor {name!r} has no place in the model")
+
+    def _add_layer(self, name: str, layer: int, kind: str, what: str, stored: Stored) -> None:
+        prefix = f"model.layers.{layer}."
+        if kind in _LAYER_NORMS and what == "weight":
+            self.params[prefix + _LAYER_NORMS[kind]] = stored
+            return
+        if kind not in _LAYER_LINEARS:
+            raise GGUFWeightError(f"GGUF tensor {name!r} has no place in the model")
+        module, shard = _LAYER_LINEARS[kind]
+        if self.permute and kind in ("attn_q", "attn_k"):
+            heads = self.spec.num_heads if kind == "attn_q" else self.spec.num_kv_heads
+            data = stored.data if what == "weight" else stored.data.reshape(-1, 1)
+            data = unpermute_rope_rows(data, heads)
+            stored = Stored(stored.fmt, data if what == "weight" else data.reshape(-1))
+        target = self.linears if what == "weight" else self.biases
+        target.setdefault(prefix + module, {})[shard] = stored
+
+
+def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: bool = True) -> LlamaForCausalLM:
+    """Fill `model` (built for the file's config, parameters allocated) from the GGUF at `path`,
+    swapping its linear layers for `QuantLinear`; GGUFWeightError when a tensor does not fit."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else ""
+    collector = _Collector(model, permute=arch == "llama")
+    for tensor in reader.tensors:
+        collector.add(tensor.name, read_tensor(tensor))
+    _fill_params(model, collector)
+    _build_linears(model, collector, int8_activations)
+    model.use_logit_screen = False  # a quantized lm_head has no fp32 weight to screen
+    return model
+
+
+def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:
+    spec = model.spec
+    embed = collector.params.pop("model.embed_tokens.weight", None)
+    if embed is None:
+        raise GGUFWeightError("GGUF file has no token_embd.weight")
+    if "lm_head" not in collector.linears:
+        if not spec.tie_word_embeddings:
+            raise GGUFWeightError("GGUF file has no output.weight and the config does not tie embeddings")
+        collector.linears["lm_head"] = {0: embed}
+    if embed.fmt is None:
+        model.model.embed_tokens = nn.Embedding.from_pretrained(embed.data, freeze=True)
+    else:
+        model.model.embed_tokens = QuantEmbedding(embed.fmt, embed.data, spec.hidden_size)  # type: ignore[assignment]
+    params = dict(model.named_parameters())
+    for name, stored in collector.params.items():
+        dest = params.get(name)
+        if dest is None or dest.shape != stored.data.shape:
+            raise GGUFWeightError(f"GGUF tensor for {name!r} has shape {tuple(stored.data.shape)}; the model "
+                                  f"expects {None if dest is None else tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(stored.data)
+    expected = {f"model.layers.{i}.{p}" for i in range(spec.num_layers) for p in _LAYER_NORMS.values()}
+    missing = sorted((expected | {"model.norm.weight"}) - collector.params.keys())
+    if missing:
+        raise GGUFWeightError(f"GGUF file lacks {len(missing)} norm weights, e.g. {missing[:3]}")
+
+
+def _build_linears(model: LlamaForCausalLM, collector: _Collector, int8_activations: bool) -> None:
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        shards = collector.linears.pop(path, {})
+        count = 3 if path.endswith("qkv_proj") else 2 if path.endswith("gate_up_proj") else 1
+        if sorted(shards) != list(range(count)):
+            raise GGUFWeightError(f"GGUF file lacks weights of {path!r} (has shards {sorted(shards)} of {count})")
+        stored = [shards[i] for i in range(count)]
+        rows = sum(s.data.shape[0] for s in stored)
+        if rows != module.out_features:
+            raise GGUFWeightError(f"GGUF weights of {path!r} have {rows} rows; the model expects {module.out_features}")
+        bias = None
+        if module.bias is not None:
+            parts = collector.biases.pop(path, {})
+            if sorted(parts) != list(range(count)):
+                raise GGUFWeightError(f"GGUF file lacks the bias of {path!r}")
+            bias = torch.cat([parts[i].data.reshape(-1) for i in range(count)])
+        # The lm_head keeps fp32 activations: its argmax is the greedy token, and int8 activations
+        # flip near-ties (SmolLM2, "capital of France": logits 25.33 vs 25.24, int8 error up to 0.26).
+        int8 = int8_activations and path != "lm_head"
+        _set_module(model, path, QuantLinear(module.in_features, _shards(stored, module.in_features), bias, int8))
+    leftover = sorted([*collector.linears, *collector.biases])
+    if leftover:
+        raise GGUFWeightError(f"GGUF tensors with no place in the model: {leftover[:3]}")

@@ -1,0 +1,77 @@
+"""Modules on GGUF-quantized weights kept in their packed blocks (`ops.quant`).
+
+`QuantLinear` is a linear layer whose weight is one or more row shards (q/k/v, gate/up stacked
+as in `Linear`), each a packed uint8 buffer in its own format, or an fp32 weight for a shard the
+file stores unquantized. `QuantEmbedding` looks rows up in a packed embedding, dequantizing only
+the rows a step needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ops
+from ops.quant import QuantFormat
+
+
+class QuantLinear(nn.Module):
+    """`y = x @ W.T + b` with W the row-wise concatenation of `shards`: `(format, packed uint8)` or
+    `(None, fp32 [rows, in_features])`. One shard (the common case) is one kernel call."""
+
+    def __init__(self, in_features: int, shards: list[tuple[QuantFormat | None, torch.Tensor]],
+                 bias: torch.Tensor | None = None, int8_activations: bool = True) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.formats = [fmt for fmt, _ in shards]
+        for i, (fmt, tensor) in enumerate(shards):
+            if fmt is not None:
+                ops.quant.check_qweight(tensor, fmt, in_features)
+            elif tensor.dim() != 2 or tensor.shape[1] != in_features:
+                raise ValueError(f"shard {i}: fp32 weight must be [rows, {in_features}]; got {tuple(tensor.shape)}")
+            self.register_buffer(f"shard{i}", tensor.contiguous())
+        self.out_features = sum(t.shape[0] for _, t in shards)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.int8_activations = int8_activations  # False: fp32 activations (exact, slower)
+
+    def shards(self) -> list[tuple[QuantFormat | None, torch.Tensor]]:
+        """The weight's row shards, in order."""
+        return [(fmt, getattr(self, f"shard{i}")) for i, fmt in enumerate(self.formats)]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """fp32 `[out_features, in_features]` (for tests and tools; the forward never builds it)."""
+        return torch.cat([t if fmt is None else ops.dequantize(t, fmt, self.in_features)
+                          for fmt, t in self.shards()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.shards()
+        if len(parts) == 1:
+            return self._shard(x, *parts[0], self.bias)
+        out = torch.cat([self._shard(x, fmt, t, None) for fmt, t in parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def _shard(self, x: torch.Tensor, fmt: QuantFormat | None, t: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        if fmt is None:
+            return ops.linear(x, t, bias)
+        return ops.quant_linear(x, t, fmt, bias, self.int8_activations)
+
+    def extra_repr(self) -> str:
+        names = ",".join("F32" if f is None else f.name for f in self.formats)
+        return f"in_features={self.in_features}, out_features={self.out_features}, formats={names}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding over a packed `[vocab, hidden]` weight: `forward(ids)` dequantizes the looked-up rows."""
+
+    def __init__(self, fmt: QuantFormat, qweight: torch.Tensor, embedding_dim: int) -> None:
+        super().__init__()
+        ops.quant.check_qweight(qweight, fmt, embedding_dim)
+        self.fmt = fmt
+        self.embedding_dim = embedding_dim
+        self.qweight: torch.Tensor
+        self.register_buffer("qweight", qweight.contiguous())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, ids.reshape(-1))
+        return ops.dequantize(rows, self.fmt, self.embedding_dim).view(*ids.shape, self.embedding_dim)

@@ -1,0 +1,101 @@
+"""``quant_linear``: a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1), read in place.
+
+A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / 32 * fmt.block_bytes]`` (layout in
+:mod:`ops.reference.quant`). On the CPU:
+
+- up to ``QUANT_GEMV_MAX_ROWS`` rows (decode) the C++ kernel streams the packed blocks once, with
+  the activations quantized per 32-block to int8 (integer dot products; ``int8_activations``);
+- more rows (prefill) the weight is dequantized into an fp32 scratch copy and multiplied by oneDNN.
+
+The reference backend (and non-CPU tensors) dequantize in torch and multiply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ops.backend import use_reference
+from ops.build import cpu_ops
+from ops.reference import quant as ref
+
+QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, measured one-threaded on SmolLM2 Q4_1 layers:
+# 64 rows 7.9 ms (kernel) vs 8.5 ms; 256 rows 32.3 vs 26.9 ms (benchmarks/quant_bench.py)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """A GGUF block format: its name, ggml type id and bytes per 32-weight block."""
+
+    name: str
+    type_id: int
+    block_bytes: int
+
+    def row_bytes(self, in_features: int) -> int:
+        """Packed bytes of one weight row of ``in_features`` weights."""
+        return in_features // ref.BLOCK * self.block_bytes
+
+
+Q8_0 = QuantFormat("Q8_0", ref.Q8_0, ref.BLOCK_BYTES[ref.Q8_0])
+Q4_0 = QuantFormat("Q4_0", ref.Q4_0, ref.BLOCK_BYTES[ref.Q4_0])
+Q4_1 = QuantFormat("Q4_1", ref.Q4_1, ref.BLOCK_BYTES[ref.Q4_1])
+FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
+
+
+def quant_format(name: str) -> QuantFormat:
+    """The format called ``name`` (e.g. ``"Q4_1"``); ValueError naming the supported ones."""
+    if name not in FORMATS:
+        raise ValueError(f"unsupported quantization format {name!r}; supported: {sorted(FORMATS)}")
+    return FORMATS[name]
+
+
+def check_qweight(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> None:
+    """ValueError unless ``qweight`` is a contiguous uint8 ``[N, in_features / 32 * block_bytes]``."""
+    if not isinstance(fmt, QuantFormat):
+        raise ValueError(f"fmt must be a QuantFormat (ops.quant.Q4_1, ...); got {fmt!r}")
+    if in_features % ref.BLOCK:
+        raise ValueError(f"in_features must be a multiple of {ref.BLOCK} for {fmt.name}; got {in_features}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or not qweight.is_contiguous():
+        raise ValueError(f"qweight must be a contiguous 2-D uint8 tensor; got {tuple(qweight.shape)} "
+                         f"{qweight.dtype}")
+    if qweight.shape[1] != fmt.row_bytes(in_features):
+        raise ValueError(f"qweight rows are {qweight.shape[1]} bytes; {fmt.name} with K={in_features} needs "
+                         f"{fmt.row_bytes(in_features)}")
+
+
+def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None = None) -> torch.Tensor:
+    """fp32 ``[N, K]`` of a packed weight (K from the row bytes unless given)."""
+    k = in_features if in_features is not None else qweight.shape[1] // fmt.block_bytes * ref.BLOCK
+    check_qweight(qweight, fmt, k)
+    if use_reference() or qweight.device.type != "cpu":
+        return ref.dequantize(qweight, fmt.type_id)
+    out = torch.empty((qweight.shape[0], k), dtype=torch.float32)
+    cpu_ops().dequantize_weight(out, qweight, fmt.type_id)
+    return out
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None = None,
+                 int8_activations: bool = True) -> torch.Tensor:
+    """fp32 ``x [..., K] @ dequantize(qweight).T + bias`` → ``[..., N]``."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be fp32; got {x.dtype}")
+    k = x.shape[-1]
+    check_qweight(qweight, fmt, k)
+    n = qweight.shape[0]
+    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
+        raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
+    if use_reference() or x.device.type != "cpu":
+        return ref.quant_linear(x, qweight, fmt.type_id, bias)
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    if rows > QUANT_GEMV_MAX_ROWS:
+        out = F.linear(flat, dequantize(qweight, fmt, k), bias)
+    else:
+        out = flat.new_empty((rows, n))
+        if rows:
+            cpu_ops().quant_linear(out, flat, qweight, fmt.type_id, bias, int8_activations)
+    return out.view(*x.shape[:-1], n)

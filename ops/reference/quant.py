@@ -1,0 +1,94 @@
+"""GGUF block formats in plain torch: the oracle of the quantized-linear kernels.
+
+A quantized weight ``[N, K]`` is stored as uint8 ``[N, K / 32 * block_bytes]``: each row (one
+output feature) is K / 32 blocks of 32 consecutive weights along K, in ggml's byte layout:
+
+- Q8_0 (34 bytes): fp16 scale d, 32 int8 q; w = d * q.
+- Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles; w = d * (q - 8).
+- Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m.
+
+Nibbles: byte j holds element j in its low four bits and element j + 16 in its high four bits.
+Format ids are ggml's type ids (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+
+
+def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """fp32 of the little-endian fp16 at byte ``offset`` of each block ``[..., bytes]``."""
+    pair = blocks[..., offset:offset + 2].contiguous()
+    return pair.view(torch.float16).to(torch.float32)
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., 32]`` element values from 16 packed bytes per block."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.cat([low, high], dim=-1).to(torch.int32)
+
+
+def dequantize(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
+    """fp32 ``[N, K]`` of a packed uint8 ``[N, K / 32 * block_bytes]`` weight in format ``fmt``."""
+    size = BLOCK_BYTES[fmt]
+    rows = qweight.shape[0]
+    blocks = qweight.reshape(rows, -1, size)
+    d = _fp16(blocks, 0)
+    if fmt == Q8_0:
+        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
+        w = d * q
+    elif fmt == Q4_0:
+        w = d * (_nibbles(blocks[..., 2:]) - 8).to(torch.float32)
+    else:
+        w = d * _nibbles(blocks[..., 4:]).to(torch.float32) + _fp16(blocks, 2)
+    return w.reshape(rows, -1)
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ dequantize(qweight).T + bias`` in fp32 (the weights exactly as stored)."""
+    out = x.float() @ dequantize(qweight, fmt).T
+    return out if bias is None else out + bias.float()
+
+
+def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
+    """Pack fp32 ``[N, K]`` (K a multiple of 32) into ``fmt`` blocks, rounding to nearest (for tests
+    and tools; gguf's own quantizer is what the model files use)."""
+    rows, cols = weight.shape
+    w = weight.float().reshape(rows, cols // BLOCK, BLOCK)
+    if fmt == Q8_0:
+        amax = w.abs().amax(-1, keepdim=True)
+        d = (amax / 127).to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = (w * inv).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        body = [d.view(torch.uint8).reshape(rows, -1, 2), q]
+    elif fmt == Q4_0:
+        idx = w.abs().argmax(-1, keepdim=True)
+        peak = w.gather(-1, idx)
+        d = (peak / -8).to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = (w * inv + 8).round().clamp(0, 15).to(torch.uint8)
+        body = [d.view(torch.uint8).reshape(rows, -1, 2), q[..., :16] | (q[..., 16:] << 4)]
+    else:
+        lo = w.amin(-1, keepdim=True)
+        hi = w.amax(-1, keepdim=True)
+        d = ((hi - lo) / 15).to(torch.float16)
+        m = lo.to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = ((w - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
+        body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2),
+                q[..., :16] | (q[..., 16:] << 4)]
+    return torch.cat(body, dim=-1).reshape(rows, -1)
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` as the int8-activation kernel sees it: per 32-block ``d * round(x / d)`` with
+    ``d = max|x| / 127`` (the kernel's only rounding besides fp32 sums)."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / d, 0.0)
+    return (torch.round(blocks * inv) * d).reshape(x.shape)

@@ -1,0 +1,130 @@
+"""The quantized GGUF path: tensors stay packed, Q/K rows are put back in HF order, unsupported
+types are refused by name, and the real SmolLM2 Q4_1 file (when fetched) decodes like the same
+weights dequantized to fp32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.model import load_model
+from engine.model.gguf_weights import GGUFWeightError, read_tensor, unpermute_rope_rows
+from engine.model.loader import ModelLoadError
+from engine.model.quant_linear import QuantEmbedding, QuantLinear
+from ops.quant import Q4_1, Q8_0
+from ops.reference import quant as ref
+
+gguf = pytest.importorskip("gguf")
+
+
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's HF -> GGUF row order for Q and K (pairs (i, i + D/2) become rows 2i, 2i + 1)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize(("heads", "head_dim"), [(9, 64), (3, 64), (2, 8)])
+def test_unpermute_inverts_llama_cpp_on_packed_rows(heads: int, head_dim: int) -> None:
+    weight = torch.randn(heads * head_dim, 64)
+    packed = ref.quantize(weight, Q4_1.type_id)
+    back = unpermute_rope_rows(ref.quantize(_llama_cpp_permute(weight, heads), Q4_1.type_id), heads)
+    assert torch.equal(back, packed)  # whole packed rows moved: bytes identical
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Any]]) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (data, qtype) in tensors.items():
+        raw = gguf.quants.quantize(data, qtype) if qtype not in (gguf.GGMLQuantizationType.F32,) else data
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_read_tensor_keeps_blocks_and_refuses_other_types(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    types = gguf.GGMLQuantizationType
+    file = _write_gguf(tmp_path / "t.gguf", {"a.weight": (w, types.Q4_1), "b.weight": (w, types.F32),
+                                             "c.weight": (w, types.Q5_0)})
+    tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
+    packed = read_tensor(tensors["a.weight"])
+    assert packed.fmt == Q4_1 and packed.data.dtype == torch.uint8 and packed.data.shape == (8, 40)
+    np.testing.assert_array_equal(ref.dequantize(packed.data, Q4_1.type_id).numpy(),
+                                  gguf.quants.dequantize(gguf.quants.quantize(w, types.Q4_1), types.Q4_1))
+    plain = read_tensor(tensors["b.weight"])
+    assert plain.fmt is None and torch.equal(plain.data, torch.from_numpy(w))
+    with pytest.raises(GGUFWeightError, match=r"'c.weight' is Q5_0.*quantization='dequantize'"):
+        read_tensor(tensors["c.weight"])
+
+
+def test_quant_linear_module_shards() -> None:
+    w = [torch.randn(64, 96), torch.randn(32, 96), torch.randn(16, 96)]
+    shards = [(Q4_1, ref.quantize(w[0], Q4_1.type_id)), (Q8_0, ref.quantize(w[1], Q8_0.type_id)), (None, w[2])]
+    bias = torch.randn(112)
+    layer = QuantLinear(96, shards, bias, int8_activations=False)
+    x = torch.randn(3, 96)
+    expected = x @ layer.dequantized_weight().T + bias
+    torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+    assert layer.out_features == 112
+    embed = QuantEmbedding(Q8_0, shards[1][1], 96)
+    ids = torch.tensor([[3, 0], [31, 3]])
+    torch.testing.assert_close(embed(ids), ref.dequantize(shards[1][1], Q8_0.type_id)[ids])
+
+
+def test_quantized_gguf_needs_fp32_cpu(tmp_path: Path) -> None:
+    gguf_file = _smollm2_gguf()
+    with pytest.raises(ModelLoadError, match="fp32 on the CPU"):
+        load_model(gguf_file, dtype="bfloat16")
+    with pytest.raises(ModelLoadError, match="unknown quantization"):
+        load_model(gguf_file, quantization="int3")
+
+
+def _smollm2_gguf() -> Path:
+    from engine.model.fetch import default_gguf_path
+
+    path = default_gguf_path()
+    if not path.is_file():
+        pytest.skip("the default model's GGUF is not fetched (run `pagedserve fetch-model`)")
+    return path
+
+
+def test_smollm2_q4_1_matches_its_dequantized_weights() -> None:
+    """Every quantized tensor, dequantized, equals transformers' dequantized load (the fetched fp32
+    directory), Q/K rows included; greedy decoding agrees and the passage NLL is within 1%."""
+    from safetensors.torch import load_file
+
+    from benchmarks.quant_quality import PASSAGE, greedy, mean_nll, mean_nll_decode
+
+    gguf_file = _smollm2_gguf()
+    quant = load_model(gguf_file)
+    assert isinstance(quant.lm_head, QuantLinear) and quant.lm_head.formats == [Q8_0]
+    assert not quant.lm_head.int8_activations and quant.model.layers[0].mlp.down_proj.int8_activations
+    assert isinstance(quant.model.embed_tokens, QuantEmbedding)
+    assert quant.logit_screen() is None
+    hf = load_file(str(gguf_file.parent / "model.safetensors"))
+    for i in (0, 29):
+        layer = quant.model.layers[i]
+        qkv = torch.cat([hf[f"model.layers.{i}.self_attn.{n}_proj.weight"] for n in "qkv"])
+        assert torch.equal(layer.self_attn.qkv_proj.dequantized_weight(), qkv)
+        assert torch.equal(layer.mlp.down_proj.dequantized_weight(), hf[f"model.layers.{i}.mlp.down_proj.weight"])
+    assert torch.equal(quant.lm_head.dequantized_weight(), hf["model.embed_tokens.weight"])
+    from transformers import AutoTokenizer
+
+    fp32 = load_model(gguf_file.parent)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_file.parent))
+    passage = tokenizer(PASSAGE)["input_ids"]
+    with torch.inference_mode():
+        reference = mean_nll(fp32, passage)
+        assert abs(mean_nll(quant, passage) - reference) <= 0.01 * reference
+        assert abs(mean_nll_decode(quant, passage[:48]) - mean_nll(fp32, passage[:48])) <= 0.01 * reference
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+        ours, theirs = greedy(quant, list(prompt), 12), greedy(fp32, list(prompt), 12)
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
+    assert first >= 4, f"greedy tokens diverge at {first}: {ours} vs {theirs}"

@@ -1,0 +1,115 @@
+"""ops.quant: GGUF block formats against gguf's own dequantizer, and the C++ quantized linear
+against the torch reference over a grid of shapes, formats, row counts and biases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ops
+from ops.quant import FORMATS, Q4_1, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.reference import quant as ref
+
+gguf = pytest.importorskip("gguf")
+GGML = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationType.Q4_0,
+        "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+SHAPES = [(576, 576), (192, 576), (576, 1536), (1536, 576), (32, 32), (96, 160)]  # (N, K)
+ROWS = [1, 2, 3, 4, 7, 16, 64, 130]
+
+
+def _packed(fmt: QuantFormat, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    data = gguf.quants.quantize(weight, GGML[fmt.name])
+    return torch.from_numpy(np.ascontiguousarray(data)), data
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_reference_matches_gguf_dequantize(name: str) -> None:
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(1)
+    raw = rng.integers(0, 256, (24, 4 * fmt.block_bytes), dtype=np.uint8)  # random blocks: every nibble
+    for b in range(4):  # keep the fp16 scales finite and moderate
+        off = b * fmt.block_bytes
+        raw[:, off:off + 2] = np.float16(rng.uniform(-0.1, 0.1, (24, 1))).view(np.uint8)
+        if name == "Q4_1":
+            raw[:, off + 2:off + 4] = np.float16(rng.uniform(-1, 1, (24, 1))).view(np.uint8)
+    expected = gguf.quants.dequantize(raw, GGML[name])
+    got = ref.dequantize(torch.from_numpy(raw), fmt.type_id).numpy()
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(ops.dequantize(torch.from_numpy(raw), fmt).numpy(), expected)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_reference_quantize_round_trips_like_gguf(name: str) -> None:
+    fmt = FORMATS[name]
+    packed, data = _packed(fmt, 64, 128, 2)
+    ours = ref.quantize(torch.from_numpy(gguf.quants.dequantize(data, GGML[name])), fmt.type_id)
+    # Requantizing gguf's own output reproduces its weights (up to ties in the scale search).
+    np.testing.assert_allclose(ref.dequantize(ours, fmt.type_id).numpy(), ref.dequantize(packed, fmt.type_id).numpy(),
+                               atol=2e-3)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("m", ROWS)
+def test_kernel_matches_reference(m: int, name: str, n: int, k: int, with_bias: bool) -> None:
+    fmt = FORMATS[name]
+    qweight, _ = _packed(fmt, n, k, m + n + k)
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    exact = ref.quant_linear(x, qweight, fmt.type_id, bias)
+    if m > QUANT_GEMV_MAX_ROWS:  # dequantize + oneDNN: the stored weights, exactly
+        torch.testing.assert_close(ops.quant_linear(x, qweight, fmt, bias), exact, rtol=1e-4, atol=1e-4)
+        return
+    # int8 activations: exactly the reference on the int8-rounded activations...
+    as_int8 = ref.quant_linear(ref.int8_activations(x), qweight, fmt.type_id, bias)
+    got = ops.quant_linear(x, qweight, fmt, bias)
+    torch.testing.assert_close(got, as_int8, rtol=1e-4, atol=1e-4)
+    # ...which is within ~1% (of the output's scale) of the fp32 product.
+    assert (got - exact).abs().max() <= 0.02 * exact.abs().max() + 1e-4
+    fp32 = ops.quant_linear(x, qweight, fmt, bias, int8_activations=False)
+    torch.testing.assert_close(fp32, exact, rtol=1e-4, atol=1e-4)
+
+
+def test_leading_dims_strided_and_empty() -> None:
+    qweight, _ = _packed(Q4_1, 40, 64, 3)
+    x = torch.randn(2, 3, 128)[..., ::2]
+    out = ops.quant_linear(x, qweight, Q4_1, int8_activations=False)
+    assert out.shape == (2, 3, 40)
+    torch.testing.assert_close(out, ref.quant_linear(x.reshape(6, 64), qweight, Q4_1.type_id).view(2, 3, 40),
+                               rtol=1e-4, atol=1e-4)
+    assert ops.quant_linear(torch.randn(0, 64), qweight, Q4_1).shape == (0, 40)
+
+
+def test_reference_backend() -> None:
+    qweight, _ = _packed(Q4_1, 40, 64, 4)
+    x = torch.randn(2, 64)
+    ops.set_backend("reference")
+    try:
+        out = ops.quant_linear(x, qweight, Q4_1)
+    finally:
+        ops.set_backend("auto")
+    torch.testing.assert_close(out, ref.quant_linear(x, qweight, Q4_1.type_id))
+
+
+def test_bad_arguments_raise() -> None:
+    qweight, _ = _packed(Q4_1, 40, 64, 5)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="unsupported quantization format 'Q5_K'"):
+        ops.quant_format("Q5_K")
+    with pytest.raises(ValueError, match="QuantFormat"):
+        ops.quant_linear(x, qweight, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bytes; Q8_0 with K=64 needs 68"):
+        ops.quant_linear(x, qweight, FORMATS["Q8_0"])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ops.quant_linear(torch.randn(2, 40), qweight, Q4_1)
+    with pytest.raises(ValueError, match="uint8"):
+        ops.quant_linear(x, qweight.to(torch.int8), Q4_1)
+    with pytest.raises(ValueError, match="fp32"):
+        ops.quant_linear(x.half(), qweight, Q4_1)
+    with pytest.raises(ValueError, match="bias"):
+        ops.quant_linear(x, qweight, Q4_1, torch.randn(41))
