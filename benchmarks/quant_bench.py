@@ -70,9 +70,9 @@ def bench_kernels(formats: list[QuantFormat], rows_list: list[int], budget: floa
 
 def _engine(model: str, total_steps: int, prompt_len: int, int8_activations: bool) -> Any:
     """An engine with one greedy request prefilled, `total_steps` decode steps to go."""
+    from common.sampling_params import SamplingParams
     from engine.llm import LLM
     from engine.model.quant_linear import QuantLinear
-    from engine.sampling_params import SamplingParams
 
     engine = LLM(model, kv_cache_memory=1 << 28).engine
     for module in engine.model.model.modules():  # the decoder layers (the lm_head stays fp32-activation)
