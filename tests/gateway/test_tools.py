@@ -289,3 +289,25 @@ async def test_cut_off_call_under_required_is_not_content(gateway: Gateway) -> N
     choice = (await (await post).json())["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_closed_schema_allows_only_declared_properties() -> None:
+    from gateway.api.tools import closed_schema
+
+    schema = {"type": "object", "properties": {"loc": {"type": "string"}, "opts": {
+        "type": "object", "properties": {"unit": {"type": "string"}}}, "list": {"type": "array", "items": {
+            "type": "object", "properties": {"x": {"type": "integer"}}}}}, "required": ["loc"],
+        "$defs": {"d": {"type": "object", "properties": {"y": {}}}}}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["opts"]["additionalProperties"] is False
+    assert closed["properties"]["list"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is untouched
+    for kept in ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+                 {"allOf": [{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {}}}]},
+                 {"type": "object"}):
+        assert closed_schema(kept) == kept
+    jsonschema.validate({"loc": "Paris", "opts": {"unit": "c"}}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"loc": "Paris", "description": "sunny"}, closed)
