@@ -5,7 +5,11 @@ logits. JSON is compact (no free whitespace), so a sampled answer cannot wander 
 
 Kinds: json_schema (spec: the schema as JSON text), json_object (any JSON object), regex, grammar
 (Lark, or GBNF when it uses `::=`), choice (one of the strings). A spec the library cannot
-compile is refused with its message, before anything is queued."""
+compile is refused with its message, before anything is queued.
+
+Compiling happens at admission (`LLMEngine.add_request`), never in a step, and once per grammar
+text: the compiled form, a pristine matcher, is kept in a bounded LRU and every request gets a
+`deep_copy` of it (microseconds, against milliseconds for a compile)."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-_CACHE_SIZE = 64  # compiled grammars kept (by spec text); compiling a schema can take milliseconds
+_CACHE_SIZE = 64  # compiled grammars kept (by grammar text); compiling a schema can take milliseconds
 
 
 class Grammar:
@@ -37,26 +41,41 @@ class Grammar:
 class GrammarCompiler:
     """Compiles specs against one model's tokenizer (built on first use) and masks logits."""
 
-    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int],
+                 cache_size: int = _CACHE_SIZE) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.cache_size = cache_size
+        self.num_compiled = 0  # grammars compiled so far (cache misses)
         self._tokenizer: Any = None
         self._executor: Any = None
-        self._grammars: OrderedDict[str, str] = OrderedDict()
+        self._texts: OrderedDict[str, str] = OrderedDict()  # spec (as JSON) -> grammar text
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> pristine LLMatcher
 
     def grammar(self, spec: dict[str, Any], generated: Sequence[int] = ()) -> Grammar:
-        """A fresh matcher for `spec`, advanced over `generated`; ValueError names what is wrong."""
-        from llguidance import LLMatcher
-
-        tokenizer = self._tok()
-        text = self._compile(spec, tokenizer)
-        matcher = LLMatcher(tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_output: {matcher.get_error()}")
+        """A fresh matcher for `spec`, advanced over `generated`; ValueError names what is wrong.
+        Compiles only on a cache miss (see the module docstring)."""
+        matcher = self.compiled(spec).deep_copy()
         if generated and not matcher.consume_tokens(list(generated)):
             raise ValueError("structured_output: the tokens already generated do not follow the grammar")
         return Grammar(matcher)
+
+    def compiled(self, spec: dict[str, Any]) -> Any:
+        """The pristine (never advanced) matcher of `spec`'s grammar, from the LRU or compiled now."""
+        text = self._text(spec)
+        pristine = self._compiled.get(text)
+        if pristine is not None:
+            self._compiled.move_to_end(text)
+            return pristine
+        from llguidance import LLMatcher
+
+        pristine = LLMatcher(self._tok(), text, log_level=0)
+        self.num_compiled += 1
+        if pristine.is_error():
+            raise ValueError(f"structured_output ({spec['kind']}): {pristine.get_error() or 'invalid'}")
+        _put(self._compiled, text, pristine, self.cache_size)
+        return pristine
 
     def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
         """Mask `logits[rows[i]]` to the tokens `grammars[i]` allows next; a row left with nothing
@@ -80,20 +99,14 @@ class GrammarCompiler:
         banned[rows] = ~allowed
         logits.masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
 
-    def _compile(self, spec: dict[str, Any], tokenizer: Any) -> str:
+    def _text(self, spec: dict[str, Any]) -> str:
         key = json.dumps(spec, sort_keys=True)
-        if key in self._grammars:
-            self._grammars.move_to_end(key)
-            return self._grammars[key]
-        from llguidance import LLMatcher
-
-        text = _grammar_text(spec)
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(text, tokenizer)
-        if is_error:
-            raise ValueError(f"structured_output ({spec['kind']}): {messages[0] if messages else 'invalid'}")
-        self._grammars[key] = text
-        if len(self._grammars) > _CACHE_SIZE:
-            self._grammars.popitem(last=False)
+        text = self._texts.get(key)
+        if text is None:
+            text = _grammar_text(spec)
+            _put(self._texts, key, text, self.cache_size)
+        else:
+            self._texts.move_to_end(key)
         return text
 
     def _tok(self) -> Any:
@@ -113,6 +126,12 @@ class GrammarCompiler:
 
             self._executor = LLExecutor()
         return self._executor
+
+
+def _put(cache: OrderedDict[str, Any], key: str, value: Any, size: int) -> None:
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
 
 
 def _grammar_text(spec: dict[str, Any]) -> str:

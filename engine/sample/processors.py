@@ -7,7 +7,8 @@
 3. below `min_tokens`, EOS and the stop token ids cannot be drawn (not for a row under a
    grammar: it ends when its grammar is complete).
 
-Each depends only on the row's own request and tokens, so the per-token seeding still makes a
+Penalty counts are kept per sequence across steps (`penalty_counts.PenaltyCounts`). Each
+depends only on the row's own request and tokens, so the per-token seeding still makes a
 row's draw independent of its batch. The grammar mask (`grammar.py`) runs after these."""
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ from __future__ import annotations
 import torch
 
 from common.sampling_params import SamplingParams
+from engine.sample.penalty_counts import PenaltyCounts
 from engine.sched.sequence import Sequence
 
 
-def apply_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int]) -> None:
-    """`logits[i]` belongs to `seqs[i]` (its next token)."""
+def apply_processors(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: list[int],
+                     counts: PenaltyCounts | None = None) -> None:
+    """`logits[i]` belongs to `seqs[i]` (its next token). `counts`: the engine's incremental
+    token counts (a throwaway one, counting from scratch, when None)."""
     params = [seq.request.params for seq in seqs]
     penalized = [i for i, p in enumerate(params) if _has_penalty(p)]
     if penalized:
-        _penalize(logits, penalized, [seqs[i] for i in penalized])
+        _penalize(logits, penalized, [seqs[i] for i in penalized], counts if counts is not None else PenaltyCounts())
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     if biased:
         rows = [i for i in biased for _ in params[i].logit_bias]
@@ -58,15 +62,16 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _penalize(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+def _penalize(logits: torch.Tensor, rows: list[int], seqs: list[Sequence], store: PenaltyCounts) -> None:
     vocab, device = logits.shape[1], logits.device
     index = _long(rows, logits)
     sub = logits.index_select(0, index)
-    counts = _counts([seq.output_token_ids for seq in seqs], vocab, device)
     params = [seq.request.params for seq in seqs]
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    if bool((repetition != 1.0).any()):
-        seen = (counts > 0) | (_counts([seq.request.prompt_token_ids for seq in seqs], vocab, device) > 0)
+    use_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    counts, in_prompt = store.gather(seqs, vocab, device, use_repetition)
+    if in_prompt is not None:
+        seen = (counts > 0) | in_prompt
         penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
         sub = torch.where(seen, penalized, sub)
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
@@ -75,8 +80,8 @@ def _penalize(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> No
     logits.index_copy_(0, index, sub)
 
 
-def _counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] occurrence counts; padding goes to an extra column that is dropped."""
+def count_tokens(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] occurrence counts from scratch (the reference `PenaltyCounts` must equal)."""
     width = max((len(t) for t in token_lists), default=0)
     padded = torch.full((len(token_lists), max(width, 1)), vocab, dtype=torch.long)
     for i, tokens in enumerate(token_lists):

@@ -18,6 +18,7 @@ import torch
 
 from engine.sample.beam_step import beam_step
 from engine.sample.grammar import Grammar, GrammarCompiler
+from engine.sample.penalty_counts import PenaltyCounts
 from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.prompt_logprobs import chunk_prompt_logprobs
 from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, is_filtered, uniform
@@ -26,7 +27,7 @@ from engine.sched.sequence import Sequence, sample_stream
 
 
 class SampleStage:
-    """Stateless across steps apart from the grammar compiler's caches."""
+    """Stateless across steps apart from the grammar compiler's caches and the penalty counts."""
 
     def __init__(self, eos_token_ids: set[int], grammars: GrammarCompiler | None,
                  compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -35,6 +36,7 @@ class SampleStage:
         self.grammars = grammars
         self.compute_logits = compute_logits
         self.sampler = Sampler()
+        self.penalty_counts = PenaltyCounts()
 
     def token_picker(self, rows: list[ScheduledSeq]) -> TokenPlan | None:
         """How to take these rows' tokens straight from their logits (`TokenPlan`), or None when
@@ -122,7 +124,7 @@ class SampleStage:
                          for _ in range(w)]
         batch = SamplingBatch([s.request.params for s in row_seqs], streams, token_indices, logits.device)
         logprobs = Logprobs(logits, batch)
-        apply_processors(logits, row_seqs, self.eos_list)
+        apply_processors(logits, row_seqs, self.eos_list, self.penalty_counts)
         constrained = [i for i, seq in enumerate(row_seqs) if seq.grammar is not None]
         if constrained and self.grammars is not None:
             grammars = [row_seqs[i].grammar for i in constrained]

@@ -1,7 +1,9 @@
 """Reading a request body as JSON that is safe to hand on: 413 past the size limit, 400 for
-invalid JSON, nesting deeper than MAX_DEPTH, or a string that is not valid Unicode (a lone
-surrogate such as ``"\\ud800"`` parses in Python but breaks the tokenizer, msgpack and the
-response encoder later, where it would be a 500)."""
+a body that is not UTF-8 (strictly: ``json.loads(bytes)`` would also guess UTF-16 and UTF-32,
+whose lone surrogates then reach the tokenizer; a UTF-8 BOM is skipped), invalid JSON, nesting
+deeper than MAX_DEPTH, or a string that is not valid Unicode (a lone surrogate escape such as
+``"\\ud800"`` parses in Python but breaks the tokenizer, msgpack and the response encoder later,
+where it would be a 500)."""
 
 from __future__ import annotations
 
@@ -23,12 +25,21 @@ async def read_json(request: web.Request) -> Any:
     limit = request.app[CONFIG].max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise OpenAIError(413, f"request body too large (limit {limit} bytes)", code="request_too_large")
-    raw = await request.read()
+    return parse_body(await request.read())
+
+
+def parse_body(raw: bytes) -> Any:
+    """`raw` as checked JSON, or OpenAIError(400) (see the module docstring)."""
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8-sig")  # strict: invalid bytes and encoded surrogates are refused
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"request body is not valid UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r}); "
+                          "send JSON encoded as UTF-8", code="invalid_encoding") from exc
+    try:
+        body = json.loads(text)
     except RecursionError as exc:  # the C scanner gives up on very deep nesting
         raise bad_request(f"request body nests deeper than {MAX_DEPTH} levels", code="too_deep") from exc
-    except (UnicodeDecodeError, ValueError) as exc:
+    except ValueError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from exc
     # the walk costs ~60 ms on a 1 MiB body: skip what the raw bytes show cannot happen
     deep = raw.count(b"[") + raw.count(b"{") > MAX_DEPTH

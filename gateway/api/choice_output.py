@@ -45,7 +45,7 @@ class ChoiceOutput:
         self.req = req
         self.tok = tokenizer
         self.names: TokenNames = TokenIdNames() if req.tokens_as_ids else tokenizer
-        self.parser = ToolCallParser() if req.tools.active else None
+        self.parser = ToolCallParser(req.tools.constrained) if req.tools.active else None
         self.text = ""  # everything shown as content/text
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []

@@ -9,6 +9,7 @@ from gateway.api.endpoint import Endpoint
 from gateway.errors import bad_request
 
 _UNSUPPORTED_PRESENT = ("functions", "function_call", "audio", "prediction")
+MAX_ID_DIGITS = 20  # a token id written as a string (logit_bias keys): 2^64 has 20 digits
 
 
 def _is_int(value: Any) -> bool:
@@ -86,6 +87,9 @@ def parse_logit_bias(value: Any) -> dict[int, float]:
     for key, bias in value.items():
         if not (key.isascii() and key.isdecimal()):
             raise bad_request(f"'logit_bias' keys must be token ids, got {key[:32]!r}", "logit_bias", "invalid_type")
+        if len(key) > MAX_ID_DIGITS:  # past int()'s 4300-digit limit it would raise; no vocabulary is this large
+            raise bad_request(f"'logit_bias' key {key[:20]}... is not a token id ({len(key)} digits)", "logit_bias",
+                              "token_id_out_of_range")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
             raise bad_request(f"'logit_bias' values must be numbers, got {bias!r}"[:120], "logit_bias",
                               "invalid_type")

@@ -1,7 +1,8 @@
 """One request's generation as seen by a client: collector updates → per-choice text events.
 
-Each choice runs its own incremental detokenizer and stop matcher. When every choice has
-finished here (stop string) before the engine said so, the engine side is aborted."""
+Each choice runs its own incremental detokenizer, stop matcher and (with tools) call guard.
+When every choice has finished here (a stop string, a repeated or one call too many) before
+the engine said so, the engine side is aborted."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from common.protocol import ErrorInfo, TokenLogprob, Usage
 from gateway.broker.broker import Broker
 from gateway.broker.collector import ChoiceDelta, RequestCollector
+from gateway.text.call_guard import CallGuard
 from gateway.text.detokenize import IncrementalDetokenizer
 from gateway.text.stop import StopMatcher
 from gateway.text.tokenizer import ModelTokenizer
@@ -37,33 +39,55 @@ class GenerationError(Exception):
 
 
 class _Choice:
-    def __init__(self, index: int, tokenizer: ModelTokenizer, stops: list[str]) -> None:
+    def __init__(self, index: int, tokenizer: ModelTokenizer, stops: list[str], guard: CallGuard | None) -> None:
         self.index = index
         self.detok = IncrementalDetokenizer(tokenizer.decode)
         self.stop = StopMatcher(stops)
+        self.guard = guard
         self.num_tokens = 0
         self.finish_reason: str | None = None
 
+    @property
+    def matched(self) -> bool:
+        return self.stop.matched is not None or (self.guard is not None and self.guard.matched is not None)
+
     def advance(self, delta: ChoiceDelta) -> ChoiceEvent:
         self.num_tokens += len(delta.token_ids)
-        text = self.stop.feed(self.detok.add(delta.token_ids))
-        if self.stop.matched is not None:
+        text = self._feed(self.detok.add(delta.token_ids))
+        if self.matched:
             self.finish_reason = "stop"
         elif delta.finish_reason is not None:
-            text += self.stop.feed(self.detok.flush())
-            text += "" if self.stop.matched is not None else self.stop.flush()
-            self.finish_reason = "stop" if self.stop.matched is not None else delta.finish_reason
+            text += self._feed(self.detok.flush())
+            text += "" if self.matched else self._end()
+            self.finish_reason = "stop" if self.matched else delta.finish_reason
         return ChoiceEvent(self.index, text, delta.token_ids, delta.logprobs, self.finish_reason)
+
+    def _feed(self, text: str) -> str:
+        """Text through the stop matcher, then the call guard (which gives back what it held
+        once a stop string has ended the answer)."""
+        text = self.stop.feed(text)
+        if self.guard is None:
+            return text
+        text = self.guard.feed(text)
+        return text + (self.guard.flush() if self.stop.matched is not None else "")
+
+    def _end(self) -> str:
+        rest = self.stop.flush()
+        return rest if self.guard is None else self.guard.feed(rest) + self.guard.flush()
 
 
 class Generation:
     """Drives one submitted request; iterate `events()` until it ends."""
 
     def __init__(self, broker: Broker, collector: RequestCollector, tokenizer: ModelTokenizer,
-                 stops: list[str], prompt_tokens: int, timeout_s: float, tick_s: float) -> None:
+                 stops: list[str], prompt_tokens: int, timeout_s: float, tick_s: float,
+                 tool_calls: bool = False, max_calls: int | None = None) -> None:
+        """`tool_calls`: the output is read for calls; each choice then ends at a repeated call
+        or past `max_calls` (`CallGuard`)."""
         self.broker = broker
         self.collector = collector
-        self.choices = [_Choice(i, tokenizer, stops) for i in range(collector.n)]
+        self.choices = [_Choice(i, tokenizer, stops, CallGuard(max_calls) if tool_calls else None)
+                        for i in range(collector.n)]
         self.prompt_tokens = prompt_tokens
         self.timeout_s = timeout_s
         self.tick_s = tick_s

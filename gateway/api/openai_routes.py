@@ -63,7 +63,8 @@ async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
         metrics.rejected.labels(reason=type(exc).__name__).inc()
         raise OpenAIError(429, f"server busy: {exc}", code="overloaded",
                           headers={"Retry-After": str(cfg.retry_after_s)}) from exc
-    gen = Generation(broker, collector, tokenizer, req.stop, len(ids), cfg.request_timeout_s, cfg.sse_ping_s)
+    gen = Generation(broker, collector, tokenizer, req.stop, len(ids), cfg.request_timeout_s, cfg.sse_ping_s,
+                     req.tools.active, req.tools.max_calls)
     metrics.in_flight.inc()
     try:
         try:

@@ -118,8 +118,9 @@ async def complete(request: web.Request, req: GenerationRequest, gen: Generation
     for i, out in enumerate(outs):
         logprobs = out.whole_logprobs(gen.prompt_logprobs)
         if req.kind is Endpoint.CHAT:
-            message: dict[str, Any] = {"role": "assistant", "content": out.text if out.text or not out.calls else None,
-                                       "refusal": None}
+            calls_only = bool(out.calls) or req.tools.constrained  # a grammar made the answer calls
+            content = None if calls_only and not out.text else out.text
+            message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
             if out.calls:
                 message["tool_calls"] = [tool_call_obj(c) for c in out.calls]
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})

@@ -37,16 +37,31 @@ class ToolConfig:
         """Whether the model is shown the tools and its output is parsed for calls."""
         return bool(self.tools) and self.choice != "none"
 
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar makes the whole output calls (`required` and named)."""
+        return self.active and self.choice in ("required", "named")
+
+    @property
+    def max_calls(self) -> int | None:
+        """Calls one answer may make (OpenAI: a named function or `parallel_tool_calls: false`
+        is one call); None for any number."""
+        return 1 if self.choice == "named" or not self.parallel else None
+
     def structured_output(self) -> dict[str, Any] | None:
-        """The grammar for `required` and named choices (None for auto and none)."""
-        if self.choice not in ("required", "named"):
+        """The grammar for `required` and named choices (None for auto and none): exactly one
+        call when `max_calls` is 1, else one or more separated by a newline. The grammar is
+        complete after each whole call, so the answer may end there (EOS is then allowed, and
+        is the only token allowed once no further call can follow). Arguments follow
+        `closed_schema`: only the declared properties."""
+        if not self.constrained:
             return None
         fns = [t["function"] for t in self.tools if self.choice == "required" or t["function"]["name"] == self.named]
         calls = [f"call_{i}: {_literal(CALL_OPEN + chr(10) + _call_prefix(fn['name']))} %json "
-                 f"{json.dumps(compact_schema(fn.get('parameters') or {'type': 'object'}))} "
+                 f"{json.dumps(compact_schema(closed_schema(fn.get('parameters') or {'type': 'object'})))} "
                  f"{_literal('}' + chr(10) + CALL_CLOSE)}" for i, fn in enumerate(fns)]
         one = " | ".join(f"call_{i}" for i in range(len(fns)))
-        start = f"start: one (\"\\n\" one)*\none: {one}" if self.parallel else f"start: {one}"
+        start = f"start: {one}" if self.max_calls == 1 else f"start: one (\"\\n\" one)*\none: {one}"
         return {"kind": "grammar", "spec": "\n".join([start, *calls])}
 
 
@@ -54,6 +69,30 @@ def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """`schema` with llguidance's compact-whitespace option unless it sets its own: small models
     otherwise fill the free whitespace between JSON tokens until max_tokens."""
     return schema if "x-guidance" in schema else {**schema, "x-guidance": COMPACT_JSON}
+
+
+def closed_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with ``"additionalProperties": false`` on every object that declares
+    `properties` and says nothing about others (as OpenAI's strict mode requires): a small model
+    otherwise invents properties with rambling values until max_tokens. What it allows is a
+    subset of `schema`. Objects that compose (allOf/anyOf/oneOf/$ref beside them) and allOf
+    branches are left open, where closing one would forbid its siblings' properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = dict(schema)
+    composed = any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref"))
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out and not composed:
+        out["additionalProperties"] = False
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_schema(v) for k, v in out[key].items()}
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    for key in ("anyOf", "oneOf", "prefixItems"):
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(v) for v in out[key]]
+    return out
 
 
 def _call_prefix(name: str) -> str:

@@ -4,7 +4,9 @@
 `ToolCallParser` is fed text deltas and returns the content to show (the calls cut out) and
 the calls completed so far, so streaming and non-streaming read output the same way. A block
 whose JSON is not a call is given back as content, as written. Whitespace is held back until
-it is known not to be the gap before or between calls."""
+it is known not to be the gap before or between calls. With `calls_only` (a grammar made the
+whole output calls: tool_choice required or named) nothing is ever content: a block cut off
+by max_tokens is dropped, not shown as markup."""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def parse_call(text: str) -> ToolCall | None:
 class ToolCallParser:
     """Incremental parser of one choice's output."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls_only: bool = False) -> None:
+        self.calls_only = calls_only
         self.calls: list[ToolCall] = []
         self._buf = ""  # text not yet classified
         self._ws = ""  # whitespace held back
@@ -64,7 +67,7 @@ class ToolCallParser:
                 content += self._text(self._buf[:start])
                 self._ws, self._buf, self._inside = "", self._buf[start + len(OPEN):], True
                 continue
-            keep = _partial_suffix(self._buf, OPEN)
+            keep = partial_suffix(self._buf, OPEN)
             content += self._text(self._buf[:len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return content, new
@@ -83,14 +86,14 @@ class ToolCallParser:
         self._inside = False
         call = parse_call(block.strip())
         if call is None:
-            return self._text(OPEN + block + (CLOSE if closed else ""))
+            return "" if self.calls_only else self._text(OPEN + block + (CLOSE if closed else ""))
         self.calls.append(call)
         new.append(call)
         return ""
 
     def _text(self, text: str) -> str:
         """Plain text: emit it with the held whitespace unless it is all whitespace (hold it)."""
-        if not text:
+        if not text or self.calls_only:
             return ""
         if not text.strip():
             self._ws += text
@@ -101,7 +104,7 @@ class ToolCallParser:
         return out
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for length in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:length]):

@@ -3,7 +3,9 @@ process, an engine process with the tiny model, redis-server): whatever the body
 is never a 5xx, an error is an OpenAI error body, the engine keeps running, and once the
 traffic stops it holds zero KV blocks. Bodies are random JSON, or a valid request with some
 fields replaced by random values or by known-hostile ones (huge integers, lone surrogates, deep
-nesting, wrong types)."""
+nesting, wrong types, numbers past int()'s digit limit), then sent as UTF-8 or, now and then, in
+another encoding json.loads would guess (UTF-16/32, with and without BOM) or with invalid
+UTF-8 bytes spliced in (both 400s: the gateway reads UTF-8 only)."""
 
 from __future__ import annotations
 
@@ -40,7 +42,10 @@ HOSTILE = [2**64, 2**70, -(2**63) - 1, 10**30, -1, 0, 1.5, float("inf"), float("
            {}, [None], [[1]], True, "", "a" * 300, [2**65], {"99999999": 1}, {"1": 1e300},
            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
            [{"role": ["user"], "content": "x"}], {"messages": []}, [{"type": "function", "function": {}}],
-           {"type": "function", "function": {"name": 5}}, "[a-", 'start: "a" b', ["a"] * 3]
+           {"type": "function", "function": {"name": 5}}, "[a-", 'start: "a" b', ["a"] * 3,
+           {"1" + "0" * 5000: 1}, {"1" + "0" * 25: 1}, {"\ud800": 1}, {"5": float("inf")}, -0.0, 1e308,
+           [[1, float("nan")]], {"k": {"\udc00": [1]}}]
+ENCODINGS = ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be", "utf-8-sig"]
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
@@ -91,7 +96,13 @@ def requests(draw: st.DrawFn) -> tuple[str, bytes]:
         body = dict(BASE[path])
         for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4, unique=True)):
             body[name] = field_value(draw, name)
-    return path, json.dumps(body).encode()  # NaN/Infinity go out as bare literals; surrogates as \\ud800
+    text = json.dumps(body)  # NaN/Infinity go out as bare literals; surrogates as \\ud800
+    encoding = draw(st.sampled_from(["utf-8"] * 12 + ENCODINGS + ["invalid"]))
+    if encoding == "invalid":
+        raw = text.encode()
+        cut = draw(st.integers(0, len(raw)))
+        return path, raw[:cut] + draw(st.sampled_from([b"\xff", b"\xed\xa0\x80", b"\xc0\xaf"])) + raw[cut:]
+    return path, text.encode(encoding)
 
 
 class FuzzGateway(GatewayProcess):

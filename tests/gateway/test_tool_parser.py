@@ -54,3 +54,29 @@ def test_fallback_prompt_round_trips_through_the_parser() -> None:
     messages = fallback_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
                                  [{"type": "function", "function": {"name": "f"}}], "You must call f.")
     assert messages[0]["content"].startswith("Be brief.\n\n# Tools") and messages[0]["content"].endswith("call f.")
+
+
+GUARDED = [CALL + "\n" + CALL, "Hi " + CALL + CALL.replace('"f"', '"g"') + "\n" + CALL + " tail", "no calls <tool",
+           CALL.replace("[1,", "[2,") + CALL + "<tool_call>\n{cut"]
+
+
+def _guarded(text: str, cuts: list[int], max_calls: int | None) -> tuple[str, str | None]:
+    from gateway.text.call_guard import CallGuard
+
+    guard, out, last = CallGuard(max_calls), "", 0
+    for cut in [*sorted(c % (len(text) + 1) for c in cuts), len(text)]:
+        out, last = out + guard.feed(text[last:max(last, cut)]), max(last, cut)
+    return out + guard.flush(), guard.matched
+
+
+@given(st.sampled_from(GUARDED), st.lists(st.integers(0, 300), max_size=12), st.sampled_from([None, 1, 2]))
+def test_call_guard_split_does_not_matter(text: str, cuts: list[int], max_calls: int | None) -> None:
+    assert _guarded(text, cuts, max_calls) == _guarded(text, [], max_calls)
+
+
+def test_call_guard_cuts_before_a_repeat_or_an_extra_call() -> None:
+    assert _guarded(CALL + "\n" + CALL, [], None) == (CALL + "\n", "<tool_call>")
+    two = CALL + CALL.replace('"f"', '"g"')
+    assert _guarded(two, [], None) == (two, None)
+    assert _guarded(two, [], 1) == (CALL, "<tool_call>")
+    assert _guarded("x <tool_call>\n{cut", [], 1) == ("x <tool_call>\n{cut", None)  # held, given back at the end

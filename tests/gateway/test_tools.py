@@ -209,3 +209,105 @@ async def test_malformed_call_stays_content(gateway: Gateway) -> None:
     await gateway.engine.generate(req, [text])
     choice = (await (await post).json())["choices"][0]
     assert choice["message"]["content"] == text and choice["finish_reason"] == "stop"
+
+
+def _after_one_call(grammar: str, tokenizer_json: Path) -> tuple[LLMatcher, LLTokenizer]:
+    """A matcher advanced over one whole get_weather call."""
+    tok = LLTokenizer(str(tokenizer_json))
+    matcher = LLMatcher(tok, grammar)
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}\n</tool_call>'
+    assert matcher.consume_tokens(tok.tokenize_str(call)), matcher.get_error()
+    return matcher, tok
+
+
+@pytest.mark.parametrize(("body", "more"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, False),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": True}, False),
+    ({"tool_choice": "required", "parallel_tool_calls": False}, False),
+    ({"tool_choice": "required"}, True),
+], ids=["named", "named-parallel", "required-single", "required-parallel"])
+async def test_grammar_may_end_after_each_call(gateway: Gateway, body: dict[str, Any], more: bool) -> None:
+    """After one whole call EOS is allowed; a named function or parallel_tool_calls false allows
+    nothing else (so the engine ends there), required with parallel calls allows another call."""
+    _, params = await _prompt_of(gateway, {"messages": MSG, "tools": TOOLS, **body})
+    matcher, tok = _after_one_call(llguidance_grammar(params["structured_output"]),
+                                   Path(gateway.engine.tokenizer_dir) / "tokenizer.json")
+    assert matcher.is_accepting()
+    allowed = [i for i, b in enumerate(matcher.compute_logit_bias()) if b]
+    assert tok.eos_token in allowed
+    assert (set(allowed) != {tok.eos_token}) is more, [tok.decode_str([i]) for i in allowed[:5]]
+    if more:
+        assert matcher.consume_tokens(tok.tokenize_str('\n<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}'))
+
+
+SECOND_CALL = '\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("body", "text", "calls"), [
+    ({"tool_choice": "required"}, CALL_TEXT + CALL_TEXT[13:] * 6, 1),  # the same call over and over
+    ({"tool_choice": "required"}, CALL_TEXT + SECOND_CALL + CALL_TEXT[13:], 2),
+    ({"tool_choice": "auto", "parallel_tool_calls": False}, CALL_TEXT + SECOND_CALL, 1),
+    ({}, CALL_TEXT + '\n<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius", "city": "Paris"}}'
+         "\n</tool_call>", 1),  # the same arguments in another order
+], ids=["repeated", "repeated-after-another", "one-call-auto", "reordered-repeat"])
+async def test_answer_ends_at_a_repeated_or_extra_call(gateway: Gateway, body: dict[str, Any], text: str,
+                                                       calls: int) -> None:
+    """The engine is aborted and the answer ends with tool_calls at the first call that repeats
+    an earlier one or exceeds parallel_tool_calls false; no markup shows as content."""
+    for stream in (False, True):
+        post = asyncio.create_task(gateway.client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MSG, "tools": TOOLS, "stream": stream, **body}))
+        req = await gateway.engine.next_request()
+        await gateway.engine.generate(req, [text], finish="length", chunk=2)
+        resp = await post
+        if stream:
+            from tests.fixtures.gateway import parse_sse
+
+            events = [e for e in parse_sse(await resp.text()) if e != "[DONE]"]
+            deltas = [e["choices"][0] for e in events]
+            content = "".join(d["delta"].get("content") or "" for d in deltas)
+            names = [tc["function"]["name"] for d in deltas for tc in d["delta"].get("tool_calls", [])
+                     if "name" in tc.get("function", {})]
+            reason = deltas[-1]["finish_reason"]
+        else:
+            choice = (await resp.json())["choices"][0]
+            content = choice["message"]["content"]
+            names = [c["function"]["name"] for c in choice["message"]["tool_calls"]]
+            reason = choice["finish_reason"]
+        assert reason == "tool_calls" and len(names) == calls, (reason, names)
+        assert "<tool_call>" not in (content or "") and "</tool_call>" not in (content or "")
+
+
+async def test_cut_off_call_under_required_is_not_content(gateway: Gateway) -> None:
+    """A grammar-constrained answer cut by max_tokens inside a call: the whole calls come back,
+    the partial block is dropped, content is null."""
+    text = CALL_TEXT[14:] + '\n<tool_call>\n{"name": "add", "argu'
+    post = asyncio.create_task(gateway.client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": MSG, "tools": TOOLS, "tool_choice": "required"}))
+    req = await gateway.engine.next_request()
+    await gateway.engine.generate(req, [text], finish="length")
+    choice = (await (await post).json())["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+
+
+def test_closed_schema_allows_only_declared_properties() -> None:
+    from gateway.api.tools import closed_schema
+
+    schema = {"type": "object", "properties": {"loc": {"type": "string"}, "opts": {
+        "type": "object", "properties": {"unit": {"type": "string"}}}, "list": {"type": "array", "items": {
+            "type": "object", "properties": {"x": {"type": "integer"}}}}}, "required": ["loc"],
+        "$defs": {"d": {"type": "object", "properties": {"y": {}}}}}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["opts"]["additionalProperties"] is False
+    assert closed["properties"]["list"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is untouched
+    for kept in ({"type": "object", "properties": {"a": {}}, "additionalProperties": True},
+                 {"allOf": [{"type": "object", "properties": {"a": {}}}, {"properties": {"b": {}}}]},
+                 {"type": "object"}):
+        assert closed_schema(kept) == kept
+    jsonschema.validate({"loc": "Paris", "opts": {"unit": "c"}}, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"loc": "Paris", "description": "sunny"}, closed)
