@@ -23,7 +23,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
@@ -34,6 +33,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from common.redis_spec import RedisSpec
+from common.redis_spec import redact_url as redact_url  # re-exported: its callers import it from here
 
 
 class PoolBusy(RedisError):
@@ -288,20 +288,6 @@ class MasterView:
         self.changes += changed
         self.run_id = run_id
         return changed
-
-
-def redact_url(url: str) -> str:
-    """`url` with its password (and user) replaced by ``***``: safe for logs and error bodies."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable redis url>"
-    if parts.password is None and parts.username is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
 
 
 class Epoch:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SENTINEL_PORT = 26379
@@ -86,12 +87,24 @@ class RedisSpec:
 
     def describe(self) -> str:
         """For logs and /health: no password."""
-        from common.redis_conn import redact_url
-
         if not self.sentinels:
             return redact_url(self.url)
         addresses = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.sentinels)
         return f"sentinel {self.master} via {addresses}"
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password (and user) replaced by ``***``: safe for logs and error bodies."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis url>"
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
 
 
 def add_redis_arguments(parser: argparse.ArgumentParser, default_url: str = DEFAULT_URL) -> None:
