@@ -318,7 +318,7 @@ class Broker:
                         trimmed_at = time.monotonic()
                         await self.client.xtrim(key, minid=self.last_id, approximate=False)
                     failures = 0
-                except (RedisError, OSError) as exc:  # TimeoutError included
+                except (RedisError, OSError, BrokerUnavailable) as exc:  # TimeoutError included
                     if self.subscribed.is_set():
                         log.warning("output stream read failed; reconnecting", error=str(exc) or repr(exc))
                     self._replace_reader()
