@@ -193,3 +193,15 @@ async def test_pinned_runs_on_one_connection(redis_server: str) -> None:
         assert isinstance(client, aioredis.Redis) and client.connection_pool.in_use == 0  # type: ignore[attr-defined]
     finally:
         await client.aclose()
+
+
+def test_up_passes_sentinel_options_by_environment() -> None:
+    from pagedserve.launch.up import _sentinel_env, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    env = _sentinel_env(parser.parse_args(["--redis-sentinel", "a:1,b:2", "--redis-sentinel-master", "m",
+                                           "--redis-password", "pw"]))
+    assert env == {"PAGEDSERVE_REDIS_SENTINEL": "a:1,b:2", "PAGEDSERVE_REDIS_SENTINEL_MASTER": "m",
+                   "PAGEDSERVE_REDIS_PASSWORD": "pw"}
+    assert _sentinel_env(parser.parse_args([])) == {"PAGEDSERVE_REDIS_SENTINEL": ""}  # not inherited
