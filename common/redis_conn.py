@@ -1,6 +1,14 @@
-"""Redis connections shared by the engine worker and the gateway: a connection pool that
-waits (bounded) instead of failing when busy, and says how busy it is; URLs with their
-password masked for logs; the dataset epoch that tells a restart without persistence.
+"""Redis connections shared by the engine worker and the gateway, the one factory every client
+of both sides is made by (`pooled_client`, `single_client`, from a URL or a `RedisSpec`): a
+connection pool that waits (bounded) instead of failing when busy, and says how busy it is;
+URLs with their password masked for logs; the dataset epoch that tells a restart without
+persistence; `WAIT` after writes that must survive a failover (`ReplicaAck`, on the connection
+that wrote: `pinned`); which master is in use (`MasterView`).
+
+With Redis Sentinel every (re)connection asks the sentinels for the current master, and a
+READONLY reply (a demoted master) drops the connection (redis-py turns it into a connection
+error), so the caller's next attempt, or the client's own retry, asks again. A failover keeps
+the dataset (the epoch key replicates with the rest): it is not a data loss.
 
 Pool pressure is not an outage: redis-py's default pool raises "Too many connections" the
 moment a burst needs more connections than its limit. `MeteredPool` makes callers queue for
@@ -9,16 +17,23 @@ Torch-free."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
-from redis.asyncio.connection import BlockingConnectionPool
+from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+
+from common.redis_spec import RedisSpec
+from common.redis_spec import redact_url as redact_url  # re-exported: its callers import it from here
 
 
 class PoolBusy(RedisError):
@@ -70,24 +85,209 @@ class MeteredPool(BlockingConnectionPool):
         return connection
 
 
-def pooled_client(url: str, max_connections: int, wait_timeout_s: float, **kwargs: Any) -> aioredis.Redis:
-    """A client on a `MeteredPool` for `url` (kwargs: socket timeouts, retry, ...)."""
-    pool = MeteredPool.from_url(url, max_connections=max_connections, timeout=wait_timeout_s, **kwargs)
-    return aioredis.Redis(connection_pool=pool)
+class _SentinelPool(SentinelConnectionPool):
+    """A pool on the master the sentinels report; it owns its `Sentinel` (closed with it)."""
+
+    async def aclose(self) -> None:
+        try:
+            await super().aclose()
+        finally:
+            await self.sentinel_manager.aclose()
 
 
-def redact_url(url: str) -> str:
-    """`url` with its password (and user) replaced by ``***``: safe for logs and error bodies."""
+class _MeteredSentinelPool(_SentinelPool, MeteredPool):
+    """`MeteredPool`'s bounded wait and figures on a Sentinel-managed master."""
+
+
+def _spec(spec: RedisSpec | str) -> RedisSpec:
+    return RedisSpec(url=spec) if isinstance(spec, str) else spec
+
+
+def _sentinel(spec: RedisSpec, kwargs: dict[str, Any]) -> Sentinel:
+    """A `Sentinel` for `spec`; the sentinels get the socket timeouts of `kwargs`."""
+    sentinel_kwargs: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    sentinel_kwargs.setdefault("socket_connect_timeout", 2.0)
+    sentinel_kwargs.setdefault("socket_timeout", 2.0)
+    if spec.sentinel_password:
+        sentinel_kwargs["password"] = spec.sentinel_password
+    if spec.tls:
+        sentinel_kwargs["ssl"] = True
+    master_kwargs: dict[str, Any] = {"db": spec.db}
+    if spec.password:
+        master_kwargs["password"] = spec.password
+    if spec.username:
+        master_kwargs["username"] = spec.username
+    if spec.tls:
+        master_kwargs["ssl"] = True
+    return Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs, **master_kwargs)
+
+
+def pooled_client(spec: RedisSpec | str, max_connections: int, wait_timeout_s: float,
+                  **kwargs: Any) -> aioredis.Redis:
+    """A client on a `MeteredPool` for `spec` (a URL, or a `RedisSpec`: then with sentinels, on
+    the master they report, followed across failovers). kwargs: socket timeouts, retry, ..."""
+    spec = _spec(spec)
+    if not spec.uses_sentinel:
+        pool = MeteredPool.from_url(spec.url, max_connections=max_connections, timeout=wait_timeout_s, **kwargs)
+        return aioredis.Redis(connection_pool=pool)
+    return _sentinel(spec, kwargs).master_for(spec.master, connection_pool_class=_MeteredSentinelPool,
+                                              max_connections=max_connections, timeout=wait_timeout_s, **kwargs)
+
+
+def single_client(spec: RedisSpec | str, **kwargs: Any) -> aioredis.Redis:
+    """A client on redis-py's plain pool for `spec` (a dedicated reader, a subscription)."""
+    spec = _spec(spec)
+    if not spec.uses_sentinel:
+        return aioredis.Redis.from_url(spec.url, **kwargs)
+    return _sentinel(spec, kwargs).master_for(spec.master, connection_pool_class=_SentinelPool, **kwargs)
+
+
+def master_address(client: aioredis.Redis) -> str:
+    """``host:port`` of the master `client` connects to (with Sentinel: the last one reported)."""
+    pool = client.connection_pool
+    if isinstance(pool, SentinelConnectionPool):
+        address = pool.master_address
+        return "unknown" if address is None else f"{address[0]}:{address[1]}"
+    kwargs = pool.connection_kwargs
+    if "path" in kwargs:
+        return str(kwargs["path"])
+    return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+
+
+_NO_RETRY = Retry(NoBackoff(), 0)
+
+
+class _PinnedPool:
+    """Hands every command of a client the same connection and never takes it back."""
+
+    def __init__(self, pool: ConnectionPool, connection: Any) -> None:
+        self._pool = pool
+        self._connection = connection
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        return self._connection
+
+    async def release(self, connection: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+@contextlib.asynccontextmanager
+async def pinned(client: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
+    """A client whose commands, scripts and pipelines all run on one connection of `client`'s
+    pool, without redis-py's retries (a retry would reconnect, maybe to a new master, and a
+    WAIT there would confirm nothing): a WAIT confirms only the writes of its own connection."""
+    pool = client.connection_pool
+    connection = await pool.get_connection()
+    saved, connection.retry = connection.retry, _NO_RETRY
     try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable redis url>"
-    if parts.password is None and parts.username is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, f"***@{host}", parts.path, parts.query, parts.fragment))
+        yield aioredis.Redis(connection_pool=_PinnedPool(pool, connection))  # type: ignore[arg-type]
+    finally:
+        connection.retry = saved
+        await pool.release(connection)
+
+
+class NotReplicated(RedisConnectionError):
+    """The connection dropped between a write and its WAIT: the write may be lost in a failover."""
+
+
+@dataclass(slots=True)
+class AckFigures:
+    """What the WAITs of one process cost and how they ended."""
+
+    waits: int = 0
+    acked: int = 0
+    timeouts: int = 0
+    skipped: int = 0
+    lost: int = 0
+    wait_seconds: float = 0.0
+    max_wait_seconds: float = 0.0
+
+
+class ReplicaAck:
+    """``WAIT replicas timeout`` after a write that must survive a failover. A write a replica
+    acknowledged survives: Sentinel promotes the replica with the largest replication offset.
+
+    A WAIT that times out (no replica attached, or one lagging) leaves the master in use
+    unacknowledged (`acked` False, /health says so) and is not asked again for `retry_s`, so a
+    master without replicas costs one timeout every `retry_s`, not one per write."""
+
+    def __init__(self, replicas: int, timeout_ms: int, retry_s: float = 5.0) -> None:
+        self.replicas = replicas
+        self.timeout_ms = timeout_ms
+        self.retry_s = retry_s
+        self.acked: bool | None = None if replicas > 0 else False
+        self.figures = AckFigures()
+        self._skip_until = 0.0
+
+    @classmethod
+    def of(cls, spec: RedisSpec | str) -> ReplicaAck:
+        spec = _spec(spec)
+        return cls(spec.replicas_to_wait, spec.wait_timeout_ms)
+
+    @property
+    def enabled(self) -> bool:
+        return self.replicas > 0
+
+    async def wait(self, conn: aioredis.Redis) -> bool:
+        """WAIT on `conn` (a `pinned` client that just wrote). True when enough replicas have
+        every write of that connection. Raises NotReplicated when the connection was lost since
+        the write (then nothing is known: the caller re-sends), RedisError when WAIT fails."""
+        if not self.enabled:
+            return False
+        start = time.monotonic()
+        if start < self._skip_until:
+            self.figures.skipped += 1
+            return False
+        connection = await conn.connection_pool.get_connection()
+        writer = getattr(connection, "_writer", None)
+        if writer is None:
+            self.figures.lost += 1
+            raise NotReplicated("the connection closed after the write")
+        try:
+            got = int(await conn.execute_command("WAIT", self.replicas, self.timeout_ms))
+        except RedisConnectionError as exc:
+            self.figures.lost += 1
+            raise NotReplicated(f"connection lost before the replicas acknowledged: {exc}") from exc
+        if getattr(connection, "_writer", None) is not writer:  # reconnected in between: confirms nothing
+            self.figures.lost += 1
+            raise NotReplicated("reconnected between the write and WAIT")
+        waited = time.monotonic() - start
+        figures = self.figures
+        figures.waits += 1
+        figures.wait_seconds += waited
+        figures.max_wait_seconds = max(figures.max_wait_seconds, waited)
+        self.acked = got >= self.replicas
+        if self.acked:
+            figures.acked += 1
+        else:
+            figures.timeouts += 1
+            self._skip_until = time.monotonic() + self.retry_s
+        return self.acked
+
+
+class MasterView:
+    """Which Redis this process writes to: address, run id (a new one after a failover or a
+    restart), replicas attached. `refresh` returns True when the run id changed."""
+
+    def __init__(self) -> None:
+        self.address = "unknown"
+        self.run_id: str | None = None
+        self.replicas = 0
+        self.changes = 0
+
+    async def refresh(self, client: aioredis.Redis) -> bool:
+        server = await client.info("server")
+        replication = await client.info("replication")
+        self.address = master_address(client)
+        self.replicas = int(replication.get("connected_slaves", 0))
+        run_id = str(server.get("run_id", ""))
+        changed = self.run_id is not None and run_id != self.run_id
+        self.changes += changed
+        self.run_id = run_id
+        return changed
 
 
 class Epoch:

@@ -14,7 +14,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from common.protocol import Keys
-from common.redis_conn import MeteredPool, pooled_client
+from common.redis_conn import MeteredPool, ReplicaAck, pooled_client, single_client
 from common.shutdown import shut_down
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.openai_routes import add_routes as add_openai_routes
@@ -35,17 +35,19 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2)
     options: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 10.0,
                                "health_check_interval": 10, "retry": retry}
-    if cfg.redis_pool == "plain":  # redis-py's plain pool, kept to measure against
-        client = aioredis.Redis.from_url(cfg.redis_url, max_connections=cfg.redis_pool_size, **options)
+    spec = cfg.redis_spec
+    if cfg.redis_pool == "plain" and not spec.uses_sentinel:  # redis-py's plain pool, kept to measure against
+        client = aioredis.Redis.from_url(spec.url, max_connections=cfg.redis_pool_size, **options)
     else:
-        client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, **options)
+        client = pooled_client(spec, cfg.redis_pool_size, cfg.redis_pool_timeout_s, **options)
     # the output reader blocks on XREAD: its own connection, named so operators (and tests) can find it
     def new_reader() -> aioredis.Redis:
-        return aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0,
-                                       client_name=f"{cfg.redis_prefix}-out-{cfg.gateway_id}")
+        return single_client(spec, socket_connect_timeout=2.0, socket_timeout=10.0,
+                             client_name=f"{cfg.redis_prefix}-out-{cfg.gateway_id}")
 
     keys = Keys(cfg.redis_prefix)
-    broker = Broker(client, keys, cfg.gateway_id, new_reader(), cfg.max_queued_per_model, new_reader)
+    broker = Broker(client, keys, cfg.gateway_id, new_reader(), cfg.max_queued_per_model, new_reader,
+                    ack=ReplicaAck.of(spec), mode="sentinel" if spec.uses_sentinel else "url")
     registry = EngineRegistry(client, keys, cfg.models, cfg.engine_stale_s)
     app[BROKER] = broker
     app[REGISTRY] = registry

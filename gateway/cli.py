@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from aiohttp import web
 
 from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX
-from common.redis_conn import redact_url
+from common.redis_spec import add_redis_arguments, spec_from_args
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 
@@ -27,8 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = GatewayConfig()
     parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
     parser.add_argument("--port", type=int, default=defaults.port, help="listen port (default %(default)s)")
-    parser.add_argument("--redis-url", default=os.environ.get("PAGEDSERVE_REDIS_URL", defaults.redis_url),
-                        help="Redis URL (default $PAGEDSERVE_REDIS_URL or %(default)s)")
+    add_redis_arguments(parser, defaults.redis_url)
     parser.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="key prefix (default %(default)s)")
     parser.add_argument("--api-key", action="append", default=[], dest="api_keys",
                         help="accept this Bearer key (repeatable; also $PAGEDSERVE_API_KEYS, comma-separated); "
@@ -62,7 +62,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     keys = list(args.api_keys) + [k for k in os.environ.get("PAGEDSERVE_API_KEYS", "").split(",") if k]
     extra = {"gateway_id": args.gateway_id} if args.gateway_id else {}
     return GatewayConfig(
-        host=args.host, port=args.port, redis_url=args.redis_url, redis_prefix=args.redis_prefix,
+        host=args.host, port=args.port, redis_url=args.redis_url, redis=spec_from_args(args),
+        redis_prefix=args.redis_prefix,
         api_keys=tuple(keys), models=tuple(args.models), max_body_bytes=args.max_body_bytes, max_n=args.max_n,
         max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout,
         redis_pool_size=args.redis_pool_size, redis_pool_timeout_s=args.redis_pool_timeout,
@@ -72,8 +73,12 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    log.info("starting gateway", host=config.host, port=config.port, redis=redact_url(config.redis_url),
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"pagedserve gateway: error: {exc}", file=sys.stderr)
+        return 2
+    log.info("starting gateway", host=config.host, port=config.port, redis=config.redis_spec.describe(),
              gateway_id=config.gateway_id, auth=bool(config.api_keys))
     web.run_app(create_app(config), host=config.host, port=config.port, print=None, access_log=None)
     return 0

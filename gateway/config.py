@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from common.protocol import DEFAULT_PREFIX
+from common.redis_spec import RedisSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +17,7 @@ class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis: RedisSpec | None = None  # a Sentinel setup (or WAIT settings); None: `redis_url` alone
     redis_prefix: str = DEFAULT_PREFIX
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     api_keys: tuple[str, ...] = ()
@@ -39,6 +41,11 @@ class GatewayConfig:
     retry_after_s: int = 1
     orphan_after_s: float = 10.0  # fail a model's requests when it had no live engine this long
     watch_interval_s: float = 1.0
+
+    @property
+    def redis_spec(self) -> RedisSpec:
+        """Where Redis is: `redis` when given, else `redis_url`."""
+        return self.redis if self.redis is not None else RedisSpec(url=self.redis_url)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0 or self.max_n <= 0 or self.max_tokens_limit <= 0:

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX
+from common.redis_spec import add_redis_arguments, spec_from_args
 from common.sizes import parse_size
 from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
 
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """CLI options of `pagedserve engine`."""
     parser.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct, fetched)")
     parser.add_argument("--served-model-name", help="model name clients ask for (default: the directory name)")
-    parser.add_argument("--redis-url", default=os.environ.get("PAGEDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    add_redis_arguments(parser)
     parser.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="key prefix of streams and channels")
     parser.add_argument("--engine-id", help="consumer name in group 'engines' (default: host-pid)")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
@@ -110,13 +111,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = resolve_model(args.model)
         config = engine_config(args, model)
+        redis_spec = spec_from_args(args)
     except (FetchError, ValueError) as exc:
         print(f"pagedserve engine: error: {exc}", file=sys.stderr)
         return 1
     worker = EngineWorker(WorkerConfig(
         engine_id=args.engine_id or f"{socket.gethostname()}-{os.getpid()}",
         model_name=args.served_model_name or Path(model).name,
-        redis_url=args.redis_url, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
+        redis_url=args.redis_url, redis=redis_spec, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval, max_claims=args.max_claims,
         drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size,
     ), config)

@@ -21,7 +21,8 @@ from redis.exceptions import RedisError, WatchError
 
 from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX, Keys
-from common.redis_conn import Epoch, pooled_client
+from common.redis_conn import Epoch, NotReplicated, ReplicaAck, pooled_client
+from common.redis_spec import RedisSpec
 from common.shutdown import shut_down
 from engine.config import EngineConfig
 from engine.worker.engine_thread import EngineThread, Queues, StepResult
@@ -47,6 +48,7 @@ class WorkerConfig:
     engine_id: str
     model_name: str
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis: RedisSpec | None = None  # a Sentinel setup (or WAIT settings); None: `redis_url` alone
     redis_prefix: str = DEFAULT_PREFIX
     metrics_host: str = "0.0.0.0"
     metrics_port: int | None = None
@@ -60,6 +62,10 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     redis_pool_size: int = 16
     redis_pool_timeout_s: float = 10.0
+
+    @property
+    def redis_spec(self) -> RedisSpec:
+        return self.redis if self.redis is not None else RedisSpec(url=self.redis_url)
 
     @property
     def claim_after_ms(self) -> int:
@@ -80,7 +86,8 @@ class EngineWorker:
         self.queues = Queues()
         self.metrics: EngineMetrics | None = None
         self.epoch = Epoch(self.keys.epoch)
-        self.unsent = Outbox()  # outboxes whose flush failed, retried first
+        self.unsent = Outbox()  # outboxes whose flush failed (or was not confirmed by a replica), retried first
+        self.ack = ReplicaAck.of(config.redis_spec)
         self._drain_deadline: float | None = None
 
     async def run(self) -> None:
@@ -88,7 +95,8 @@ class EngineWorker:
         await self.thread.start(self.engine_config)
         engine = self.thread.engine
         cfg = self.config
-        client = pooled_client(cfg.redis_url, cfg.redis_pool_size, cfg.redis_pool_timeout_s, health_check_interval=10)
+        client = pooled_client(cfg.redis_spec, cfg.redis_pool_size, cfg.redis_pool_timeout_s, health_check_interval=10,
+                               socket_connect_timeout=2.0)
         self.metrics = EngineMetrics(engine.device.type)
         stream = RequestStream(client, self.keys, cfg.model_name, cfg.engine_id)
         intake = Intake(client, self.keys, stream, cfg.model_name, cfg.max_claims, self.epoch)
@@ -217,7 +225,7 @@ class EngineWorker:
             for _ in range(FENCE_TRIES):
                 try:
                     reply = await flush(client, self.keys, intake.stream.key, self.unsent,
-                                        self.config.progress_ttl_s, guards.gateways_to_probe(), fence)
+                                        self.config.progress_ttl_s, guards.gateways_to_probe(), fence, self.ack)
                     break
                 except FenceLost:  # silent for too long: drop what other engines took over, then flush
                     await self._check_ownership(intake, guards, beat)
@@ -226,6 +234,10 @@ class EngineWorker:
             else:
                 log.warning("could not publish outputs: the heartbeat key kept changing; will retry")
                 return
+        except NotReplicated as exc:  # written, but maybe lost with its master: send it again (repeats are dropped)
+            log.warning("outputs not confirmed by a replica; will send them again", error=str(exc))
+            await asyncio.sleep(0.2)
+            return
         except (RedisError, OSError) as exc:
             log.warning("could not publish outputs; will retry", error=str(exc))
             await asyncio.sleep(0.2)

@@ -9,7 +9,15 @@ entries only once that key is gone, so the flush WATCHes it, checks that it stil
 the engine's own clock says it cannot have lapsed), and EXEC aborts if the key expired or changed
 in between. Without the fence, a process frozen between its freshness check and its EXEC would,
 once thawed, write checkpoints and acks for requests another engine had already taken over and
-finished."""
+finished.
+
+With replicas to wait for (`ReplicaAck`), WAIT follows the EXEC on the same connection: a
+flush counts as sent only once a replica has it (Sentinel promotes the replica with the most
+data). When the connection drops between EXEC and WAIT the flush raises NotReplicated and the
+worker sends the same outbox again: every part of it is idempotent for its readers (gateways
+drop repeated output by `seq` and token offset, checkpoints merge by offset, XACK/XDEL and
+DEL repeat harmlessly; only a hand-back's requeue may then run twice, and its output is
+deduplicated the same way)."""
 
 from __future__ import annotations
 
@@ -19,6 +27,7 @@ from dataclasses import dataclass, field, fields
 import redis.asyncio as aioredis
 
 from common.protocol import REQUEST_FIELD, Keys, OutputMessage, encode_outputs
+from common.redis_conn import ReplicaAck, pinned
 
 OUT_MAXLEN = 10_000  # entries kept per gateway output stream (approximate; gateways trim what they read)
 OUT_TTL_MS = 600_000  # a gateway that never comes back leaves no stream behind
@@ -89,11 +98,23 @@ class FlushReply:
 
 
 async def flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,
-                probe_gateways: list[str], fence: Fence | None = None) -> FlushReply:
+                probe_gateways: list[str], fence: Fence | None = None, ack: ReplicaAck | None = None) -> FlushReply:
     """Send an outbox in one transaction; `stream` is the engine's request stream. A request
     handed back keeps its checkpoint (its next engine resumes from it). With a `fence`: raises
     FenceLost when the heartbeat key is gone or may have lapsed, and redis' WatchError when it
-    changed before EXEC (this engine's own heartbeat did, or it expired): nothing was written."""
+    changed before EXEC (this engine's own heartbeat did, or it expired): nothing was written.
+    With an enabled `ack`: WAIT after EXEC on the same connection; raises NotReplicated when
+    that connection was lost in between (send the outbox again)."""
+    if ack is None or not ack.enabled:
+        return await _flush(client, keys, stream, outbox, progress_ttl_s, probe_gateways, fence)
+    async with pinned(client) as conn:
+        reply = await _flush(conn, keys, stream, outbox, progress_ttl_s, probe_gateways, fence)
+        await ack.wait(conn)
+    return reply
+
+
+async def _flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,
+                 probe_gateways: list[str], fence: Fence | None) -> FlushReply:
     ended = {request_id for request_id, _ in outbox.ended}
     async with client.pipeline(transaction=True) as pipe:
         if fence is not None:

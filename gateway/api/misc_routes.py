@@ -26,7 +26,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """200 when Redis answers, this gateway reads its output stream and at least one engine
-    that is not draining can consume, else 503 with the reason."""
+    that is not draining can consume, else 503 with the reason. `redis` says which master is
+    in use and whether writes are acknowledged by a replica."""
     broker = request.app[BROKER]
     if not await broker.ping():
         raise OpenAIError(503, "cannot reach Redis", code="redis_unavailable")
@@ -43,7 +44,7 @@ async def health(request: web.Request) -> web.Response:
     for engine in engines:
         models.setdefault(engine.model, []).append(engine.engine_id)
     return web.json_response({"status": "ok", "engines": len(engines), "models": sorted(models),
-                              "conflicts": request.app[REGISTRY].conflicts(engines)})
+                              "conflicts": request.app[REGISTRY].conflicts(engines), "redis": broker.redis_status()})
 
 
 async def metrics(request: web.Request) -> web.Response:

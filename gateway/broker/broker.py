@@ -3,8 +3,15 @@ ONE reader task that reads this gateway's output stream by id and demultiplexes 
 per-request collectors.
 
 Output comes on a stream, not a pub/sub channel: when the reader's connection drops (a
-network blip, `CLIENT KILL`, a Redis restart with persistence) it reconnects and reads on
-from the last id it handled, so every token reaches its client exactly once."""
+network blip, `CLIENT KILL`, a Redis restart with persistence, a Sentinel failover) it
+reconnects (through the sentinels: to the new master) and reads on from the last id it
+handled, so every token reaches its client exactly once; what engines send again after a
+failover (outputs the new master may lack) is dropped by the collectors as a repeat.
+
+A request is submitted durably: with replicas to wait for (`ReplicaAck`), the submit script
+and a WAIT run on one connection, and a connection lost in between (the master died: the
+entry may not have reached a replica) is settled on the next master: the entry is there, or
+the request is added again (same request id)."""
 
 from __future__ import annotations
 
@@ -27,11 +34,12 @@ from common.protocol import (
     ProtocolError,
     decode_outputs,
 )
-from common.redis_conn import Epoch, PoolBusy
+from common.redis_conn import Epoch, MasterView, NotReplicated, PoolBusy, ReplicaAck, pinned
 from gateway.broker.collector import RequestCollector
 
 log = get_logger("gateway.broker")
 READ_GRACE_S = 5.0  # seconds an XREAD may run past its BLOCK before it counts as hung
+CONFIRM_S = 30.0  # how long a submit whose WAIT was cut off waits for a master to settle it on
 
 # KEYS: request stream, epoch key. ARGV: group, epoch token, max queued, field, payload.
 _SUBMIT_SCRIPT = """
@@ -63,8 +71,12 @@ class Broker:
     """Redis clients, collectors of in-flight requests and the reader loop."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, gateway_id: str, reader: aioredis.Redis | None = None,
-                 max_queued: int = 4096, new_reader: Callable[[], aioredis.Redis] | None = None) -> None:
+                 max_queued: int = 4096, new_reader: Callable[[], aioredis.Redis] | None = None,
+                 ack: ReplicaAck | None = None, mode: str = "url") -> None:
         self.client = client
+        self.ack = ack or ReplicaAck(0, 1)
+        self.mode = mode  # "url" or "sentinel", for /health
+        self.master = MasterView()
         self.reader = reader or client
         self.new_reader = new_reader  # a fresh reader client, for `supervise` to replace a stuck one
         self.read_at = time.monotonic()  # when the reader loop last made progress
@@ -98,20 +110,69 @@ class Broker:
                 await self.sync_epoch()
             request.epoch = self.epoch.token or ""
             try:
-                status, value = await self._submit(
-                    keys=[self.keys.requests(request.model), self.keys.epoch],
-                    args=[self.keys.group, request.epoch, self.max_queued, REQUEST_FIELD, request.encode()])
+                status, text = await self._submit_once(request)
             except PoolBusy:
                 raise
+            except NotReplicated as exc:
+                log.warning("request sent but not confirmed by a replica; settling it on the next master",
+                            id=request.id, error=str(exc))
+                return await self._settle(request, exc.args[1] if len(exc.args) > 1 else "")
             except RedisError as exc:
                 raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
-            status, text = _text(status), _text(value)
             if status == "OK":
                 return text
             if status == "FULL":
                 raise QueueFull(request.model, int(text))
             await self.sync_epoch()  # EPOCH: Redis lost its data since we looked
         raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
+
+    async def _submit_once(self, request: EngineRequest) -> tuple[str, str]:
+        """The submit script (then, with replicas to wait for, WAIT on the same connection).
+        Raises NotReplicated with the entry id as its second argument when the connection was
+        lost after the XADD."""
+        keys = [self.keys.requests(request.model), self.keys.epoch]
+        args: list[str | bytes | int] = [self.keys.group, request.epoch, self.max_queued, REQUEST_FIELD,
+                                         request.encode()]
+        if not self.ack.enabled:
+            status, value = await self._submit(keys=keys, args=args)
+            return _text(status), _text(value)
+        async with pinned(self.client) as conn:
+            status, value = await self._submit(keys=keys, args=args, client=conn)
+            if _text(status) == "OK":
+                try:
+                    await self.ack.wait(conn)
+                except NotReplicated as exc:
+                    raise NotReplicated(str(exc), _text(value)) from exc
+        return _text(status), _text(value)
+
+    async def _settle(self, request: EngineRequest, entry_id: str) -> str:
+        """After a WAIT cut off by a lost connection: once a master answers, keep the entry if it
+        is there (or an engine already answered), else add the request again. Up to CONFIRM_S."""
+        deadline = time.monotonic() + CONFIRM_S
+        stream = self.keys.requests(request.model)
+        while True:
+            try:
+                collector = self.collectors.get(request.id)
+                if collector is not None and collector.next_seq > 0:
+                    return entry_id  # an engine has it
+                if entry_id and await self.client.xrange(stream, entry_id, entry_id):
+                    return entry_id
+                status, text = await self._submit_once(request)
+                if status == "OK":
+                    log.info("request added again after a failover", id=request.id)
+                    return text
+                if status == "FULL":
+                    raise QueueFull(request.model, int(text))
+                await self.sync_epoch()
+                request.epoch = self.epoch.token or ""
+            except NotReplicated as exc:
+                entry_id = exc.args[1] if len(exc.args) > 1 else entry_id
+            except PoolBusy:
+                raise
+            except RedisError as exc:
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            await asyncio.sleep(0.25)
 
     async def sync_epoch(self) -> bool:
         """Adopt the current epoch; when it changed, fail every in-flight request (Redis lost
@@ -126,6 +187,20 @@ class Broker:
             self.fail_all(ErrorInfo("Redis restarted without persistence and lost this request; retry it",
                                     "service_unavailable", "redis_restarted"))
         return changed
+
+    async def check_master(self) -> None:
+        """Refresh which master is in use; a new one (a failover) with the same epoch lost
+        nothing, so it is only logged (the epoch check fails requests when data was lost)."""
+        if await self.master.refresh(self.client):
+            log.warning("Redis master changed (failover or restart)", master=self.master.address,
+                        run_id=self.master.run_id, failovers=self.master.changes)
+
+    def redis_status(self) -> dict[str, Any]:
+        """For /health: the master in use and whether writes are acknowledged by a replica."""
+        master = self.master
+        return {"mode": self.mode, "master": master.address, "run_id": master.run_id, "replicas": master.replicas,
+                "master_changes": master.changes, "wait_replicas": self.ack.replicas,
+                "writes_acknowledged": self.ack.acked, "unacknowledged_waits": self.ack.figures.timeouts}
 
     def release(self, request_id: str) -> None:
         self.collectors.pop(request_id, None)
@@ -218,6 +293,7 @@ class Broker:
         handled."""
         key = self.keys.out(self.gateway_id)
         trimmed_at = 0.0
+        failures = 0  # in a row: the retry delay doubles up to 4 s (a failover takes seconds)
         self._generation += 1
         mine = self._generation
         try:
@@ -241,12 +317,14 @@ class Broker:
                     if time.monotonic() - trimmed_at > trim_every_s and self.last_id != "0-0":
                         trimmed_at = time.monotonic()
                         await self.client.xtrim(key, minid=self.last_id, approximate=False)
-                except (RedisError, OSError) as exc:  # TimeoutError included
+                    failures = 0
+                except (RedisError, OSError, BrokerUnavailable) as exc:  # TimeoutError included
                     if self.subscribed.is_set():
                         log.warning("output stream read failed; reconnecting", error=str(exc) or repr(exc))
                     self._replace_reader()
                     self.subscribed.clear()
-                    await asyncio.sleep(retry_s)
+                    await asyncio.sleep(min(4.0, retry_s * 2 ** failures))
+                    failures += 1
                 except Exception:  # this task serves every request of the gateway: it must not end
                     log.exception("output stream reader failed; reconnecting")
                     self._replace_reader()

@@ -36,6 +36,7 @@ class Watch:
         broker = self.broker
         await broker.client.set(broker.keys.gateway(broker.gateway_id), "1", px=self.alive_ttl_ms)
         await broker.sync_epoch()
+        await broker.check_master()
         await self.fail_orphans()
 
     async def fail_orphans(self, now: float | None = None) -> int:

@@ -1,6 +1,7 @@
 """`pagedserve up`: Redis + one engine + the gateway on this machine, one command.
 
-Starts an embedded `redis-server` on a free loopback port (unless `--redis-url`), fetches the
+Starts an embedded `redis-server` on a free loopback port (unless `--redis-url` or
+`--redis-sentinel`: then the children follow the master the sentinels report), fetches the
 default model on first run (with progress), then runs `pagedserve engine` and
 `pagedserve gateway` as child processes in their own sessions. Ctrl-C (or SIGTERM) stops the
 gateway, then the engine, then Redis."""
@@ -21,6 +22,7 @@ from types import FrameType
 
 from common.log import get_logger
 from common.redis_conn import redact_url
+from common.redis_spec import parse_sentinels
 from pagedserve.launch.redis_server import RedisServer, RedisServerError
 
 log = get_logger("up")
@@ -37,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct, fetched on first run)")
     parser.add_argument("--served-model-name", help="model name for clients (default: the directory name)")
     parser.add_argument("--redis-url", help="use this Redis instead of starting one")
+    parser.add_argument("--redis-sentinel", metavar="HOST:PORT[,...]",
+                        help="use the master these Redis Sentinels report (followed across failovers) instead of "
+                             "starting a Redis")
+    parser.add_argument("--redis-sentinel-master", default="mymaster", metavar="NAME",
+                        help="the master's name in the sentinels' configuration (default %(default)s)")
+    parser.add_argument("--redis-password", help="password of the Sentinel-managed master (passed on by environment)")
+    parser.add_argument("--redis-sentinel-password", help="password of the sentinels (passed on by environment)")
+    parser.add_argument("--redis-tls", action="store_true", help="TLS to the sentinels and the master")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache bytes on the CPU (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -102,6 +112,19 @@ def _banner(url: str, model: str, api_key: str | None) -> str:
             f"\"stream\": true}}'\n\nCtrl-C stops everything.\n")
 
 
+def _sentinel_env(args: argparse.Namespace) -> dict[str, str]:
+    """`--redis-sentinel*` options as the environment both children read (passwords never in argv)."""
+    env: dict[str, str] = {"PAGEDSERVE_REDIS_SENTINEL": ""}  # not inherited from this process' environment
+    if args.redis_sentinel:
+        env |= {"PAGEDSERVE_REDIS_SENTINEL": args.redis_sentinel,
+                "PAGEDSERVE_REDIS_SENTINEL_MASTER": args.redis_sentinel_master}
+    if args.redis_password:
+        env["PAGEDSERVE_REDIS_PASSWORD"] = args.redis_password
+    if args.redis_sentinel_password:
+        env["PAGEDSERVE_REDIS_SENTINEL_PASSWORD"] = args.redis_sentinel_password
+    return env
+
+
 def run(args: argparse.Namespace) -> int:
     """Start everything, print the URL, wait for Ctrl-C; exit 1 if a child dies."""
     from engine.model.fetch import FetchError
@@ -114,20 +137,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = resolve_model(args.model)
         name = args.served_model_name or Path(model).name
-        if args.redis_url:
-            redis_url = args.redis_url
+        secrets = _sentinel_env(args)
+        if args.redis_sentinel:
+            parse_sentinels(args.redis_sentinel)  # a bad list fails here, once, not in both children
+        elif args.redis_url:
+            secrets["PAGEDSERVE_REDIS_URL"] = args.redis_url
         else:
             redis = RedisServer().start()
-            redis_url = redis.url
-            log.info("redis started", url=redact_url(redis_url), binary=redis.binary)
-        secrets = {"PAGEDSERVE_REDIS_URL": redis_url}
+            secrets["PAGEDSERVE_REDIS_URL"] = redis.url
+            log.info("redis started", url=redact_url(redis.url), binary=redis.binary)
+        tls = ["--redis-tls"] if args.redis_tls else []
         engine_args = ["engine", "--model", model, "--served-model-name", name,
                        "--engine-id", "up-engine-0", "--device", args.device,
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
         if args.metrics_port:
             engine_args += ["--metrics-port", str(args.metrics_port)]
-        children["engine"] = _child(engine_args + shlex.split(args.engine_args), secrets)
-        gateway_args = ["gateway", "--host", args.host, "--port", str(args.port),
+        children["engine"] = _child(engine_args + tls + shlex.split(args.engine_args), secrets)
+        gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), *tls,
                         "--sse-keepalive", str(args.sse_keepalive), *shlex.split(args.gateway_args)]
         children["gateway"] = _child(gateway_args, secrets | (
             {"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}))
@@ -143,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, Stop):
         print("\nstopping…", file=sys.stderr)
         return 0
-    except (FetchError, RedisServerError, RuntimeError) as exc:
+    except (FetchError, RedisServerError, RuntimeError, ValueError) as exc:
         print(f"pagedserve up: error: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -1,0 +1,195 @@
+"""Redis without a single point of failure: a master, two replicas and three sentinels (real
+redis-server processes on loopback), two engines and two gateways connected through the
+sentinels, the tiny model. The master is killed (SIGKILL) while 50 greedy streams are in
+flight: every one must finish with exactly the text of an undisturbed run (none lost, none
+duplicated, no error), and new requests are served after the failover; then the killed node
+comes back as a replica and the promoted master is killed in turn. Prints (and writes to
+artifacts/sentinel.md) the time from each kill to the first token served after it.
+
+About 4 minutes on a quiet 2-core machine: marked `slow`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+
+from common.protocol import EngineHeartbeat, Keys
+from tests.e2e.faults import ENGINE_ARGS, Cluster, Outcome, Tally, judge, prompt, reference_texts, stream_one
+from tests.e2e.support import EngineProcess, GatewayProcess
+from tests.fixtures.redis import MASTER_NAME, SentinelGroup
+
+pytestmark = pytest.mark.slow
+COUNT = 50
+MAX_TOKENS = 160
+ROOT = Path(__file__).resolve().parents[2]
+NOWHERE = "redis://127.0.0.1:1/0"  # --redis-url is ignored with --redis-sentinel: it must not be used
+ROWS: list[str] = []
+
+
+class SentinelEngine(EngineProcess):
+    """An engine on the sentinels; its heartbeat is read from the master of the moment."""
+
+    def __init__(self, group: SentinelGroup, model: Path, engine_id: str, log_dir: Path) -> None:
+        self.group = group
+        super().__init__(model, NOWHERE, engine_id, log_dir, *ENGINE_ARGS, "--redis-sentinel", group.sentinel_arg,
+                         "--redis-sentinel-master", MASTER_NAME)
+
+    def heartbeat(self) -> EngineHeartbeat | None:
+        with redis.Redis(port=self.group.master_port()) as client:
+            raw = client.hgetall(Keys().engine(self.engine_id))
+        return EngineHeartbeat.from_hash(raw) if raw else None
+
+
+class SentinelCluster(Cluster):
+    """`faults.Cluster` with a Sentinel group in place of the single Redis."""
+
+    def __init__(self, model: Path, log_dir: Path) -> None:  # no Redis of its own: not super().__init__
+        self.model = model
+        self.log_dir = log_dir
+        self.group = SentinelGroup()
+        self.engines: list[EngineProcess] = []
+        self.gateways: list[GatewayProcess] = []
+        self._names = 0
+
+    def add_engines(self, count: int) -> None:
+        new = [SentinelEngine(self.group, self.model, self._name("eng"), self.log_dir) for _ in range(count)]
+        for engine in new:
+            engine.wait_ready()
+        self.engines += new
+
+    def add_gateways(self, count: int) -> None:
+        new = [GatewayProcess(NOWHERE, self._name("gw"), self.log_dir, "--redis-sentinel", self.group.sentinel_arg)
+               for _ in range(count)]
+        for gateway in new:
+            gateway.wait_healthy()
+        self.gateways += new
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.group.master_port())
+
+    def stop(self) -> None:
+        for proc in [*self.gateways, *self.engines]:
+            proc.stop()
+        self.group.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            request: pytest.FixtureRequest) -> Iterator[SentinelCluster]:
+    stack = SentinelCluster(tiny_llama_dir, tmp_path_factory.mktemp("sentinel"))
+    try:
+        stack.add_engines(2)
+        stack.add_gateways(2)
+        yield stack
+    finally:
+        stack.stop()
+        _report(request)
+
+
+def _report(request: pytest.FixtureRequest) -> None:
+    lines = ["| fault | requests | completed identical | clean errors | lost | duplicated | kill → next token |",
+             "|---|---|---|---|---|---|---|", *ROWS]
+    out = ROOT / "artifacts" / "sentinel.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("")
+        for line in lines:
+            reporter.write_line(line)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: SentinelCluster) -> list[str]:
+    return asyncio.run(reference_texts(cluster, COUNT, MAX_TOKENS))
+
+
+class Clock:
+    """Stands in for `stream_one`'s `started` event: remembers when each chunk with text came."""
+
+    def __init__(self) -> None:
+        self.first = asyncio.Event()
+        self.times: list[float] = []
+
+    def set(self) -> None:
+        self.times.append(time.monotonic())
+        self.first.set()
+
+
+async def _kill_in_flight(cluster: SentinelCluster) -> tuple[list[Outcome], float, int]:
+    """50 streams over both gateways; once each has shown text, SIGKILL the master. Returns the
+    outcomes, the seconds from the kill to the first token any client got after it, and the
+    killed master's port."""
+    timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        clocks = [Clock() for _ in range(COUNT)]
+        tasks = [asyncio.create_task(stream_one(session, cluster.urls[i % 2], prompt(i), MAX_TOKENS,
+                                                clocks[i]))  # type: ignore[arg-type]
+                 for i in range(COUNT)]
+        await asyncio.wait_for(asyncio.gather(*(c.first.wait() for c in clocks)), 240)
+        killed = await asyncio.to_thread(cluster.group.kill_master)
+        killed_at = time.monotonic()
+        outcomes = list(await asyncio.gather(*tasks))
+    after = [t for clock in clocks for t in clock.times if t > killed_at]
+    assert after, "no token arrived after the kill"
+    return outcomes, min(after) - killed_at, killed
+
+
+def _health(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+        body: dict[str, object] = json.loads(resp.read())
+    return body
+
+
+async def _round(cluster: SentinelCluster, reference: list[str], label: str) -> int:
+    outcomes, gap_s, killed = await _kill_in_flight(cluster)
+    new = await asyncio.to_thread(cluster.group.wait_failover, killed)
+    tally = judge(label, outcomes, reference, MAX_TOKENS)
+    _record(tally, f"{gap_s:.1f} s")
+    assert tally.identical == tally.requests, tally.notes  # no 5xx, no error event, no short text
+    assert tally.duplicated == 0 and tally.lost == 0, tally.notes
+    for gateway in cluster.gateways:  # /health names the new master and a replica acknowledges writes
+        deadline = time.monotonic() + 30
+        while True:
+            redis_state = _health(gateway.url)["redis"]
+            assert isinstance(redis_state, dict)
+            if redis_state["master"] == f"127.0.0.1:{new}" or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.5)
+        assert redis_state["mode"] == "sentinel" and redis_state["master"] == f"127.0.0.1:{new}", redis_state
+        assert redis_state["writes_acknowledged"] is True and redis_state["master_changes"] >= 1, redis_state
+    again = await _run_plain(cluster)
+    tally = judge(f"(new requests after: {label})", again, reference, MAX_TOKENS)
+    _record(tally, "")
+    assert tally.identical == tally.requests, tally.notes
+    await asyncio.to_thread(cluster.check_clean)
+    return killed
+
+
+async def _run_plain(cluster: SentinelCluster) -> list[Outcome]:
+    timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        return list(await asyncio.gather(*(stream_one(session, cluster.urls[i % 2], prompt(i), MAX_TOKENS)
+                                           for i in range(COUNT))))
+
+
+def _record(tally: Tally, gap: str) -> None:
+    ROWS.append(f"{tally.row()} {gap} |")
+
+
+async def test_sigkill_master_with_50_streams_in_flight(cluster: SentinelCluster, reference: list[str]) -> None:
+    killed = await _round(cluster, reference, "Sentinel: kill -9 the Redis master")
+    await asyncio.to_thread(cluster.group.replace, killed)  # the machine is replaced: a fresh replica
+    await asyncio.to_thread(cluster.group.wait_ready, 2)
+
+
+async def test_sigkill_the_promoted_master_too(cluster: SentinelCluster, reference: list[str]) -> None:
+    await _round(cluster, reference, "Sentinel: kill -9 the promoted master")
