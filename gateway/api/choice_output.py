@@ -10,7 +10,7 @@ from typing import Any
 
 from common.protocol import TokenLogprob
 from gateway.api.endpoint import Endpoint
-from gateway.api.generation import ChoiceEvent
+from gateway.api.generation import ChoiceEvent, client_finish_reason
 from gateway.api.responses import (
     TokenIdNames,
     TokenNames,
@@ -60,17 +60,19 @@ class ChoiceOutput:
         """The piece of output this event adds."""
         before = len(self.calls)
         text, _ = self.parser.feed(ev.text) if self.parser is not None else (ev.text, [])
-        if ev.finish_reason is not None and self.parser is not None:
+        if ev.ended and self.parser is not None:
             text += self.parser.finish()[0]
-        reason = ev.finish_reason
-        if reason == "stop" and self.calls:
-            reason = "tool_calls"
+        reason = None
+        if ev.ended:
+            if self.finish_reason is not None:
+                raise RuntimeError(f"choice {ev.index} ended twice")
+            reason = client_finish_reason(ev.engine_reason, ev.stopped_here, bool(self.calls))
         echo, echo_lps = self._echo(prompt_logprobs)
         logprobs = self._logprobs(ev.token_ids, ev.logprobs, len(self.text) + len(echo), echo_lps)
         self.text += echo + text
         self.token_ids.extend(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
-        self.finish_reason = reason or self.finish_reason
+        self.finish_reason = reason or self.finish_reason  # set once, on the choice's last event
         return Piece(echo + text, self.calls[before:], logprobs, reason, before)
 
     def whole_logprobs(self, prompt_logprobs: list[TokenLogprob | None] | None) -> dict[str, Any] | None:

@@ -21,13 +21,26 @@ from gateway.text.tokenizer import ModelTokenizer
 
 @dataclass(slots=True)
 class ChoiceEvent:
-    """New text of one choice; `finish_reason` set on its last event."""
+    """New text of one choice. Its last event has `ended` set, with why: `engine_reason` (what
+    the engine said, None when it had not finished) and `stopped_here` (a stop string or the
+    call guard ended it in the gateway). `client_finish_reason` turns those into the one reason
+    the client sees."""
 
     index: int
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    ended: bool = False
+    engine_reason: str | None = None
+    stopped_here: bool = False
+
+
+def client_finish_reason(engine_reason: str | None, stopped_here: bool, made_calls: bool) -> str:
+    """The one finish reason a client sees for a choice: "stop" when a stop string or the call guard
+    ended it here, else the engine's ("stop" at EOS or a stop token, "length"); a "stop" of an
+    answer that made tool calls is "tool_calls"."""
+    reason = "stop" if stopped_here else (engine_reason or "stop")
+    return "tool_calls" if made_calls and reason == "stop" else reason
 
 
 class GenerationError(Exception):
@@ -45,7 +58,7 @@ class _Choice:
         self.stop = StopMatcher(stops)
         self.guard = guard
         self.num_tokens = 0
-        self.finish_reason: str | None = None
+        self.ended = False
 
     @property
     def matched(self) -> bool:
@@ -54,13 +67,12 @@ class _Choice:
     def advance(self, delta: ChoiceDelta) -> ChoiceEvent:
         self.num_tokens += len(delta.token_ids)
         text = self._feed(self.detok.add(delta.token_ids))
-        if self.matched:
-            self.finish_reason = "stop"
-        elif delta.finish_reason is not None:
+        if not self.matched and delta.finish_reason is not None:
             text += self._feed(self.detok.flush())
             text += "" if self.matched else self._end()
-            self.finish_reason = "stop" if self.matched else delta.finish_reason
-        return ChoiceEvent(self.index, text, delta.token_ids, delta.logprobs, self.finish_reason)
+        self.ended = self.matched or delta.finish_reason is not None
+        return ChoiceEvent(self.index, text, delta.token_ids, delta.logprobs, self.ended,
+                           delta.finish_reason, self.matched)
 
     def _feed(self, text: str) -> str:
         """Text through the stop matcher, then the call guard (which gives back what it held
@@ -124,16 +136,16 @@ class Generation:
                 self.prompt_logprobs = update.prompt_logprobs
             for index, delta in sorted(update.choices.items()):
                 choice = self.choices[index]
-                if choice.finish_reason is not None:
+                if choice.ended:
                     continue
                 if self.first_token_at is None and delta.token_ids:
                     self.first_token_at = time.monotonic()
                 event = choice.advance(delta)
-                if event.text or event.finish_reason or event.logprobs:
+                if event.text or event.ended or event.logprobs:
                     yield event
             if update.error is not None:
                 raise GenerationError(update.error)
-            if all(c.finish_reason is not None for c in self.choices):
+            if all(c.ended for c in self.choices):
                 self.finished = True
                 if not update.done:  # stopped here by a stop string: stop the engine too
                     await self.broker.abort([self.request_id], self.collector.model)

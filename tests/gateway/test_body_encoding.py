@@ -97,7 +97,7 @@ def run_gateway_path(path: str, raw: bytes, tok: ModelTokenizer, cfg: GatewayCon
         check_structured(req.params.structured_output, req.structured_param)
     ids = prompt_ids(req, tok)
     check_context(req, len(ids), 512, cfg)
-    return EngineRequest("r", "gw", req.model, ids, req.params.to_dict(), 0.0).encode()
+    return EngineRequest("r", "gw", req.model, ids, req.params, 0.0).encode()
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +161,7 @@ async def test_utf8_bom_and_minus_zero_are_accepted(gateway: Gateway) -> None:
     raw = b"\xef\xbb\xbf" + _comp('"temperature": -0.0, "presence_penalty": -0')
     post = asyncio.create_task(gateway.client.post(COMP, data=raw, headers={"Content-Type": "application/json"}))
     req = await gateway.engine.next_request()
-    assert req.params["temperature"] == 0.0 and req.params["presence_penalty"] == 0.0
+    assert req.params.temperature == 0.0 and req.params.presence_penalty == 0.0
     await gateway.engine.generate(req, ["ok"])
     resp = await post
     assert resp.status == 200 and (await resp.json())["choices"][0]["text"] == "ok"

@@ -15,7 +15,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
 async def test_chat_non_streaming(gateway: Gateway) -> None:
     post = asyncio.create_task(gateway.client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 20}))
     req = await gateway.engine.next_request()
-    assert req.model == MODEL and req.params["max_tokens"] == 20 and req.gateway == gateway.config.gateway_id
+    assert req.model == MODEL and req.params.max_tokens == 20 and req.gateway == gateway.config.gateway_id
     await gateway.engine.generate(req, ["Hello world! 😀"])
     resp = await post
     assert resp.status == 200
@@ -55,7 +55,7 @@ async def test_completion_n2_streaming(gateway: Gateway) -> None:
     payload = {"model": MODEL, "prompt": "The quick", "n": 2, "stream": True, "max_tokens": 30}
     post = asyncio.create_task(gateway.client.post("/v1/completions", json=payload))
     req = await gateway.engine.next_request()
-    assert req.params["n"] == 2
+    assert req.params.n == 2
     await gateway.engine.generate(req, [" brown fox", " lazy dog jumps"], chunk=2)
     events = parse_sse(await (await post).text())
     assert events[-1] == "[DONE]"
@@ -114,7 +114,7 @@ async def test_chat_logprobs(gateway: Gateway) -> None:
     payload = {**CHAT, "logprobs": True, "top_logprobs": 2}
     post = asyncio.create_task(gateway.client.post("/v1/chat/completions", json=payload))
     req = await gateway.engine.next_request()
-    assert req.params["logprobs"] == 2
+    assert req.params.logprobs == 2
     lp = [TokenLogprob(-0.1, [(72, -0.1), (73, -2.5)]), TokenLogprob(-0.2, [(74, -0.2), (75, -3.0)])]
     await gateway.engine.publish(req, [SeqOutput(0, [72, 74], 0, "stop", lp)], Usage(5, 2))
     body = await (await post).json()

@@ -63,7 +63,7 @@ async def _prompt_of(gw: Gateway, body: dict[str, Any]) -> tuple[str, dict[str, 
     req = await gw.engine.next_request()
     await gw.engine.generate(req, ["ok"])
     assert (await post).status == 200
-    return ModelTokenizer(gw.engine.tokenizer_dir).decode(req.prompt_token_ids, False), req.params
+    return ModelTokenizer(gw.engine.tokenizer_dir).decode(req.prompt_token_ids, False), req.params.to_dict()
 
 
 async def test_fallback_prompt_lists_tools_and_rewrites_history(gateway: Gateway) -> None:
