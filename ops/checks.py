@@ -45,6 +45,8 @@ def check_cache(name: str, cache: torch.Tensor) -> None:
     if not cache.is_contiguous():
         raise ValueError(f"{name} must be contiguous (written in place); got strides {cache.stride()}")
     if cache.is_cuda:
+        if cache.dtype == torch.int8:
+            raise ValueError(f"{name}: the int8 KV cache has CPU kernels only (the CUDA kernels read float caches)")
         block_size, head_size = cache.shape[2], head_size_of(cache)
         if block_size not in CUDA_BLOCK_SIZES:
             raise ValueError(f"{name}: CUDA block size must be one of {CUDA_BLOCK_SIZES}; got {block_size}")
