@@ -71,3 +71,11 @@ def test_dtype_auto_is_bf16_only_where_computed_natively(flags: str, device: str
     cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n"
     assert resolve_model_dtype("auto", torch.device(device), cpuinfo) == want
     assert resolve_model_dtype("float32", torch.device(device), cpuinfo) == "float32"
+
+
+def test_config_validates_kv_cache_dtype() -> None:
+    from engine.config import EngineConfig
+
+    assert EngineConfig(model="m", kv_cache_dtype="int8").kv_cache_dtype == "int8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(model="m", kv_cache_dtype="fp8")
