@@ -42,6 +42,35 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// int8 rows (kv_quant.h) are used where they lie: 8 values widened per vector inside the dot and
+// the axpy, the row's scale applied once to the logit (K) or to the weight (V).
+inline vec::Vec load_i8(const int8_t* p) { return kvq::widen8(p); }
+
+inline float dot_i8(const float* a, const int8_t* b, int64_t n) {
+  vec::Vec acc0{}, acc1{};
+  int64_t i = 0;
+  for (; i + 2 * vec::kWidth <= n; i += 2 * vec::kWidth) {
+    acc0 += vec::load(a + i) * load_i8(b + i);
+    acc1 += vec::load(a + i + vec::kWidth) * load_i8(b + i + vec::kWidth);
+  }
+  for (; i + vec::kWidth <= n; i += vec::kWidth) acc0 += vec::load(a + i) * load_i8(b + i);
+  float s = vec::hsum(acc0 + acc1);
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
+
+// y += a0 * x0 + a1 * x1 over int8 rows (x1 may be null: one row).
+inline void axpy2_i8(float* y, float a0, const int8_t* x0, float a1, const int8_t* x1, int64_t n) {
+  const vec::Vec w0 = vec::splat(a0), w1 = vec::splat(a1);
+  int64_t i = 0;
+  for (; i + vec::kWidth <= n; i += vec::kWidth) {
+    vec::Vec acc = vec::load(y + i) + w0 * load_i8(x0 + i);
+    if (x1) acc += w1 * load_i8(x1 + i);
+    vec::store(y + i, acc);
+  }
+  for (; i < n; ++i) y[i] += a0 * static_cast<float>(x0[i]) + (x1 ? a1 * static_cast<float>(x1[i]) : 0.f);
+}
+
 // Touch the next block's K and V so they stream in while this block is computed: blocks are
 // scattered, so the hardware prefetcher restarts at every block boundary.
 //
@@ -179,8 +208,14 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
       if (ahead >= 0 && ahead < s.num_blocks) next_k = key_cache + next, next_v = value_cache + next;
     }
     for (int64_t t = 0; t < n; ++t) {
-      const float* k = as_float(key_cache + base + t * rs, row, dim);
-      for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot(q + h * dim, k, dim);
+      if constexpr (std::is_same_v<C, int8_t>) {
+        const int8_t* k = key_cache + base + t * rs;
+        const float k_scale = kvq::row_scale(k, dim);
+        for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot_i8(q + h * dim, k, dim) * k_scale;
+      } else {
+        const float* k = as_float(key_cache + base + t * rs, row, dim);
+        for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot(q + h * dim, k, dim);
+      }
       if (next_k) prefetch_rows(next_k + t * rs, rs);
     }
     if (next_k)
@@ -188,6 +223,17 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
     for (int64_t h = 0; h < group; ++h)
       online_softmax_step(logits + h * bs, n, maxes[h], sums[h], acc + h * dim, dim);
     int64_t t = 0;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      for (; t < n; t += 2) {
+        const int8_t* v0 = value_cache + base + t * rs;
+        const int8_t* v1 = t + 1 < n ? v0 + rs : nullptr;
+        const float s0 = kvq::row_scale(v0, dim), s1 = v1 ? kvq::row_scale(v1, dim) : 0.f;
+        for (int64_t h = 0; h < group; ++h)
+          axpy2_i8(acc + h * dim, logits[h * bs + t] * s0, v0, v1 ? logits[h * bs + t + 1] * s1 : 0.f, v1, dim);
+        if (next_v) prefetch_rows(next_v + t * rs, 2 * rs);
+      }
+      t = vec::round_up(n, 2);
+    }
     for (; t + 1 < n; t += 2) {
       const float* v0 = as_float(value_cache + base + t * rs, row, dim);
       const float* v1 = as_float(value_cache + base + (t + 1) * rs, row + dim, dim);

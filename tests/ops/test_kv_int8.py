@@ -96,7 +96,7 @@ def decode_inputs(num_seqs: int, heads: tuple[int, int], head_size: int, block_s
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("head_size", [64, 80, 128, 100])
 @pytest.mark.parametrize("heads", HEAD_PAIRS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_over_int8_matches_reference(dtype: torch.dtype, heads: tuple[int, int], head_size: int,
