@@ -11,6 +11,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 # CUDA keeps vLLM's online default; it has not been measured here.
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 2048}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # engine/model/spec.py sizes each
 
 
 @dataclass(slots=True)
@@ -21,6 +22,7 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: quantized rows (1.94x the tokens of bf16)
     block_size: int = 16
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.attention_backend not in ("auto", "reference"):

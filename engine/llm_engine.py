@@ -24,7 +24,7 @@ from engine.model.capacity import (
     resolve_device,
     resolve_model_dtype,
 )
-from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
+from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
 from engine.model.runner import ModelRunner, sampling_rows
 from engine.outputs import RequestOutput
@@ -46,6 +46,7 @@ class LLMEngine:
         ops.set_backend(config.attention_backend)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(resolve_model_dtype(config.dtype, self.device))
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.hf_config = load_hf_config(config.model)
         self.model = load_model(config.model, self.dtype, self.device)
         self.model.use_logit_screen = config.logit_screen
@@ -53,19 +54,19 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.model, self.hf_config)
         limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or limit, limit)
-        block_bytes = kv_bytes_per_block(self.hf_config, config.block_size, self.dtype)
+        block_bytes = kv_bytes_per_block(self.hf_config, config.block_size, self.kv_dtype)
         peak = self._profile_peak() if self.device.type == "cuda" else 0
         num_blocks = num_device_blocks(config, block_bytes, self.device, peak)
         if num_blocks < 1:
             raise ValueError("no room for a single KV block: raise kv_cache_memory / gpu_memory_utilization")
         num_cpu = num_host_blocks(config, block_bytes)
-        log_capacity(num_blocks, config.block_size, block_bytes, self.max_model_len)
+        log_capacity(num_blocks, config.block_size, block_bytes, self.max_model_len, kv_dtype_name(self.kv_dtype))
         self.block_manager = BlockManager(
             num_blocks, config.block_size, num_cpu, watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching, debug=config.debug_blocks,
         )
-        kv = allocate_kv_caches(self.hf_config, num_blocks, config.block_size, self.dtype, self.device)
-        host = allocate_kv_caches(self.hf_config, num_cpu, config.block_size, self.dtype, "cpu")
+        kv = allocate_kv_caches(self.hf_config, num_blocks, config.block_size, self.kv_dtype, self.device)
+        host = allocate_kv_caches(self.hf_config, num_cpu, config.block_size, self.kv_dtype, "cpu")
         if self.device.type == "cuda":
             host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
         self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device)
@@ -203,7 +204,7 @@ class LLMEngine:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         n = min(self.config.token_budget(self.device.type), self.max_model_len)
-        empty = allocate_kv_caches(self.hf_config, 0, self.config.block_size, self.dtype, self.device)
+        empty = allocate_kv_caches(self.hf_config, 0, self.config.block_size, self.kv_dtype, self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
             num_prefills=1, num_prefill_tokens=n, prefill_query_start=[0, n], prefill_context_lens=[n],

@@ -23,7 +23,7 @@ CPU_SOURCES = (
     "cpu/attention.cpp", "cpu/prefill_attention.cpp", "cpu/cache.cpp", "cpu/fused.cpp", "cpu/gemv.cpp",
     "cpu/sampling.cpp", "cpu/screen.cpp", "cpu/quant_gemm.cpp", "cpu/registration.cpp",
 )
-CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h")
+CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h", "cpu/kv_quant.h")
 CUDA_SOURCES = (
     "bindings.cpp", "paged_attention.cu", "prefill_attention.cu", "cache_kernels.cu", "fused_kernels.cu",
 )

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ops.reference.kv_quant import head_size_of
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# A cache holds the model dtype, or int8 rows with their scale (ops/reference/kv_quant.py).
+CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)
 CUDA_HEAD_SIZES = (64, 80, 96, 128, 256)
 CUDA_BLOCK_SIZES = (8, 16, 32)
 
@@ -27,14 +31,23 @@ def _same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors must be on one device; got {listing}")
 
 
+def holds(cache: torch.Tensor, dtype: torch.dtype, head_size: int) -> bool:
+    """Whether rows of ``dtype`` and ``head_size`` can be stored in (and read from) ``cache``: a float
+    cache of that dtype, or an int8 cache of ``head_size + 2`` bytes per row."""
+    return (cache.dtype == dtype or cache.dtype == torch.int8) and head_size_of(cache) == head_size
+
+
 def check_cache(name: str, cache: torch.Tensor) -> None:
-    """A cache is a contiguous 4-D ``[num_blocks, num_kv_heads, block_size, head_size]`` float tensor."""
+    """A cache is a contiguous 4-D ``[num_blocks, num_kv_heads, block_size, head_size]`` float tensor,
+    or int8 ``[..., head_size + 2]`` (each row's int8 values, then its fp16 scale)."""
     _ndim(name, cache, 4, "[num_blocks, num_kv_heads, block_size, head_size]")
-    _dtype(name, cache, FLOAT_DTYPES)
+    _dtype(name, cache, CACHE_DTYPES)
     if not cache.is_contiguous():
         raise ValueError(f"{name} must be contiguous (written in place); got strides {cache.stride()}")
     if cache.is_cuda:
-        block_size, head_size = cache.shape[2], cache.shape[3]
+        if cache.dtype == torch.int8:
+            raise ValueError(f"{name}: the int8 KV cache has CPU kernels only (the CUDA kernels read float caches)")
+        block_size, head_size = cache.shape[2], head_size_of(cache)
         if block_size not in CUDA_BLOCK_SIZES:
             raise ValueError(f"{name}: CUDA block size must be one of {CUDA_BLOCK_SIZES}; got {block_size}")
         if head_size not in CUDA_HEAD_SIZES:
@@ -46,7 +59,7 @@ def check_cache(name: str, cache: torch.Tensor) -> None:
 def cache_pair_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """The common case of `check_cache_pair`, in one expression: the checks run several times per
     layer per step, so the full ones (which explain what is wrong) run only when this is False."""
-    return (key_cache.dim() == 4 and key_cache.dtype in FLOAT_DTYPES and not key_cache.is_cuda
+    return (key_cache.dim() == 4 and key_cache.dtype in CACHE_DTYPES and not key_cache.is_cuda
             and key_cache.is_contiguous() and value_cache.is_contiguous() and value_cache.shape == key_cache.shape
             and value_cache.dtype == key_cache.dtype and value_cache.device == key_cache.device)
 
@@ -68,12 +81,13 @@ def check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None
 def _check_query(query: torch.Tensor, key_cache: torch.Tensor, layout: str) -> None:
     """A 3-D query whose dtype and head size match the cache and whose heads group over its KV heads."""
     _ndim("query", query, 3, layout)
-    if query.dtype != key_cache.dtype:
+    _dtype("query", query, FLOAT_DTYPES)
+    if query.dtype != key_cache.dtype and key_cache.dtype != torch.int8:
         raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
     _, num_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[1]
-    if head_size != key_cache.shape[3]:
-        raise ValueError(f"query head_size {head_size} differs from the cache head_size {key_cache.shape[3]}")
+    if head_size != head_size_of(key_cache):
+        raise ValueError(f"query head_size {head_size} differs from the cache head_size {head_size_of(key_cache)}")
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if query.stride(2) != 1:
@@ -98,8 +112,8 @@ def check_attention(
     out: torch.Tensor | None,
 ) -> None:
     """Everything ``paged_attention`` needs to be true of its arguments."""
-    if (cache_pair_ok(key_cache, value_cache) and query.dim() == 3 and query.dtype == key_cache.dtype
-            and query.shape[2] == key_cache.shape[3] and query.shape[1] % key_cache.shape[1] == 0
+    if (cache_pair_ok(key_cache, value_cache) and query.dim() == 3 and query.dtype in FLOAT_DTYPES
+            and holds(key_cache, query.dtype, query.shape[2]) and query.shape[1] % key_cache.shape[1] == 0
             and query.stride(2) == 1 and block_tables.dim() == 2 and block_tables.dtype == torch.int32
             and context_lens.dim() == 1 and context_lens.dtype == torch.int32
             and block_tables.shape[0] == context_lens.shape[0] == query.shape[0]
@@ -196,12 +210,13 @@ def check_cache_write(
     check_cache_pair(key_cache, value_cache)
     for name, tensor in (("key", key), ("value", value)):
         _ndim(name, tensor, 3, "[num_tokens, num_kv_heads, head_size]")
-        if tuple(tensor.shape[1:]) != (key_cache.shape[1], key_cache.shape[3]):
+        if tuple(tensor.shape[1:]) != (key_cache.shape[1], head_size_of(key_cache)):
             raise ValueError(
                 f"{name} {tuple(tensor.shape)} does not fit the cache: expected [*, {key_cache.shape[1]}, "
-                f"{key_cache.shape[3]}] (num_kv_heads, head_size)"
+                f"{head_size_of(key_cache)}] (num_kv_heads, head_size)"
             )
-        if tensor.dtype != key_cache.dtype:
+        _dtype(name, tensor, FLOAT_DTYPES)
+        if tensor.dtype != key_cache.dtype and key_cache.dtype != torch.int8:
             raise TypeError(f"{name} dtype {tensor.dtype} differs from the cache dtype {key_cache.dtype}")
         if tensor.stride(2) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_size) dimension")

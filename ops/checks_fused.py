@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ops.checks import FLOAT_DTYPES, _dtype, _ndim, _same_device, cache_pair_ok, check_cache_write
+from ops.checks import FLOAT_DTYPES, _dtype, _ndim, _same_device, cache_pair_ok, check_cache_write, holds
 
 
 def _rows(name: str, tensor: torch.Tensor) -> None:
@@ -76,8 +76,8 @@ def check_rotary(
             and cos_sin.dim() == 2 and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous()
             and positions.device == query.device == key.device == value.device == cos_sin.device
             and (key_cache.numel() == 0 or (
-                cache_pair_ok(key_cache, value_cache) and key_cache.dtype == query.dtype
-                and key_cache.shape[1] == key.shape[1] and key_cache.shape[3] == key.shape[2]
+                cache_pair_ok(key_cache, value_cache) and holds(key_cache, query.dtype, key.shape[2])
+                and key_cache.shape[1] == key.shape[1]
                 and slot_mapping.dim() == 1 and slot_mapping.dtype == torch.int64
                 and slot_mapping.shape[0] == key.shape[0] and slot_mapping.device == key.device
                 and key_cache.device == key.device))):

@@ -54,6 +54,12 @@ def weight_norms(weight: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(norms.float(), torch.tensor(math.inf, device=weight.device))
 
 
+def cpuinfo_native_bf16(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo text lists a bf16 dot-product flag (NATIVE_BF16_FLAGS) on its first CPU."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
 @cache
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (read from /proc/cpuinfo; False elsewhere):
@@ -62,8 +68,7 @@ def native_bf16() -> bool:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+    return cpuinfo_native_bf16(text)
 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,

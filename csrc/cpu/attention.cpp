@@ -2,6 +2,8 @@
 //
 // Every K or V row is read (and widened to fp32) once and used by all query heads of its
 // GQA group. Inner loops are `omp simd` so the compiler vectorizes them without -ffast-math.
+// An int8 cache (rows of head_size values and an fp16 scale, kv_quant.h) is dequantized a row at
+// a time into the same fp32 scratch the bf16/fp16 rows are widened into.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -12,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -20,7 +23,7 @@ namespace pagedserve::cpu {
 namespace {
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, head_size, block_size, num_blocks, max_blocks;
+  int64_t num_heads, num_kv_heads, head_size, row_elems, block_size, num_blocks, max_blocks;
   int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
   float scale;
 };
@@ -37,6 +40,35 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float s = vec::hsum(acc0 + acc1);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// int8 rows (kv_quant.h) are used where they lie: 8 values widened per vector inside the dot and
+// the axpy, the row's scale applied once to the logit (K) or to the weight (V).
+inline vec::Vec load_i8(const int8_t* p) { return kvq::widen8(p); }
+
+inline float dot_i8(const float* a, const int8_t* b, int64_t n) {
+  vec::Vec acc0{}, acc1{};
+  int64_t i = 0;
+  for (; i + 2 * vec::kWidth <= n; i += 2 * vec::kWidth) {
+    acc0 += vec::load(a + i) * load_i8(b + i);
+    acc1 += vec::load(a + i + vec::kWidth) * load_i8(b + i + vec::kWidth);
+  }
+  for (; i + vec::kWidth <= n; i += vec::kWidth) acc0 += vec::load(a + i) * load_i8(b + i);
+  float s = vec::hsum(acc0 + acc1);
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
+
+// y += a0 * x0 + a1 * x1 over int8 rows (x1 may be null: one row).
+inline void axpy2_i8(float* y, float a0, const int8_t* x0, float a1, const int8_t* x1, int64_t n) {
+  const vec::Vec w0 = vec::splat(a0), w1 = vec::splat(a1);
+  int64_t i = 0;
+  for (; i + vec::kWidth <= n; i += vec::kWidth) {
+    vec::Vec acc = vec::load(y + i) + w0 * load_i8(x0 + i);
+    if (x1) acc += w1 * load_i8(x1 + i);
+    vec::store(y + i, acc);
+  }
+  for (; i < n; ++i) y[i] += a0 * static_cast<float>(x0[i]) + (x1 ? a1 * static_cast<float>(x1[i]) : 0.f);
 }
 
 // Touch the next block's K and V so they stream in while this block is computed: blocks are
@@ -87,14 +119,13 @@ inline void scale_in_place(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
 }
 
-// A row of the cache as fp32: the row itself for float, else widened into `buf`.
-template <typename T>
-inline const float* as_float(const T* src, float* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
+// A row of the cache as fp32: the row itself for float, else widened (or dequantized) into `buf`.
+template <typename C>
+inline const float* as_float(const C* src, float* buf, int64_t n) {
+  if constexpr (std::is_same_v<C, float>) {
     return src;
   } else {
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    kvq::load_row(buf, src, n);
     return buf;
   }
 }
@@ -128,21 +159,22 @@ inline void online_softmax_step(float* logits, int64_t n, float& running_max, fl
 }
 
 // The first blocks of a task, fetched while the task before it runs (nothing else would warm them).
-template <typename T>
-inline void prefetch_start(const T* key_cache, const T* value_cache, const int32_t* table, int64_t context_len,
+template <typename C>
+inline void prefetch_start(const C* key_cache, const C* value_cache, const int32_t* table, int64_t context_len,
                            int64_t kv_head, const Shape& s) {
   const int64_t used = std::min(s.max_blocks, (context_len + s.block_size - 1) / s.block_size);
   for (int64_t b = 0; b < std::min(used, kPrefetchAhead); ++b) {
     if (table[b] < 0 || table[b] >= s.num_blocks) continue;
-    const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * s.block_size * s.head_size;
-    prefetch_block(key_cache + first, value_cache + first, s.block_size * s.head_size);
+    const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * s.block_size * s.row_elems;
+    prefetch_block(key_cache + first, value_cache + first, s.block_size * s.row_elems);
   }
 }
 
-template <typename T>
-void attend_group(T* out, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
+// T: the query/out dtype; C: the cache element (T, or int8_t for a quantized cache).
+template <typename T, typename C>
+void attend_group(T* out, const T* query, const C* key_cache, const C* value_cache, const int32_t* table,
                   int64_t context_len, int64_t kv_head, const Shape& s, std::vector<float>& work) {
-  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_size, bs = s.block_size;
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_size, bs = s.block_size, rs = s.row_elems;
   work.assign(2 * group * dim + 2 * dim + group * bs + 2 * group, 0.f);
   float* q = work.data();
   float* acc = q + group * dim;
@@ -157,47 +189,64 @@ void attend_group(T* out, const T* query, const T* key_cache, const T* value_cac
   }
   const int64_t num_used = std::min(s.max_blocks, (context_len + bs - 1) / bs);
   for (int64_t b = 1; b < std::min(num_used, kPrefetchAhead); ++b) {
-    const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * bs * dim;
-    if (table[b] >= 0 && table[b] < s.num_blocks) prefetch_block(key_cache + first, value_cache + first, bs * dim);
+    const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * bs * rs;
+    if (table[b] >= 0 && table[b] < s.num_blocks) prefetch_block(key_cache + first, value_cache + first, bs * rs);
   }
   for (int64_t b = 0; b < num_used; ++b) {
     const int64_t block = table[b];
     TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
                 s.num_blocks, ")");
     const int64_t n = std::min(bs, context_len - b * bs);
-    const int64_t base = (block * s.num_kv_heads + kv_head) * bs * dim;
+    const int64_t base = (block * s.num_kv_heads + kv_head) * bs * rs;
     // The block kPrefetchAhead on is fetched a row at a time as this block's rows are used: a
     // whole block at once (128 lines) overflows the miss queue and stalls on the prefetches.
-    const T* next_k = nullptr;
-    const T* next_v = nullptr;
+    const C* next_k = nullptr;
+    const C* next_v = nullptr;
     if (b + kPrefetchAhead < num_used) {
       const int64_t ahead = table[b + kPrefetchAhead];
-      const int64_t next = (ahead * s.num_kv_heads + kv_head) * bs * dim;
+      const int64_t next = (ahead * s.num_kv_heads + kv_head) * bs * rs;
       if (ahead >= 0 && ahead < s.num_blocks) next_k = key_cache + next, next_v = value_cache + next;
     }
     for (int64_t t = 0; t < n; ++t) {
-      const float* k = as_float(key_cache + base + t * dim, row, dim);
-      for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot(q + h * dim, k, dim);
-      if (next_k) prefetch_rows(next_k + t * dim, dim);
+      if constexpr (std::is_same_v<C, int8_t>) {
+        const int8_t* k = key_cache + base + t * rs;
+        const float k_scale = kvq::row_scale(k, dim);
+        for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot_i8(q + h * dim, k, dim) * k_scale;
+      } else {
+        const float* k = as_float(key_cache + base + t * rs, row, dim);
+        for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot(q + h * dim, k, dim);
+      }
+      if (next_k) prefetch_rows(next_k + t * rs, rs);
     }
     if (next_k)
-      for (int64_t t = n; t < bs; ++t) prefetch_rows(next_k + t * dim, dim);
+      for (int64_t t = n; t < bs; ++t) prefetch_rows(next_k + t * rs, rs);
     for (int64_t h = 0; h < group; ++h)
       online_softmax_step(logits + h * bs, n, maxes[h], sums[h], acc + h * dim, dim);
     int64_t t = 0;
+    if constexpr (std::is_same_v<C, int8_t>) {
+      for (; t < n; t += 2) {
+        const int8_t* v0 = value_cache + base + t * rs;
+        const int8_t* v1 = t + 1 < n ? v0 + rs : nullptr;
+        const float s0 = kvq::row_scale(v0, dim), s1 = v1 ? kvq::row_scale(v1, dim) : 0.f;
+        for (int64_t h = 0; h < group; ++h)
+          axpy2_i8(acc + h * dim, logits[h * bs + t] * s0, v0, v1 ? logits[h * bs + t + 1] * s1 : 0.f, v1, dim);
+        if (next_v) prefetch_rows(next_v + t * rs, 2 * rs);
+      }
+      t = vec::round_up(n, 2);
+    }
     for (; t + 1 < n; t += 2) {
-      const float* v0 = as_float(value_cache + base + t * dim, row, dim);
-      const float* v1 = as_float(value_cache + base + (t + 1) * dim, row + dim, dim);
+      const float* v0 = as_float(value_cache + base + t * rs, row, dim);
+      const float* v1 = as_float(value_cache + base + (t + 1) * rs, row + dim, dim);
       for (int64_t h = 0; h < group; ++h)
         axpy2(acc + h * dim, logits[h * bs + t], v0, logits[h * bs + t + 1], v1, dim);
-      if (next_v) prefetch_rows(next_v + t * dim, 2 * dim);
+      if (next_v) prefetch_rows(next_v + t * rs, 2 * rs);
     }
     if (t < n) {
-      const float* v = as_float(value_cache + base + t * dim, row, dim);
+      const float* v = as_float(value_cache + base + t * rs, row, dim);
       for (int64_t h = 0; h < group; ++h) axpy(acc + h * dim, logits[h * bs + t], v, dim);
     }
     if (next_v)
-      for (; t < bs; t += 2) prefetch_rows(next_v + t * dim, std::min<int64_t>(2, bs - t) * dim);
+      for (; t < bs; t += 2) prefetch_rows(next_v + t * rs, std::min<int64_t>(2, bs - t) * rs);
   }
   for (int64_t h = 0; h < group; ++h) {
     const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;  // empty context -> zeros
@@ -206,14 +255,14 @@ void attend_group(T* out, const T* query, const T* key_cache, const T* value_cac
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
          const Shape& s) {
   T* out_ptr = static_cast<T*>(out.data_ptr());
   const T* q_ptr = static_cast<const T*>(query.data_ptr());
-  const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
-  const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+  const C* k_ptr = static_cast<const C*>(key_cache.data_ptr());
+  const C* v_ptr = static_cast<const C*>(value_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
@@ -235,9 +284,9 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       const int64_t seq = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
       if (task + 1 < end) {
         const int64_t next = (task + 1) / s.num_kv_heads;
-        prefetch_start<T>(k_ptr, v_ptr, tables + next * table_stride, lens[next], (task + 1) % s.num_kv_heads, s);
+        prefetch_start<C>(k_ptr, v_ptr, tables + next * table_stride, lens[next], (task + 1) % s.num_kv_heads, s);
       }
-      attend_group<T>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,
+      attend_group<T, C>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,
                       tables + seq * table_stride, lens[seq], kv_head, s, work);
     }
   }, num_seqs >= kOpenMPRows);
@@ -250,14 +299,19 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                      const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  const Shape s{query.size(1), key_cache.size(1), key_cache.size(3), key_cache.size(2),
+  const bool quantized = key_cache.scalar_type() == at::kChar;
+  const Shape s{query.size(1), key_cache.size(1), query.size(2), key_cache.size(3), key_cache.size(2),
                 key_cache.size(0), block_tables.size(1), query.stride(0), query.stride(1),
                 out.stride(0), out.stride(1), static_cast<float>(scale)};
+  const auto go = [&](auto tag) {
+    using T = decltype(tag);
+    if (quantized) return run<T, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    return run<T, T>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+  };
   switch (query.scalar_type()) {
-    case at::kFloat: return run<float>(out, query, key_cache, value_cache, block_tables, context_lens, s);
-    case at::kBFloat16:
-      return run<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, context_lens, s);
-    case at::kHalf: return run<c10::Half>(out, query, key_cache, value_cache, block_tables, context_lens, s);
+    case at::kFloat: return go(float{});
+    case at::kBFloat16: return go(c10::BFloat16{});
+    case at::kHalf: return go(c10::Half{});
     default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
   }
 }

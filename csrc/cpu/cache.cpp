@@ -1,14 +1,56 @@
 // CPU cache ops: write new K/V into their slots, copy blocks between ids, swap blocks between pools.
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstring>
 
+#include "kv_quant.h"
 #include "ops.h"
 
 namespace pagedserve::cpu {
+namespace {
+
+// reshape_and_cache into an int8 cache: every row quantized with its own scale.
+template <typename T>
+void quantize_into_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1);
+  const int64_t block_size = key_cache.size(2), row = key_cache.size(3), dim = row - kvq::kScaleBytes;
+  const int64_t num_slots = key_cache.size(0) * block_size;
+  const T* key_ptr = static_cast<const T*>(key.data_ptr());
+  const T* value_ptr = static_cast<const T*>(value.data_ptr());
+  auto* kc = static_cast<int8_t*>(key_cache.data_ptr());
+  auto* vc = static_cast<int8_t*>(value_cache.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      TORCH_CHECK(slot < num_slots, "slot ", slot, " out of range for ", num_slots, " cache slots");
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t dst = ((block * num_kv_heads + h) * block_size + offset) * row;
+        kvq::quantize_row(kc + dst, key_ptr + t * key.stride(0) + h * key.stride(1), dim);
+        kvq::quantize_row(vc + dst, value_ptr + t * value.stride(0) + h * value.stride(1), dim);
+      }
+    }
+  });
+}
+
+}  // namespace
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  if (key_cache.scalar_type() == at::kChar) {
+    switch (key.scalar_type()) {
+      case at::kFloat: return quantize_into_cache<float>(key, value, key_cache, value_cache, slot_mapping);
+      case at::kBFloat16:
+        return quantize_into_cache<c10::BFloat16>(key, value, key_cache, value_cache, slot_mapping);
+      case at::kHalf: return quantize_into_cache<c10::Half>(key, value, key_cache, value_cache, slot_mapping);
+      default: TORCH_CHECK(false, "reshape_and_cache: unsupported dtype ", key.scalar_type());
+    }
+  }
   const int64_t num_tokens = key.size(0), num_kv_heads = key.size(1);
   const int64_t block_size = key_cache.size(2), head_size = key_cache.size(3);
   const int64_t num_slots = key_cache.size(0) * block_size;

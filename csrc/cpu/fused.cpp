@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -121,7 +122,7 @@ void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& x) {
 }
 
 struct RopeShape {
-  int64_t num_heads, num_kv_heads, head_size, block_size, num_slots, table_rows;
+  int64_t num_heads, num_kv_heads, head_size, row_elems, block_size, num_slots, table_rows;
   int64_t q_token, q_head, k_token, k_head, v_token, v_head;
   bool write_cache;
 };
@@ -136,7 +137,8 @@ void rotate(T* x, const float* cos, const float* sin, int64_t half) {
   }
 }
 
-template <typename T>
+// C: the cache element, T for a float cache or int8_t (rows quantized on write).
+template <typename T, typename C>
 void rope_impl(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                const at::Tensor& cos_sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
                const at::Tensor& slot_mapping, const RopeShape& s) {
@@ -146,8 +148,8 @@ void rope_impl(const at::Tensor& positions, const at::Tensor& query, const at::T
   T* q_ptr = static_cast<T*>(query.data_ptr());
   T* k_ptr = static_cast<T*>(key.data_ptr());
   const T* v_ptr = static_cast<const T*>(value.data_ptr());
-  T* kc = s.write_cache ? static_cast<T*>(key_cache.data_ptr()) : nullptr;
-  T* vc = s.write_cache ? static_cast<T*>(value_cache.data_ptr()) : nullptr;
+  C* kc = s.write_cache ? static_cast<C*>(key_cache.data_ptr()) : nullptr;
+  C* vc = s.write_cache ? static_cast<C*>(value_cache.data_ptr()) : nullptr;
   const int64_t dim = s.head_size, half = dim / 2, num_tokens = positions.size(0);
   const int64_t token_elems = (s.num_heads + 2 * s.num_kv_heads) * dim;
   parallel_chunks(num_tokens, row_chunk(num_tokens, token_elems, kMinChunkElems), [&](int64_t begin, int64_t end) {
@@ -164,9 +166,9 @@ void rope_impl(const at::Tensor& positions, const at::Tensor& query, const at::T
       TORCH_CHECK(slot < s.num_slots, "slot ", slot, " out of range for ", s.num_slots, " cache slots");
       const int64_t block = slot / s.block_size, offset = slot % s.block_size;
       for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-        const int64_t dst = ((block * s.num_kv_heads + h) * s.block_size + offset) * dim;
-        std::memcpy(kc + dst, k_ptr + t * s.k_token + h * s.k_head, dim * sizeof(T));
-        std::memcpy(vc + dst, v_ptr + t * s.v_token + h * s.v_head, dim * sizeof(T));
+        const int64_t dst = ((block * s.num_kv_heads + h) * s.block_size + offset) * s.row_elems;
+        kvq::store_row(kc + dst, k_ptr + t * s.k_token + h * s.k_head, dim);
+        kvq::store_row(vc + dst, v_ptr + t * s.v_token + h * s.v_head, dim);
       }
     }
   }, num_tokens >= kOpenMPRows);
@@ -206,12 +208,18 @@ void rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& q
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && cos_sin.is_contiguous(),
               "rotary_embedding_and_cache: head dims must be contiguous");
   const bool write_cache = key_cache.numel() > 0;
-  const RopeShape s{query.size(1), key.size(1), query.size(2), write_cache ? key_cache.size(2) : 1,
+  const RopeShape s{query.size(1), key.size(1), query.size(2), write_cache ? key_cache.size(3) : query.size(2),
+                    write_cache ? key_cache.size(2) : 1,
                     write_cache ? key_cache.size(0) * key_cache.size(2) : 0, cos_sin.size(0),
                     query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
                     write_cache};
+  const bool quantized = key_cache.scalar_type() == at::kChar;
   dispatch(query, "rotary_embedding_and_cache", [&](auto tag) {
-    rope_impl<decltype(tag)>(positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping, s);
+    using T = decltype(tag);
+    if (quantized)
+      rope_impl<T, int8_t>(positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping, s);
+    else
+      rope_impl<T, T>(positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping, s);
   });
 }
 

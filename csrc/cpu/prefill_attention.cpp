@@ -12,7 +12,8 @@
 // with no horizontal reductions, then acc += P V with 4-row x 32-dim tiles. Each 16-row chunk of
 // the task stops at the last key its rows can see, so causal work past the diagonal is skipped at
 // that granularity. Tasks differ in cost (causal rows near the end see more keys), so they are
-// sorted longest first and handed out from an atomic counter.
+// sorted longest first and handed out from an atomic counter. An int8 cache (kv_quant.h) is
+// dequantized into the tile's K and V buffers, as bf16/fp16 rows are widened.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -40,7 +42,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kChunk == 2 * kWidth && kRows % kChunk == 0 && kChunk % kPvRows == 0, "tile shapes");
 
 struct Shape {
-  int64_t num_heads, num_kv_heads, group, head_size, dim_pad, block_size, tile_keys, num_blocks, max_blocks;
+  int64_t num_heads, num_kv_heads, group, head_size, row_elems, dim_pad, block_size, tile_keys, num_blocks, max_blocks;
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
   float scale;
 };
@@ -176,14 +178,15 @@ inline int64_t visible(const float* pos, int64_t last, int64_t key0, int64_t n) 
   return std::clamp<int64_t>(static_cast<int64_t>(pos[last]) - key0 + 1, 0, n);
 }
 
-template <typename T>
-void run_task(const Task& task, const T* query, const T* key_cache, const T* value_cache, const int32_t* table,
+// T: the query/out dtype; C: the cache element (T, or int8_t for a quantized cache).
+template <typename T, typename C>
+void run_task(const Task& task, const T* query, const C* key_cache, const C* value_cache, const int32_t* table,
               int64_t first_pos, int64_t q_begin, T* out, const Shape& s, Workspace& w) {
   const int64_t rows = task.row_end - task.row_begin;
   const int64_t rows_pad = vec::round_up(rows, kChunk);
   const int64_t dim = s.head_size, dp = s.dim_pad, bs = s.block_size;
   // fp32 K rows are read in place; V rows too when they are whole vectors.
-  constexpr bool kFloat = std::is_same_v<T, float>;
+  constexpr bool kFloat = std::is_same_v<C, float>;
   const bool v_in_place = kFloat && dim == dp;
   std::fill(w.qt.begin(), w.qt.end(), 0.f);  // padding rows stay zero
   std::fill(w.acc.begin(), w.acc.begin() + rows_pad * dp, 0.f);
@@ -208,7 +211,7 @@ void run_task(const Task& task, const T* query, const T* key_cache, const T* val
       const int64_t token = start + t, block = table[token / bs];
       TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
                   s.num_blocks, ")");
-      const int64_t offset = ((block * s.num_kv_heads + task.kv_head) * bs + token % bs) * dim;
+      const int64_t offset = ((block * s.num_kv_heads + task.kv_head) * bs + token % bs) * s.row_elems;
       if constexpr (kFloat) {
         w.krow[t] = key_cache + offset;
         if (v_in_place) {
@@ -216,10 +219,10 @@ void run_task(const Task& task, const T* query, const T* key_cache, const T* val
           continue;
         }
       } else {
-        vec::widen(w.kbuf.data() + t * dp, key_cache + offset, dim);
+        kvq::load_row(w.kbuf.data() + t * dp, key_cache + offset, dim);
         w.krow[t] = w.kbuf.data() + t * dp;
       }
-      vec::widen(w.vbuf.data() + t * dp, value_cache + offset, dim);
+      kvq::load_row(w.vbuf.data() + t * dp, value_cache + offset, dim);
       w.vrow[t] = w.vbuf.data() + t * dp;
     }
     for (int64_t c = 0; c < rows_pad; c += kChunk) {
@@ -244,7 +247,7 @@ void run_task(const Task& task, const T* query, const T* key_cache, const T* val
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& context_lens,
          const Shape& s) {
@@ -272,8 +275,8 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   const T* q_ptr = static_cast<const T*>(query.data_ptr());
-  const T* k_ptr = static_cast<const T*>(key_cache.data_ptr());
-  const T* v_ptr = static_cast<const T*>(value_cache.data_ptr());
+  const C* k_ptr = static_cast<const C*>(key_cache.data_ptr());
+  const C* v_ptr = static_cast<const C*>(value_cache.data_ptr());
   T* out_ptr = static_cast<T*>(out.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
@@ -283,7 +286,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
       const int64_t q_len = starts[t.seq + 1] - starts[t.seq];
-      run_task<T>(t, q_ptr, k_ptr, v_ptr, tables + t.seq * table_stride, lens[t.seq] - q_len, starts[t.seq],
+      run_task<T, C>(t, q_ptr, k_ptr, v_ptr, tables + t.seq * table_stride, lens[t.seq] - q_len, starts[t.seq],
                   out_ptr, s, cache[0]);
     }
   }, query.size(0) >= kOpenMPRows);
@@ -297,19 +300,24 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(1);
-  const int64_t head_size = key_cache.size(3), block_size = key_cache.size(2);
+  const int64_t head_size = query.size(2), block_size = key_cache.size(2);
   const int64_t tile_keys = vec::round_up(kTileKeys, block_size);
-  const Shape s{num_heads, num_kv_heads, num_heads / num_kv_heads, head_size, vec::round_up(head_size, kWidth),
+  const bool quantized = key_cache.scalar_type() == at::kChar;
+  const Shape s{num_heads, num_kv_heads, num_heads / num_kv_heads, head_size, key_cache.size(3),
+                vec::round_up(head_size, kWidth),
                 block_size, tile_keys, key_cache.size(0), block_tables.size(1),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
   if (query.size(0) == 0 || context_lens.size(0) == 0) return;
+  const auto go = [&](auto tag) {
+    using T = decltype(tag);
+    if (quantized)
+      return run<T, int8_t>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
+    return run<T, T>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
+  };
   switch (query.scalar_type()) {
-    case at::kFloat:
-      return run<float>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
-    case at::kBFloat16:
-      return run<c10::BFloat16>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
-    case at::kHalf:
-      return run<c10::Half>(out, query, key_cache, value_cache, block_tables, query_start_loc, context_lens, s);
+    case at::kFloat: return go(float{});
+    case at::kBFloat16: return go(c10::BFloat16{});
+    case at::kHalf: return go(c10::Half{});
     default: TORCH_CHECK(false, "paged_prefill_attention: unsupported dtype ", query.scalar_type());
   }
 }

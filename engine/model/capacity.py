@@ -18,11 +18,22 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_model_dtype(dtype: str, device: torch.device) -> str:
-    """auto: fp32 on the CPU (no fast bf16 here), bf16 on CUDA."""
+def resolve_model_dtype(dtype: str, device: torch.device, cpuinfo: str | None = None) -> str:
+    """auto: bf16 on CUDA; on the CPU bf16 where it computes bf16 natively (avx512_bf16 or amx_bf16
+    in ``cpuinfo``, default /proc/cpuinfo), else fp32 (an emulated bf16 GEMM is no faster).
+    Logs the choice and why."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.type == "cuda" else "float32"
+    if device.type == "cuda":
+        choice, reason = "bfloat16", "cuda device"
+    else:
+        from ops.screen import cpuinfo_native_bf16, native_bf16
+
+        native = native_bf16() if cpuinfo is None else cpuinfo_native_bf16(cpuinfo)
+        choice = "bfloat16" if native else "float32"
+        reason = "cpu computes bf16 natively (avx512_bf16/amx_bf16)" if native else "cpu has no native bf16"
+    log.info("dtype auto", dtype=choice, reason=reason)
+    return choice
 
 
 def num_device_blocks(config: EngineConfig, block_bytes: int, device: torch.device,
@@ -45,11 +56,14 @@ def num_host_blocks(config: EngineConfig, block_bytes: int) -> int:
     return config.swap_space // block_bytes
 
 
-def log_capacity(num_blocks: int, block_size: int, block_bytes: int, max_model_len: int) -> None:
+def log_capacity(num_blocks: int, block_size: int, block_bytes: int, max_model_len: int,
+                 kv_cache_dtype: str = "") -> None:
     tokens = num_blocks * block_size
     log.info(
         "kv cache",
+        dtype=kv_cache_dtype,
         blocks=num_blocks,
+        tokens_per_gib=int(2**30 // block_bytes * block_size),
         block_size=block_size,
         gib=round(num_blocks * block_bytes / 2**30, 3),
         tokens=tokens,

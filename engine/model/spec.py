@@ -21,9 +21,28 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), kv_heads, head_dim
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """One token's K and V over all layers: 2 x layers x kv_heads x head_dim x dtype bytes."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes
+# KV cache dtypes: element bytes, and bytes of per-row scale (int8 rows end in their fp16 scale,
+# ops/reference/kv_quant.py). The names are engine.config.KV_CACHE_DTYPES less "auto" (the model dtype).
+KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+KV_SCALE_BYTES = {"int8": 2}
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes of one (token, head) row of a cache of ``kv_dtype`` (a name of KV_ELEMENT_BYTES)."""
+    return head_dim * KV_ELEMENT_BYTES[kv_dtype] + KV_SCALE_BYTES.get(kv_dtype, 0)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                       scale_bytes: int = 0) -> int:
+    """One token's K and V over all layers: 2 x layers x kv_heads x (head_dim x dtype bytes + the
+    row's scale bytes). The one size formula: the engine's pool and the planner both use it."""
+    return 2 * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
+
+
+def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    """`kv_bytes_per_token` for a cache dtype name (float32, bfloat16, float16, int8)."""
+    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, KV_ELEMENT_BYTES[kv_dtype],
+                              KV_SCALE_BYTES.get(kv_dtype, 0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX
 from common.redis_spec import add_redis_arguments, spec_from_args
 from common.sizes import parse_size
-from engine.config import DTYPES, PREEMPTION_MODES, EngineConfig
+from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineConfig
 
 if TYPE_CHECKING:
     from engine.worker.engine_worker import EngineWorker
@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--metrics-host", default="0.0.0.0")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--dtype", default="auto", choices=DTYPES,
+                        help="model dtype; auto: bf16 on CUDA and on CPUs with native bf16, else fp32")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV cache dtype; auto: the model dtype; int8: per-row quantized, 1.94x the tokens "
+                             "of bf16 at head 64")
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32), help="tokens per KV block")
     parser.add_argument("--kv-cache-memory", type=_size, default=_size("1GiB"),
                         help="KV-cache bytes on the CPU, e.g. 512MiB (CUDA sizes from free memory)")
@@ -72,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(
-        model=model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        model=model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, preemption_mode=args.preemption_mode,
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,

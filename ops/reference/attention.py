@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ops.reference.kv_quant import as_float, head_size_of
+
 # Bound the gathered K/V of one chunk of sequences (elements, fp32) so long contexts fit in memory.
 _MAX_GATHER_ELEMS = 1 << 26
 
@@ -65,10 +67,11 @@ def _attend_chunk(
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Gather ``[S, kv_heads, max_blocks * block_size, head]`` in fp32 from a paged cache."""
+    """Gather ``[S, kv_heads, max_blocks * block_size, head]`` in fp32 from a paged cache (any dtype)."""
     num_seqs, max_blocks = table.shape
-    _, num_kv_heads, block_size, head_size = cache.shape
-    blocks = cache[table].float()  # [S, B, kvh, bs, D]
+    _, num_kv_heads, block_size, _ = cache.shape
+    head_size = head_size_of(cache)
+    blocks = as_float(cache[table])  # [S, B, kvh, bs, D], int8 rows dequantized
     return blocks.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, max_blocks * block_size, head_size)
 
 

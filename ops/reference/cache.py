@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ops.reference.kv_quant import to_cache
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -12,14 +14,15 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write each token's K/V ``[T, kv_heads, head]`` into its slot; slots < 0 are skipped."""
+    """Write each token's K/V ``[T, kv_heads, head]`` into its slot (quantized for an int8 cache, see
+    ``kv_quant``); slots < 0 are skipped."""
     block_size = key_cache.shape[2]
     slots = slot_mapping.to(device=key.device, dtype=torch.int64)
     keep = slots >= 0
     slots = slots[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, :, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, :, offsets] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, :, offsets] = to_cache(key[keep], key_cache.dtype)
+    value_cache[blocks, :, offsets] = to_cache(value[keep], value_cache.dtype)
 
 
 def copy_blocks(

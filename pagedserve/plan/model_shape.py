@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from engine.model.spec import kv_bytes_per_token, kv_geometry
+from engine.model.spec import KV_SCALE_BYTES, kv_bytes_per_token, kv_geometry
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4, "float32": 4, "float": 4,
@@ -23,6 +23,11 @@ class PlanError(ValueError):
     """Input that makes no sense for capacity planning; the CLI prints it and exits 2."""
 
 
+def scale_bytes(name: str) -> int:
+    """Per-row scale bytes of a KV dtype name: 2 for pagedserve's int8 rows (their fp16 scale), else 0."""
+    return KV_SCALE_BYTES.get(str(name).lower().removeprefix("torch."), 0)
+
+
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a dtype name ("fp16", "torch.bfloat16", ...)."""
     key = str(name).lower().removeprefix("torch.")
@@ -33,22 +38,26 @@ def dtype_bytes(name: str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVShape:
-    """What one token's K and V cost: 2 x layers x kv_heads x head_dim x dtype bytes."""
+    """What one token's K and V cost: 2 x layers x kv_heads x (head_dim x dtype bytes + scale bytes)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    scale_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise PlanError(f"{name} must be a positive integer, got {value!r}")
+        if self.scale_bytes < 0:
+            raise PlanError(f"scale_bytes must not be negative, got {self.scale_bytes}")
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes,
+                                  self.scale_bytes)
 
     @classmethod
     def from_parts(cls, layers: Any, kv_heads: Any, head_dim: Any, dtype: str) -> KVShape:
@@ -58,7 +67,7 @@ class KVShape:
                 raise PlanError(f"{flag} is required (or give --model PATH)")
             if value <= 0:
                 raise PlanError(f"{flag} must be a positive integer, got {value}")
-        return cls(int(layers), int(kv_heads), int(head_dim), dtype_bytes(dtype))
+        return cls(int(layers), int(kv_heads), int(head_dim), dtype_bytes(dtype), scale_bytes(dtype))
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,7 +115,8 @@ def format_plan(plan: Plan, shape: KVShape) -> str:
     gain = f"{plan.gain:.1f}x" if plan.gain is not None else "contiguous fits none"
     return "\n".join([
         f"model shape      {shape.num_layers} layers x {shape.num_kv_heads} KV heads x "
-        f"head {shape.head_dim} x {shape.dtype_bytes} B = {format_size(plan.bytes_per_token)} per token",
+        f"head {shape.head_dim} x {shape.dtype_bytes} B{f' + {shape.scale_bytes} B scale' if shape.scale_bytes else ''}"
+        f" = {format_size(plan.bytes_per_token)} per token",
         f"KV pool          {format_size(plan.pool_bytes)}",
         f"block            {plan.block_size} tokens = {format_size(plan.block_bytes)}",
         f"blocks           {plan.num_blocks}",
@@ -131,7 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, help="decoder layers (num_hidden_layers)")
     parser.add_argument("--kv-heads", type=int, help="key/value heads (num_key_value_heads)")
     parser.add_argument("--head-dim", type=int, help="head dimension")
-    parser.add_argument("--dtype", help="KV dtype: fp16, bf16, fp32, fp8 (default fp16 or the model's)")
+    parser.add_argument("--kv-cache-dtype", "--dtype", dest="dtype",
+                        help="KV dtype: fp16, bf16, fp32, fp8, int8 (pagedserve's int8 rows carry a 2-byte "
+                             "scale); default fp16 or the model's")
     parser.add_argument("--gpu-memory", default="80GiB", help="GPU memory, e.g. 80GiB (default)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="default 0.9")
     parser.add_argument("--weights", help="weight bytes, e.g. 16GiB (default: --model's weight files, or 0)")

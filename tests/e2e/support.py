@@ -64,7 +64,7 @@ class EngineProcess(ChildProcess):
         self.metrics_port = free_port()
         super().__init__(["engine", "--model", str(model), "--redis-url", redis_url, "--engine-id", engine_id,
                           "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-                          "--heartbeat-interval", "0.5", *extra], log_dir / f"{engine_id}.log")
+                          "--heartbeat-interval", "0.5", "--dtype", "float32", *extra], log_dir / f"{engine_id}.log")
 
     def wait_ready(self, timeout: float = 120.0) -> EngineProcess:
         deadline = time.monotonic() + timeout

@@ -58,7 +58,7 @@ def greedy_texts(model_dir: Path, prompts: list[str], max_tokens: int) -> list[s
     from engine.llm import LLM
     from gateway.text.tokenizer import ModelTokenizer
 
-    llm = LLM(model=str(model_dir), device="cpu", kv_cache_memory=8 << 20)
+    llm = LLM(model=str(model_dir), device="cpu", dtype="float32", kv_cache_memory=8 << 20)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     tok = ModelTokenizer(str(model_dir))
     return [tok.decode(out.outputs[0].token_ids) for out in outs]

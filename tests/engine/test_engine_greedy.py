@@ -46,7 +46,7 @@ TINY_POOL = {"num_gpu_blocks": 40, "num_cpu_blocks": 400}
 )
 def test_greedy_matches_hf(smollm2_dir: Path, prompts: list[list[int]], expected: list[list[int]],
                            config: dict[str, Any]) -> None:
-    llm = LLM(str(smollm2_dir), kv_cache_memory=256 << 20, **config)
+    llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20, **config)
     outputs = llm.generate(prompts, GREEDY)
     assert generated(outputs) == expected
     stats = llm.stats()
@@ -58,7 +58,7 @@ def test_greedy_matches_hf(smollm2_dir: Path, prompts: list[list[int]], expected
 
 def test_prefix_cache_hits_on_repeated_prompts(smollm2_dir: Path, prompts: list[list[int]],
                                                expected: list[list[int]]) -> None:
-    llm = LLM(str(smollm2_dir), kv_cache_memory=256 << 20)
+    llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory=256 << 20)
     llm.generate(prompts, GREEDY)
     again = llm.generate(prompts, GREEDY)
     assert generated(again) == expected

@@ -20,7 +20,7 @@ NEW = 16
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20)
+    return LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def _hf_prompt_logprobs(hf: Any, prompt: list[int], k: int) -> tuple[list[float]
 
 @pytest.mark.parametrize("config", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked"])
 def test_prompt_logprobs_equal_hf(tiny_llama_dir: Path, hf: Any, config: dict[str, Any]) -> None:
-    llm = LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, **config)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20, **config)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, *range(200, 250)]  # 58 tokens: 4 chunks of 16 when chunked
     want, want_top = _hf_prompt_logprobs(hf, prompt, 3)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)

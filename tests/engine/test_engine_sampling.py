@@ -17,7 +17,7 @@ PROMPT = list(range(10, 30))  # 20 tokens: one full block of 16 and a partial on
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path) -> LLM:
-    return LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20)
+    return LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20)
 
 
 def _peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> int:
@@ -33,13 +33,13 @@ def _peak_blocks(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> 
 
 def test_parallel_sampling_shares_prompt_blocks(tiny_llama_dir: Path) -> None:
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
-    shared = LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    shared = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20, enable_prefix_caching=False)
     peak_shared = _peak_blocks(shared, [PROMPT], params)
     stats = shared.stats()
     # The partial last prompt block is copied once per extra sample that writes into it.
     assert stats["cow_copies"] == 3
     assert_no_leaks(shared)
-    separate = LLM(str(tiny_llama_dir), kv_cache_memory=8 << 20, enable_prefix_caching=False)
+    separate = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory=8 << 20, enable_prefix_caching=False)
     single = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     peak_separate = _peak_blocks(separate, [PROMPT] * 4, single)
     assert peak_shared == 1 + 4  # one shared full block + one private last block per sample

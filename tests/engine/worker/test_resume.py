@@ -19,7 +19,7 @@ from engine.worker.tracked import Tracked, resume, to_wire
 @pytest.fixture(scope="module")
 def host(tiny_llama_dir: Path) -> Iterator[EngineThread]:
     engine_host = EngineThread()
-    engine_host._build(EngineConfig(model=str(tiny_llama_dir), kv_cache_memory=4 << 20, device="cpu"))
+    engine_host._build(EngineConfig(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=4 << 20, device="cpu"))
     yield engine_host
     engine_host.close()
 

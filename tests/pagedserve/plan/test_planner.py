@@ -88,7 +88,20 @@ def test_flags_override_model_config(tmp_path: Path, capsys: pytest.CaptureFixtu
         {"num_hidden_layers": 30, "num_attention_heads": 9, "hidden_size": 576, "head_dim": 64}))
     assert main(["plan", "--model", str(tmp_path), "--layers", "2", "--dtype", "fp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["shape"] == {
-        "num_layers": 2, "num_kv_heads": 9, "head_dim": 64, "dtype_bytes": 1}
+        "num_layers": 2, "num_kv_heads": 9, "head_dim": 64, "dtype_bytes": 1, "scale_bytes": 0}
+
+
+def test_int8_kv_cache_counts_the_row_scales(capsys: pytest.CaptureFixture[str]) -> None:
+    """pagedserve's int8 rows end in a 2-byte fp16 scale: SmolLM2 costs 66 bytes per (token, head)
+    row instead of bf16's 128, so the same pool holds 1.94x the tokens."""
+    base = ["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", "--gpu-memory", "1GiB", "--json"]
+    assert main([*base, "--kv-cache-dtype", "int8"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--kv-cache-dtype", "bf16"]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert int8["bytes_per_token"] == 2 * 30 * 3 * (64 + 2) and int8["shape"]["scale_bytes"] == 2
+    assert bf16["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert int8["num_blocks"] / bf16["num_blocks"] >= 1.9
 
 
 @pytest.mark.parametrize(("extra", "message"), [
