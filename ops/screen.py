@@ -99,6 +99,18 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Te
     return out
 
 
+@cache
+def bf16_packing_available() -> bool:
+    """Whether oneDNN can pack and run a bf16 GEMM on this CPU at all (it emulates bf16 dot
+    products with AVX-512 but refuses on AVX2-only CPUs: "mkldnn bf16 path needs avx512bw")."""
+    try:
+        probe = torch.ones(16, 16)
+        screen_logits(probe[:1], torch.ops.mkldnn._reorder_linear_weight(probe.bfloat16(), PACK_BATCH_HINT))
+    except RuntimeError:
+        return False
+    return True
+
+
 def pack_screen_weight(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 copy of the fp32 CPU ``weight [N, K]`` in oneDNN's blocked GEMM layout (half the
     weight's bytes), for ``screen_logits``."""
