@@ -12,7 +12,6 @@ import engine.model.logit_screen as logit_screen
 import ops
 from engine.model.logit_screen import LogitScreen
 
-
 needs_bf16_gemm = pytest.mark.skipif(not ops.screen.bf16_packing_available(),
                                      reason="oneDNN has no bf16 GEMM on this CPU (AVX2 only)")
 
