@@ -136,7 +136,7 @@ def main() -> int:
     from engine.worker.cli import resolve_model
 
     args.kv_bytes = parse_size(args.kv_cache_memory)
-    model = resolve_model(args.model)
+    model, _ = resolve_model(args.model, quantization="dequantize")  # the fp32 directory, as before
     burst_trace = synthetic(args.num_prompts, args.prompt_len, args.output_len, args.seed)
     latency_trace = synthetic(args.latency_prompts, args.prompt_len, args.latency_output_len, args.seed)
     base = {"model": Path(model).name, "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,

@@ -12,6 +12,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 2048}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # engine/model/spec.py sizes each
+QUANTIZATIONS = ("auto", "dequantize")  # a .gguf's tensors: served in their own formats, or converted to dtype
 
 
 @dataclass(slots=True)
@@ -23,6 +24,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: quantized rows (1.94x the tokens of bf16)
+    quantization: str = "auto"  # a .gguf model: auto keeps its quantized tensors (fp32 activations, CPU)
     block_size: int = 16
     kv_cache_memory: int = 1 << 30
     gpu_memory_utilization: float = 0.9
@@ -39,6 +41,11 @@ class EngineConfig:
     debug_blocks: bool = False
     logit_screen: bool = True  # greedy tokens through a bf16 screen of the lm_head where the CPU has one
 
+    @property
+    def serves_quantized_weights(self) -> bool:
+        """A .gguf file whose quantized tensors are read as they are (`quantization="auto"`)."""
+        return self.model.endswith(".gguf") and self.quantization == "auto"
+
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):
             raise ValueError(f"block_size must be 8, 16 or 32, got {self.block_size}")
@@ -46,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -24,7 +24,7 @@ class LLM:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.engine.config.tokenizer or self.engine.config.model)
+            self._tokenizer = AutoTokenizer.from_pretrained(self.engine.tokenizer_dir)
         return self._tokenizer
 
     def generate(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from engine.model.capacity import (
     resolve_model_dtype,
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
-from engine.model.loader import load_hf_config, load_model, resolve_dtype
+from engine.model.loader import load_hf_config, load_model, resolve_dtype, tokenizer_dir
 from engine.model.runner import ModelRunner, sampling_rows
 from engine.outputs import RequestOutput
 from engine.sample.grammar import GrammarCompiler
@@ -45,13 +46,16 @@ class LLMEngine:
         self.config = config
         ops.set_backend(config.attention_backend)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(resolve_model_dtype(config.dtype, self.device))
+        self.dtype = resolve_dtype(resolve_model_dtype(config.dtype, self.device,
+                                                       quantized_weights=config.serves_quantized_weights))
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.tokenizer_dir = tokenizer_dir(config.model, config.tokenizer)
         self.hf_config = load_hf_config(config.model)
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model.use_logit_screen = config.logit_screen
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.eos_token_ids = _eos_ids(config.model, self.hf_config)
+        self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
+                                     self.hf_config)
         limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or limit, limit)
         block_bytes = kv_bytes_per_block(self.hf_config, config.block_size, self.kv_dtype)
@@ -73,7 +77,7 @@ class LLMEngine:
         self.token_budget = config.token_budget(self.device.type)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.token_budget,
                                    config.preemption_mode, self.eos_token_ids, self.max_model_len)
-        self.grammars = GrammarCompiler(config.tokenizer or config.model, self.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = GrammarCompiler(self.tokenizer_dir, self.vocab_size, sorted(self.eos_token_ids))
         self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
         self.requests: dict[str, Request] = {}
         self.counters: Counter[str] = Counter()

@@ -32,6 +32,43 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def tokenizer_dir(model: str | Path, tokenizer: str | None = None) -> str:
+    """The directory the tokenizer and chat template are read from (by the engine, and by gateways
+    through the heartbeat): `tokenizer` when given; a model directory itself; for a `.gguf`, the
+    directory beside it when that holds a Hugging Face tokenizer (as `fetch-model` lays it out),
+    else the file's own tokenizer metadata exported once into the cache."""
+    if tokenizer:
+        return str(Path(tokenizer).expanduser())
+    p = Path(model).expanduser()
+    if not p.is_file():
+        return str(p)
+    if any((p.parent / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return str(p.parent)
+    return str(_export_gguf_tokenizer(p))
+
+
+def _export_gguf_tokenizer(gguf: Path) -> Path:
+    """The GGUF's tokenizer and chat template, saved once as a Hugging Face tokenizer directory."""
+    import hashlib
+    import os
+
+    from transformers import AutoTokenizer
+
+    stat = gguf.stat()
+    key = hashlib.blake2b(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
+    base = os.environ.get("PAGEDSERVE_CACHE")
+    target = (Path(base).expanduser() if base else Path.home() / ".cache" / "pagedserve") / "tokenizers" / key
+    if not (target / "tokenizer_config.json").is_file():
+        try:
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{str(gguf)!r} has no usable tokenizer metadata ({exc}); "
+                                 "pass --tokenizer DIR") from exc
+        tok.save_pretrained(str(target))
+        log.info("exported the GGUF's tokenizer", gguf=str(gguf), dir=str(target))
+    return target
+
+
 def load_hf_config(path: str | Path) -> Any:
     """The transformers config of a model directory or GGUF file; ModelLoadError if there is none."""
     from transformers import AutoConfig

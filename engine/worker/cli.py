@@ -18,7 +18,7 @@ from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX
 from common.redis_spec import add_redis_arguments, spec_from_args
 from common.sizes import parse_size
-from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, EngineConfig
+from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig
 
 if TYPE_CHECKING:
     from engine.worker.engine_worker import EngineWorker
@@ -35,8 +35,16 @@ def _size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """CLI options of `pagedserve engine`."""
-    parser.add_argument("--model", help="Hugging Face model directory (default: SmolLM2-135M-Instruct, fetched)")
-    parser.add_argument("--served-model-name", help="model name clients ask for (default: the directory name)")
+    parser.add_argument("--model", help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct, "
+                                         "fetched: its Q4_1 GGUF; the fp32 directory with --quantization dequantize)")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the model directory; for a .gguf the "
+                                            "directory beside it, else the file's own tokenizer)")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="a .gguf's tensors: auto serves them in their own formats (Q4_0/Q4_1/Q8_0 read in place, "
+                             "fp32 activations); dequantize converts them to --dtype at load")
+    parser.add_argument("--served-model-name", help="model name clients ask for (default: the directory name; "
+                                                    "for a .gguf the directory beside it when it holds the tokenizer, "
+                                                    "else the file name without .gguf)")
     add_redis_arguments(parser)
     parser.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="key prefix of streams and channels")
     parser.add_argument("--engine-id", help="consumer name in group 'engines' (default: host-pid)")
@@ -74,9 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-pool-size", type=int, default=16, help="Redis connections (default %(default)s)")
 
 
-def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = None) -> EngineConfig:
     return EngineConfig(
-        model=model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        model=model, tokenizer=tokenizer, quantization=args.quantization,
+        device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, preemption_mode=args.preemption_mode,
@@ -87,13 +96,31 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     )
 
 
-def resolve_model(model: str | None) -> str:
-    """`--model` as given, else the default model directory (fetched with progress)."""
+def resolve_model(model: str | None, tokenizer: str | None = None,
+                  quantization: str = "auto") -> tuple[str, str | None]:
+    """(model, tokenizer): `--model` as given, else the default model, fetched with progress: its
+    Q4_1 GGUF (tokenizer from the directory beside it), or with `dequantize` the fp32 directory."""
     if model:
-        return model
+        return model, tokenizer
     from engine.model.fetch import default_model_dir
 
-    return str(default_model_dir(progress=True))
+    directory = default_model_dir(progress=True)
+    if quantization == "dequantize":
+        return str(directory), tokenizer
+    from engine.model.fetch import GGUF_NAME
+
+    return str(directory / GGUF_NAME), tokenizer or str(directory)
+
+
+def served_name(model: str) -> str:
+    """The name clients ask for when none is given: a directory's name; for a .gguf, the name of
+    the directory beside it when that holds its tokenizer (`fetch-model`'s layout), else its stem."""
+    path = Path(model)
+    if path.suffix != ".gguf":
+        return path.name
+    if (path.parent / "tokenizer.json").is_file():
+        return path.parent.name
+    return path.stem
 
 
 async def _serve(worker: EngineWorker) -> None:
@@ -114,15 +141,15 @@ def run(args: argparse.Namespace) -> int:
     from engine.worker.engine_worker import EngineWorker, WorkerConfig
 
     try:
-        model = resolve_model(args.model)
-        config = engine_config(args, model)
+        model, tokenizer = resolve_model(args.model, args.tokenizer, args.quantization)
+        config = engine_config(args, model, tokenizer)
         redis_spec = spec_from_args(args)
     except (FetchError, ValueError) as exc:
         print(f"pagedserve engine: error: {exc}", file=sys.stderr)
         return 1
     worker = EngineWorker(WorkerConfig(
         engine_id=args.engine_id or f"{socket.gethostname()}-{os.getpid()}",
-        model_name=args.served_model_name or Path(model).name,
+        model_name=args.served_model_name or served_name(model),
         redis_url=args.redis_url, redis=redis_spec, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval, max_claims=args.max_claims,
         drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size,

@@ -102,7 +102,7 @@ class EngineWorker:
         intake = Intake(client, self.keys, stream, cfg.model_name, cfg.max_claims, self.epoch)
         guards = Guards(intake, cfg.gateway_grace_s)
         intake.on_data_lost = lambda: self._forget_everything(intake)
-        beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, str(engine.config.model),
+        beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, engine.tokenizer_dir,
                          engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
                          config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size)
         runner = None
