@@ -26,7 +26,7 @@ from engine.model.capacity import (
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from engine.model.loader import load_hf_config, load_model, resolve_dtype
-from engine.model.runner import ModelRunner, sampling_rows
+from engine.model.runner import ModelRunner, sampling_rows, spec_order
 from engine.outputs import RequestOutput
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sample_step import SampleStage
@@ -34,6 +34,8 @@ from engine.sched.admission import RequestRejected, check_request
 from engine.sched.output import StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
+from engine.spec.speculator import Speculator
+from engine.spec.verify import accept, verify_plan
 
 log = get_logger("engine")
 
@@ -70,8 +72,11 @@ class LLMEngine:
             host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
         self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device)
         self.token_budget = config.token_budget(self.device.type)
+        spec_config = config.speculative()
+        self.speculator = Speculator(spec_config) if spec_config is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.token_budget,
-                                   config.preemption_mode, self.eos_token_ids, self.max_model_len)
+                                   config.preemption_mode, self.eos_token_ids, self.max_model_len,
+                                   self.speculator)
         self.grammars = GrammarCompiler(config.tokenizer or config.model, self.vocab_size, sorted(self.eos_token_ids))
         self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
         self.requests: dict[str, Request] = {}
@@ -166,9 +171,12 @@ class LLMEngine:
         samples = StepSamples()
         if not sched.is_empty:
             pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
-            result = self.runner.execute(sched, pick)
+            spec = spec_order(sched.scheduled)
+            result = self.runner.execute(sched, pick, verify_plan(spec) if spec else None)
             samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens,
                                    result.logit_rows)
+            if spec and result.spec_tokens is not None:
+                samples.spec = accept(spec, result.spec_tokens)
         outputs = self.scheduler.update_from_output(sched, samples)
         self.counters["finished_error"] += len(sched.rejected)
         if self.config.debug_blocks:
@@ -194,6 +202,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "step_seconds": self.step_seconds,
             "model_seconds": self.runner.model_seconds,
+            "spec": self.speculator.stats() if self.speculator is not None else {},
         }
 
     # ----- internals -----------------------------------------------------------------------

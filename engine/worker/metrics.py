@@ -51,6 +51,11 @@ class _StatsCollector(Collector):
                                 ("prompt_tokens", "prompt_tokens", "prompt tokens admitted"),
                                 ("generation_tokens", "generation_tokens", "tokens generated")):
             yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(s.get(key, 0)))
+        spec = s.get("spec") or {}
+        for name, key, text in (("spec_proposed_tokens", "proposed_tokens", "speculative tokens proposed"),
+                                ("spec_accepted_tokens", "accepted_tokens", "speculative tokens accepted"),
+                                ("spec_verified_rows", "verified_rows", "speculative rows verified")):
+            yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(spec.get(key, 0)))
         success = CounterMetricFamily("pagedserve_request_success", "finished requests by reason",
                                       labels=["finished_reason"])
         for reason, count in sorted(s.get("finished", {}).items()):
