@@ -23,3 +23,20 @@ def looping_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
             layer.mlp.down_proj.weight.mul_(0.15)
     model.save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def markov_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The next token's distribution depends only on the current token (attention and MLP outputs
+    zeroed), peaked (lm_head x 3): sampling often follows the prompt's cycle, and not always."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("markov-llama"), seed=3)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.mul_(3.0)
+    model.save_pretrained(str(path))
+    return path
