@@ -5,7 +5,7 @@ when the pool is dry), then swapped requests come back, then waiting ones are ad
 memory and the token budget allow. Prompts longer than the token budget are chunked.
 After the step, `update_from_output` applies the sampled tokens (see `postprocess`).
 
-With a `Speculator`, a decoding sequence may run as 1 + k tokens: its last token and k n-gram
+With a `Proposer` (`engine.spec.speculator`), a decoding sequence may run as 1 + k tokens: its last token and k n-gram
 proposals, whose slots are reserved here (`BlockManager.append_slot`) and cut back after
 verification (`BlockManager.truncate`). Proposals never take the blocks that the other
 running sequences need to grow, nor the token budget of admitted work."""
@@ -20,8 +20,8 @@ from engine.kv.block_manager import BlockManager
 from engine.outputs import RequestOutput
 from engine.sched.output import ScheduledSeq, SchedulerOutput, StepSamples
 from engine.sched.postprocess import Postprocessor
+from engine.sched.proposer import Proposer
 from engine.sched.sequence import Request, SeqStatus, Sequence
-from engine.spec.speculator import Speculator
 
 log = get_logger("scheduler")
 
@@ -46,7 +46,7 @@ class Scheduler:
         preemption_mode: str = "auto",
         eos_token_ids: set[int] | None = None,
         max_model_len: int = 1 << 30,
-        speculator: Speculator | None = None,
+        speculator: Proposer | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
