@@ -166,6 +166,7 @@ class LLMEngine:
             self.num_steps += 1
 
     def _step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_step_decodes = sched.num_decodes
         samples = StepSamples()
@@ -177,6 +178,9 @@ class LLMEngine:
                                    result.logit_rows)
             if spec and result.spec_tokens is not None:
                 samples.spec = accept(spec, result.spec_tokens)
+            if self.speculator is not None and all(len(s.token_ids) == 1 or s.num_spec for s in sched.scheduled):
+                tokens = len(samples.seqs) + sum(len(r.tokens) for r in samples.spec)
+                self.speculator.observe_step(time.perf_counter() - start, tokens, bool(spec))
         outputs = self.scheduler.update_from_output(sched, samples)
         self.counters["finished_error"] += len(sched.rejected)
         if self.config.debug_blocks:

@@ -5,10 +5,10 @@ when the pool is dry), then swapped requests come back, then waiting ones are ad
 memory and the token budget allow. Prompts longer than the token budget are chunked.
 After the step, `update_from_output` applies the sampled tokens (see `postprocess`).
 
-With a `Proposer` (`engine.spec.speculator`), a decoding sequence may run as 1 + k tokens: its last token and k n-gram
-proposals, whose slots are reserved here (`BlockManager.append_slot`) and cut back after
-verification (`BlockManager.truncate`). Proposals never take the blocks that the other
-running sequences need to grow, nor the token budget of admitted work."""
+With a `Proposer` (`engine.spec.speculator`), a decoding sequence may run as 1 + k tokens: its
+last token and k n-gram proposals, whose slots are reserved here (`BlockManager.append_slot`)
+and cut back after verification (`BlockManager.truncate`). Proposals fit the step's token
+budget and leave free a block per queued sequence (so they never cause a preemption)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,11 @@ A running decode sequence gets up to K n-gram proposals (`NgramIndex`) when spec
   compute-bound, verifying K extra tokens per row would cost more than it saves);
 - the request's sampling is one the verifier reproduces exactly (`eligible`);
 - the sequence's recent acceptance rate is at least `min_acceptance_rate`; below it the
-  sequence stops proposing for a cool-down that doubles on each relapse (16, 32 ... 256 steps).
+  sequence stops proposing for a cool-down that doubles on each relapse (16, 32 ... 256 steps);
+- speculative steps actually yield more tokens per second than plain decode steps on this
+  machine (`observe_step`, moving averages of both): when they do not (a CPU whose GEMM is slow
+  at a few rows, a loaded machine), nobody proposes for a cool-down (16 ... 256 steps), during
+  which the plain rate is measured again.
 
 Counters: proposed and accepted tokens, verified rows (mean acceptance length =
 1 + accepted / rows: tokens a verified row yields)."""
@@ -41,6 +45,7 @@ class SpecCounters:
     proposed_tokens: int = 0
     accepted_tokens: int = 0
     verified_rows: int = 0
+    pauses: int = 0  # times speculation paused itself because it was slower than plain decoding
     accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted proposals per row -> rows
 
 
@@ -60,9 +65,34 @@ class Speculator:
         self.config = config
         self.states: dict[int, SeqSpecState] = {}
         self.counters = SpecCounters()
+        self.plain_rate: float | None = None  # tokens/s of decode steps without proposals
+        self.spec_rate: float | None = None  # tokens/s of steps with proposals
+        self.spec_steps = 0
+        self.pause = 0  # steps left without proposals for anyone
+        self.pauses = 0
 
     def allows_batch(self, num_running_seqs: int) -> bool:
+        """Called once per step: whether this step may propose."""
+        if self.pause > 0:
+            self.pause -= 1
+            return False
         return num_running_seqs <= self.config.disable_by_batch_size
+
+    def observe_step(self, seconds: float, num_tokens: int, speculative: bool) -> None:
+        """A decode-only step's wall time and the tokens it produced (no prefill in it)."""
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        rate = num_tokens / seconds
+        if not speculative:
+            self.plain_rate = _ema(self.plain_rate, rate)
+            return
+        self.spec_rate = _ema(self.spec_rate, rate)
+        self.spec_steps += 1
+        if self.plain_rate is not None and self.spec_steps >= 3 and self.spec_rate < self.plain_rate:
+            self.pause = min(MAX_COOLDOWN, BASE_COOLDOWN << self.pauses)
+            self.pauses += 1
+            self.counters.pauses += 1
+            self.spec_rate, self.spec_steps = None, 0
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(K, limit) proposed tokens following `seq.token_ids`, or [] when this
@@ -108,5 +138,10 @@ class Speculator:
             "verified_rows": c.verified_rows,
             "acceptance_rate": c.accepted_tokens / c.proposed_tokens if c.proposed_tokens else 0.0,
             "mean_acceptance_length": 1.0 + c.accepted_tokens / c.verified_rows if c.verified_rows else 0.0,
+            "pauses": c.pauses,
             "accepted_lengths": {str(n): rows for n, rows in sorted(c.accepted_lengths.items())},
         }
+
+
+def _ema(average: float | None, value: float) -> float:
+    return value if average is None else average + EMA_WEIGHT * (value - average)
