@@ -131,6 +131,7 @@ class Speculator:
         self.states.pop(seq_id, None)
 
     def stats(self) -> dict[str, Any]:
+        """Flat numbers (the heartbeat flattens one level of nesting)."""
         c = self.counters
         return {
             "proposed_tokens": c.proposed_tokens,
@@ -139,8 +140,11 @@ class Speculator:
             "acceptance_rate": c.accepted_tokens / c.proposed_tokens if c.proposed_tokens else 0.0,
             "mean_acceptance_length": 1.0 + c.accepted_tokens / c.verified_rows if c.verified_rows else 0.0,
             "pauses": c.pauses,
-            "accepted_lengths": {str(n): rows for n, rows in sorted(c.accepted_lengths.items())},
         }
+
+    def accepted_lengths(self) -> dict[str, int]:
+        """Verified rows by the number of proposals they accepted ("0" .. "K")."""
+        return {str(n): rows for n, rows in sorted(self.counters.accepted_lengths.items())}
 
 
 def _ema(average: float | None, value: float) -> float:

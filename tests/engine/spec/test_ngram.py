@@ -61,3 +61,19 @@ def test_config_parses_vllm_form_and_refuses_bad_values() -> None:
                 {"num_speculative_tokens": 2, "bogus": 1}, {"num_speculative_tokens": 2.5}):
         with pytest.raises(ValueError):
             EngineConfig(model="m", speculative_config=bad)
+
+
+def test_engine_cli_flag_parses_json() -> None:
+    import argparse
+
+    from engine.worker.cli import add_arguments, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    spec = engine_config(args, "m").speculative()
+    assert spec is not None and spec.num_speculative_tokens == 3
+    assert engine_config(parser.parse_args([]), "m").speculative() is None
+    for bad in ("[1, 2]", "{not json"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculative-config", bad])

@@ -13,6 +13,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
+from engine.worker.heartbeat import flatten_stats
 from tests.engine.helpers import assert_no_leaks, generated
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -37,7 +38,9 @@ def test_greedy_identical_and_proposals_accepted(looping_llama_dir: Path, refere
     assert spec["accepted_tokens"] > 0 and spec["verified_rows"] > 0
     assert spec["proposed_tokens"] >= spec["accepted_tokens"]
     assert 0 < spec["acceptance_rate"] <= 1 and spec["mean_acceptance_length"] > 1
-    assert any(n not in ("0", "4") for n in spec["accepted_lengths"])  # partial acceptances happened
+    lengths = llm.engine.stats()["spec_accepted_lengths"]
+    assert any(n not in ("0", "4") for n in lengths)  # partial acceptances happened
+    assert flatten_stats(llm.engine.stats())["spec_accepted_tokens"] == spec["accepted_tokens"]  # heartbeat form
     assert_no_leaks(llm)
 
 

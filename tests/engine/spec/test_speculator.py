@@ -58,3 +58,26 @@ def test_pauses_when_speculative_steps_are_slower() -> None:
     assert spec.stats()["pauses"] == 1
     assert not any(spec.allows_batch(1) for _ in range(BASE_COOLDOWN))
     assert spec.allows_batch(1)
+
+
+def test_prometheus_counters_and_heartbeat_fields() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.worker.heartbeat import flatten_stats
+    from engine.worker.metrics import EngineMetrics
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    seq = _seq()
+    spec.propose(seq, 8)
+    spec.record(seq, 3, 2)
+    stats = {"num_blocks": 1, "num_free_blocks": 1, "usage_ratio": 0.0, "block_utilization": 0.0, "running": 1,
+             "waiting": 0, "swapped": 0, "spec": spec.stats(), "spec_accepted_lengths": spec.accepted_lengths()}
+    metrics = EngineMetrics("cpu")
+    metrics.update(stats)
+    values = {s.name: s.value for family in text_string_to_metric_families(metrics.render().decode())
+              for s in family.samples}
+    assert values["pagedserve_spec_proposed_tokens_total"] == 3
+    assert values["pagedserve_spec_accepted_tokens_total"] == 2
+    assert values["pagedserve_spec_verified_rows_total"] == 1
+    flat = flatten_stats(stats)
+    assert flat["spec_mean_acceptance_length"] == 3.0 and flat["spec_accepted_lengths_2"] == 1.0
