@@ -7,6 +7,10 @@ Prints one JSON object per line on stdout.
   `disable_by_batch_size` running sequences); goal >= 0.97x.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/spec_bench.py [--k 4] [--max-tokens 128] [--threads N]
+
+On a shared 2-core machine, oneDNN's 2-thread GEMM at 4-16 rows (a verified row of 1 + K tokens)
+stalls when the cores are oversubscribed (22 ms against 1.2 ms single-threaded for SmolLM2's
+576x3072 layer, load average 9); `--threads 1` measures the kernel cost without that noise.
 """
 
 from __future__ import annotations
