@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from engine.spec.config import SpeculativeConfig
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # Tokens per step when max_num_batched_tokens is not given. On the CPU a 2,048-token step of
@@ -40,6 +43,8 @@ class EngineConfig:
     watermark: float = 0.01
     debug_blocks: bool = False
     logit_screen: bool = True  # greedy tokens through a bf16 screen of the lm_head where the CPU has one
+    # vLLM's form, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; parsed here
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     @property
     def serves_quantized_weights(self) -> bool:
@@ -71,6 +76,14 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least one block")
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        elif self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError("speculative_config must be a dict or a SpeculativeConfig")
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative-decoding settings, None when off."""
+        return self.speculative_config if isinstance(self.speculative_config, SpeculativeConfig) else None
 
     def token_budget(self, device_type: str) -> int:
         """Tokens one step may run: the configured budget, else the device's default."""

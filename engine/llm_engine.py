@@ -27,7 +27,7 @@ from engine.model.capacity import (
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
 from engine.model.loader import load_hf_config, load_model, resolve_dtype, tokenizer_dir
-from engine.model.runner import ModelRunner, sampling_rows
+from engine.model.runner import ModelRunner, sampling_rows, spec_order
 from engine.outputs import RequestOutput
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sample_step import SampleStage
@@ -35,6 +35,8 @@ from engine.sched.admission import RequestRejected, check_request
 from engine.sched.output import StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
+from engine.spec.speculator import Speculator
+from engine.spec.verify import accept, verify_plan
 
 log = get_logger("engine")
 
@@ -75,8 +77,11 @@ class LLMEngine:
             host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
         self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device)
         self.token_budget = config.token_budget(self.device.type)
+        spec_config = config.speculative()
+        self.speculator = Speculator(spec_config) if spec_config is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.token_budget,
-                                   config.preemption_mode, self.eos_token_ids, self.max_model_len)
+                                   config.preemption_mode, self.eos_token_ids, self.max_model_len,
+                                   self.speculator)
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.vocab_size, sorted(self.eos_token_ids))
         self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
         self.requests: dict[str, Request] = {}
@@ -167,14 +172,21 @@ class LLMEngine:
             self.num_steps += 1
 
     def _step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         self.last_step_decodes = sched.num_decodes
         samples = StepSamples()
         if not sched.is_empty:
             pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
-            result = self.runner.execute(sched, pick)
+            spec = spec_order(sched.scheduled)
+            result = self.runner.execute(sched, pick, verify_plan(spec) if spec else None)
             samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens,
                                    result.logit_rows)
+            if spec and result.spec_tokens is not None:
+                samples.spec = accept(spec, result.spec_tokens)
+            if self.speculator is not None and all(len(s.token_ids) == 1 or s.num_spec for s in sched.scheduled):
+                tokens = len(samples.seqs) + sum(len(r.tokens) for r in samples.spec)
+                self.speculator.observe_step(time.perf_counter() - start, tokens, bool(spec))
         outputs = self.scheduler.update_from_output(sched, samples)
         self.counters["finished_error"] += len(sched.rejected)
         if self.config.debug_blocks:
@@ -200,6 +212,8 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "step_seconds": self.step_seconds,
             "model_seconds": self.runner.model_seconds,
+            "spec": self.speculator.stats() if self.speculator is not None else {},
+            "spec_accepted_lengths": self.speculator.accepted_lengths() if self.speculator is not None else {},
         }
 
     # ----- internals -----------------------------------------------------------------------

@@ -164,6 +164,46 @@ class BlockManager:
         self._event("cow", src=last.block_id, dst=copy.block_id, seq=seq_id)
         return last.block_id, copy.block_id
 
+    def num_blocks_to_grow(self, seq_id: int, count: int) -> int:
+        """Blocks `count` more appends would take (a CoW copy of a shared last block counted)."""
+        seq = self.seqs[seq_id]
+        length = len(seq.token_ids)
+        need = self._num_blocks_for(length + count) - self._num_blocks_for(length)
+        if count and length % self.block_size and self.blocks[seq.block_ids[-1]].ref_count > 1:
+            need += 1
+        return need
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Cut a sequence back to its first `num_tokens` tokens (rejected speculative tokens):
+        whole blocks past the end go back to the pool, the partial last block is kept.
+
+            before   [a b c d | e f x y | z _ _ _]      truncate(seq, 6)
+            after    [a b c d | e f _ _]               the third block is freed
+
+        Only blocks past the prefix-cached ones may be cut (`mark_computed` hashes computed
+        full blocks only, so a block hashed as full never holds a rejected token); the kept
+        partial block must not be shared."""
+        seq = self.seqs[seq_id]
+        if seq.on_host:
+            raise ValueError("cannot truncate a swapped-out sequence")
+        if not 0 <= num_tokens <= len(seq.token_ids):
+            raise ValueError(f"cannot truncate {len(seq.token_ids)} tokens to {num_tokens}")
+        if num_tokens < len(seq.hashes) * self.block_size:
+            raise ValueError("cannot truncate into a prefix-cached block")
+        keep = self._num_blocks_for(num_tokens)
+        for block_id in reversed(seq.block_ids[keep:]):
+            self._drop_ref(self.blocks[block_id], seq_id)
+        del seq.block_ids[keep:]
+        del seq.token_ids[num_tokens:]
+        if keep:
+            last = self.blocks[seq.block_ids[-1]]
+            used = num_tokens - (keep - 1) * self.block_size
+            if used != last.num_tokens:
+                if last.ref_count > 1:
+                    raise ValueError("cannot truncate into a shared block")
+                self.num_stored_tokens += used - last.num_tokens
+                last.num_tokens = used
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (ref counts +1)."""
         parent = self.seqs[parent_id]

@@ -3,7 +3,11 @@ and swaps run first; the model runs once; logits come back for the rows that sam
 
 It reads only the scheduler's output (`engine.sched.output`): token ids, start positions and
 block tables. Slots are computed in bulk from the step's block-table tensor, which persists
-across steps (`BlockTableBuffer`)."""
+across steps (`BlockTableBuffer`).
+
+A speculative row (`ScheduledSeq.num_spec` = k) runs as a prefill chunk of 1 + k tokens over its
+cached context; each of its k + 1 positions yields a token, taken by the verifier's picker
+(`engine.spec.verify.verify_plan`) as `ModelOutput.spec_tokens`."""
 
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ class StepBatch:
     sample_rows: Tensor | None  # flat index of each sampling chunk's last token; None = every row, in order
     sampling: list[ScheduledSeq]  # the chunks those rows belong to
     prompt_rows: list[tuple[ScheduledSeq, int]]  # chunks keeping prompt-logit rows, with their first flat row
+    spec_rows: Tensor | None = None  # flat index of every position of the speculative rows, in order
+    spec: list[ScheduledSeq] = field(default_factory=list)  # those rows (`spec_order`)
 
 
 @dataclass(slots=True)
@@ -45,6 +51,7 @@ class ModelOutput:
     prompt_hidden: list[tuple[ScheduledSeq, Tensor]]
     tokens: Tensor | None = None
     logit_rows: list[int] = field(default_factory=list)
+    spec_tokens: Tensor | None = None  # the target's token at each speculative position (`spec_order`)
 
 
 def batch_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -57,16 +64,24 @@ def sampling_rows(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
     return [s for s in batch_order(scheduled) if s.sample]
 
 
+def spec_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The speculative rows, in the order of `ModelOutput.spec_tokens` (k + 1 tokens each)."""
+    return [s for s in batch_order(scheduled) if s.num_spec]
+
+
 class BlockTableBuffer:
     """The step's block tables as one int32 tensor, kept across steps: rebuilt when the step's
     sequences (or their order) change, else patched only where a table grew by a block or its
-    last block was copied on write; a table never changes otherwise while it stays scheduled."""
+    last block was copied on write; a table never changes otherwise while it stays scheduled,
+    except around a speculative row (its table may be cut back after verification and regrow with
+    other blocks): such a row is rewritten in the step it runs and in the next."""
 
     def __init__(self) -> None:
         self.key: tuple[int, ...] = ()
         self.buffer = torch.zeros((0, 0), dtype=torch.int32)
         self.lens: list[int] = []
         self.lasts: list[int] = []
+        self.spec: list[bool] = []
 
     def build(self, order: list[ScheduledSeq]) -> Tensor:
         key = tuple(s.seq.seq_id for s in order)
@@ -79,10 +94,11 @@ class BlockTableBuffer:
             self.key = key
         else:
             for i, table in enumerate(tables):
-                if len(table) != self.lens[i] or table[-1] != self.lasts[i]:
+                if len(table) != self.lens[i] or table[-1] != self.lasts[i] or self.spec[i] or order[i].num_spec:
                     self.buffer[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
         self.lens = [len(t) for t in tables]
         self.lasts = [t[-1] if t else -1 for t in tables]
+        self.spec = [s.num_spec > 0 for s in order]
         return self.buffer
 
 
@@ -99,10 +115,11 @@ class ModelRunner:
         self.tables = BlockTableBuffer()
         self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
 
-    def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None,
+                spec_pick: TokenPicker | None = None) -> ModelOutput:
         """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows), or
         with `pick` their tokens instead, except for `pick.logit_rows` (rows in `sampling_rows`
-        order)."""
+        order); the speculative positions' tokens by `spec_pick` (greedy without one)."""
         self.move_blocks(sched)
         batch = self.prepare(sched.scheduled)
         start = time.perf_counter()
@@ -120,11 +137,17 @@ class ModelRunner:
                 tokens = self.model.pick_tokens(rows, pick)
             else:
                 logits = self.model.compute_logits(rows)
+        spec_tokens = None
+        if batch.spec_rows is not None:
+            spec_hidden = hidden.index_select(0, batch.spec_rows)
+            spec_tokens = (self.model.pick_tokens(spec_hidden, spec_pick) if spec_pick is not None
+                           else self.model.compute_logits(spec_hidden).argmax(dim=-1))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
         prompt = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
-        return ModelOutput(logits, batch.sampling, prompt, tokens, pick.logit_rows if pick is not None else [])
+        return ModelOutput(logits, batch.sampling, prompt, tokens, pick.logit_rows if pick is not None else [],
+                           spec_tokens)
 
     def move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""
@@ -168,10 +191,14 @@ class ModelRunner:
         sample_rows = None if all_rows else torch.tensor(
             [e - 1 for s, e in zip(order, ends, strict=True) if s.sample], dtype=torch.int64)
         prompt_rows = [(s, e - c) for s, e, c in zip(order, ends, counts, strict=True) if s.num_prompt_logits]
+        spec = [s for s in order if s.num_spec]
+        spec_rows = torch.tensor([r for s, e in zip(order, ends, strict=True) if s.num_spec
+                                  for r in range(e - 1 - s.num_spec, e)], dtype=torch.int64) if spec else None
         meta = self._metadata(order, num_prefills, ends, tables, slots, positions)
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in order)), dtype=torch.int64)
         return StepBatch(self._to_device(input_ids), self._to_device(positions), meta,
-                         None if sample_rows is None else self._to_device(sample_rows), sampling, prompt_rows)
+                         None if sample_rows is None else self._to_device(sample_rows), sampling, prompt_rows,
+                         None if spec_rows is None else self._to_device(spec_rows), spec)
 
     def _metadata(self, order: list[ScheduledSeq], num_prefills: int, ends: list[int], tables: Tensor,
                   slots: Tensor, positions: Tensor) -> AttentionMetadata:

@@ -25,7 +25,9 @@ class ScheduledSeq:
     sequence's last token, so its last row's logits choose the next token. Positions below
     `write_from` keep the K/V already in their (prefix-cached, shared) blocks: the runner gives
     them slot -1. `num_prompt_logits` rows from the chunk's start predict prompt tokens and
-    are kept for prompt logprobs (0 when not asked)."""
+    are kept for prompt logprobs (0 when not asked). `num_spec` > 0: a speculative row, the last
+    `num_spec` tokens are proposals (not in `seq.token_ids`); every one of its 1 + num_spec
+    positions yields a target token (`engine.spec.verify`) and `sample` is False."""
 
     seq: Sequence
     token_ids: list[int]
@@ -34,6 +36,7 @@ class ScheduledSeq:
     sample: bool
     write_from: int = 0
     num_prompt_logits: int = 0
+    num_spec: int = 0
 
     @property
     def seq_id(self) -> int:
@@ -75,6 +78,17 @@ class BeamChoice:
 
 
 @dataclass(slots=True)
+class SpecResult:
+    """A verified speculative row: `tokens` (accepted proposals, then the target's token) go to
+    `seq`; `num_accepted` of its `num_proposed` proposals were right."""
+
+    seq: Sequence
+    tokens: list[int]
+    num_accepted: int
+    num_proposed: int
+
+
+@dataclass(slots=True)
 class StepSamples:
     """What sampling chose, row by row (`seqs[i]` gets `token_ids[i]`: one token, or one per
     candidate when a request of n > 1 forks at its first token)."""
@@ -86,3 +100,4 @@ class StepSamples:
     beams: list[BeamChoice] = field(default_factory=list)
     # request id -> (chunk start, entries for prompt tokens start+1 ...; a leading None when start is 0)
     prompt_logprobs: dict[str, tuple[int, list[dict[str, Any] | None]]] = field(default_factory=dict)
+    spec: list[SpecResult] = field(default_factory=list)  # verified speculative rows

@@ -8,6 +8,11 @@ stops, then one delta per touched request. A request of n = 2 at its first token
     s0 ── fork ──▶ s1       (s1 shares every block of s0, copy-on-write)
     s0 += t_a, s1 += t_b    then each is checked for a stop on its own
 
+A verified speculative row (`StepSamples.spec`) keeps the K/V of its last token and of the
+accepted proposals only: the sequence's blocks are cut back to that (`BlockManager.truncate`)
+before the prefix cache sees them, then its tokens are appended one by one, stopping at the
+first stop.
+
 It frees nothing itself: `update` returns the sequences and requests that finished
 (`StepUpdate`), and the scheduler, which owns the queues, releases them.
 """
@@ -52,9 +57,14 @@ class Postprocessor:
 
     def _apply(self, sched: SchedulerOutput, samples: StepSamples) -> list[RequestOutput]:
         outputs = [self._reject(request) for request in sched.rejected]
+        accepted = {result.seq.seq_id: result.num_accepted for result in samples.spec}
         for item in sched.scheduled:
             seq = item.seq
-            seq.num_computed += len(item.token_ids)
+            if item.num_spec:
+                seq.num_computed += len(item.token_ids) - item.num_spec + accepted[seq.seq_id]
+                self.block_manager.truncate(seq.seq_id, seq.num_computed)
+            else:
+                seq.num_computed += len(item.token_ids)
             self.block_manager.mark_computed(seq.seq_id, seq.num_computed)
         touched: dict[str, Request] = {}
         for request_id, (start, entries) in samples.prompt_logprobs.items():
@@ -62,6 +72,7 @@ class Postprocessor:
             gathered = request.prompt_logprobs or []
             request.prompt_logprobs = gathered[: start + 1 if start else 0] + entries
         self._append_samples(samples, touched)
+        self._append_spec(samples, touched)
         for choice in samples.beams:
             touched[choice.request.request_id] = choice.request
             self._apply_beams(choice)
@@ -85,6 +96,18 @@ class Postprocessor:
             for k, (target, token) in enumerate(zip(targets, tokens, strict=True)):
                 self.append_token(target, token, logprobs[row][k] if logprobs is not None else 0.0,
                                   top[row][k] if row in top else None)
+
+    def _append_spec(self, samples: StepSamples, touched: dict[str, Request]) -> None:
+        now = time.monotonic()
+        for result in samples.spec:
+            seq, request = result.seq, result.seq.request
+            touched[request.request_id] = request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            for token in result.tokens:
+                self.append_token(seq, token)
+                if seq.is_finished:
+                    break
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         """`count` children sharing the parent's blocks (before the parent's token is appended)."""

@@ -3,7 +3,12 @@
 Each step: running requests get their next tokens (preempting the newest running request
 when the pool is dry), then swapped requests come back, then waiting ones are admitted while
 memory and the token budget allow. Prompts longer than the token budget are chunked.
-After the step, `update_from_output` applies the sampled tokens (see `postprocess`)."""
+After the step, `update_from_output` applies the sampled tokens (see `postprocess`).
+
+With a `Proposer` (`engine.spec.speculator`), a decoding sequence may run as 1 + k tokens: its
+last token and k n-gram proposals, whose slots are reserved here (`BlockManager.append_slot`)
+and cut back after verification (`BlockManager.truncate`). Proposals fit the step's token
+budget and leave free a block per queued sequence (so they never cause a preemption)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from engine.kv.block_manager import BlockManager
 from engine.outputs import RequestOutput
 from engine.sched.output import ScheduledSeq, SchedulerOutput, StepSamples
 from engine.sched.postprocess import Postprocessor
+from engine.sched.proposer import Proposer
 from engine.sched.sequence import Request, SeqStatus, Sequence
 
 log = get_logger("scheduler")
@@ -41,6 +47,7 @@ class Scheduler:
         preemption_mode: str = "auto",
         eos_token_ids: set[int] | None = None,
         max_model_len: int = 1 << 30,
+        speculator: Proposer | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -50,7 +57,11 @@ class Scheduler:
         self.running: deque[Request] = deque()
         self.swapped: deque[Request] = deque()
         self.num_preemptions: Counter[str] = Counter()
+        self.max_model_len = max_model_len
         self.post = Postprocessor(block_manager, eos_token_ids or set(), max_model_len)
+        self.speculator = speculator
+        self._speculate = False  # this step may propose (decided at the start of `schedule`)
+        self._num_queued = 0  # sequences in every queue at the start of the step
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -67,6 +78,8 @@ class Scheduler:
             self.free_seq(seq)
 
     def free_seq(self, seq: Sequence) -> None:
+        if self.speculator is not None:
+            self.speculator.release(seq.seq_id)
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
 
@@ -81,6 +94,9 @@ class Scheduler:
         """Apply one step's results to the sequences, release what finished, and return the
         step's deltas (refusals included)."""
         update = self.post.update(sched, samples)
+        if self.speculator is not None:
+            for result in samples.spec:
+                self.speculator.record(result.seq, result.num_proposed, result.num_accepted)
         for seq in update.finished_seqs:
             self.free_seq(seq)
         for request in update.finished_requests:
@@ -90,6 +106,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
+        self._num_queued = self._num_seqs()
+        self._speculate = self.speculator is not None and self.speculator.allows_batch(self._num_queued)
         preempted = self._schedule_running(out, budget)
         if not preempted:
             self._schedule_swapped(out, budget)
@@ -136,10 +154,38 @@ class Scheduler:
             if seq.request.needs_prompt_logprobs:
                 prompt_rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
             table = self.block_manager.block_table(seq.seq_id)
-            out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end], start, table,
-                                              end == len(seq.token_ids), seq.keep_kv_below, prompt_rows))
-            budget.tokens -= end - start
+            proposals = self._proposals(seq, budget) if end - start == 1 and end == len(seq.token_ids) else []
+            if proposals:
+                for token in proposals:
+                    copy = self.block_manager.append_slot(seq.seq_id, token)
+                    if copy is not None:
+                        out.blocks_to_copy.append(copy)
+                out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end] + proposals, start, table, False,
+                                                  seq.keep_kv_below, 0, len(proposals)))
+            else:
+                out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end], start, table,
+                                                  end == len(seq.token_ids), seq.keep_kv_below, prompt_rows))
+            budget.tokens -= end - start + len(proposals)
             budget.seqs -= 1
+
+    def _num_seqs(self) -> int:
+        """Sequences in every queue: what the next steps will batch."""
+        return sum(len(request.unfinished_seqs()) for queue in (self.running, self.swapped, self.waiting)
+                   for request in queue)
+
+    def _proposals(self, seq: Sequence, budget: _Budget) -> list[int]:
+        """Speculative tokens for a decoding sequence: within the token budget, max_tokens and
+        max_model_len, and only from blocks that leave one per running sequence to grow."""
+        if not self._speculate or self.speculator is None or seq.num_output_tokens == 0:
+            return []
+        limit = min(budget.tokens - 1, seq.request.params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - len(seq.token_ids) - 1)
+        proposals = self.speculator.propose(seq, limit)
+        manager = self.block_manager
+        reserve = manager.watermark_blocks + self._num_queued + 1
+        while proposals and manager.num_free_blocks - manager.num_blocks_to_grow(seq.seq_id, len(proposals)) < reserve:
+            proposals.pop()
+        return proposals
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         seqs = request.unfinished_seqs()

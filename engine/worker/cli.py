@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
@@ -72,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-logit-screen", action="store_true",
                         help="greedy rows use the full fp32 lm_head even where the CPU has bf16 dot products "
                              "(the tokens are the same; the screen is faster)")
+    parser.add_argument("--speculative-config", type=_json_object,
+                        help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off)')
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between heartbeats; a silent engine's requests move after 5 intervals")
     parser.add_argument("--max-claims", type=int, default=3,
@@ -92,7 +96,7 @@ def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = 
         enable_prefix_caching=not args.no_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, debug_blocks=args.debug_blocks,
-        logit_screen=not args.no_logit_screen,
+        logit_screen=not args.no_logit_screen, speculative_config=args.speculative_config,
     )
 
 
@@ -160,3 +164,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve engine: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object from the command line."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value

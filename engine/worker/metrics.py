@@ -53,6 +53,11 @@ class _StatsCollector(Collector):
                                 ("dead_lettered", "dead_lettered", "request entries moved to the dead-letter stream"),
                                 ("bad_abort_messages", "bad_aborts", "undecodable abort messages ignored")):
             yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(s.get(key, 0)))
+        spec = s.get("spec") or {}
+        for name, key, text in (("spec_proposed_tokens", "proposed_tokens", "speculative tokens proposed"),
+                                ("spec_accepted_tokens", "accepted_tokens", "speculative tokens accepted"),
+                                ("spec_verified_rows", "verified_rows", "speculative rows verified")):
+            yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(spec.get(key, 0)))
         success = CounterMetricFamily("pagedserve_request_success", "finished requests by reason",
                                       labels=["finished_reason"])
         for reason, count in sorted(s.get("finished", {}).items()):

@@ -668,3 +668,77 @@ def test_prefix_keys_are_the_same_in_every_process() -> None:
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
     assert keys == {str(hash_block(hash_block(None, (1, 2, 3)), (4, 5, 6)))}
     assert hash_block(None, (1, 2, 3)) != hash_block(None, (1, 2, 4)) != hash_block(7, (1, 2, 4))
+
+
+# ----- truncate (rejected speculative tokens) -----------------------------------------------
+@pytest.mark.parametrize(("length", "cut"), [(10, 6), (10, 8), (10, 9), (12, 4), (9, 1), (7, 7), (5, 0)])
+def test_truncate_frees_whole_blocks_and_keeps_the_partial_last(length: int, cut: int) -> None:
+    manager = make()
+    manager.allocate(0, tokens(4))
+    for t in range(4, length):
+        manager.append_slot(0, t)
+    table = list(manager.block_table(0))
+    manager.truncate(0, cut)
+    keep = -(-cut // BS)
+    assert manager.block_table(0) == table[:keep]
+    assert manager.num_tokens(0) == cut
+    assert manager.num_used_blocks == keep
+    assert manager.num_stored_tokens == cut
+    manager.check_invariants()
+    for t in range(cut, length + 3):  # regrows like a sequence that was never longer
+        manager.append_slot(0, 100 + t)
+    assert manager.num_stored_tokens == length + 3
+    manager.check_invariants()
+    manager.free(0)
+    assert manager.num_used_blocks == 0
+    manager.check_invariants()
+
+
+def test_truncate_never_hashes_rejected_tokens() -> None:
+    manager = prefix_bm()
+    manager.allocate(0, tokens(6))
+    manager.mark_computed(0, 6)  # block 0 cached
+    for t in (50, 51, 52, 53, 54):  # 11 tokens: 6 computed + 5 proposals (block 1 fills with 2 rejected)
+        manager.append_slot(0, t)
+    manager.truncate(0, 7)  # accepted one: [0..3 | 4 5 50]
+    manager.mark_computed(0, 7)
+    assert len(manager.cached) == 1
+    manager.append_slot(0, 60)  # the real token at position 7
+    manager.mark_computed(0, 8)
+    assert len(manager.cached) == 2
+    manager.check_invariants()
+    assert manager.allocate(1, [*tokens(6), 50, 60, 1]) == 8  # hashed with the accepted tokens
+    assert manager.allocate(2, [*tokens(6), 50, 51, 1]) == 4  # never with the rejected ones
+    manager.check_invariants()
+
+
+def test_truncate_refuses_cached_blocks_swapped_and_out_of_range() -> None:
+    manager = prefix_bm()
+    manager.allocate(0, tokens(9))
+    manager.mark_computed(0, 9)
+    with pytest.raises(ValueError):
+        manager.truncate(0, 7)  # block 1 is in the prefix cache
+    with pytest.raises(ValueError):
+        manager.truncate(0, 10)
+    manager.truncate(0, 8)
+    manager.check_invariants()
+    manager.swap_out([0])
+    with pytest.raises(ValueError):
+        manager.truncate(0, 8)
+
+
+def test_num_blocks_to_grow_counts_new_blocks_and_cow() -> None:
+    manager = make()
+    manager.allocate(0, tokens(3))
+    assert manager.num_blocks_to_grow(0, 0) == 0
+    assert manager.num_blocks_to_grow(0, 1) == 0
+    assert manager.num_blocks_to_grow(0, 2) == 1
+    assert manager.num_blocks_to_grow(0, 6) == 2
+    manager.fork(0, 1)  # the partial last block is shared now: the first append copies it
+    assert manager.num_blocks_to_grow(0, 1) == 1
+    assert manager.num_blocks_to_grow(0, 2) == 2
+    before, expected = manager.num_free_blocks, manager.num_blocks_to_grow(1, 5)
+    for t in range(5):
+        manager.append_slot(1, t)
+    assert before - manager.num_free_blocks == expected == 2  # the copy of the shared block, one new block
+    manager.check_invariants()

@@ -1,0 +1,5 @@
+"""Speculative decoding without a draft model: n-gram (prompt lookup) proposals, verified exactly."""
+
+from engine.spec.config import SpeculativeConfig
+
+__all__ = ["SpeculativeConfig"]

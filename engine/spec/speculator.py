@@ -1,0 +1,151 @@
+"""Who proposes, when, and how well it went: one `Speculator` per scheduler, torch-free.
+
+A running decode sequence gets up to K n-gram proposals (`NgramIndex`) when speculation can pay:
+
+- the step runs at most `disable_by_batch_size` sequences (a large batch is already
+  compute-bound, verifying K extra tokens per row would cost more than it saves);
+- the request's sampling is one the verifier reproduces exactly (`eligible`);
+- the sequence's recent acceptance rate is at least `min_acceptance_rate`; below it the
+  sequence stops proposing for a cool-down that doubles on each relapse (16, 32 ... 256 steps);
+- speculative steps actually yield more tokens per second than plain decode steps on this
+  machine (`observe_step`, moving averages of both): when they do not (a CPU whose GEMM is slow
+  at a few rows, a loaded machine), nobody proposes for a cool-down (16 ... 256 steps), during
+  which the plain rate is measured again.
+
+Counters: proposed and accepted tokens, verified rows (mean acceptance length =
+1 + accepted / rows: tokens a verified row yields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sched.sequence import Sequence
+from engine.spec.config import SpeculativeConfig
+from engine.spec.ngram import NgramIndex
+
+EMA_WEIGHT = 0.3  # weight of the latest verified row in the acceptance average
+BASE_COOLDOWN = 16  # decode steps without proposals after the first time acceptance falls too low
+MAX_COOLDOWN = 256
+
+
+@dataclass(slots=True)
+class SeqSpecState:
+    """One sequence's proposer index and acceptance record."""
+
+    index: NgramIndex
+    rate: float = 1.0  # moving average of accepted / proposed
+    rows: int = 0
+    cooldown: int = 0  # decode steps left without proposals
+    relapses: int = 0
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    verified_rows: int = 0
+    pauses: int = 0  # times speculation paused itself because it was slower than plain decoding
+    accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted proposals per row -> rows
+
+
+def eligible(seq: Sequence) -> bool:
+    """True when verification reproduces this sequence's sampling exactly: one candidate, no beam
+    search, no logprobs, no grammar, no penalties or logit bias, past `min_tokens`."""
+    p = seq.request.params
+    return (p.num_candidates == 1 and not p.use_beam_search and p.logprobs is None and seq.grammar is None
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+            and not p.logit_bias and seq.num_output_tokens >= p.min_tokens)
+
+
+class Speculator:
+    """Proposals, the policy that gates them, and the acceptance record."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.states: dict[int, SeqSpecState] = {}
+        self.counters = SpecCounters()
+        self.plain_rate: float | None = None  # tokens/s of decode steps without proposals
+        self.spec_rate: float | None = None  # tokens/s of steps with proposals
+        self.spec_steps = 0
+        self.pause = 0  # steps left without proposals for anyone
+        self.pauses = 0
+
+    def allows_batch(self, num_running_seqs: int) -> bool:
+        """Called once per step: whether this step may propose."""
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return num_running_seqs <= self.config.disable_by_batch_size
+
+    def observe_step(self, seconds: float, num_tokens: int, speculative: bool) -> None:
+        """A decode-only step's wall time and the tokens it produced (no prefill in it)."""
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        rate = num_tokens / seconds
+        if not speculative:
+            self.plain_rate = _ema(self.plain_rate, rate)
+            return
+        self.spec_rate = _ema(self.spec_rate, rate)
+        self.spec_steps += 1
+        if self.plain_rate is not None and self.spec_steps >= 3 and self.spec_rate < self.plain_rate:
+            self.pause = min(MAX_COOLDOWN, BASE_COOLDOWN << self.pauses)
+            self.pauses += 1
+            self.counters.pauses += 1
+            self.spec_rate, self.spec_steps = None, 0
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Up to min(K, limit) proposed tokens following `seq.token_ids`, or [] when this
+        sequence should not speculate now."""
+        if limit <= 0 or not eligible(seq):
+            return []
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            c = self.config
+            state = self.states[seq.seq_id] = SeqSpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max))
+        if state.cooldown > 0:
+            state.cooldown -= 1
+            state.index.propose(seq.token_ids, 0)  # keep the index current
+            return []
+        return state.index.propose(seq.token_ids, min(self.config.num_speculative_tokens, limit))
+
+    def record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """One verified row's outcome."""
+        c = self.counters
+        c.proposed_tokens += num_proposed
+        c.accepted_tokens += num_accepted
+        c.verified_rows += 1
+        c.accepted_lengths[num_accepted] = c.accepted_lengths.get(num_accepted, 0) + 1
+        state = self.states.get(seq.seq_id)
+        if state is None or num_proposed <= 0:
+            return
+        state.rows += 1
+        state.rate += EMA_WEIGHT * (num_accepted / num_proposed - state.rate)
+        if state.rows >= 3 and state.rate < self.config.min_acceptance_rate:
+            state.cooldown = min(MAX_COOLDOWN, BASE_COOLDOWN << state.relapses)
+            state.relapses += 1
+            state.rate, state.rows = 1.0, 0
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished or aborted sequence."""
+        self.states.pop(seq_id, None)
+
+    def stats(self) -> dict[str, Any]:
+        """Flat numbers (the heartbeat flattens one level of nesting)."""
+        c = self.counters
+        return {
+            "proposed_tokens": c.proposed_tokens,
+            "accepted_tokens": c.accepted_tokens,
+            "verified_rows": c.verified_rows,
+            "acceptance_rate": c.accepted_tokens / c.proposed_tokens if c.proposed_tokens else 0.0,
+            "mean_acceptance_length": 1.0 + c.accepted_tokens / c.verified_rows if c.verified_rows else 0.0,
+            "pauses": c.pauses,
+        }
+
+    def accepted_lengths(self) -> dict[str, int]:
+        """Verified rows by the number of proposals they accepted ("0" .. "K")."""
+        return {str(n): rows for n, rows in sorted(self.counters.accepted_lengths.items())}
+
+
+def _ema(average: float | None, value: float) -> float:
+    return value if average is None else average + EMA_WEIGHT * (value - average)

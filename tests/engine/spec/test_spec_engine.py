@@ -1,0 +1,133 @@
+"""Speculative decoding end to end on tiny models: the same tokens as without it (greedy and
+seeded sampling), with prefix hits, chunked prefill and preemption (swap and recompute); every
+block back at the end; the policy turns it off for a large batch and ineligible requests; the
+sampled distribution is that of plain sampling (chi-square)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+from engine.worker.heartbeat import flatten_stats
+from tests.engine.helpers import assert_no_leaks, generated
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+PROMPTS = [[5, 6, 7, 8, 9] * 6, list(range(40, 75)), [100, 101] * 9 + list(range(200, 210)), [33] * 20]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def _llm(model: Path, spec: dict[str, Any] | None, **config: Any) -> LLM:
+    return LLM(str(model), kv_cache_memory=config.pop("kv_cache_memory", 8 << 20), speculative_config=spec,
+               **config)
+
+
+@pytest.fixture(scope="module")
+def reference(looping_llama_dir: Path) -> list[list[int]]:
+    return generated(_llm(looping_llama_dir, None).generate(PROMPTS, GREEDY))
+
+
+def test_greedy_identical_and_proposals_accepted(looping_llama_dir: Path, reference: list[list[int]]) -> None:
+    llm = _llm(looping_llama_dir, SPEC)
+    assert generated(llm.generate(PROMPTS, GREEDY)) == reference
+    spec = llm.engine.stats()["spec"]
+    assert spec["accepted_tokens"] > 0 and spec["verified_rows"] > 0
+    assert spec["proposed_tokens"] >= spec["accepted_tokens"]
+    assert 0 < spec["acceptance_rate"] <= 1 and spec["mean_acceptance_length"] > 1
+    lengths = llm.engine.stats()["spec_accepted_lengths"]
+    assert any(n not in ("0", "4") for n in lengths)  # partial acceptances happened
+    assert flatten_stats(llm.engine.stats())["spec_accepted_tokens"] == spec["accepted_tokens"]  # heartbeat form
+    assert_no_leaks(llm)
+
+
+def test_greedy_identical_with_prefix_hits_and_chunked_prefill(looping_llama_dir: Path,
+                                                               reference: list[list[int]]) -> None:
+    llm = _llm(looping_llama_dir, SPEC, max_num_batched_tokens=16)
+    assert generated(llm.generate(PROMPTS, GREEDY)) == reference
+    assert_no_leaks(llm)
+    hits = llm.engine.stats()["prefix_hits"]
+    assert generated(llm.generate(PROMPTS, GREEDY)) == reference
+    assert llm.engine.stats()["prefix_hits"] > hits
+    assert llm.engine.stats()["spec"]["accepted_tokens"] > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_identical_under_preemption(looping_llama_dir: Path, reference: list[list[int]], mode: str) -> None:
+    # 12 blocks of 8 tokens for four sequences growing to 66-84 tokens: they preempt each other
+    llm = _llm(looping_llama_dir, SPEC, num_gpu_blocks=12, block_size=8, preemption_mode=mode, watermark=0.0,
+               num_cpu_blocks=64, debug_blocks=True)  # invariants checked after every step
+    assert generated(llm.generate(PROMPTS, GREEDY)) == reference
+    stats = llm.engine.stats()
+    assert stats["preemptions"].get(mode, 0) > 0
+    assert stats["spec"]["accepted_tokens"] > 0
+    assert_no_leaks(llm)
+
+
+def _cycle_prompt(model: Path) -> list[int]:
+    """Two turns of the model's greedy cycle."""
+    out = generated(_llm(model, None).generate([[7, 8, 9, 10]], GREEDY))[0]
+    return out[24:48] * 2
+
+
+def test_seeded_sampling_gives_the_same_tokens(markov_llama_dir: Path) -> None:
+    prompts = [_cycle_prompt(markov_llama_dir), *PROMPTS]
+    params = [SamplingParams(temperature=0.5 if s % 2 else 1.0, seed=s, max_tokens=48, ignore_eos=True,
+                             top_p=0.9 if s % 2 else 1.0) for s in range(len(prompts) * 2)]
+    prompts = prompts[:1] * len(prompts) + prompts
+    plain = generated(_llm(markov_llama_dir, None).generate(prompts, params))
+    llm = _llm(markov_llama_dir, {**SPEC, "disable_by_batch_size": 16})
+    assert generated(llm.generate(prompts, params)) == plain
+    assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
+    assert_no_leaks(llm)
+
+
+def test_off_for_large_batches_and_ineligible_requests(looping_llama_dir: Path, reference: list[list[int]]) -> None:
+    llm = _llm(looping_llama_dir, {**SPEC, "disable_by_batch_size": 3})
+    assert generated(llm.generate(PROMPTS, GREEDY)) == reference  # four sequences: never proposes
+    assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
+    logprobs = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    penalty = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, repetition_penalty=1.2)
+    two = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
+    for params in (logprobs, penalty, two):
+        llm.generate(PROMPTS[:1], params)
+        assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
+    assert_no_leaks(llm)
+
+
+def test_sampled_distribution_matches_plain_sampling(markov_llama_dir: Path) -> None:
+    """Chi-square of the 2nd-4th tokens' values, 240 seeds each way (disjoint seeds, so the runs are
+    independent samples); acceptances and rejections must have happened at those positions."""
+    prompt = _cycle_prompt(markov_llama_dir)
+    counts: list[Counter[tuple[int, int]]] = []
+    for spec, seeds in ((None, range(240)), ({**SPEC, "disable_by_batch_size": 1000}, range(1000, 1240))):
+        llm = _llm(markov_llama_dir, spec, max_num_seqs=16)
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in seeds]
+        outs = generated(llm.generate([prompt] * len(params), params))
+        counts.append(Counter((j, t) for out in outs for j, t in enumerate(out) if j >= 1))
+        if spec is not None:
+            stats = llm.engine.stats()["spec"]
+            assert 0 < stats["accepted_tokens"] < stats["proposed_tokens"]
+        assert_no_leaks(llm)
+    plain, spec_counts = counts
+    keys = set(plain) | set(spec_counts)
+    # pool rare cells per position so every cell expects >= 5 in each run
+    stat, cells = 0.0, 0
+    for position in (1, 2, 3):
+        pos_keys = sorted(k for k in keys if k[0] == position)
+        big = [k for k in pos_keys if plain[k] + spec_counts[k] >= 20]
+        rest = [k for k in pos_keys if k not in big]
+        groups = [[k] for k in big] + ([rest] if rest else [])
+        for group in groups:
+            a = sum(plain[k] for k in group)
+            b = sum(spec_counts[k] for k in group)
+            expected = (a + b) / 2
+            stat += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
+            cells += 1
+    dof = cells - 3
+    # the 99.9% quantile of chi-square is below dof + 3.1 * sqrt(2 dof) + 10 for these sizes
+    assert stat < dof + 3.1 * (2 * dof) ** 0.5 + 10, (stat, dof)

@@ -1,0 +1,83 @@
+"""The speculation policy: batch-size gate, per-sequence acceptance cool-down, and the pause when
+speculative steps yield fewer tokens per second than plain ones."""
+
+from __future__ import annotations
+
+from common.sampling_params import SamplingParams
+from engine.sched.sequence import Request, Sequence
+from engine.spec.config import SpeculativeConfig
+from engine.spec.speculator import BASE_COOLDOWN, Speculator, eligible
+
+
+def _seq(params: SamplingParams | None = None, outputs: int = 1) -> Sequence:
+    prompt = [1, 2, 3, 4, 1, 2, 3]
+    request = Request("r", prompt, params or SamplingParams(temperature=0.0, max_tokens=64))
+    seq = Sequence(request, 0, [*prompt, 4][: len(prompt) + outputs], len(prompt))
+    request.seqs.append(seq)
+    return seq
+
+
+def test_batch_gate_and_proposals() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=2))
+    assert spec.allows_batch(2) and not spec.allows_batch(3)
+    seq = _seq()
+    assert spec.propose(seq, 8) == [1, 2, 3]  # "1 2 3 4" seen before: what followed "4"
+    assert spec.propose(seq, 2) == [1, 2]
+
+
+def test_ineligible_requests_never_propose() -> None:
+    for params in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(n=2, temperature=1.0),
+                   SamplingParams(temperature=0.0, frequency_penalty=0.5), SamplingParams(temperature=0.0,
+                                                                                          min_tokens=5)):
+        seq = _seq(params)
+        assert not eligible(seq)
+        assert Speculator(SpeculativeConfig(num_speculative_tokens=3)).propose(seq, 8) == []
+
+
+def test_low_acceptance_cools_a_sequence_down() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, min_acceptance_rate=0.5))
+    seq = _seq()
+    for _ in range(3):
+        assert spec.propose(seq, 8)
+        spec.record(seq, 3, 0)
+    assert all(spec.propose(seq, 8) == [] for _ in range(BASE_COOLDOWN))
+    assert spec.propose(seq, 8) == [1, 2, 3]
+    assert spec.stats()["proposed_tokens"] == 9 and spec.stats()["accepted_tokens"] == 0
+    spec.release(seq.seq_id)
+    assert not spec.states
+
+
+def test_pauses_when_speculative_steps_are_slower() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3))
+    spec.observe_step(0.1, 1, speculative=False)  # 10 tok/s plain
+    for _ in range(3):
+        spec.observe_step(0.1, 3, speculative=True)  # 30 tok/s: keeps going
+    assert spec.allows_batch(1)
+    for _ in range(6):
+        spec.observe_step(1.0, 2, speculative=True)  # 2 tok/s: slower than plain
+    assert spec.stats()["pauses"] == 1
+    assert not any(spec.allows_batch(1) for _ in range(BASE_COOLDOWN))
+    assert spec.allows_batch(1)
+
+
+def test_prometheus_counters_and_heartbeat_fields() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.worker.heartbeat import flatten_stats
+    from engine.worker.metrics import EngineMetrics
+
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1))
+    seq = _seq()
+    spec.propose(seq, 8)
+    spec.record(seq, 3, 2)
+    stats = {"num_blocks": 1, "num_free_blocks": 1, "usage_ratio": 0.0, "block_utilization": 0.0, "running": 1,
+             "waiting": 0, "swapped": 0, "spec": spec.stats(), "spec_accepted_lengths": spec.accepted_lengths()}
+    metrics = EngineMetrics("cpu")
+    metrics.update(stats)
+    values = {s.name: s.value for family in text_string_to_metric_families(metrics.render().decode())
+              for s in family.samples}
+    assert values["pagedserve_spec_proposed_tokens_total"] == 3
+    assert values["pagedserve_spec_accepted_tokens_total"] == 2
+    assert values["pagedserve_spec_verified_rows_total"] == 1
+    flat = flatten_stats(stats)
+    assert flat["spec_mean_acceptance_length"] == 3.0 and flat["spec_accepted_lengths_2"] == 1.0
