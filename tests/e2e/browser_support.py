@@ -52,6 +52,7 @@ class Stack:
         log_path = log_dir / "up.log"
         cmd = [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(model), "--port", str(port),
                "--served-model-name", "tiny", "--device", "cpu", "--kv-cache-memory", kv_cache_memory,
+               "--kv-cache-dtype", "auto",  # the pool sizes the pages are tested with
                "--api-key", API_KEY]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -142,9 +142,9 @@ def _picked_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     runner = llm.engine.runner
     execute = runner.execute
 
-    def spy(sched: Any, pick: Any = None) -> Any:
+    def spy(sched: Any, pick: Any = None, spec_pick: Any = None) -> Any:
         seen.append(pick is not None)
-        return execute(sched, pick)
+        return execute(sched, pick, spec_pick)
 
     monkeypatch.setattr(runner, "execute", spy)
     return seen
