@@ -1,12 +1,11 @@
-"""Issue 12 end to end with the official `openai` client: a real engine process (tiny random
+"""The OpenAI features end to end with the official `openai` client: a real engine process (tiny random
 Llama, fp32, chunked prefill forced by a 32-token budget), an in-process gateway, real Redis.
 
 JSON-schema answers parse and validate for sampled outputs over several seeds; required and
 named tool calls come back valid, whole and streamed; penalties change greedy output; a -100
 bias bans the greedy token; /tokenize equals the Hugging Face tokenizer; echoed prompt logprobs
 equal HF's log-softmax (also on a prefix-cache hit); a chunk-stripping SSE client loses nothing
-in a burst where first tokens wait. The structured-output, penalty, bias and prompt-logprob
-tests need the engine side of issue 12."""
+in a burst where first tokens wait."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Issue 10's hostile inputs: each gets a 4xx with an OpenAI error body, never a 500, and
-nothing reaches the request stream. Among them the ones that used to answer 500: a list as a
-message role, template kwargs that override `messages`, deep nesting, lone surrogates, ids
-past the vocabulary or past 2^64 (msgpack cannot carry them)."""
+"""Hostile inputs: each gets a 4xx with an OpenAI error body, never a 500, and nothing reaches
+the request stream: a list as a message role, template kwargs that override `messages`, deep
+nesting, lone surrogates, ids past the vocabulary or past 2^64 (msgpack cannot carry them)."""
 
 from __future__ import annotations
 
