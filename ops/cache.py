@@ -10,6 +10,7 @@ from ops import reference
 from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks import check_cache_write, check_copy, check_swap
+from ops.checks_cuda import check_grid, check_mapping_range, check_same_geometry
 
 
 def _lib(*tensors: torch.Tensor) -> Any:
@@ -42,6 +43,10 @@ def copy_blocks(
     check_copy(key_caches, value_caches, block_mapping)
     if block_mapping.shape[0] == 0 or not key_caches:
         return
+    check_mapping_range(block_mapping, key_caches[0].shape[0], key_caches[0].shape[0], "copy_blocks")
+    if key_caches[0].is_cuda:
+        check_same_geometry([*key_caches, *value_caches])
+        check_grid(block_mapping.shape[0], "block copies")
     if use_reference():
         reference.copy_blocks(key_caches, value_caches, block_mapping)
         return
@@ -58,6 +63,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     check_swap(src, dst, block_mapping)
     if block_mapping.shape[0] == 0:
         return
+    check_mapping_range(block_mapping, src.shape[0], dst.shape[0], "swap_blocks")
     if use_reference():
         reference.swap_blocks(src, dst, block_mapping)
         return

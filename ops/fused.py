@@ -75,5 +75,6 @@ def rotary_embedding_and_cache(
         reference.rotary_embedding_and_cache(positions, query, key, value, cos_sin, key_cache, value_cache,
                                              slot_mapping)
         return
-    _lib(query).rotary_embedding_and_cache(positions, query, key, value, cos_sin, key_cache, value_cache,
-                                           slot_mapping)
+    # the kernels read positions and slots at stride 1
+    _lib(query).rotary_embedding_and_cache(positions.contiguous(), query, key, value, cos_sin, key_cache,
+                                           value_cache, slot_mapping.contiguous())
