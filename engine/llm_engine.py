@@ -37,6 +37,7 @@ from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 from engine.spec.speculator import Speculator
 from engine.spec.verify import accept, verify_plan
+from ops.build import prepare as prepare_kernels
 
 log = get_logger("engine")
 
@@ -48,6 +49,8 @@ class LLMEngine:
         self.config = config
         ops.set_backend(config.attention_backend)
         self.device = resolve_device(config.device)
+        if config.attention_backend == "auto":
+            prepare_kernels(self.device)  # at start-up, not on the first request
         self.dtype = resolve_dtype(resolve_model_dtype(config.dtype, self.device,
                                                        quantized_weights=config.serves_quantized_weights))
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)

@@ -77,7 +77,9 @@ def build_key(kind: str, files: tuple[str, ...], flags: list[str]) -> str:
         digest.update(rel.encode())
         digest.update(path.read_bytes() if path.exists() else b"")
     target = _cpu_fingerprint() if kind == "cpu" else f"cuda{torch.version.cuda}"
-    for part in (kind, torch.__version__, " ".join(flags), target):
+    # the checkout too: ninja rebuilds whenever the sources' paths in its commands change, so two
+    # checkouts sharing one build directory would rebuild each other's library on every switch
+    for part in (kind, torch.__version__, " ".join(flags), target, str(CSRC)):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -131,6 +133,15 @@ def _load(kind: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), **
     if fresh:
         log.info("kernels built", kind=kind, seconds=round(time.perf_counter() - started, 1))
     return str(path)
+
+
+def prepare(device: torch.device) -> None:
+    """Build (or load) the kernels of `device` now, so the first request does not wait for a
+    compiler (a first CPU build takes a minute or more on two cores)."""
+    if device.type == "cuda":
+        cuda_ops()
+    else:
+        cpu_ops()
 
 
 @functools.cache

@@ -27,6 +27,9 @@ bash scripts/install_chromium.sh
 echo "== default model (SmolLM2-135M-Instruct; fetched once into the user cache)"
 pagedserve fetch-model
 
+echo "== CPU kernels (built once into the user cache, so no test waits for the compiler)"
+python -c "import torch, ops.build; ops.build.prepare(torch.device('cpu'))"
+
 if [ $# -gt 0 ]; then  # a selection (make test ARGS=..., make test-slow): just that
     echo "== pytest $*"
     exec python -m pytest "$@"

@@ -78,6 +78,18 @@ class Stack:
         except (urllib.error.URLError, OSError):
             return False
 
+    def engine_pid(self) -> int:
+        """The `pagedserve engine` child of this `up` (read from /proc)."""
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid and b"engine" in cmdline:
+                return int(stat.parent.name)
+        raise RuntimeError("pagedserve up has no engine child")
+
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 

@@ -4,6 +4,8 @@ artifacts/screenshots/."""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -122,11 +124,17 @@ def send(chat: Tab, text: str, max_tokens: int, ignore_eos: bool = False, n: int
 
 def test_chat_streams_an_answer(browser: Any, stack: Stack, tabs: list[Tab]) -> None:
     chat = new_tab(tabs, browser, stack, "/")
+    # Recorded by the page itself as it changes, so a fast answer cannot slip between two polls.
+    chat.page.evaluate("""() => { window.sawStreaming = false;
+        new MutationObserver(() => {
+            const a = [...document.querySelectorAll('li.assistant')].at(-1);
+            if (a && a.getAttribute('aria-busy') === 'true' && a.querySelector('.content').textContent.length > 0
+                && document.querySelector('#send').disabled && !document.querySelector('#stop').disabled) {
+                window.sawStreaming = true; }
+        }).observe(document.body, {subtree: true, childList: true, characterData: true, attributes: true}); }""")
     answer = send(chat, "Hello! Tell me about paged attention.", max_tokens=160, ignore_eos=True)
-    chat.page.wait_for_function("""() => { const a = [...document.querySelectorAll('li.assistant')].at(-1);
-        return a.getAttribute('aria-busy') === 'true' && a.querySelector('.content').textContent.length > 0; }""")
-    assert chat.page.is_disabled("#send") and chat.page.is_enabled("#stop")  # still streaming
     chat.page.wait_for_selector("li.assistant[data-status=done]")
+    assert chat.page.evaluate("window.sawStreaming")  # text arrived while busy, with send off and stop on
     stats = answer.locator(".answer-stats").text_content()
     assert "160 completion tokens" in stats and "TTFT" in stats and "tokens/s" in stats, stats
     assert answer.locator(".content").text_content()
@@ -139,12 +147,18 @@ def test_stop_aborts_and_the_engine_frees_the_blocks(browser: Any, stack: Stack,
     kv = new_tab(tabs, browser, stack, "/kv")
     chat = new_tab(tabs, browser, stack, "/")
     send(chat, "Write a long story.", max_tokens=1900, ignore_eos=True)  # fits the 2,048-token pool
-    chat.page.wait_for_selector("li.assistant[data-request-id]")
+    chat.page.wait_for_selector("li.assistant[data-request-id]", state="attached")
     request_id = chat.page.get_attribute("li.assistant[data-request-id]", "data-request-id")
     row = kv.page.locator("table.tables tbody tr", has_text=request_id)
     row.first.wait_for()  # its block table is on the KV page
     kv.wait_stat("used", "> 0")
-    chat.page.click("#stop")
+    engine = stack.engine_pid()
+    os.kill(engine, signal.SIGSTOP)  # the answer cannot finish before Stop is clicked, however fast
+    try:
+        chat.page.click("#stop")
+        chat.page.wait_for_selector("li.assistant[data-status=stopped]")
+    finally:
+        os.kill(engine, signal.SIGCONT)
     chat.page.wait_for_selector("li.assistant[data-status=stopped]")
     assert chat.page.is_enabled("#send") and chat.page.is_disabled("#stop")
     assert "stopped" in (chat.page.text_content("li.assistant .answer-stats") or "")
