@@ -29,6 +29,7 @@ from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dty
 from engine.model.loader import load_hf_config, load_model, resolve_dtype, tokenizer_dir
 from engine.model.runner import ModelRunner, sampling_rows, spec_order
 from engine.model.sharding import SINGLE, TPShard
+from engine.model.spec import ModelSpec
 from engine.outputs import RequestOutput
 from engine.parallel import TensorParallelGroup, start_group
 from engine.sample.grammar import GrammarCompiler
@@ -67,18 +68,19 @@ class LLMEngine:
         limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or limit, limit)
         profile_tokens = min(config.token_budget(self.device.type), self.max_model_len)
-        self.parallel: TensorParallelGroup | None = start_group(config, self.device, self.dtype, self.kv_dtype,
-                                                                profile_tokens)
+        spec = ModelSpec.from_hf_config(self.hf_config)
+        self.parallel: TensorParallelGroup | None = start_group(config, spec, self.device, self.dtype,
+                                                                self.kv_dtype, profile_tokens)
         try:
-            self._build(config, self.parallel.shard if self.parallel is not None else SINGLE, profile_tokens)
+            self._build(config, spec, self.parallel.shard if self.parallel is not None else SINGLE, profile_tokens)
         except BaseException:
             if self.parallel is not None:
                 self.parallel.fail("rank 0 could not start")
             raise
 
-    def _build(self, config: EngineConfig, shard: TPShard, profile_tokens: int) -> None:
+    def _build(self, config: EngineConfig, spec: ModelSpec, shard: TPShard, profile_tokens: int) -> None:
         """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
-        self.model = load_model(config.model, self.dtype, self.device, config.quantization, shard)
+        self.model = load_model(config.model, self.dtype, self.device, config.quantization, shard, spec)
         self.model.use_logit_screen = config.logit_screen
         kv_spec = shard.kv_spec(self.model.spec)
         block_bytes = kv_bytes_per_block(kv_spec, config.block_size, self.kv_dtype)

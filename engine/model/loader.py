@@ -145,14 +145,15 @@ def _load_quantized(model: LlamaForCausalLM, path: Path) -> None:
 
 def load_model(
     path: str | Path, dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
-    quantization: str = "auto", shard: TPShard = SINGLE,
+    quantization: str = "auto", shard: TPShard = SINGLE, spec: ModelSpec | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError.
 
     A `.gguf` keeps its quantized weights packed (`engine.model.gguf_weights`; fp32 activations on
     the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first.
     With a `shard` of size N, the rank's part of the model (`engine.model.sharding`): a safetensors
-    directory is read slice by slice; other formats are read whole and cut.
+    directory is read slice by slice; other formats are read whole and cut. `spec`, when given,
+    is the model's (read by rank 0), so a spawned rank need not import transformers to read it.
     """
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
@@ -162,7 +163,7 @@ def load_model(
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
-    spec = ModelSpec.from_hf_config(load_hf_config(p))
+    spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         log.warning("sliding window attention is not implemented; attention is exact only up to the window",
                     sliding_window=spec.sliding_window)

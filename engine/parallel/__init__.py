@@ -11,23 +11,26 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.model.sharding import TPShard
+from engine.model.spec import ModelSpec
 from engine.parallel.group import EXIT_RANK_FAILED, TensorParallelError, TensorParallelGroup
 
 __all__ = ["EXIT_RANK_FAILED", "TensorParallelError", "TensorParallelGroup", "start_group"]
 
 
-def start_group(config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
-                profile_tokens: int) -> TensorParallelGroup | None:
+def start_group(config: EngineConfig, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                kv_dtype: torch.dtype, profile_tokens: int) -> TensorParallelGroup | None:
     """The group of `config.tensor_parallel_size` ranks with this process as rank 0, or None for 1.
     Rank 0 runs with as many torch threads as every other rank (`tensor_parallel_threads`, else
     this process's threads / N)."""
     size = config.tensor_parallel_size
     if size == 1:
         return None
+    TPShard(0, size).check(spec)  # refuse before spawning anything
     threads = config.tensor_parallel_threads or max(1, torch.get_num_threads() // size)
     torch.set_num_threads(threads)
     name = str(device) if device.type == "cpu" else f"cuda:{device.index or 0}"
-    return TensorParallelGroup(config, name, _name(dtype), _name(kv_dtype), threads, profile_tokens)
+    return TensorParallelGroup(config, spec, name, _name(dtype), _name(kv_dtype), threads, profile_tokens)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from common.log import get_logger
 from engine.config import EngineConfig
 from engine.model.sharding import TPShard
+from engine.model.spec import ModelSpec
 from engine.model.step_inputs import StepInputs
 from engine.parallel.channel import Groups, Rendezvous, join
 from engine.parallel.rank import RankArgs, rank_main
@@ -42,7 +43,7 @@ def free_port(host: str) -> int:
 class TensorParallelGroup:
     """The group as rank 0 sees it: `shard` for its own model, `publish` for the runner."""
 
-    def __init__(self, config: EngineConfig, device: str, dtype: str, kv_dtype: str, threads: int,
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: str, dtype: str, kv_dtype: str, threads: int,
                  profile_tokens: int) -> None:
         """Spawn ranks 1..N-1 and join them (`device`, `dtype`, `kv_dtype`: rank 0's resolved names)."""
         size = config.tensor_parallel_size
@@ -55,10 +56,10 @@ class TensorParallelGroup:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         self.rendezvous = Rendezvous(host, port, size, backend, config.tensor_parallel_timeout)
         context = multiprocessing.get_context("spawn")
-        self.procs = [context.Process(target=rank_main, name=f"tp-rank-{rank}", daemon=True,
-                                      args=(RankArgs(config, rank, self.rendezvous, device, dtype, kv_dtype, threads,
-                                                         profile_tokens),))
-                      for rank in range(1, size)]
+        ranks = [RankArgs(config, spec, rank, self.rendezvous, device, dtype, kv_dtype, threads, profile_tokens)
+                 for rank in range(1, size)]
+        self.procs = [context.Process(target=rank_main, name=f"tp-rank-{args.rank}", daemon=True, args=(args,))
+                      for args in ranks]
         for proc in self.procs:
             proc.start()
         log.info("tensor-parallel ranks started", size=size, backend=backend, master=f"{host}:{port}",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.model.spec import ModelSpec
 from engine.parallel.channel import Rendezvous, join
 from engine.parallel.step_message import Command, header, unpack
 
@@ -27,6 +28,7 @@ class RankArgs:
     """What rank 0 hands a rank it spawns (picklable)."""
 
     config: EngineConfig
+    spec: ModelSpec  # the model's shapes, as rank 0 read them
     rank: int
     rendezvous: Rendezvous
     device: str  # rank 0's resolved device ("cpu", "cuda:0"); rank r takes the r-th GPU after it
@@ -83,7 +85,7 @@ def _serve(args: RankArgs) -> None:
         prepare_kernels(device)
     groups = join(args.rendezvous, args.rank)
     shard = TPShard(args.rank, groups.size, groups.compute)
-    model = load_model(config.model, args.dtype, device, config.quantization, shard)
+    model = load_model(config.model, args.dtype, device, config.quantization, shard, args.spec)
     kv_dtype = getattr(torch, args.kv_dtype)
     kv_spec = shard.kv_spec(model.spec)
     block_bytes = kv_bytes_per_block(kv_spec, config.block_size, kv_dtype)
