@@ -27,10 +27,17 @@ def start_group(config: EngineConfig, spec: ModelSpec, device: torch.device, dty
     if size == 1:
         return None
     TPShard(0, size).check(spec)  # refuse before spawning anything
-    threads = config.tensor_parallel_threads or max(1, torch.get_num_threads() // size)
+    previous = torch.get_num_threads()
+    threads = config.tensor_parallel_threads or max(1, previous // size)
     torch.set_num_threads(threads)
     name = str(device) if device.type == "cpu" else f"cuda:{device.index or 0}"
-    return TensorParallelGroup(config, spec, name, _name(dtype), _name(kv_dtype), threads, profile_tokens)
+    try:
+        group = TensorParallelGroup(config, spec, name, _name(dtype), _name(kv_dtype), threads, profile_tokens)
+    except BaseException:
+        torch.set_num_threads(previous)
+        raise
+    group.previous_threads = previous  # restored by close()
+    return group
 
 
 def _name(dtype: torch.dtype) -> str:

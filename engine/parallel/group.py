@@ -15,7 +15,10 @@ import multiprocessing.connection
 import os
 import socket
 import threading
+import time
 from typing import Any
+
+import torch
 
 from common.log import get_logger
 from engine.config import EngineConfig
@@ -49,6 +52,7 @@ class TensorParallelGroup:
         size = config.tensor_parallel_size
         self.size = size
         self.exit_on_failure = False
+        self.previous_threads: int | None = None  # this process's torch threads before the group
         self.broken: str | None = None
         self.closing = False
         host = config.master_addr
@@ -64,8 +68,11 @@ class TensorParallelGroup:
             proc.start()
         log.info("tensor-parallel ranks started", size=size, backend=backend, master=f"{host}:{port}",
                  pids=[p.pid for p in self.procs], threads_per_rank=threads)
+        self.timeout_s = config.tensor_parallel_timeout
+        self._sending_since: float | None = None  # a send in flight (the control group's timeout is long)
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
+        threading.Thread(target=self._watch_sends, name="tp-send-watch", daemon=True).start()
         self.groups: Groups = join(self.rendezvous, 0)
         self.shard = TPShard(0, size, self.groups.compute)
 
@@ -78,7 +85,12 @@ class TensorParallelGroup:
     def publish(self, inputs: StepInputs) -> None:
         """Send one step's inputs to ranks 1..N-1 (the runner's `StepPublisher`)."""
         self._check()
-        self.groups.send(pack(inputs))
+        message = pack(inputs)
+        self._sending_since = time.monotonic()
+        try:
+            self.groups.send(message)
+        finally:
+            self._sending_since = None
 
     def step_failed(self, exc: BaseException) -> TensorParallelError:
         """A step raised on rank 0: the ranks may be mid-step, so the group is done."""
@@ -97,6 +109,8 @@ class TensorParallelGroup:
                 proc.kill()
         if self.exit_on_failure:
             os._exit(EXIT_RANK_FAILED)
+        for proc in self.procs:
+            proc.join(5.0)
 
     def close(self, timeout: float = 10.0) -> None:
         """Tell the ranks to stop, wait for them (killing stragglers), leave the group."""
@@ -114,6 +128,8 @@ class TensorParallelGroup:
                 proc.kill()
                 proc.join(timeout)
         self.groups.close()
+        if self.previous_threads is not None:
+            torch.set_num_threads(self.previous_threads)
 
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
@@ -126,6 +142,16 @@ class TensorParallelGroup:
     def _check(self) -> None:
         if self.broken is not None:
             raise TensorParallelError(f"tensor-parallel group failed: {self.broken}")
+
+    def _watch_sends(self) -> None:
+        """A send blocks until every rank takes it (gloo waits for the receiver): one that has not
+        gone within the collective timeout means a hung rank; failing the group kills the ranks,
+        which ends the blocked send."""
+        while not self.closing and self.broken is None:
+            since = self._sending_since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self.fail(f"a step was not taken by every rank within {self.timeout_s:g} s")
+            time.sleep(0.2)
 
     def _watch(self) -> None:
         """Wait for any rank to exit; one that exits while the group is open fails it."""
