@@ -45,6 +45,22 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.shard.all_reduce(out)
 
 
+class VocabParallelLookup(nn.Module):
+    """`VocabParallelEmbedding` around another lookup (a packed `QuantEmbedding`) of rows `[lo, hi)`."""
+
+    def __init__(self, inner: nn.Module, vocab_range: tuple[int, int], shard: TPShard) -> None:
+        super().__init__()
+        self.inner = inner
+        self.lo, self.hi = vocab_range
+        self.shard = shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = (ids >= self.lo) & (ids < self.hi)
+        out = self.inner(torch.where(inside, ids - self.lo, torch.zeros_like(ids)))
+        out.masked_fill_(~inside.unsqueeze(-1), 0.0)
+        return self.shard.all_reduce(out)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32, as HF Llama does, with an optional fused residual add."""
 
