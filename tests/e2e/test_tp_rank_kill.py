@@ -53,8 +53,10 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def rank_pids(engine_pid: int) -> list[int]:
-    """The engine's spawned ranks (its children running multiprocessing's spawn entry point)."""
-    children = Path(f"/proc/{engine_pid}/task/{engine_pid}/children").read_text().split()
+    """The engine's spawned ranks (its children running multiprocessing's spawn entry point; the
+    engine thread spawned them, so they are listed under that thread's task)."""
+    tasks = Path(f"/proc/{engine_pid}/task").iterdir()
+    children = [c for task in tasks for c in (task / "children").read_text().split()]
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
