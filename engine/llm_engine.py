@@ -76,6 +76,7 @@ class LLMEngine:
         except BaseException:
             if self.parallel is not None:
                 self.parallel.fail("rank 0 could not start")
+                self.parallel.close()
             raise
 
     def _build(self, config: EngineConfig, spec: ModelSpec, shard: TPShard, profile_tokens: int) -> None:

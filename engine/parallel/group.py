@@ -73,7 +73,13 @@ class TensorParallelGroup:
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
         threading.Thread(target=self._watch_sends, name="tp-send-watch", daemon=True).start()
-        self.groups: Groups = join(self.rendezvous, 0)
+        try:
+            self.groups: Groups = join(self.rendezvous, 0)
+        except BaseException:
+            self.closing = True
+            for proc in self.procs:
+                proc.kill()
+            raise
         self.shard = TPShard(0, size, self.groups.compute)
 
     # ----- used by the engine -----------------------------------------------------------------
