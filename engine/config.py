@@ -45,6 +45,13 @@ class EngineConfig:
     logit_screen: bool = True  # greedy tokens through a bf16 screen of the lm_head where the CPU has one
     # vLLM's form, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; parsed here
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    # Tensor parallelism (`engine.parallel`): N ranks on one machine, each with its share of the heads.
+    # kv_cache_memory / gpu_memory_utilization are per rank; the group's KV capacity is the minimum over ranks.
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 30.0  # seconds a collective waits for a peer before the group fails
+    tensor_parallel_threads: int | None = None  # torch threads per rank; None: this process's threads / N
+    master_addr: str = "127.0.0.1"  # where ranks meet (rank 0's TCP store)
+    master_port: int | None = None  # None: a free port
 
     @property
     def serves_quantized_weights(self) -> bool:
@@ -76,6 +83,10 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError("max_num_batched_tokens must be at least one block")
+        if self.tensor_parallel_size < 1 or self.tensor_parallel_timeout <= 0:
+            raise ValueError("tensor_parallel_size must be >= 1 and tensor_parallel_timeout > 0")
+        if self.tensor_parallel_threads is not None and self.tensor_parallel_threads < 1:
+            raise ValueError("tensor_parallel_threads must be >= 1")
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         elif self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -12,12 +12,23 @@ from engine.outputs import CompletionOutput, RequestOutput
 
 
 class LLM:
-    """Batch generation in-process, with the same engine the server runs."""
+    """Batch generation in-process, with the same engine the server runs. Any `EngineConfig`
+    field is a keyword, e.g. `LLM(model, tensor_parallel_size=2)`; `close()` (or `with LLM(...)`)
+    stops a tensor-parallel group's ranks."""
 
     def __init__(self, model: str, **config: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
         self._tokenizer: Any = None
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self) -> Any:

@@ -17,18 +17,21 @@ from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_stats import block_tables, pool_snapshot
-from engine.model.attention import AttentionMetadata
 from engine.model.capacity import (
     log_capacity,
     num_device_blocks,
     num_host_blocks,
+    profile_peak,
     resolve_device,
     resolve_model_dtype,
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
 from engine.model.loader import load_hf_config, load_model, resolve_dtype, tokenizer_dir
 from engine.model.runner import ModelRunner, sampling_rows, spec_order
+from engine.model.sharding import SINGLE, TPShard
+from engine.model.spec import ModelSpec
 from engine.outputs import RequestOutput
+from engine.parallel import TensorParallelGroup, start_group
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sample_step import SampleStage
 from engine.sched.admission import RequestRejected, check_request
@@ -43,7 +46,10 @@ log = get_logger("engine")
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache for one model on one device."""
+    """Continuous batching over a paged KV cache for one model on one device, or on a
+    tensor-parallel group (`config.tensor_parallel_size` > 1): this process is rank 0 and keeps the
+    scheduler, block manager and sampling; every rank holds the KV of its own heads under the
+    same block ids (`engine.parallel`)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -56,29 +62,50 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer_dir = tokenizer_dir(config.model, config.tokenizer)
         self.hf_config = load_hf_config(config.model)
-        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
-        self.model.use_logit_screen = config.logit_screen
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)
         limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         self.max_model_len = min(config.max_model_len or limit, limit)
-        block_bytes = kv_bytes_per_block(self.hf_config, config.block_size, self.kv_dtype)
-        peak = self._profile_peak() if self.device.type == "cuda" else 0
+        profile_tokens = min(config.token_budget(self.device.type), self.max_model_len)
+        spec = ModelSpec.from_hf_config(self.hf_config)
+        self.parallel: TensorParallelGroup | None = start_group(config, spec, self.device, self.dtype,
+                                                                self.kv_dtype, profile_tokens)
+        try:
+            self._build(config, spec, self.parallel.shard if self.parallel is not None else SINGLE, profile_tokens)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.fail("rank 0 could not start")
+                self.parallel.close()
+            raise
+
+    def _build(self, config: EngineConfig, spec: ModelSpec, shard: TPShard, profile_tokens: int) -> None:
+        """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
+        self.model = load_model(config.model, self.dtype, self.device, config.quantization, shard, spec)
+        self.model.use_logit_screen = config.logit_screen
+        kv_spec = shard.kv_spec(self.model.spec)
+        block_bytes = kv_bytes_per_block(kv_spec, config.block_size, self.kv_dtype)
+        peak = (profile_peak(self.model, profile_tokens, config.max_num_seqs, kv_spec, config.block_size,
+                             self.kv_dtype, self.device) if self.device.type == "cuda" else 0)
         num_blocks = num_device_blocks(config, block_bytes, self.device, peak)
+        num_cpu = num_host_blocks(config, block_bytes)
+        if self.parallel is not None:  # one block manager for the group: the smallest rank's pool
+            num_blocks, num_cpu = self.parallel.agree_min(num_blocks), self.parallel.agree_min(num_cpu)
         if num_blocks < 1:
             raise ValueError("no room for a single KV block: raise kv_cache_memory / gpu_memory_utilization")
-        num_cpu = num_host_blocks(config, block_bytes)
-        log_capacity(num_blocks, config.block_size, block_bytes, self.max_model_len, kv_dtype_name(self.kv_dtype))
+        self.block_bytes = block_bytes * shard.size  # the group's bytes per block (every rank holds its heads')
+        log_capacity(num_blocks, config.block_size, block_bytes, self.max_model_len, kv_dtype_name(self.kv_dtype),
+                     shard.size)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, num_cpu, watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching, debug=config.debug_blocks,
         )
-        kv = allocate_kv_caches(self.hf_config, num_blocks, config.block_size, self.kv_dtype, self.device)
-        host = allocate_kv_caches(self.hf_config, num_cpu, config.block_size, self.kv_dtype, "cpu")
+        kv = allocate_kv_caches(kv_spec, num_blocks, config.block_size, self.kv_dtype, self.device)
+        host = allocate_kv_caches(kv_spec, num_cpu, config.block_size, self.kv_dtype, "cpu")
         if self.device.type == "cuda":
             host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
-        self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device,
+                                  self.parallel.publish if self.parallel is not None else None)
         self.token_budget = config.token_budget(self.device.type)
         spec_config = config.speculative()
         self.speculator = Speculator(spec_config) if spec_config is not None else None
@@ -170,6 +197,10 @@ class LLMEngine:
         try:
             with torch.inference_mode():
                 return self._step()
+        except Exception as exc:
+            if self.parallel is not None:  # the ranks may be mid-step: the group cannot go on
+                raise self.parallel.step_failed(exc) from exc
+            raise
         finally:
             self.step_seconds += time.perf_counter() - start
             self.num_steps += 1
@@ -217,29 +248,14 @@ class LLMEngine:
             "model_seconds": self.runner.model_seconds,
             "spec": self.speculator.stats() if self.speculator is not None else {},
             "spec_accepted_lengths": self.speculator.accepted_lengths() if self.speculator is not None else {},
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "publish_seconds": self.runner.publish_seconds,
         }
 
-    # ----- internals -----------------------------------------------------------------------
-    def _profile_peak(self) -> int:
-        """Peak activation bytes of the largest step, measured with an empty cache."""
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        n = min(self.config.token_budget(self.device.type), self.max_model_len)
-        empty = allocate_kv_caches(self.hf_config, 0, self.config.block_size, self.kv_dtype, self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            num_prefills=1, num_prefill_tokens=n, prefill_query_start=[0, n], prefill_context_lens=[n],
-            prefill_block_tables=torch.zeros((1, 0), dtype=torch.int32, device=self.device),
-            decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=self.device),
-            decode_context_lens=torch.zeros((0,), dtype=torch.int32, device=self.device),
-        )
-        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device), empty, meta)
-        self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - before
-        torch.cuda.empty_cache()
-        return int(peak)
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do for a single process). Idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()
 
 
 def _eos_ids(model_path: str, hf_config: Any) -> set[int]:

@@ -11,7 +11,8 @@
 # shared/wheels) when missing; make that folder where a network is available with
 #   pip download --no-deps --only-binary=:all: -d shared/wheels structlog pytest-asyncio pytest-timeout
 # Nothing is downloaded here: the checks use seeded random-weight Llamas (benchmarks/random_model.py),
-# the engine benchmark one of SmolLM2-135M's exact shape. Exit status: 0 when the build, the gpu
+# the engine benchmark one of SmolLM2-135M's exact shape. With two or more GPUs, the tensor-parallel
+# check (TP=2 greedy == TP=1 over NCCL, step times: benchmarks/tp_bench.py). Exit status: 0 when the build, the gpu
 # tests and fp32 greedy equality all pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,5 +61,12 @@ if [ "$DEVICE" = cuda ]; then
 else
   step engine_bench 600 "$PY" benchmarks/engine_bench.py --model "$LOG/smollm2-random" --device cpu \
     --dtype float32 --num-requests 8 --hf-batch-sizes 8
+fi
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$DEVICE" = cuda ] && [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: greedy TP=2 == TP=1, step times
+  step tp2 300 "$PY" benchmarks/tp_bench.py --parts check,step --device cuda --sizes 1,2 \
+    --model "$LOG/smollm2-random" --batch 32 --tokens 32
+else
+  echo "[tp2] skipped: $gpus CUDA device(s) here; the TP=2 check needs 2" >&2
 fi
 "$PY" scripts/gpu_summary.py "$LOG"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from common.log import get_logger
 from engine.config import EngineConfig
+from engine.model.attention import AttentionMetadata
+from engine.model.kv_cache import allocate_kv_caches
 
 log = get_logger("capacity")
 
@@ -60,11 +64,13 @@ def num_host_blocks(config: EngineConfig, block_bytes: int) -> int:
 
 
 def log_capacity(num_blocks: int, block_size: int, block_bytes: int, max_model_len: int,
-                 kv_cache_dtype: str = "") -> None:
+                 kv_cache_dtype: str = "", tensor_parallel_size: int = 1) -> None:
+    """The pool's figures; `block_bytes` and `gib` are one rank's (each holds its heads' share)."""
     tokens = num_blocks * block_size
     log.info(
         "kv cache",
         dtype=kv_cache_dtype,
+        tensor_parallel_size=tensor_parallel_size,
         blocks=num_blocks,
         tokens_per_gib=int(2**30 // block_bytes * block_size),
         block_size=block_size,
@@ -72,3 +78,28 @@ def log_capacity(num_blocks: int, block_size: int, block_bytes: int, max_model_l
         tokens=tokens,
         max_concurrency_at_max_len=round(tokens / max_model_len, 2),
     )
+
+
+def profile_peak(model: Any, num_tokens: int, max_num_seqs: int, kv_spec: Any, block_size: int,
+                 kv_dtype: torch.dtype, device: torch.device) -> int:
+    """Peak activation bytes of the largest step (`num_tokens` prefill tokens, logits of up to
+    `max_num_seqs` rows), measured with an empty cache. Every rank of a tensor-parallel group runs
+    it at the same point of start-up (its all-reduces pair up)."""
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    n = num_tokens
+    empty = allocate_kv_caches(kv_spec, 0, block_size, kv_dtype, device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+        num_prefills=1, num_prefill_tokens=n, prefill_query_start=[0, n], prefill_context_lens=[n],
+        prefill_block_tables=torch.zeros((1, 0), dtype=torch.int32, device=device),
+        decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=device),
+        decode_context_lens=torch.zeros((0,), dtype=torch.int32, device=device),
+    )
+    ids = torch.zeros(n, dtype=torch.int64, device=device)
+    hidden = model(ids, torch.arange(n, device=device), empty, meta)
+    model.compute_logits(hidden[-min(n, max_num_seqs):])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    return int(peak)

@@ -13,6 +13,11 @@ Tensors are read with `gguf.GGUFReader` (memory-mapped; nothing is dequantized w
   whole rows are moved back here, which is possible in packed form because blocks run along K.
 
 Any other tensor type raises `ModelLoadError` naming the tensor and its type.
+
+Under tensor parallelism (`model.shard`) each rank keeps its slices only (`_rank_slices`): packed
+rows are whole 32-weight blocks along the input dimension, so column-parallel cuts (q/k/v,
+gate/up, embedding rows) take whole rows, and row-parallel cuts (o, down) cut every row at a block
+boundary; a rank share that is not a multiple of 32 input features is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from engine.model.layers import VocabParallelLookup
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quant_linear import QuantEmbedding, QuantLinear
 from ops.quant import FORMATS, QuantFormat
@@ -148,10 +154,66 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
     collector = _Collector(model, permute=arch == "llama")
     for tensor in reader.tensors:
         collector.add(tensor.name, read_tensor(tensor))
+    if model.shard.size > 1:
+        _rank_slices(model, collector)
     _fill_params(model, collector)
     _build_linears(model, collector, int8_activations)
     model.use_logit_screen = False  # a quantized lm_head has no fp32 weight to screen
     return model
+
+
+_HF_SHARDS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+              "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",)}
+
+
+def _hf_name(path: str, index: int, what: str) -> str:
+    """The HF checkpoint name of shard `index` of module `path` (`...qkv_proj`, 1 -> `...k_proj.weight`)."""
+    for fused, names in _HF_SHARDS.items():
+        if path.endswith(fused):
+            return f"{path.removesuffix(fused)}{fused.split('.')[0]}.{names[index]}.{what}".lstrip(".")
+    return f"{path}.{what}"
+
+
+def cut_stored(model: LlamaForCausalLM, name: str, stored: Stored) -> Stored | None:
+    """This rank's part of `stored` (HF name `name`), None when the rank does not hold it."""
+    data, fmt = stored.data, stored.fmt
+    features = data.shape[1] // fmt.block_bytes * 32 if fmt is not None and data.dim() == 2 else None
+    shape = tuple(data.shape) if features is None else (data.shape[0], features)
+    cut = model.shard.weight_slice(name, shape, model.spec)
+    if cut is None:
+        return None
+    dim, start, length = cut
+    if length == shape[dim]:
+        return stored
+    if dim == 1 and fmt is not None:
+        if start % 32 or length % 32:
+            raise GGUFWeightError(f"{name}: rank {model.shard.rank}'s input features [{start}, {start + length}) "
+                                  f"do not fall on 32-weight block boundaries, so tensor_parallel_size "
+                                  f"{model.shard.size} cannot split this {fmt.name} matrix (pass "
+                                  "quantization='dequantize')")
+        start, length = start // 32 * fmt.block_bytes, length // 32 * fmt.block_bytes
+    return Stored(fmt, data.narrow(dim, start, length).contiguous())
+
+
+def _rank_slices(model: LlamaForCausalLM, collector: _Collector) -> None:
+    """Cut every collected tensor to this rank's slice (`TPShard.weight_slice`); drop what it skips."""
+    for table, what in ((collector.linears, "weight"), (collector.biases, "bias")):
+        for path, shards in list(table.items()):
+            for index, stored in list(shards.items()):
+                part = cut_stored(model, _hf_name(path, index, what), stored)
+                if part is None:
+                    del shards[index]
+                else:
+                    shards[index] = part
+            if not shards:
+                del table[path]
+    embed = collector.params.get("model.embed_tokens.weight")
+    if embed is not None:
+        if model.spec.tie_word_embeddings and model.shard.owns_lm_head and "lm_head" not in collector.linears:
+            collector.linears["lm_head"] = {0: embed}  # rank 0's full tied lm_head, before the cut
+        part = cut_stored(model, "model.embed_tokens.weight", embed)
+        assert part is not None  # every rank holds embedding rows
+        collector.params["model.embed_tokens.weight"] = part
 
 
 def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:
@@ -159,14 +221,15 @@ def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:
     embed = collector.params.pop("model.embed_tokens.weight", None)
     if embed is None:
         raise GGUFWeightError("GGUF file has no token_embd.weight")
-    if "lm_head" not in collector.linears:
+    if "lm_head" not in collector.linears and model.shard.owns_lm_head:
         if not spec.tie_word_embeddings:
             raise GGUFWeightError("GGUF file has no output.weight and the config does not tie embeddings")
         collector.linears["lm_head"] = {0: embed}
-    if embed.fmt is None:
-        model.model.embed_tokens = nn.Embedding.from_pretrained(embed.data, freeze=True)
-    else:
-        model.model.embed_tokens = QuantEmbedding(embed.fmt, embed.data, spec.hidden_size)  # type: ignore[assignment]
+    lookup: nn.Module = (nn.Embedding.from_pretrained(embed.data, freeze=True) if embed.fmt is None
+                         else QuantEmbedding(embed.fmt, embed.data, spec.hidden_size))
+    if model.shard.size > 1:  # this rank's vocabulary rows: ids outside look up zeros, summed over the ranks
+        lookup = VocabParallelLookup(lookup, model.shard.vocab_range(spec), model.shard)
+    model.model.embed_tokens = lookup  # type: ignore[assignment]
     params = dict(model.named_parameters())
     for name, stored in collector.params.items():
         dest = params.get(name)
@@ -183,7 +246,7 @@ def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:
 
 def _build_linears(model: LlamaForCausalLM, collector: _Collector, int8_activations: bool) -> None:
     for path, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or module.out_features == 0:  # 0: a rank other than 0's lm_head
             continue
         shards = collector.linears.pop(path, {})
         count = 3 if path.endswith("qkv_proj") else 2 if path.endswith("gate_up_proj") else 1

@@ -1,12 +1,16 @@
 """Small building blocks of the decoder on the fused ops: Linear, RMSNorm (with the residual add
-folded in) and the SwiGLU MLP with a fused gate/up projection."""
+folded in) and the SwiGLU MLP with a fused gate/up projection; under tensor parallelism the
+vocab-parallel embedding, and row-parallel projections (down here, o in `llama`) whose partial
+sums are all-reduced, their bias held by rank 0 alone so it is added once."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import ops
+from engine.model.sharding import SINGLE, TPShard
 
 
 class Linear(nn.Linear):
@@ -21,6 +25,40 @@ class Linear(nn.Linear):
                 and ops.can_pack(self.weight)):
             self.packed = ops.pack_weight(self.weight)
         return ops.linear(x, self.weight, self.bias, self.packed)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows `[lo, hi)` of the embedding (padded to `ceil(V / N)`): ids outside look up
+    zeros, and the group's sum is the full lookup. Rank 0 of a tied model holds every row (they are
+    its lm_head) and reads the first `ceil(V / N)` of them."""
+
+    def __init__(self, num_rows: int, dim: int, vocab_range: tuple[int, int], shard: TPShard) -> None:
+        super().__init__(num_rows, dim)
+        self.lo, self.hi = vocab_range
+        self.shard = shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = (ids >= self.lo) & (ids < self.hi)
+        local = torch.where(inside, ids - self.lo, torch.zeros_like(ids))
+        out = F.embedding(local, self.weight)
+        out.masked_fill_(~inside.unsqueeze(-1), 0.0)
+        return self.shard.all_reduce(out)
+
+
+class VocabParallelLookup(nn.Module):
+    """`VocabParallelEmbedding` around another lookup (a packed `QuantEmbedding`) of rows `[lo, hi)`."""
+
+    def __init__(self, inner: nn.Module, vocab_range: tuple[int, int], shard: TPShard) -> None:
+        super().__init__()
+        self.inner = inner
+        self.lo, self.hi = vocab_range
+        self.shard = shard
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = (ids >= self.lo) & (ids < self.hi)
+        out = self.inner(torch.where(inside, ids - self.lo, torch.zeros_like(ids)))
+        out.masked_fill_(~inside.unsqueeze(-1), 0.0)
+        return self.shard.all_reduce(out)
 
 
 class RMSNorm(nn.Module):
@@ -47,11 +85,13 @@ class RMSNorm(nn.Module):
 class SwiGLU(nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up stacked in one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE) -> None:
+        """`intermediate_size` is this rank's share (the whole of it for size 1)."""
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias and shard.rank == 0)
+        self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.shard.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))

@@ -14,9 +14,10 @@ from torch import Tensor, nn
 
 import ops
 from engine.model.attention import AttentionMetadata, PagedAttention
-from engine.model.layers import Linear, RMSNorm, SwiGLU
+from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
 from engine.model.rope import RotaryEmbedding
+from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
 
 LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 MiB L3 with room to spare
@@ -48,15 +49,18 @@ _STACKED = {
 
 class LlamaAttention(nn.Module):
     """Fused QKV projection, RoPE fused with the K/V cache write, paged attention, output projection;
-    GQA when kv heads < heads."""
+    GQA when kv heads < heads. Under tensor parallelism this rank's heads only (`TPShard`), the
+    output projection's partial sums all-reduced."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.head_dim, self.num_heads, self.num_kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        local = shard.kv_spec(spec)
+        self.head_dim, self.num_heads, self.num_kv_heads = spec.head_dim, local.num_heads, local.num_kv_heads
+        q_size, kv_size = local.num_heads * spec.head_dim, local.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias)
-        self.attn = PagedAttention(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias and shard.rank == 0)
+        self.attn = PagedAttention(local.num_heads, local.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        self.shard = shard
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
@@ -66,16 +70,16 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         positions, cos_sin = rope
         ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta)))
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block then pre-norm SwiGLU block, residual stream carried alongside."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec)
-        self.mlp = SwiGLU(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
+        self.self_attn = LlamaAttention(spec, shard)
+        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -90,23 +94,37 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaBackbone(nn.Module):
     """Embedding, decoder layers and final norm (the HF `model.` prefix)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec) for _ in range(spec.num_layers))
+        self.embed_tokens = _embedding(spec, shard)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, shard) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings)
 
 
-class LlamaForCausalLM(nn.Module):
-    """The paged Llama-family model: `forward` gives final hidden states, `compute_logits` fp32 logits."""
+def _embedding(spec: ModelSpec, shard: TPShard) -> nn.Embedding:
+    """The whole embedding for size 1, else this rank's vocab rows (all of them on rank 0 of a tied model)."""
+    if shard.size == 1:
+        return nn.Embedding(spec.vocab_size, spec.hidden_size)
+    lo, hi = shard.vocab_range(spec)
+    rows = spec.vocab_size if spec.tie_word_embeddings and shard.owns_lm_head else shard.vocab_per_rank(spec)
+    return VocabParallelEmbedding(rows, spec.hidden_size, (lo, hi), shard)
 
-    def __init__(self, spec: ModelSpec) -> None:
+
+class LlamaForCausalLM(nn.Module):
+    """The paged Llama-family model: `forward` gives final hidden states, `compute_logits` fp32 logits.
+
+    With a `TPShard` of size N it is one rank's part (`engine.model.sharding`): rank 0 keeps the full
+    lm_head (the others an empty one: they never compute logits)."""
+
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
         super().__init__()
+        shard.check(spec)
         self.spec = spec
-        self.model = LlamaBackbone(spec)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
+        self.shard = shard
+        self.model = LlamaBackbone(spec, shard)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size if shard.owns_lm_head else 0, bias=False)
+        if spec.tie_word_embeddings and shard.owns_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.use_logit_screen = True  # greedy rows through `LogitScreen` where it applies
         self.screen: LogitScreen | None = None
@@ -169,17 +187,25 @@ class LlamaForCausalLM(nn.Module):
         return torch.cat([pick(self.compute_logits(part), i * group) for i, part in enumerate(hidden.split(group))])
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy HF-named tensors in (stacking q/k/v and gate/up); raise if a parameter stays unfilled."""
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]], presliced: bool = False) -> None:
+        """Copy HF-named tensors in (stacking q/k/v and gate/up); raise if a parameter stays unfilled.
+        Under tensor parallelism each tensor is cut to this rank's slice (`TPShard.weight_slice`),
+        unless `presliced` (the loader read only that slice of a safetensors file)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, full in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.spec.tie_word_embeddings):
+                continue
+            tensor = full if presliced else self._rank_slice(name, full)
+            if tensor is None:
                 continue
             target, rows = self._destination(name, params)
             if target is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
             dest = params[target] if rows is None else params[target].narrow(0, *rows)
+            if isinstance(self.model.embed_tokens, VocabParallelEmbedding) and target == "model.embed_tokens.weight":
+                dest.zero_()  # the last rank's padding rows stay zero
+                dest = dest.narrow(0, 0, tensor.shape[0])
             if dest.shape != tensor.shape:
                 raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                                  f"model {tuple(dest.shape)}")
@@ -189,9 +215,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 
+    def _rank_slice(self, name: str, tensor: Tensor) -> Tensor | None:
+        """`tensor` cut to this rank's slice; None when the rank does not hold it."""
+        if self.shard.size == 1:
+            return tensor
+        return self.shard.narrow(name, tensor, self.spec)
+
     def _expected_weights(self) -> set[str]:
         expected: set[str] = set()
-        for name, _ in self.named_parameters():  # a tied lm_head is listed once, as the embedding
+        for name, param in self.named_parameters():  # a tied lm_head is listed once, as the embedding
+            if name == "lm_head.weight" and param.shape[0] == 0:
+                continue  # a rank other than 0 holds no lm_head
             fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
             if fused is None:
                 expected.add(name)
@@ -216,8 +250,8 @@ class LlamaForCausalLM(nn.Module):
         return None, None
 
     def _shard_sizes(self, fused: str) -> list[int]:
-        spec = self.spec
+        spec, shard = self.spec, self.shard
         if fused == "qkv_proj":
-            kv = spec.num_kv_heads * spec.head_dim
-            return [spec.num_heads * spec.head_dim, kv, kv]
-        return [spec.intermediate_size] * 2
+            kv = shard.local_kv_heads(spec) * spec.head_dim
+            return [shard.local_heads(spec) * spec.head_dim, kv, kv]
+        return [shard.local_intermediate(spec)] * 2

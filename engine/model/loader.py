@@ -11,6 +11,7 @@ from torch import Tensor
 
 from common.log import get_logger
 from engine.model.llama import LlamaForCausalLM
+from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
 
 log = get_logger("loader")
@@ -92,6 +93,21 @@ def load_hf_config(path: str | Path) -> Any:
         raise ModelLoadError(f"cannot read the model config at {str(p)!r}: {exc}") from exc
 
 
+def _iter_safetensors_slices(files: list[Path], spec: ModelSpec, shard: TPShard) -> Iterator[tuple[str, Tensor]]:
+    """Each tensor's slice for this rank, read with `get_slice` (only those bytes leave the file)."""
+    from safetensors.torch import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                part = f.get_slice(name)
+                cut = shard.weight_slice(name, tuple(part.get_shape()), spec)
+                if cut is None:
+                    continue
+                dim, start, length = cut
+                yield name, part[start : start + length] if dim == 0 else part[:, start : start + length]
+
+
 def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
     from safetensors.torch import safe_open
 
@@ -129,12 +145,15 @@ def _load_quantized(model: LlamaForCausalLM, path: Path) -> None:
 
 def load_model(
     path: str | Path, dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
-    quantization: str = "auto",
+    quantization: str = "auto", shard: TPShard = SINGLE, spec: ModelSpec | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError.
 
     A `.gguf` keeps its quantized weights packed (`engine.model.gguf_weights`; fp32 activations on
     the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first.
+    With a `shard` of size N, the rank's part of the model (`engine.model.sharding`): a safetensors
+    directory is read slice by slice; other formats are read whole and cut. `spec`, when given,
+    is the model's (read by rank 0), so a spawned rank need not import transformers to read it.
     """
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
@@ -144,20 +163,23 @@ def load_model(
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
-    spec = ModelSpec.from_hf_config(load_hf_config(p))
+    spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         log.warning("sliding window attention is not implemented; attention is exact only up to the window",
                     sliding_window=spec.sliding_window)
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
-        model = LlamaForCausalLM(spec).to(dtype=torch_dtype)
+        model = LlamaForCausalLM(spec, shard).to(dtype=torch_dtype)
     model.to_empty(device=device)
-    if spec.tie_word_embeddings:  # to_empty unties parameters; tie them again before loading
+    if spec.tie_word_embeddings and shard.owns_lm_head:  # to_empty unties parameters; tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
+    safetensors = sorted(p.glob("*.safetensors")) if p.is_dir() else []
     if quantized:
         _load_quantized(model, p)
+    elif shard.size > 1 and safetensors:
+        model.load_weights(_iter_safetensors_slices(safetensors, spec, shard), presliced=True)
     else:
         model.load_weights(_iter_gguf_weights(p) if p.is_file() else _iter_directory_weights(p))
     model.eval()
     log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
-             dtype=str(torch_dtype), quantized=quantized)
+             dtype=str(torch_dtype), quantized=quantized, rank=shard.rank, tensor_parallel_size=shard.size)
     return model

@@ -12,6 +12,7 @@ cached context; each of its k + 1 positions yields a token, taken by the verifie
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
 
@@ -21,9 +22,11 @@ from torch import Tensor
 import ops
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM, TokenPicker
+from engine.model.step_inputs import StepInputs
 from engine.sched.output import ScheduledSeq, SchedulerOutput
 
 KVCaches = list[tuple[Tensor, Tensor]]
+StepPublisher = Callable[[StepInputs], None]  # rank 0 of a tensor-parallel group: send the step to the others
 
 
 @dataclass(slots=True)
@@ -33,6 +36,7 @@ class StepBatch:
     input_ids: Tensor
     positions: Tensor
     meta: AttentionMetadata
+    inputs: StepInputs  # the host tensors the three above were made from
     sample_rows: Tensor | None  # flat index of each sampling chunk's last token; None = every row, in order
     sampling: list[ScheduledSeq]  # the chunks those rows belong to
     prompt_rows: list[tuple[ScheduledSeq, int]]  # chunks keeping prompt-logit rows, with their first flat row
@@ -103,25 +107,41 @@ class BlockTableBuffer:
 
 
 class ModelRunner:
-    """Owns the device KV caches and the host swap caches; runs one step at a time."""
+    """Owns the device KV caches and the host swap caches; runs one step at a time.
+
+    Under tensor parallelism every rank has one, over its own heads' caches: rank 0's `execute`
+    builds the step and hands its `StepInputs` to `publish` before running it; the other ranks
+    run what they receive with `run_inputs`."""
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: KVCaches, cpu_caches: KVCaches,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, publish: StepPublisher | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.cpu_caches = cpu_caches
         self.block_size = block_size
         self.device = device
+        self.publish = publish
         self.tables = BlockTableBuffer()
         self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
+        self.publish_seconds = 0.0  # cumulative time handing steps to the other ranks
+
+    def run_inputs(self, inputs: StepInputs) -> Tensor:
+        """Move blocks and run the model over `inputs` (a rank other than 0); the hidden states."""
+        self.move_blocks(inputs)
+        return self.model(_on(inputs.input_ids, self.device), _on(inputs.positions, self.device), self.kv_caches,
+                          inputs.metadata(self.device))
 
     def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None,
                 spec_pick: TokenPicker | None = None) -> ModelOutput:
         """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows), or
         with `pick` their tokens instead, except for `pick.logit_rows` (rows in `sampling_rows`
         order); the speculative positions' tokens by `spec_pick` (greedy without one)."""
-        self.move_blocks(sched)
-        batch = self.prepare(sched.scheduled)
+        batch = self.prepare(sched.scheduled, sched)
+        if self.publish is not None:
+            sent = time.perf_counter()
+            self.publish(batch.inputs)
+            self.publish_seconds += time.perf_counter() - sent
+        self.move_blocks(batch.inputs)
         start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         logits, tokens = hidden.new_empty((0, 0), dtype=torch.float32), None
@@ -149,14 +169,14 @@ class ModelRunner:
         return ModelOutput(logits, batch.sampling, prompt, tokens, pick.logit_rows if pick is not None else [],
                            spec_tokens)
 
-    def move_blocks(self, sched: SchedulerOutput) -> None:
+    def move_blocks(self, inputs: StepInputs) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""
-        if sched.blocks_to_swap_out:
-            self._swap(self.kv_caches, self.cpu_caches, sched.blocks_to_swap_out)
-        if sched.blocks_to_swap_in:
-            self._swap(self.cpu_caches, self.kv_caches, sched.blocks_to_swap_in)
-        if sched.blocks_to_copy:
-            mapping = torch.tensor(sched.blocks_to_copy, dtype=torch.int64, device=self.device)
+        if inputs.swap_out:
+            self._swap(self.kv_caches, self.cpu_caches, inputs.swap_out)
+        if inputs.swap_in:
+            self._swap(self.cpu_caches, self.kv_caches, inputs.swap_in)
+        if inputs.copy:
+            mapping = torch.tensor(inputs.copy, dtype=torch.int64, device=self.device)
             ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def _swap(self, src: KVCaches, dst: KVCaches, pairs: list[tuple[int, int]]) -> None:
@@ -165,9 +185,9 @@ class ModelRunner:
             ops.swap_blocks(src_k, dst_k, mapping)
             ops.swap_blocks(src_v, dst_v, mapping)
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> StepBatch:
+    def prepare(self, scheduled: list[ScheduledSeq], sched: SchedulerOutput | None = None) -> StepBatch:
         """Prefill chunks (more than one new token) first, then one token per decode sequence;
-        positions and slots computed in bulk from the block-table tensor."""
+        positions and slots computed in bulk from the block-table tensor; the block moves of `sched`."""
         order = batch_order(scheduled)
         num_prefills = sum(1 for s in order if len(s.token_ids) > 1)
         counts = [len(s.token_ids) for s in order]
@@ -194,29 +214,19 @@ class ModelRunner:
         spec = [s for s in order if s.num_spec]
         spec_rows = torch.tensor([r for s, e in zip(order, ends, strict=True) if s.num_spec
                                   for r in range(e - 1 - s.num_spec, e)], dtype=torch.int64) if spec else None
-        meta = self._metadata(order, num_prefills, ends, tables, slots, positions)
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in order)), dtype=torch.int64)
-        return StepBatch(self._to_device(input_ids), self._to_device(positions), meta,
-                         None if sample_rows is None else self._to_device(sample_rows), sampling, prompt_rows,
-                         None if spec_rows is None else self._to_device(spec_rows), spec)
-
-    def _metadata(self, order: list[ScheduledSeq], num_prefills: int, ends: list[int], tables: Tensor,
-                  slots: Tensor, positions: Tensor) -> AttentionMetadata:
-        """The attention layers' view of the step (one place, so a new field is added here only)."""
         prefill_tokens = ends[num_prefills - 1] if num_prefills else 0
-        return AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            num_prefills=num_prefills,
-            num_prefill_tokens=prefill_tokens,
-            prefill_query_start=[0, *ends[:num_prefills]],
-            prefill_context_lens=[s.start + len(s.token_ids) for s in order[:num_prefills]],
-            prefill_block_tables=self._to_device(tables[:num_prefills]),
-            decode_block_tables=self._to_device(tables[num_prefills:]),
-            decode_context_lens=self._to_device((positions[prefill_tokens:] + 1).to(torch.int32)),
-        )
+        inputs = StepInputs(
+            input_ids, positions, slots, [0, *ends[:num_prefills]],
+            [s.start + len(s.token_ids) for s in order[:num_prefills]], tables,
+            (positions[prefill_tokens:] + 1).to(torch.int32),
+            list(sched.blocks_to_swap_out) if sched else [], list(sched.blocks_to_swap_in) if sched else [],
+            list(sched.blocks_to_copy) if sched else [])
+        return StepBatch(_on(input_ids, self.device), _on(positions, self.device), inputs.metadata(self.device),
+                         inputs, None if sample_rows is None else _on(sample_rows, self.device), sampling,
+                         prompt_rows, None if spec_rows is None else _on(spec_rows, self.device), spec)
 
-    def _to_device(self, tensor: Tensor) -> Tensor:
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.to(self.device, non_blocking=True)
+
+def _on(tensor: Tensor, device: torch.device) -> Tensor:
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 

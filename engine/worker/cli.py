@@ -76,6 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", type=_json_object,
                         help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off)')
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks this engine spawns on this machine, each holding 1/N of the heads "
+                             "(gloo on the CPU, NCCL on CUDA: one GPU per rank, from --device on)")
+    parser.add_argument("--tensor-parallel-timeout", type=float, default=30.0,
+                        help="seconds a collective waits for a rank before the engine exits (default %(default)s)")
+    parser.add_argument("--tensor-parallel-threads", type=int,
+                        help="torch threads per rank (default: this process's threads / N)")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="where the ranks meet (default %(default)s)")
+    parser.add_argument("--master-port", type=int, help="the ranks' rendezvous port (default: a free one)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between heartbeats; a silent engine's requests move after 5 intervals")
     parser.add_argument("--max-claims", type=int, default=3,
@@ -97,6 +106,9 @@ def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = 
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, debug_blocks=args.debug_blocks,
         logit_screen=not args.no_logit_screen, speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_timeout=args.tensor_parallel_timeout,
+        tensor_parallel_threads=args.tensor_parallel_threads, master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 

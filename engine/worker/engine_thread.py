@@ -83,12 +83,16 @@ class EngineThread:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.engine is not None:
+            self.engine.close()
 
     # ----- on the engine thread --------------------------------------------------------------
     def _build(self, config: EngineConfig) -> None:
         from engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(config)
+        if self.engine.parallel is not None:  # a failed rank ends this process: its requests move elsewhere
+            self.engine.parallel.exit_on_failure = True
         self.snapshot_cache = self.snapshot()
 
     def add(self, job: AddJob) -> None:

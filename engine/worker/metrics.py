@@ -39,6 +39,9 @@ class _StatsCollector(Collector):
         yield usage
         yield GaugeMetricFamily("pagedserve_kv_block_utilization_ratio",
                                 "tokens stored / (used blocks x block size)", value=float(s["block_utilization"]))
+        yield GaugeMetricFamily("pagedserve_tensor_parallel_size",
+                                "ranks of this engine (the KV blocks above are the group's: every rank holds its "
+                                "heads of each block)", value=float(s.get("tensor_parallel_size", 1)))
         for queue in ("running", "waiting", "swapped"):
             yield GaugeMetricFamily(f"pagedserve_requests_{queue}", f"requests {queue}", value=float(s[queue]))
         preempt = CounterMetricFamily("pagedserve_preemptions", "preemptions by mode", labels=["mode"])

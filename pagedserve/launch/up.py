@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV-cache bytes on the CPU (default %(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="ranks the engine splits the model over (see `pagedserve engine`; default 1)")
     parser.add_argument("--metrics-port", type=int, help="engine Prometheus port (gateway: /metrics)")
     parser.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
@@ -157,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
         engine_args = ["engine", "--model", model, "--served-model-name", name, "--quantization", args.quantization,
                        "--kv-cache-dtype", args.kv_cache_dtype, *(["--tokenizer", tokenizer] if tokenizer else []),
                        "--engine-id", "up-engine-0", "--device", args.device,
-                       "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs)]
+                       "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
+                       "--tensor-parallel-size", str(args.tensor_parallel_size)]
         if args.metrics_port:
             engine_args += ["--metrics-port", str(args.metrics_port)]
         children["engine"] = _child(engine_args + tls + shlex.split(args.engine_args), secrets)

@@ -12,7 +12,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -38,6 +38,18 @@ class Plan:
     contiguous_bytes_per_seq: int
     max_seqs_contiguous: int
     gain: float | None  # paged / contiguous concurrency; None when contiguous fits nothing
+    tensor_parallel_size: int = 1  # ranks (GPUs); pool, block and per-token bytes above are one rank's
+
+
+def rank_shape(shape: KVShape, tensor_parallel_size: int) -> KVShape:
+    """One rank's share of a token's KV: its KV heads (split, or one replicated head when the ranks
+    outnumber them), as the engine allocates it (`engine.model.sharding`)."""
+    n, kv = tensor_parallel_size, shape.num_kv_heads
+    if n < 1:
+        raise PlanError(f"--tensor-parallel-size must be >= 1, got {n}")
+    if kv % n and n % kv:
+        raise PlanError(f"--tensor-parallel-size {n} neither divides the {kv} KV heads nor is a multiple of them")
+    return replace(shape, num_kv_heads=max(1, kv // n))
 
 
 def kv_pool_bytes(gpu_memory: int, utilization: float, weights: int, workspace: int) -> int:
@@ -60,10 +72,14 @@ def plan_capacity(
     block_size: int,
     avg_tokens: int,
     max_model_len: int,
+    tensor_parallel_size: int = 1,
 ) -> Plan:
-    """The plan for one model shape and budget; raises PlanError on nonsensical input."""
+    """The plan for one model shape and budget; raises PlanError on nonsensical input. With
+    `tensor_parallel_size` N, `gpu_memory` is each GPU's and the weights split N ways; every rank
+    holds its heads' share of every block, so the group has one rank's block count."""
     _check_inputs(gpu_memory, utilization, weights, workspace, block_size, avg_tokens, max_model_len)
-    pool = kv_pool_bytes(gpu_memory, utilization, weights, workspace)
+    shape = rank_shape(shape, tensor_parallel_size)
+    pool = kv_pool_bytes(gpu_memory, utilization, -(-weights // tensor_parallel_size), workspace)
     block_bytes = shape.bytes_per_token * block_size
     if pool < block_bytes:
         raise PlanError(
@@ -89,6 +105,7 @@ def plan_capacity(
         contiguous_bytes_per_seq=contiguous_bytes,
         max_seqs_contiguous=contiguous,
         gain=paged / contiguous if contiguous else None,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -113,8 +130,12 @@ def _check_inputs(
 def format_plan(plan: Plan, shape: KVShape) -> str:
     """The plan as a short readable report."""
     gain = f"{plan.gain:.1f}x" if plan.gain is not None else "contiguous fits none"
+    per_rank = (f" ({max(1, shape.num_kv_heads // plan.tensor_parallel_size)} per rank)"
+                if plan.tensor_parallel_size > 1 else "")
+    ranks = f"tensor parallel  {plan.tensor_parallel_size} ranks: the bytes and the pool below are one rank's"
     return "\n".join([
-        f"model shape      {shape.num_layers} layers x {shape.num_kv_heads} KV heads x "
+        *([ranks] if plan.tensor_parallel_size > 1 else []),
+        f"model shape      {shape.num_layers} layers x {shape.num_kv_heads} KV heads{per_rank} x "
         f"head {shape.head_dim} x {shape.dtype_bytes} B{f' + {shape.scale_bytes} B scale' if shape.scale_bytes else ''}"
         f" = {format_size(plan.bytes_per_token)} per token",
         f"KV pool          {format_size(plan.pool_bytes)}",
@@ -142,6 +163,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
     parser.add_argument("--avg-tokens", type=int, default=512, help="prompt + output tokens (default 512)")
     parser.add_argument("--max-model-len", type=int, help=f"default: the model's, or {DEFAULT_MAX_MODEL_LEN}")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs the model is split over (default 1); --gpu-memory is each one's")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -182,6 +205,7 @@ def _plan_from_args(args: argparse.Namespace) -> tuple[KVShape, Plan]:
         block_size=args.block_size,
         avg_tokens=args.avg_tokens,
         max_model_len=max_len,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return shape, plan
 

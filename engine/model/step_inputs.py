@@ -1,0 +1,46 @@
+"""One step's model inputs on the host: what the runner builds from a scheduler output, and what
+rank 0 of a tensor-parallel group sends the other ranks (`engine.parallel.step_message`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.model.attention import AttentionMetadata
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Host (CPU) tensors of one step: the model's inputs and the block moves that run before it."""
+
+    input_ids: Tensor  # int64 [T]
+    positions: Tensor  # int64 [T]
+    slots: Tensor  # int64 [T], -1 = do not write
+    prefill_query_start: list[int]  # [P + 1]
+    prefill_context_lens: list[int]  # [P]
+    block_tables: Tensor  # int32 [P + D, width], prefill rows first
+    decode_context_lens: Tensor  # int32 [D]
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    copy: list[tuple[int, int]]
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_context_lens)
+
+    def metadata(self, device: torch.device) -> AttentionMetadata:
+        """The attention layers' view of the step, on `device` (one place, so a new field is added here only)."""
+        p = self.num_prefills
+        return AttentionMetadata(
+            slot_mapping=_to(self.slots, device), num_prefills=p, num_prefill_tokens=self.prefill_query_start[-1],
+            prefill_query_start=self.prefill_query_start, prefill_context_lens=self.prefill_context_lens,
+            prefill_block_tables=_to(self.block_tables[:p], device),
+            decode_block_tables=_to(self.block_tables[p:], device),
+            decode_context_lens=_to(self.decode_context_lens, device),
+        )
+
+
+def _to(tensor: Tensor, device: torch.device) -> Tensor:
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)

@@ -1,0 +1,53 @@
+"""Tensor parallelism at 3 over SmolLM2's Q4_1 GGUF, its blocks kept packed: each rank's packed
+slices dequantize to the matching slices of the whole file's weights (rows for q/k/v, gate/up and
+the embedding; block-aligned columns for o and down), and greedy tokens equal one process's.
+Marked slow (the file is read once per rank, and two ranks start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+from engine.model.fetch import GGUF_NAME
+from engine.model.loader import load_model
+from engine.model.quant_linear import QuantLinear
+from engine.model.sharding import TPShard
+
+pytestmark = pytest.mark.slow
+
+
+def _weight(module: torch.nn.Module) -> torch.Tensor:
+    assert isinstance(module, QuantLinear)
+    return module.dequantized_weight()
+
+
+def test_rank_slices_of_packed_weights_match_the_whole_file(smollm2_dir: Path) -> None:
+    path = smollm2_dir / GGUF_NAME
+    full = load_model(path).model.layers[3]
+    ranks = [load_model(path, shard=TPShard(rank, 3)) for rank in range(3)]
+    layers = [r.model.layers[3] for r in ranks]
+    torch.testing.assert_close(torch.cat([_weight(layer.mlp.gate_up_proj).chunk(2)[0] for layer in layers]),
+                               _weight(full.mlp.gate_up_proj).chunk(2)[0], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([_weight(layer.mlp.down_proj) for layer in layers], dim=1),
+                               _weight(full.mlp.down_proj), rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([_weight(layer.self_attn.o_proj) for layer in layers], dim=1),
+                               _weight(full.self_attn.o_proj), rtol=0, atol=0)
+    q = [_weight(layer.self_attn.qkv_proj)[: 3 * 64] for layer in layers]  # 3 heads x 64 per rank
+    torch.testing.assert_close(torch.cat(q), _weight(full.self_attn.qkv_proj)[: 9 * 64], rtol=0, atol=0)
+    assert isinstance(ranks[0].lm_head, QuantLinear)  # rank 0 keeps the whole tied, packed lm_head
+    assert ranks[1].lm_head.weight.shape[0] == 0
+
+
+def test_greedy_tokens_at_3_ranks_on_q4_1_equal_one_process(smollm2_dir: Path) -> None:
+    path = str(smollm2_dir / GGUF_NAME)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 19936, 253, 1345, 2714, 30]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    config = {"tokenizer": str(smollm2_dir), "kv_cache_memory": 32 << 20, "tensor_parallel_threads": 1}
+    with LLM(path, **config) as one:
+        reference = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    with LLM(path, tensor_parallel_size=3, **config) as tp3:
+        assert [o.outputs[0].token_ids for o in tp3.generate(prompts, params)] == reference
