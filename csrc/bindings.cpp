@@ -1,7 +1,7 @@
 // TORCH_LIBRARY bindings of the CUDA ops (torch.ops.pagedserve_cuda.<op>).
 // Host code only: unpacks tensors into raw pointers and calls the launchers in ops.h on the
 // current stream. Shapes and dtypes were checked in Python (ops/checks.py) before we get here;
-// what only the device can see (indices inside index tensors) the kernels flag in a 4-byte error
+// what only the device can see (indices inside index tensors) the kernels flag in an 8-byte error
 // flag in mapped, pinned host memory, which Python reads without a sync (ops/device_errors.py).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -30,13 +30,14 @@ void check(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "pagedserve ", op, " failed: ", cudaGetErrorString(err));
 }
 
-// The error flag: 4 bytes of portable, mapped pinned host memory, allocated once per process
+// The error flag: 8 bytes of portable, mapped pinned host memory, allocated once per process
 // (every device writes the same bytes: with unified addressing the device pointer is the host one).
 unsigned char* error_flag_host() {
   static unsigned char* flag = [] {
     void* p = nullptr;
-    check(cudaHostAlloc(&p, 4, cudaHostAllocPortable | cudaHostAllocMapped), "error flag allocation");
-    std::memset(p, 0, 4);
+    check(cudaHostAlloc(&p, pc::kErrorFlagBytes, cudaHostAllocPortable | cudaHostAllocMapped),
+          "error flag allocation");
+    std::memset(p, 0, pc::kErrorFlagBytes);
     return static_cast<unsigned char*>(p);
   }();
   return flag;

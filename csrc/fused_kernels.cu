@@ -75,7 +75,8 @@ __global__ void rope_and_cache_kernel(const RotaryArgs a) {
   const int half = a.head_size / 2;
   T* query = static_cast<T*>(a.query);
   T* key = static_cast<T*>(a.key);
-  if (pos >= 0 && pos < a.table_rows) {  // out-of-table positions (never made by the engine) stay put
+  if (threadIdx.x == 0 && (pos < 0 || pos >= a.table_rows)) flag_error(a.errors, kBadPosition);
+  if (pos >= 0 && pos < a.table_rows) {  // out-of-table positions (never made by the engine) stay put, flagged
     const float* cos = a.cos_sin + pos * a.head_size;
     const float* sin = cos + half;
     const int pairs = (a.num_heads + a.num_kv_heads) * half;

@@ -11,14 +11,17 @@ namespace pagedserve::cuda {
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 // The kernels skip work on an index a host check cannot see without a device sync, and record
-// why in one byte of a 4-byte flag in mapped host memory (plain byte stores: no atomics, no lost
+// why in one byte of an 8-byte flag in mapped host memory (plain byte stores: no atomics, no lost
 // kinds); the Python wrappers read it with no sync (ops/device_errors.py). Index = kind.
+// The flag is 8 bytes (kErrorFlagBytes); kinds stay below that.
 enum ErrorKind : int {
   kBadBlockEntry = 0,   // a block-table entry outside [0, num_blocks)
   kBadContextLen = 1,   // a context length outside [0, table capacity], or shorter than its query
   kBadSlot = 2,         // a cache slot at or past num_blocks * block_size
   kBadQueryStart = 3,   // query_start_loc not non-decreasing within [0, num_tokens]
+  kBadPosition = 4,     // a RoPE position outside the cos/sin table (the token is left unrotated)
 };
+constexpr int kErrorFlagBytes = 8;
 
 // gridDim.y and gridDim.z stop here: launchers loop over larger counts.
 constexpr int kMaxGridYZ = 65535;

@@ -2,7 +2,7 @@
 
 Block-table entries, cache slots, context lengths and ``query_start_loc`` live in device tensors,
 so checking them on the host would cost a device sync per call. The kernels check them instead,
-skip the work an index would have sent out of bounds, and set one byte of a 4-byte flag in mapped,
+skip the work an index would have sent out of bounds, and set one byte of an 8-byte flag in mapped,
 pinned host memory (``ErrorKind`` in csrc/ops.h). Every CUDA wrapper reads that flag first through
 ctypes: a host memory load, no sync and no kernel launch (0.7 µs a call measured in Python on the
 loaded 2-core CI CPU; two calls per layer per step: the RoPE cache write and attention). So an
@@ -25,7 +25,9 @@ ERROR_KINDS = (
     "a context length outside [0, block_tables width x block_size], or shorter than its query",
     "a cache slot at or past num_blocks x block_size",
     "query_start_loc not non-decreasing within [0, num_tokens]",
+    "a RoPE position outside the cos/sin table (left unrotated)",
 )
+FLAG_BYTES = 8  # csrc/ops.h kErrorFlagBytes
 
 
 class DeviceIndexError(RuntimeError):
@@ -37,18 +39,18 @@ def describe(flag: bytes) -> list[str]:
     return [kind for kind, byte in zip(ERROR_KINDS, flag, strict=False) if byte]
 
 
-_cell: list[ctypes.c_uint32] = []  # the flag, mapped on first use (a list lookup is the cheapest read)
+_cell: list[ctypes.c_uint64] = []  # the flag, mapped on first use (a list lookup is the cheapest read)
 
 
-def _flag() -> ctypes.c_uint32:
+def _flag() -> ctypes.c_uint64:
     if not _cell:
-        _cell.append(ctypes.c_uint32.from_address(int(cuda_ops().error_flag_address())))
+        _cell.append(ctypes.c_uint64.from_address(int(cuda_ops().error_flag_address())))
     return _cell[0]
 
 
-def take(flag: ctypes.c_uint32) -> bytes:
+def take(flag: ctypes.c_uint64) -> bytes:
     """The flag's bytes (one per ErrorKind), cleared for the next error."""
-    seen = flag.value.to_bytes(4, "little")
+    seen = flag.value.to_bytes(FLAG_BYTES, "little")
     flag.value = 0
     return seen
 

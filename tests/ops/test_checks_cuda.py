@@ -63,8 +63,8 @@ def test_error_flag_bytes_name_what_the_kernels_skipped() -> None:
     assert describe(b"\0\0\0\0") == []
     assert describe(b"\1\0\1\0") == [ERROR_KINDS[0], ERROR_KINDS[2]]
     assert "block-table entry" in ERROR_KINDS[0] and "query_start_loc" in ERROR_KINDS[3]
-    flag = ctypes.c_uint32(int.from_bytes(b"\0\1\0\1", "little"))
-    assert describe(take(flag)) == [ERROR_KINDS[1], ERROR_KINDS[3]]
+    flag = ctypes.c_uint64(int.from_bytes(b"\0\1\0\1\1\0\0\0", "little"))
+    assert describe(take(flag)) == [ERROR_KINDS[1], ERROR_KINDS[3], ERROR_KINDS[4]]
     assert flag.value == 0
 
 
@@ -92,5 +92,5 @@ def test_error_kinds_follow_the_kernels_enum() -> None:
     enum = re.findall(r"kBad(\w+) = (\d+),", header)
     assert [int(index) for _, index in enum] == list(range(len(ERROR_KINDS)))
     words = {"BlockEntry": "block-table entry", "ContextLen": "context length", "Slot": "cache slot",
-             "QueryStart": "query_start_loc"}
+             "QueryStart": "query_start_loc", "Position": "RoPE position"}
     assert [words[name] in ERROR_KINDS[int(index)] for name, index in enum] == [True] * len(enum)

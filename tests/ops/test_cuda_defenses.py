@@ -206,3 +206,13 @@ def test_head_256_prefill_on_a_99_kib_device_takes_the_smaller_tile(monkeypatch:
     want = ops.reference.paged_prefill_attention(*args, 0.0625)
     tol = TOLERANCE[qdtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_rope_position_outside_the_table_is_raised() -> None:
+    """The CPU kernel raises on it; the CUDA one leaves the token unrotated and says so."""
+    query, key, value = (torch.randn(2, 2, 64, device="cuda") for _ in range(3))
+    empty = torch.empty(0, 2, 16, 64, device="cuda")
+    ops.rotary_embedding_and_cache(torch.tensor([0, 10], device="cuda"), query, key, value,
+                                   torch.randn(10, 64, device="cuda"), empty, empty,
+                                   torch.zeros(2, dtype=torch.int64, device="cuda"))
+    expect_flag("RoPE position")
