@@ -1,11 +1,14 @@
 // TORCH_LIBRARY bindings of the CUDA ops (torch.ops.pagedserve_cuda.<op>).
 // Host code only: unpacks tensors into raw pointers and calls the launchers in ops.h on the
-// current stream. Shapes and dtypes were checked in Python (ops/checks.py) before we get here.
+// current stream. Shapes and dtypes were checked in Python (ops/checks.py) before we get here;
+// what only the device can see (indices inside index tensors) the kernels flag in an 8-byte error
+// flag in mapped, pinned host memory, which Python reads without a sync (ops/device_errors.py).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -26,6 +29,33 @@ pc::DType dtype_of(const at::Tensor& t) {
 void check(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "pagedserve ", op, " failed: ", cudaGetErrorString(err));
 }
+
+// The error flag: 8 bytes of portable, mapped pinned host memory, allocated once per process
+// (every device writes the same bytes: with unified addressing the device pointer is the host one).
+unsigned char* error_flag_host() {
+  static unsigned char* flag = [] {
+    void* p = nullptr;
+    check(cudaHostAlloc(&p, pc::kErrorFlagBytes, cudaHostAllocPortable | cudaHostAllocMapped),
+          "error flag allocation");
+    std::memset(p, 0, pc::kErrorFlagBytes);
+    return static_cast<unsigned char*>(p);
+  }();
+  return flag;
+}
+
+unsigned char* error_flag_device() {
+  static unsigned char* device = [] {
+    void* p = nullptr;
+    check(cudaHostGetDevicePointer(&p, error_flag_host(), 0), "error flag mapping");
+    return static_cast<unsigned char*>(p);
+  }();
+  return device;
+}
+
+// Host address of the flag, for ops/device_errors.py to read and clear with ctypes.
+int64_t error_flag_address() { return reinterpret_cast<int64_t>(error_flag_host()); }
+
+bool is_int8(const at::Tensor& cache) { return cache.scalar_type() == at::kChar; }
 
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -60,25 +90,41 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   args.block_size = static_cast<int>(block_size);
   args.max_blocks_per_seq = static_cast<int>(max_blocks);  // tables are contiguous (ops/attention.py)
   args.max_num_partitions = static_cast<int>(max_parts);
+  args.num_blocks = key_cache.size(0);
   args.q_stride_seq = query.stride(0);
   args.q_stride_head = query.stride(1);
   args.out_stride_seq = out.stride(0);
   args.out_stride_head = out.stride(1);
   args.scale = static_cast<float>(scale);
   args.dtype = dtype_of(query);
+  args.kv_int8 = is_int8(key_cache);
+  args.errors = error_flag_device();
+  args.seq_begin = 0;
   check(pc::paged_attention(args, c10::cuda::getCurrentCUDAStream().stream()), "paged_attention");
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const c10::cuda::CUDAGuard guard(key_cache.device());
-  check(pc::reshape_and_cache(key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                              slot_mapping.data_ptr<int64_t>(), key.size(0), static_cast<int>(key.size(1)),
-                              static_cast<int>(key.size(2)), static_cast<int>(key_cache.size(2)),
-                              key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                              static_cast<int>(key.element_size()),
-                              c10::cuda::getCurrentCUDAStream().stream()),
-        "reshape_and_cache");
+  pc::CacheWriteArgs args{};
+  args.key = key.data_ptr();
+  args.value = value.data_ptr();
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  args.num_tokens = key.size(0);
+  args.num_blocks = key_cache.size(0);
+  args.num_kv_heads = static_cast<int>(key.size(1));
+  args.head_size = static_cast<int>(key.size(2));
+  args.block_size = static_cast<int>(key_cache.size(2));
+  args.key_stride_token = key.stride(0);
+  args.key_stride_head = key.stride(1);
+  args.value_stride_token = value.stride(0);
+  args.value_stride_head = value.stride(1);
+  args.dtype = dtype_of(key);
+  args.kv_int8 = is_int8(key_cache);
+  args.errors = error_flag_device();
+  check(pc::reshape_and_cache(args, c10::cuda::getCurrentCUDAStream().stream()), "reshape_and_cache");
 }
 
 void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
@@ -116,7 +162,8 @@ void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor&
 
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
-                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale) {
+                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                             int64_t rows_per_warp) {
   const c10::cuda::CUDAGuard guard(query.device());
   pc::PrefillAttentionArgs args{};
   args.out = out.data_ptr();
@@ -133,12 +180,16 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   args.head_size = static_cast<int>(query.size(2));
   args.block_size = static_cast<int>(key_cache.size(2));
   args.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  args.num_blocks = key_cache.size(0);
   args.q_stride_token = query.stride(0);
   args.q_stride_head = query.stride(1);
   args.out_stride_token = out.stride(0);
   args.out_stride_head = out.stride(1);
   args.scale = static_cast<float>(scale);
   args.dtype = dtype_of(query);
+  args.kv_int8 = is_int8(key_cache);
+  args.rows_per_warp = static_cast<int>(rows_per_warp);
+  args.errors = error_flag_device();
   check(pc::paged_prefill_attention(args, c10::cuda::getCurrentCUDAStream().stream()), "paged_prefill_attention");
 }
 
@@ -181,6 +232,7 @@ void rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& q
   args.slot_mapping = write_cache ? slot_mapping.data_ptr<int64_t>() : nullptr;
   args.num_tokens = positions.size(0);
   args.table_rows = cos_sin.size(0);
+  args.num_blocks = write_cache ? key_cache.size(0) : 0;
   args.num_heads = static_cast<int>(query.size(1));
   args.num_kv_heads = static_cast<int>(key.size(1));
   args.head_size = static_cast<int>(query.size(2));
@@ -192,6 +244,8 @@ void rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& q
   args.v_stride_token = value.stride(0);
   args.v_stride_head = value.stride(1);
   args.dtype = dtype_of(query);
+  args.kv_int8 = write_cache && is_int8(key_cache);
+  args.errors = error_flag_device();
   check(pc::rotary_embedding_and_cache(args, c10::cuda::getCurrentCUDAStream().stream()),
         "rotary_embedding_and_cache");
 }
@@ -209,13 +263,14 @@ TORCH_LIBRARY(pagedserve_cuda, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, int rows_per_warp) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def(
       "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
+  m.def("error_flag_address() -> int", &error_flag_address);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cuda, CUDA, m) {

@@ -1,10 +1,12 @@
 // Fused decoder-layer kernels on CUDA: RMSNorm (plain and with the residual add, in place),
 // SiLU-and-mul, and rotary embedding fused with the K/V cache write. fp32 math; results are rounded
 // to the tensor dtype where HF Llama rounds (residual sum, normalized row, SiLU output), as the CPU
-// kernels and the torch reference do.
+// kernels and the torch reference do. The cache write quantizes into an int8 cache (kv_quant.cuh);
+// a slot past the cache is skipped and flagged.
 #include <cstdint>
 
 #include "dtype_utils.cuh"
+#include "kv_quant.cuh"
 #include "ops.h"
 
 namespace pagedserve::cuda {
@@ -73,7 +75,8 @@ __global__ void rope_and_cache_kernel(const RotaryArgs a) {
   const int half = a.head_size / 2;
   T* query = static_cast<T*>(a.query);
   T* key = static_cast<T*>(a.key);
-  if (pos >= 0 && pos < a.table_rows) {  // out-of-table positions (never made by the engine) stay put
+  if (threadIdx.x == 0 && (pos < 0 || pos >= a.table_rows)) flag_error(a.errors, kBadPosition);
+  if (pos >= 0 && pos < a.table_rows) {  // out-of-table positions (never made by the engine) stay put, flagged
     const float* cos = a.cos_sin + pos * a.head_size;
     const float* sin = cos + half;
     const int pairs = (a.num_heads + a.num_kv_heads) * half;
@@ -89,8 +92,24 @@ __global__ void rope_and_cache_kernel(const RotaryArgs a) {
   if (a.key_cache == nullptr) return;
   const int64_t slot = a.slot_mapping[token];
   if (slot < 0) return;  // padding token
+  if (slot >= a.num_blocks * a.block_size) {
+    if (threadIdx.x == 0) flag_error(a.errors, kBadSlot);
+    return;
+  }
   __syncthreads();  // the rotated key is complete before it is copied
   const T* value = static_cast<const T*>(a.value);
+  if (a.kv_int8) {  // one warp per KV head quantizes its K and V rows (blockDim is a multiple of 32)
+    const int row = a.head_size + kScaleBytes, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t block = slot / a.block_size, offset = slot % a.block_size;
+    for (int head = warp; head < a.num_kv_heads; head += blockDim.x / 32) {
+      const int64_t dst = ((block * a.num_kv_heads + head) * a.block_size + offset) * row;
+      quantize_row_warp(static_cast<int8_t*>(a.key_cache) + dst, key + token * a.k_stride_token + head * a.k_stride_head,
+                        a.head_size, lane);
+      quantize_row_warp(static_cast<int8_t*>(a.value_cache) + dst,
+                        value + token * a.v_stride_token + head * a.v_stride_head, a.head_size, lane);
+    }
+    return;
+  }
   T* key_cache = static_cast<T*>(a.key_cache);
   T* value_cache = static_cast<T*>(a.value_cache);
   const int64_t block = slot / a.block_size, offset = slot % a.block_size;

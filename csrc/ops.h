@@ -10,23 +10,43 @@ namespace pagedserve::cuda {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// The kernels skip work on an index a host check cannot see without a device sync, and record
+// why in one byte of an 8-byte flag in mapped host memory (plain byte stores: no atomics, no lost
+// kinds); the Python wrappers read it with no sync (ops/device_errors.py). Index = kind.
+// The flag is 8 bytes (kErrorFlagBytes); kinds stay below that.
+enum ErrorKind : int {
+  kBadBlockEntry = 0,   // a block-table entry outside [0, num_blocks)
+  kBadContextLen = 1,   // a context length outside [0, table capacity], or shorter than its query
+  kBadSlot = 2,         // a cache slot at or past num_blocks * block_size
+  kBadQueryStart = 3,   // query_start_loc not non-decreasing within [0, num_tokens]
+  kBadPosition = 4,     // a RoPE position outside the cos/sin table (the token is left unrotated)
+};
+constexpr int kErrorFlagBytes = 8;
+
+// gridDim.y and gridDim.z stop here: launchers loop over larger counts.
+constexpr int kMaxGridYZ = 65535;
+
 // Tokens per split-K partition; contexts longer than this are reduced by a second kernel.
 constexpr int kPartitionSize = 512;
 
 struct PagedAttentionArgs {
   void* out;                   // [num_seqs, num_heads, head_size], strides below
   const void* query;           // [num_seqs, num_heads, head_size], strides below
-  const void* key_cache;       // [num_blocks, num_kv_heads, block_size, head_size], contiguous
+  const void* key_cache;       // [num_blocks, num_kv_heads, block_size, head_size (+ 2 for int8)], contiguous
   const void* value_cache;     // same layout as key_cache
-  const int32_t* block_tables; // [num_seqs, max_blocks_per_seq], contiguous; entries must be valid
+  const int32_t* block_tables; // [num_seqs, max_blocks_per_seq], contiguous; bad entries are flagged
   const int32_t* context_lens; // [num_seqs]
   float* tmp_out;              // [num_seqs, num_heads, max_num_partitions, head_size] when partitioned
   float* max_logits;           // [num_seqs, num_heads, max_num_partitions] when partitioned
   float* exp_sums;             // [num_seqs, num_heads, max_num_partitions] when partitioned
   int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq, max_num_partitions;
+  int64_t num_blocks;
   int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
   float scale;
-  DType dtype;
+  DType dtype;          // of query and out (and of a float cache)
+  bool kv_int8;         // int8 cache rows: head_size values, then their fp16 scale (kv_quant.cuh)
+  unsigned char* errors;  // device view of the error flag (ErrorKind bytes)
+  int seq_begin;        // first sequence of this launch (set by the launcher: grids stop at 65,535)
 };
 
 struct PrefillAttentionArgs {
@@ -38,9 +58,13 @@ struct PrefillAttentionArgs {
   const int32_t* query_start_loc; // [num_seqs + 1]: sequence s owns query rows [qsl[s], qsl[s + 1])
   const int32_t* context_lens;    // [num_seqs]: its query rows are the last ones of this context
   int num_seqs, num_tokens, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
+  int64_t num_blocks;
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
   float scale;
   DType dtype;
+  bool kv_int8;
+  int rows_per_warp;    // 8, or 4 (head 256 only: the smaller tile for devices with 99 KiB of shared memory)
+  unsigned char* errors;
 };
 
 struct RotaryArgs {
@@ -52,10 +76,26 @@ struct RotaryArgs {
   void* key_cache;              // [num_blocks, num_kv_heads, block_size, head_size] or nullptr
   void* value_cache;            // same layout, or nullptr (no cache write)
   const int64_t* slot_mapping;  // [num_tokens]; < 0 skipped
-  int64_t num_tokens, table_rows;
+  int64_t num_tokens, table_rows, num_blocks;
   int num_heads, num_kv_heads, head_size, block_size;
   int64_t q_stride_token, q_stride_head, k_stride_token, k_stride_head, v_stride_token, v_stride_head;
   DType dtype;
+  bool kv_int8;         // quantize into int8 cache rows
+  unsigned char* errors;
+};
+
+struct CacheWriteArgs {
+  const void* key;              // [num_tokens, num_kv_heads, head_size], strides below (elements)
+  const void* value;
+  void* key_cache;              // [num_blocks, num_kv_heads, block_size, head_size (+ 2 for int8)]
+  void* value_cache;
+  const int64_t* slot_mapping;  // [num_tokens]; < 0 skipped, >= num_blocks * block_size flagged
+  int64_t num_tokens, num_blocks;
+  int num_kv_heads, head_size, block_size;
+  int64_t key_stride_token, key_stride_head, value_stride_token, value_stride_head;
+  DType dtype;                  // of key and value
+  bool kv_int8;
+  unsigned char* errors;
 };
 
 // Each returns cudaSuccess, cudaErrorInvalidValue for an unsupported shape, or the launch error.
@@ -76,15 +116,11 @@ cudaError_t silu_and_mul(void* out, const void* x, int64_t rows, int width, int6
 
 cudaError_t rotary_embedding_and_cache(const RotaryArgs& args, cudaStream_t stream);
 
-// key/value [num_tokens, num_kv_heads, head_size] with the given token/head strides (elements).
-cudaError_t reshape_and_cache(const void* key, const void* value, void* key_cache, void* value_cache,
-                              const int64_t* slot_mapping, int64_t num_tokens, int num_kv_heads,
-                              int head_size, int block_size, int64_t key_stride_token,
-                              int64_t key_stride_head, int64_t value_stride_token,
-                              int64_t value_stride_head, int element_size, cudaStream_t stream);
+// Store (or quantize, for an int8 cache) each token's K/V at its slot.
+cudaError_t reshape_and_cache(const CacheWriteArgs& args, cudaStream_t stream);
 
 // cache_ptrs: device array of 2 * num_layers base addresses (all key caches, then all value
-// caches); mapping: device int64 [num_pairs, 2]. One launch copies every layer.
+// caches); mapping: device int64 [num_pairs, 2]. One launch copies every layer (one per 65,535 pairs).
 cudaError_t copy_blocks(const int64_t* cache_ptrs, const int64_t* mapping, int num_caches, int num_pairs,
                         int64_t block_bytes, cudaStream_t stream);
 

@@ -4,10 +4,14 @@
 // GQA group and one partition of kPartitionSize tokens: every K/V row it loads serves all of
 // those heads. Logits, softmax and accumulation are fp32. With more than one partition each CTA
 // writes a normalized partial output plus (max, sum), and reduce_kernel merges them (split-K).
-// Only tokens below the context length are ever read, so stale slots cannot leak NaN.
+// Only tokens below the context length are ever read, so stale slots cannot leak NaN. An int8
+// cache (C = int8_t) is dequantized in registers with each row's fp16 scale (kv_quant.cuh). A
+// context length outside the table's capacity, or a block-table entry outside the pool, makes the
+// CTA skip its work (zeros out) and sets the error flag the wrapper raises on.
 #include <cstdint>
 
 #include "dtype_utils.cuh"
+#include "kv_quant.cuh"
 #include "ops.h"
 
 namespace pagedserve::cuda {
@@ -20,7 +24,13 @@ constexpr int kMaxHeads = 8;  // query heads per CTA; larger groups are split ac
 
 __host__ __device__ constexpr int max_int(int a, int b) { return a > b ? a : b; }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
+// The context length of a sequence, or 0 (nothing read) for one outside [0, table capacity].
+__device__ __forceinline__ int valid_context_len(const PagedAttentionArgs& a, int seq, int block_size) {
+  const int len = a.context_lens[seq];
+  return len < 0 || len > a.max_blocks_per_seq * block_size ? 0 : len;
+}
+
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentionArgs a) {
   constexpr int kVec = Pack<T>::kSize;
   constexpr int kNumVecs = HEAD_SIZE / kVec;
@@ -30,24 +40,38 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentio
   constexpr int kVecsPerLane = (kNumVecs + kLanesPerToken - 1) / kLanesPerToken;
   constexpr int kDimsPerLane = (HEAD_SIZE + kWarpSize - 1) / kWarpSize;
   constexpr int kWorkFloats = max_int(kMaxHeads * kPartitionSize, kWarps * kMaxHeads * HEAD_SIZE);
+  constexpr int kRow = row_elems<C, HEAD_SIZE>();  // cache elements per token row
 
   __shared__ float q_s[kMaxHeads * HEAD_SIZE];
   __shared__ float work_s[kWorkFloats];  // logits, then per-warp partial outputs
   __shared__ float max_s[kMaxHeads];
   __shared__ float sum_s[kMaxHeads];
+  __shared__ int bad_block_s;
 
   const int group = a.num_heads / a.num_kv_heads;
   const int chunks = (group + kMaxHeads - 1) / kMaxHeads;
   const int kv_head = blockIdx.x / chunks;
   const int head0 = kv_head * group + (blockIdx.x % chunks) * kMaxHeads;
   const int num_heads_here = min(kMaxHeads, kv_head * group + group - head0);
-  const int seq = blockIdx.y;
+  const int seq = a.seq_begin + blockIdx.y;
   const int part = blockIdx.z;
-  // A length beyond the table's capacity would read past the table: clamp it.
-  const int context_len = min(a.context_lens[seq], a.max_blocks_per_seq * BLOCK_SIZE);
+  const int context_len = valid_context_len(a, seq, BLOCK_SIZE);
+  if (threadIdx.x == 0 && context_len != a.context_lens[seq]) flag_error(a.errors, kBadContextLen);
   const int start = part * kPartitionSize;
   if (part > 0 && start >= context_len) return;  // whole CTA past the context: nothing to do
-  const int n = max(0, min(context_len, start + kPartitionSize) - start);
+  int n = max(0, min(context_len, start + kPartitionSize) - start);
+  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
+  // Every block this partition reads must lie in the pool, else the CTA reads nothing.
+  if (threadIdx.x == 0) bad_block_s = 0;
+  __syncthreads();
+  for (int b = start / BLOCK_SIZE + threadIdx.x; b * BLOCK_SIZE < start + n; b += kThreads) {
+    if (table[b] < 0 || table[b] >= a.num_blocks) bad_block_s = 1;
+  }
+  __syncthreads();
+  if (bad_block_s) {
+    if (threadIdx.x == 0) flag_error(a.errors, kBadBlockEntry);
+    n = 0;
+  }
 
   const T* query = static_cast<const T*>(a.query) + seq * a.q_stride_seq;
   for (int i = threadIdx.x; i < num_heads_here * HEAD_SIZE; i += kThreads) {
@@ -57,12 +81,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentio
   __syncthreads();
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
-  const T* key_cache = static_cast<const T*>(a.key_cache);
-  const T* value_cache = static_cast<const T*>(a.value_cache);
+  const C* key_cache = static_cast<const C*>(a.key_cache);
+  const C* value_cache = static_cast<const C*>(a.value_cache);
   auto row_offset = [&](int token) -> int64_t {
     const int64_t block = table[token / BLOCK_SIZE];
-    return ((block * a.num_kv_heads + kv_head) * BLOCK_SIZE + token % BLOCK_SIZE) * HEAD_SIZE;
+    return ((block * a.num_kv_heads + kv_head) * BLOCK_SIZE + token % BLOCK_SIZE) * kRow;
   };
 
   // QK: each group of kLanesPerToken lanes scores one token against every head of the CTA.
@@ -73,18 +96,26 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentio
 #pragma unroll
     for (int h = 0; h < kMaxHeads; ++h) dots[h] = 0.f;
     if (t < n) {
-      const T* k_row = key_cache + row_offset(start + t);
+      const C* k_row = key_cache + row_offset(start + t);
+      const float k_scale = scale_of(k_row, HEAD_SIZE);
 #pragma unroll
       for (int i = 0; i < kVecsPerLane; ++i) {
         const int v = sub_lane + i * kLanesPerToken;
         if (v >= kNumVecs) break;
-        const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(k_row + v * kVec);
+        float k[kVec];
+        if constexpr (is_int8_v<C>) {  // rows are only 2-byte aligned: byte loads, scaled in registers
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) k[e] = load_elem(k_row, v * kVec + e, k_scale);
+        } else {
+          const Pack<T> pack = *reinterpret_cast<const Pack<T>*>(k_row + v * kVec);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) k[e] = to_float(pack.v[e]);
+        }
 #pragma unroll
         for (int e = 0; e < kVec; ++e) {
-          const float k = to_float(pack.v[e]);
 #pragma unroll
           for (int h = 0; h < kMaxHeads; ++h)
-            if (h < num_heads_here) dots[h] += q_s[h * HEAD_SIZE + v * kVec + e] * k;
+            if (h < num_heads_here) dots[h] += q_s[h * HEAD_SIZE + v * kVec + e] * k[e];
         }
       }
     }
@@ -127,12 +158,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentio
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) acc[h][i] = 0.f;
   for (int t = warp; t < n; t += kWarps) {
-    const T* v_row = value_cache + row_offset(start + t);
+    const C* v_row = value_cache + row_offset(start + t);
+    const float v_scale = scale_of(v_row, HEAD_SIZE);
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) {
       const int d = lane + i * kWarpSize;
       if (d < HEAD_SIZE) {
-        const float v = to_float(v_row[d]);
+        const float v = load_elem(v_row, d, v_scale);
 #pragma unroll
         for (int h = 0; h < kMaxHeads; ++h)
           if (h < num_heads_here) acc[h][i] += work_s[h * kPartitionSize + t] * v;
@@ -185,12 +217,12 @@ __device__ float block_reduce(float x, bool is_max, float* scratch) {
 }
 
 // Merge the partitions of one (seq, head): weights exp_sum * exp(max - global max).
-template <typename T, int HEAD_SIZE>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
 __global__ void __launch_bounds__(kThreads) reduce_kernel(const PagedAttentionArgs a) {
   extern __shared__ float weights_s[];  // [max_num_partitions]
   __shared__ float scratch[kWarps];
-  const int head = blockIdx.x, seq = blockIdx.y;
-  const int context_len = a.context_lens[seq];
+  const int head = blockIdx.x, seq = a.seq_begin + blockIdx.y;
+  const int context_len = valid_context_len(a, seq, BLOCK_SIZE);  // the partitions the first kernel wrote
   const int num_parts =
       min(a.max_num_partitions, max(1, (context_len + kPartitionSize - 1) / kPartitionSize));
   const int64_t row = static_cast<int64_t>(seq) * a.num_heads + head;
@@ -217,39 +249,52 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const PagedAttentionAr
   }
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE>
-cudaError_t launch(const PagedAttentionArgs& a, cudaStream_t stream) {
-  const int group = a.num_heads / a.num_kv_heads;
+// One launch (and reduce) per 65,535 sequences: gridDim.y stops there.
+template <typename T, typename C, int HEAD_SIZE, int BLOCK_SIZE>
+cudaError_t launch(const PagedAttentionArgs& args, cudaStream_t stream) {
+  const int group = args.num_heads / args.num_kv_heads;
   const int chunks = (group + kMaxHeads - 1) / kMaxHeads;
-  const dim3 grid(a.num_kv_heads * chunks, a.num_seqs, a.max_num_partitions);
-  attention_kernel<T, HEAD_SIZE, BLOCK_SIZE><<<grid, kThreads, 0, stream>>>(a);
-  if (a.max_num_partitions > 1) {
-    const size_t smem = static_cast<size_t>(a.max_num_partitions) * sizeof(float);
-    reduce_kernel<T, HEAD_SIZE><<<dim3(a.num_heads, a.num_seqs), kThreads, smem, stream>>>(a);
+  for (int begin = 0; begin < args.num_seqs; begin += kMaxGridYZ) {
+    PagedAttentionArgs a = args;
+    a.seq_begin = begin;
+    const int seqs = min(kMaxGridYZ, args.num_seqs - begin);
+    attention_kernel<T, C, HEAD_SIZE, BLOCK_SIZE>
+        <<<dim3(a.num_kv_heads * chunks, seqs, a.max_num_partitions), kThreads, 0, stream>>>(a);
+    if (a.max_num_partitions > 1) {
+      const size_t smem = static_cast<size_t>(a.max_num_partitions) * sizeof(float);
+      reduce_kernel<T, HEAD_SIZE, BLOCK_SIZE><<<dim3(a.num_heads, seqs), kThreads, smem, stream>>>(a);
+    }
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
   }
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
-template <typename T, int HEAD_SIZE>
+template <typename T, typename C, int HEAD_SIZE>
 cudaError_t dispatch_block(const PagedAttentionArgs& a, cudaStream_t stream) {
   switch (a.block_size) {
-    case 8: return launch<T, HEAD_SIZE, 8>(a, stream);
-    case 16: return launch<T, HEAD_SIZE, 16>(a, stream);
-    case 32: return launch<T, HEAD_SIZE, 32>(a, stream);
+    case 8: return launch<T, C, HEAD_SIZE, 8>(a, stream);
+    case 16: return launch<T, C, HEAD_SIZE, 16>(a, stream);
+    case 32: return launch<T, C, HEAD_SIZE, 32>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <typename T, typename C>
+cudaError_t dispatch_head(const PagedAttentionArgs& a, cudaStream_t stream) {
+  switch (a.head_size) {
+    case 64: return dispatch_block<T, C, 64>(a, stream);
+    case 80: return dispatch_block<T, C, 80>(a, stream);
+    case 96: return dispatch_block<T, C, 96>(a, stream);
+    case 128: return dispatch_block<T, C, 128>(a, stream);
+    case 256: return dispatch_block<T, C, 256>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
-cudaError_t dispatch_head(const PagedAttentionArgs& a, cudaStream_t stream) {
-  switch (a.head_size) {
-    case 64: return dispatch_block<T, 64>(a, stream);
-    case 80: return dispatch_block<T, 80>(a, stream);
-    case 96: return dispatch_block<T, 96>(a, stream);
-    case 128: return dispatch_block<T, 128>(a, stream);
-    case 256: return dispatch_block<T, 256>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+cudaError_t dispatch_cache(const PagedAttentionArgs& a, cudaStream_t stream) {
+  return a.kv_int8 ? dispatch_head<T, int8_t>(a, stream) : dispatch_head<T, T>(a, stream);
 }
 
 }  // namespace
@@ -257,12 +302,12 @@ cudaError_t dispatch_head(const PagedAttentionArgs& a, cudaStream_t stream) {
 cudaError_t paged_attention(const PagedAttentionArgs& args, cudaStream_t stream) {
   if (args.num_seqs == 0) return cudaSuccess;
   if (args.num_kv_heads <= 0 || args.num_heads % args.num_kv_heads != 0 || args.max_num_partitions < 1 ||
-      args.num_seqs > 65535 || args.max_num_partitions > 65535)
+      args.max_num_partitions > kMaxGridYZ)
     return cudaErrorInvalidValue;
   switch (args.dtype) {
-    case DType::kFloat32: return dispatch_head<float>(args, stream);
-    case DType::kFloat16: return dispatch_head<__half>(args, stream);
-    case DType::kBFloat16: return dispatch_head<__nv_bfloat16>(args, stream);
+    case DType::kFloat32: return dispatch_cache<float>(args, stream);
+    case DType::kFloat16: return dispatch_cache<__half>(args, stream);
+    case DType::kBFloat16: return dispatch_cache<__nv_bfloat16>(args, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -13,9 +13,18 @@
 // softmax (running max and sum in registers) turns scores into weights, and in the PV phase lanes
 // split the head dimension. Accumulation is fp32 throughout; only keys at or before a query's
 // position (hence inside the context) are weighted, and slots past the context are never read.
+//
+// An int8 cache (C = int8_t) is dequantized with each row's fp16 scale while the tile is widened
+// into shared memory. At head size 256 the 32-row tile needs 103,424 bytes of shared memory, past
+// the 99 KiB opt-in limit of sm_86/89/120: there the wrapper asks for 4 rows per warp (16-row
+// tiles, 84,992 bytes). Rows before query_start_loc[0] belong to no sequence and are not written;
+// a sequence whose query range, context length or block-table entries are invalid is skipped (or
+// its bad keys read as zeros) and the error flag is set: CTA (0, 0) also checks every sequence's
+// ranges, so a flag is raised even where the tile search cannot reach a sequence.
 #include <cstdint>
 
 #include "dtype_utils.cuh"
+#include "kv_quant.cuh"
 #include "ops.h"
 
 namespace pagedserve::cuda {
@@ -24,28 +33,42 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarpSize;
-constexpr int kRowsPerWarp = 8;
-constexpr int kRows = kWarps * kRowsPerWarp;  // query rows per CTA
 constexpr int kKeys = kWarpSize;              // context tokens per shared-memory tile
 
-template <int HEAD_SIZE>
+template <int HEAD_SIZE, int ROWS_PER_WARP>
 struct Smem {
-  static constexpr int kQ = kRows * HEAD_SIZE;            // q_s[row][d]
-  static constexpr int kKt = HEAD_SIZE * (kKeys + 1);     // kt_s[d][key], padded: no bank conflicts
-  static constexpr int kV = kKeys * HEAD_SIZE;            // v_s[key][d]
-  static constexpr int kP = kWarps * kRowsPerWarp * kKeys;  // p_s[warp][row][key]
+  static constexpr int kRows = kWarps * ROWS_PER_WARP;     // query rows per CTA
+  static constexpr int kQ = kRows * HEAD_SIZE;             // q_s[row][d]
+  static constexpr int kKt = HEAD_SIZE * (kKeys + 1);      // kt_s[d][key], padded: no bank conflicts
+  static constexpr int kV = kKeys * HEAD_SIZE;             // v_s[key][d]
+  static constexpr int kP = kWarps * ROWS_PER_WARP * kKeys;  // p_s[warp][row][key]
   static constexpr size_t kBytes = sizeof(float) * (kQ + kKt + kV + kP);
 };
 
-__device__ __forceinline__ int tile_offset(const int32_t* query_start_loc, int seq, int group) {
-  return static_cast<int>(static_cast<int64_t>(query_start_loc[seq]) * group / kRows) + seq;
+__device__ __forceinline__ int tile_offset(const int32_t* query_start_loc, int seq, int group, int rows) {
+  return static_cast<int>(static_cast<int64_t>(query_start_loc[seq]) * group / rows) + seq;
 }
 
-template <typename T, int HEAD_SIZE>
+// CTA (0, 0): every sequence's query range and context length, flagged where invalid.
+__device__ void check_ranges(const PrefillAttentionArgs& a) {
+  const int capacity = a.max_blocks_per_seq * a.block_size;
+  if (threadIdx.x == 0 && (a.query_start_loc[0] < 0 || a.query_start_loc[a.num_seqs] > a.num_tokens))
+    flag_error(a.errors, kBadQueryStart);
+  for (int s = threadIdx.x; s < a.num_seqs; s += blockDim.x) {
+    const int q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    if (q_len < 0) flag_error(a.errors, kBadQueryStart);
+    if (a.context_lens[s] > capacity || a.context_lens[s] < max(q_len, 0)) flag_error(a.errors, kBadContextLen);
+  }
+}
+
+template <typename T, typename C, int HEAD_SIZE, int ROWS_PER_WARP>
 __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentionArgs a) {
   static_assert(HEAD_SIZE % 4 == 0, "head size must allow float4 reads of q");
+  constexpr int kRowsPerWarp = ROWS_PER_WARP;
   constexpr int kDimsPerLane = (HEAD_SIZE + kWarpSize - 1) / kWarpSize;
-  using S = Smem<HEAD_SIZE>;
+  constexpr int kRow = row_elems<C, HEAD_SIZE>();  // cache elements per token row
+  using S = Smem<HEAD_SIZE, ROWS_PER_WARP>;
+  constexpr int kRows = S::kRows;
   extern __shared__ float4 smem_raw[];
   float* q_s = reinterpret_cast<float*>(smem_raw);
   float* kt_s = q_s + S::kQ;
@@ -55,19 +78,23 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentio
   const int group = a.num_heads / a.num_kv_heads;
   const int kv_head = blockIdx.y;
   const int tile = blockIdx.x;
+  if (tile == 0 && kv_head == 0) check_ranges(a);
   int lo = 0, hi = a.num_seqs - 1;  // the last sequence whose first tile is <= this one
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (tile_offset(a.query_start_loc, mid, group) <= tile) lo = mid; else hi = mid - 1;
+    if (tile_offset(a.query_start_loc, mid, group, kRows) <= tile) lo = mid; else hi = mid - 1;
   }
   const int seq = lo;
   const int q_start = a.query_start_loc[seq];
   const int q_len = a.query_start_loc[seq + 1] - q_start;
-  const int row0 = (tile - tile_offset(a.query_start_loc, seq, group)) * kRows;
+  const int first_tile = tile_offset(a.query_start_loc, seq, group, kRows);
+  if (tile < first_tile) return;  // before the first sequence (query_start_loc[0] > 0): no rows
+  const int row0 = (tile - first_tile) * kRows;
   if (q_len <= 0 || row0 >= q_len * group) return;
+  if (q_start < 0 || q_start + q_len > a.num_tokens) return;  // flagged by check_ranges
+  const int context_len = a.context_lens[seq];
+  if (context_len > a.max_blocks_per_seq * a.block_size || context_len < q_len) return;  // flagged too
   const int rows_here = min(kRows, q_len * group - row0);
-  // A context beyond the table's capacity would read past the table: clamp it.
-  const int context_len = min(a.context_lens[seq], a.max_blocks_per_seq * a.block_size);
   const int first_pos = context_len - q_len;  // position of the sequence's first query token
 
   const T* query = static_cast<const T*>(a.query);
@@ -95,8 +122,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentio
   }
   const int kv_end = first_pos + (row0 + rows_here - 1) / group + 1;  // the CTA's last row sees the most
   const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
-  const T* key_cache = static_cast<const T*>(a.key_cache);
-  const T* value_cache = static_cast<const T*>(a.value_cache);
+  const C* key_cache = static_cast<const C*>(a.key_cache);
+  const C* value_cache = static_cast<const C*>(a.value_cache);
   const float* q_warp = q_s + warp * kRowsPerWarp * HEAD_SIZE;
   float* p_warp = p_s + warp * kRowsPerWarp * kKeys;
 
@@ -107,9 +134,15 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentio
       float k = 0.f, v = 0.f;
       if (token < kv_end) {
         const int64_t block = table[token / a.block_size];
-        const int64_t off = ((block * a.num_kv_heads + kv_head) * a.block_size + token % a.block_size) * HEAD_SIZE + d;
-        k = to_float(key_cache[off]);
-        v = to_float(value_cache[off]);
+        if (block >= 0 && block < a.num_blocks) {
+          const int64_t row = ((block * a.num_kv_heads + kv_head) * a.block_size + token % a.block_size) * kRow;
+          const C* k_row = key_cache + row;
+          const C* v_row = value_cache + row;
+          k = load_elem(k_row, d, scale_of(k_row, HEAD_SIZE));
+          v = load_elem(v_row, d, scale_of(v_row, HEAD_SIZE));
+        } else if (d == 0) {
+          flag_error(a.errors, kBadBlockEntry);  // read as zeros
+        }
       }
       kt_s[d * (kKeys + 1) + t] = k;
       v_s[t * HEAD_SIZE + d] = v;
@@ -177,13 +210,14 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentio
   }
 }
 
-template <typename T, int HEAD_SIZE>
+template <typename T, typename C, int HEAD_SIZE, int ROWS_PER_WARP>
 cudaError_t launch(const PrefillAttentionArgs& a, cudaStream_t stream) {
+  using S = Smem<HEAD_SIZE, ROWS_PER_WARP>;
   const int group = a.num_heads / a.num_kv_heads;
-  const int64_t tiles = static_cast<int64_t>(a.num_tokens) * group / kRows + a.num_seqs;
-  if (tiles > 0x7fffffff || a.num_kv_heads > 65535) return cudaErrorInvalidValue;
-  constexpr size_t smem = Smem<HEAD_SIZE>::kBytes;
-  auto kernel = prefill_kernel<T, HEAD_SIZE>;
+  const int64_t tiles = static_cast<int64_t>(a.num_tokens) * group / S::kRows + a.num_seqs;
+  if (tiles > 0x7fffffff || a.num_kv_heads > kMaxGridYZ) return cudaErrorInvalidValue;
+  constexpr size_t smem = S::kBytes;
+  auto kernel = prefill_kernel<T, C, HEAD_SIZE, ROWS_PER_WARP>;
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(smem));
@@ -193,16 +227,24 @@ cudaError_t launch(const PrefillAttentionArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T>
+template <typename T, typename C>
 cudaError_t dispatch_head(const PrefillAttentionArgs& a, cudaStream_t stream) {
+  if (a.rows_per_warp == 4)  // the smaller tile, for head 256 on 99 KiB devices only
+    return a.head_size == 256 ? launch<T, C, 256, 4>(a, stream) : cudaErrorInvalidValue;
+  if (a.rows_per_warp != 8) return cudaErrorInvalidValue;
   switch (a.head_size) {
-    case 64: return launch<T, 64>(a, stream);
-    case 80: return launch<T, 80>(a, stream);
-    case 96: return launch<T, 96>(a, stream);
-    case 128: return launch<T, 128>(a, stream);
-    case 256: return launch<T, 256>(a, stream);
+    case 64: return launch<T, C, 64, 8>(a, stream);
+    case 80: return launch<T, C, 80, 8>(a, stream);
+    case 96: return launch<T, C, 96, 8>(a, stream);
+    case 128: return launch<T, C, 128, 8>(a, stream);
+    case 256: return launch<T, C, 256, 8>(a, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+template <typename T>
+cudaError_t dispatch_cache(const PrefillAttentionArgs& a, cudaStream_t stream) {
+  return a.kv_int8 ? dispatch_head<T, int8_t>(a, stream) : dispatch_head<T, T>(a, stream);
 }
 
 }  // namespace
@@ -212,9 +254,9 @@ cudaError_t paged_prefill_attention(const PrefillAttentionArgs& args, cudaStream
   if (args.num_kv_heads <= 0 || args.num_heads % args.num_kv_heads != 0 || args.block_size <= 0)
     return cudaErrorInvalidValue;
   switch (args.dtype) {
-    case DType::kFloat32: return dispatch_head<float>(args, stream);
-    case DType::kFloat16: return dispatch_head<__half>(args, stream);
-    case DType::kBFloat16: return dispatch_head<__nv_bfloat16>(args, stream);
+    case DType::kFloat32: return dispatch_cache<float>(args, stream);
+    case DType::kFloat16: return dispatch_cache<__half>(args, stream);
+    case DType::kBFloat16: return dispatch_cache<__nv_bfloat16>(args, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -11,6 +11,7 @@ from ops.attention import paged_attention, paged_prefill_attention
 from ops.backend import get_backend, set_backend
 from ops.build import KernelBuildError
 from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
+from ops.device_errors import DeviceIndexError, raise_device_errors
 from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
 from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
 from ops.quant import QuantFormat, dequantize, quant_format, quant_linear
@@ -19,6 +20,7 @@ from ops.screen import native_bf16, pack_screen_weight, screen_logits, screened_
 
 __all__ = [
     "SMALL_GEMM_MAX_ROWS",
+    "DeviceIndexError",
     "KernelBuildError",
     "QuantFormat",
     "can_pack",
@@ -34,6 +36,7 @@ __all__ = [
     "paged_prefill_attention",
     "quant_format",
     "quant_linear",
+    "raise_device_errors",
     "reference",
     "reshape_and_cache",
     "rms_norm",

@@ -9,7 +9,8 @@ from ops import reference
 from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks import check_attention, check_decode_lengths, check_prefill_attention, check_prefill_lengths
-from ops.checks_cuda import check_grid, check_prefill_fits, optin_smem_bytes
+from ops.checks_cuda import optin_smem_bytes, prefill_rows_per_warp
+from ops.device_errors import raise_device_errors
 
 
 def paged_attention(
@@ -37,7 +38,7 @@ def paged_attention(
         args = (query, key_cache, value_cache, block_tables, context_lens, scale, out)
         return reference.paged_attention(*args)
     if query.is_cuda:
-        check_grid(query.shape[0], "sequences")
+        raise_device_errors()  # what an earlier kernel flagged (a host read, no sync)
     lib = cuda_ops() if query.is_cuda else cpu_ops()
     lib.paged_attention(
         out, query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), float(scale)
@@ -74,9 +75,12 @@ def paged_prefill_attention(
         check_prefill_lengths(query, key_cache, block_tables, query_start_loc, context_lens)
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out)
         return reference.paged_prefill_attention(*args)
-    if query.is_cuda:
-        check_prefill_fits(query.shape[2], optin_smem_bytes(query.device), torch.cuda.get_device_name(query.device))
-    lib = cuda_ops() if query.is_cuda else cpu_ops()
-    lib.paged_prefill_attention(out, query, key_cache, value_cache, block_tables.contiguous(),
-                                query_start_loc.contiguous(), context_lens.contiguous(), float(scale))
+    index_args = (block_tables.contiguous(), query_start_loc.contiguous(), context_lens.contiguous(), float(scale))
+    if not query.is_cuda:
+        cpu_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args)
+        return out
+    raise_device_errors()
+    device = query.device
+    rows = prefill_rows_per_warp(query.shape[2], optin_smem_bytes(device), torch.cuda.get_device_name(device))
+    cuda_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args, rows)
     return out

@@ -27,7 +27,7 @@ CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h", "cpu/kv_quant.h")
 CUDA_SOURCES = (
     "bindings.cpp", "paged_attention.cu", "prefill_attention.cu", "cache_kernels.cu", "fused_kernels.cu",
 )
-CUDA_HEADERS = ("ops.h", "dtype_utils.cuh")
+CUDA_HEADERS = ("ops.h", "dtype_utils.cuh", "kv_quant.cuh")
 
 log = structlog.get_logger(component="ops.build")
 

@@ -10,7 +10,8 @@ from ops import reference
 from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks import check_cache_write, check_copy, check_swap
-from ops.checks_cuda import check_grid, check_mapping_range, check_same_geometry
+from ops.checks_cuda import check_mapping_range, check_same_geometry
+from ops.device_errors import raise_device_errors
 
 
 def _lib(*tensors: torch.Tensor) -> Any:
@@ -31,6 +32,8 @@ def reshape_and_cache(
     if use_reference():
         reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
+    if key_cache.is_cuda:
+        raise_device_errors()
     _lib(key_cache).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
 
 
@@ -46,7 +49,6 @@ def copy_blocks(
     check_mapping_range(block_mapping, key_caches[0].shape[0], key_caches[0].shape[0], "copy_blocks")
     if key_caches[0].is_cuda:
         check_same_geometry([*key_caches, *value_caches])
-        check_grid(block_mapping.shape[0], "block copies")
     if use_reference():
         reference.copy_blocks(key_caches, value_caches, block_mapping)
         return

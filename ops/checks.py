@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from ops.checks_cuda import check_cuda_cache
 from ops.reference.kv_quant import head_size_of
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A cache holds the model dtype, or int8 rows with their scale (ops/reference/kv_quant.py).
 CACHE_DTYPES = (*FLOAT_DTYPES, torch.int8)
-CUDA_HEAD_SIZES = (64, 80, 96, 128, 256)
-CUDA_BLOCK_SIZES = (8, 16, 32)
 
 
 def _dtype(name: str, tensor: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -45,15 +44,7 @@ def check_cache(name: str, cache: torch.Tensor) -> None:
     if not cache.is_contiguous():
         raise ValueError(f"{name} must be contiguous (written in place); got strides {cache.stride()}")
     if cache.is_cuda:
-        if cache.dtype == torch.int8:
-            raise ValueError(f"{name}: the int8 KV cache has CPU kernels only (the CUDA kernels read float caches)")
-        block_size, head_size = cache.shape[2], head_size_of(cache)
-        if block_size not in CUDA_BLOCK_SIZES:
-            raise ValueError(f"{name}: CUDA block size must be one of {CUDA_BLOCK_SIZES}; got {block_size}")
-        if head_size not in CUDA_HEAD_SIZES:
-            raise ValueError(f"{name}: CUDA head size must be one of {CUDA_HEAD_SIZES}; got {head_size}")
-        if cache.data_ptr() % 16 != 0:
-            raise ValueError(f"{name} must be 16-byte aligned for vectorized loads (slice whole blocks)")
+        check_cuda_cache(name, cache)
 
 
 def cache_pair_ok(key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ from ops import reference
 from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks_fused import check_rms_norm, check_rotary, check_silu_and_mul
+from ops.device_errors import raise_device_errors
 
 
 def _lib(tensor: torch.Tensor) -> Any:
@@ -75,6 +76,8 @@ def rotary_embedding_and_cache(
         reference.rotary_embedding_and_cache(positions, query, key, value, cos_sin, key_cache, value_cache,
                                              slot_mapping)
         return
+    if query.is_cuda:
+        raise_device_errors()
     # the kernels read positions and slots at stride 1
     _lib(query).rotary_embedding_and_cache(positions.contiguous(), query, key, value, cos_sin, key_cache,
                                            value_cache, slot_mapping.contiguous())

@@ -10,11 +10,23 @@ shopt -s nullglob
 files=(csrc/*.cu)
 if [ ${#files[@]} -eq 0 ]; then echo "no .cu sources"; exit 0; fi
 STD=${CUDA_CHECK_STD:-c++20}  # torch 2.13's cpp_extension compiles with C++20
+# One nvcc per file, all at once (the int8-cache kernels doubled the attention instantiations);
+# each file's output is printed after it, and any failure fails the check.
+logs=$(mktemp -d)
+pids=()
 for f in "${files[@]}"; do
   echo "nvcc -c $f (sm_80, sm_90)"
   "$NVCC" -c "$f" -o /dev/null -std="$STD" -O3 -Icsrc \
-    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+    -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 > "$logs/$(basename "$f").log" 2>&1 &
+  pids+=($!)
 done
+failed=0
+for i in "${!files[@]}"; do
+  if ! wait "${pids[$i]}"; then echo "FAILED: ${files[$i]}"; failed=1; fi
+  cat "$logs/$(basename "${files[$i]}").log"
+done
+rm -rf "$logs"
+[ "$failed" -eq 0 ] || exit 1
 
 PYTHON=${PYTHON:-.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python3

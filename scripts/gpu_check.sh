@@ -43,7 +43,9 @@ if ! "$PY" -c "import structlog, pytest_asyncio, pytest_timeout" 2>/dev/null && 
 fi
 if [ "$DEVICE" = cuda ]; then
   step build 300 "$PY" -c "import ops.build as b; b.cuda_ops(); b.cpu_ops()"
-  step gpu_tests 180 "$PY" -m pytest -m gpu -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning \
+  # gpu-marked tests: the kernels against the reference, tests/ops/test_cuda_defenses.py (error flag,
+  # strided indices, >65,535 rows, the small prefill tile), test_cuda_kv_int8.py, test_cuda_multi_token.py
+  step gpu_tests 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning \
     --junitxml="$LOG/gpu_tests.xml" tests/ops tests/engine/model
   step kernel_bench 150 "$PY" benchmarks/kernel_bench.py --device cuda --budget 0.3
 else  # dry run: the CPU build and a quick benchmark; the gpu tests only skip here

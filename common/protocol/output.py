@@ -209,11 +209,33 @@ def decode_outputs(data: bytes) -> list[OutputMessage]:
 
 @dataclass(slots=True)
 class Progress:
-    """What a client has been sent for one request, folded from its progress list."""
+    """What a client has been sent for one request, folded from its progress list (or, for an
+    engine's own checkpoint log, from the messages it wrote: then each choice's tokens start at
+    the offset of its first message, `starts`)."""
 
     last_seq: int = -1
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     finished: dict[int, str] = field(default_factory=dict)
+    starts: dict[int, int] = field(default_factory=dict)  # a choice absent here starts at token 0
+
+    def fold(self, out: OutputMessage, open_start: bool = False) -> None:
+        """Add one message's tokens (de-duplicated by offset; OutputGap on a hole). With
+        `open_start`, a choice seen for the first time starts at its message's offset."""
+        self.last_seq = max(self.last_seq, out.seq)
+        for seq_out in out.outputs:
+            if open_start and seq_out.index not in self.token_ids:
+                self.starts[seq_out.index] = seq_out.offset
+            tokens = self.token_ids.setdefault(seq_out.index, [])
+            have = self.starts.get(seq_out.index, 0) + len(tokens)
+            tokens.extend(seq_out.token_ids[num_repeated(have, seq_out.offset):])
+            if seq_out.finish_reason is not None:
+                self.finished[seq_out.index] = seq_out.finish_reason
+
+    def snapshot(self, request_id: str) -> OutputMessage:
+        """One checkpoint entry that folds to the same progress as every message folded here."""
+        return OutputMessage(request_id, self.last_seq, [
+            SeqOutput(index, list(tokens), self.starts.get(index, 0), self.finished.get(index))
+            for index, tokens in sorted(self.token_ids.items())])
 
 
 def merge_progress(entries: list[bytes]) -> Progress:
@@ -221,11 +243,5 @@ def merge_progress(entries: list[bytes]) -> Progress:
     offset). Raises only ProtocolError (OutputGap on a hole)."""
     progress = Progress()
     for raw in entries:
-        out = OutputMessage.decode(raw)
-        progress.last_seq = max(progress.last_seq, out.seq)
-        for seq_out in out.outputs:
-            tokens = progress.token_ids.setdefault(seq_out.index, [])
-            tokens.extend(seq_out.token_ids[num_repeated(len(tokens), seq_out.offset):])
-            if seq_out.finish_reason is not None:
-                progress.finished[seq_out.index] = seq_out.finish_reason
+        progress.fold(OutputMessage.decode(raw))
     return progress

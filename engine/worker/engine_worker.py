@@ -25,6 +25,7 @@ from common.redis_conn import Epoch, NotReplicated, ReplicaAck, pooled_client
 from common.redis_spec import RedisSpec
 from common.shutdown import shut_down
 from engine.config import EngineConfig
+from engine.worker.checkpoints import CheckpointLog
 from engine.worker.engine_thread import EngineThread, Queues, StepResult
 from engine.worker.guards import Guards
 from engine.worker.heartbeat import Heartbeat, model_config_hash
@@ -87,6 +88,7 @@ class EngineWorker:
         self.metrics: EngineMetrics | None = None
         self.epoch = Epoch(self.keys.epoch)
         self.unsent = Outbox()  # outboxes whose flush failed (or was not confirmed by a replica), retried first
+        self.checkpoints = CheckpointLog()  # keeps each request's progress list bounded
         self.ack = ReplicaAck.of(config.redis_spec)
         self._drain_deadline: float | None = None
 
@@ -225,7 +227,8 @@ class EngineWorker:
             for _ in range(FENCE_TRIES):
                 try:
                     reply = await flush(client, self.keys, intake.stream.key, self.unsent,
-                                        self.config.progress_ttl_s, guards.gateways_to_probe(), fence, self.ack)
+                                        self.config.progress_ttl_s, guards.gateways_to_probe(), fence, self.ack,
+                                        self.checkpoints)
                     break
                 except FenceLost:  # silent for too long: drop what other engines took over, then flush
                     await self._check_ownership(intake, guards, beat)
@@ -258,6 +261,7 @@ class EngineWorker:
         guards.lose(lost, "taken over by another engine while this one was silent")
         if lost:
             self.unsent = self.unsent.without(lost)
+            self.checkpoints.forget(lost)
         beat.suspect = False
 
     def _forget_everything(self, intake: Intake) -> None:
@@ -266,6 +270,7 @@ class EngineWorker:
         lost = intake.forget_all()
         log.error("Redis lost its data (epoch changed): dropped in-flight requests", requests=len(lost))
         self.unsent = Outbox()
+        self.checkpoints = CheckpointLog()
 
     async def _redis_lost(self, client: aioredis.Redis, intake: Intake, guards: Guards) -> None:
         self._forget_everything(intake)

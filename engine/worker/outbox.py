@@ -17,7 +17,10 @@ data). When the connection drops between EXEC and WAIT the flush raises NotRepli
 worker sends the same outbox again: every part of it is idempotent for its readers (gateways
 drop repeated output by `seq` and token offset, checkpoints merge by offset, XACK/XDEL and
 DEL repeat harmlessly; only a hand-back's requeue may then run twice, and its output is
-deduplicated the same way)."""
+deduplicated the same way).
+
+With a `CheckpointLog` (engine/worker/checkpoints.py) each request's progress list stays bounded:
+past its entry limit, this engine's entries are replaced by one snapshot in the same MULTI."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import redis.asyncio as aioredis
 
 from common.protocol import REQUEST_FIELD, Keys, OutputMessage, encode_outputs
 from common.redis_conn import ReplicaAck, pinned
+from engine.worker.checkpoints import CheckpointLog
 
 OUT_MAXLEN = 10_000  # entries kept per gateway output stream (approximate; gateways trim what they read)
 OUT_TTL_MS = 600_000  # a gateway that never comes back leaves no stream behind
@@ -98,24 +102,27 @@ class FlushReply:
 
 
 async def flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,
-                probe_gateways: list[str], fence: Fence | None = None, ack: ReplicaAck | None = None) -> FlushReply:
+                probe_gateways: list[str], fence: Fence | None = None, ack: ReplicaAck | None = None,
+                log: CheckpointLog | None = None) -> FlushReply:
     """Send an outbox in one transaction; `stream` is the engine's request stream. A request
     handed back keeps its checkpoint (its next engine resumes from it). With a `fence`: raises
     FenceLost when the heartbeat key is gone or may have lapsed, and redis' WatchError when it
     changed before EXEC (this engine's own heartbeat did, or it expired): nothing was written.
     With an enabled `ack`: WAIT after EXEC on the same connection; raises NotReplicated when
-    that connection was lost in between (send the outbox again)."""
+    that connection was lost in between (send the outbox again). With a `log`, checkpoints are
+    bounded per request (see CheckpointLog) and the log follows what was written."""
     if ack is None or not ack.enabled:
-        return await _flush(client, keys, stream, outbox, progress_ttl_s, probe_gateways, fence)
+        return await _flush(client, keys, stream, outbox, progress_ttl_s, probe_gateways, fence, log)
     async with pinned(client) as conn:
-        reply = await _flush(conn, keys, stream, outbox, progress_ttl_s, probe_gateways, fence)
+        reply = await _flush(conn, keys, stream, outbox, progress_ttl_s, probe_gateways, fence, log)
         await ack.wait(conn)
     return reply
 
 
 async def _flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,
-                 probe_gateways: list[str], fence: Fence | None) -> FlushReply:
+                 probe_gateways: list[str], fence: Fence | None, log: CheckpointLog | None) -> FlushReply:
     ended = {request_id for request_id, _ in outbox.ended}
+    entries_after: dict[str, int] = {}  # this engine's entries per list once this flush is written
     async with client.pipeline(transaction=True) as pipe:
         if fence is not None:
             await pipe.watch(fence.key)
@@ -129,7 +136,14 @@ async def _flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox
             for message in messages:
                 if message.id not in ended:
                     key = keys.progress(message.id)
-                    pipe.rpush(key, message.checkpoint().encode())
+                    if log is None:
+                        pipe.rpush(key, message.checkpoint().encode())
+                    else:
+                        write = log.plan(message, entries_after.get(message.id))
+                        if write.trim:
+                            pipe.ltrim(key, 0, -(write.trim + 1))
+                        pipe.rpush(key, write.entry)
+                        entries_after[message.id] = write.entries_after
                     pipe.expire(key, progress_ttl_s)
         for payload in outbox.requeue:
             pipe.xadd(stream, {REQUEST_FIELD: payload})
@@ -143,6 +157,9 @@ async def _flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox
             pipe.exists(keys.gateway(gateway))
         pipe.get(keys.epoch)
         replies = await pipe.execute()
+    if log is not None:
+        log.written(entries_after)
+        log.forget(ended | set(outbox.forget_progress))
     probes = replies[len(replies) - len(probe_gateways) - 1:]
     epoch = probes[-1]
     alive = {gateway: bool(found) for gateway, found in zip(probe_gateways, probes[:-1], strict=True)}
