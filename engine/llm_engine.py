@@ -216,6 +216,7 @@ class LLMEngine:
             "step_seconds": self.step_seconds,
             "model_seconds": self.runner.model_seconds,
             "spec": self.speculator.stats() if self.speculator is not None else {},
+            "spec_method": self.speculator.config.method if self.speculator is not None else "",
             "spec_accepted_lengths": self.speculator.accepted_lengths() if self.speculator is not None else {},
         }
 

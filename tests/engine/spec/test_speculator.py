@@ -43,7 +43,7 @@ def test_low_acceptance_cools_a_sequence_down() -> None:
     assert all(spec.propose(seq, 8) == [] for _ in range(BASE_COOLDOWN))
     assert spec.propose(seq, 8) == [1, 2, 3]
     assert spec.stats()["proposed_tokens"] == 9 and spec.stats()["accepted_tokens"] == 0
-    spec.release(seq.seq_id)
+    spec.release(seq)
     assert not spec.states
 
 
