@@ -38,6 +38,7 @@ from engine.sched.sequence import Request, Sequence
 from engine.spec.speculator import Speculator
 from engine.spec.verify import accept, verify_plan
 from ops.build import prepare as prepare_kernels
+from ops.parallel import openmp_rows_for, set_openmp_rows
 
 log = get_logger("engine")
 
@@ -58,6 +59,8 @@ class LLMEngine:
         self.hf_config = load_hf_config(config.model)
         self.model = load_model(config.model, self.dtype, self.device, config.quantization)
         self.model.use_logit_screen = config.logit_screen
+        if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
+            set_openmp_rows(openmp_rows_for(config.serves_quantized_weights))
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)

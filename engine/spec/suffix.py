@@ -40,6 +40,11 @@ class SuffixCache:
     def index(self) -> SuffixIndex:
         return SuffixIndex(self)
 
+    def clear(self) -> None:
+        """Forget every cached output (sequences' own tries are not touched)."""
+        self.trie = SuffixTrie(self.config.suffix_decoding_max_tree_depth)
+        self.cached.clear()
+
 
 class SuffixIndex:
     """One sequence's own trie (prompt and output), kept current with its tokens, which may only

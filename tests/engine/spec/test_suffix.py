@@ -142,3 +142,20 @@ def test_suffix_config() -> None:
                 {"method": "suffix", "suffix_decoding_max_cached_requests": -1}):
         with pytest.raises(ValueError):
             SpeculativeConfig.from_dict(bad)
+
+
+def test_engine_cli_and_up_engine_args_accept_suffix() -> None:
+    """`pagedserve engine --speculative-config JSON`, and the same flag inside `up --engine-args`
+    (which shlex-splits the string onto the engine's command line)."""
+    import argparse
+    import shlex
+
+    from engine.worker.cli import add_arguments, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    up_form = '--speculative-config \'{"method": "suffix", "num_speculative_tokens": 6, ' \
+              '"suffix_decoding_max_cached_requests": 8}\''
+    spec = engine_config(parser.parse_args(shlex.split(up_form)), "m").speculative()
+    assert spec is not None and spec.method == "suffix"
+    assert (spec.num_speculative_tokens, spec.suffix_decoding_max_cached_requests) == (6, 8)
