@@ -1,16 +1,21 @@
-"""Speculative decoding (n-gram prompt lookup) against plain decoding on SmolLM2, in one run.
-Prints one JSON object per line on stdout.
+"""Speculative decoding (n-gram prompt lookup and suffix decoding) against plain decoding on
+SmolLM2, in one run: three engines in one process (plain, ngram, suffix), timed in interleaved
+rounds (the order rotates each round) so load from other work hits all of them alike. Prints one
+JSON object per line on stdout.
 
 - grounded: single streams whose answer repeats their context (repeat a passage, edit code,
-  answer from a long context), greedy, one at a time; goal >= 1.8x tok/s with speculation;
+  answer from a long context), greedy, one at a time; goal >= 1.8x tok/s with speculation.
+  The suffix engine's cache of finished outputs is cleared before each of these runs, so a
+  round never proposes from the same prompt's answer in an earlier round;
+- repeat_request: the same grounded prompt asked again with the cache kept (an agent loop or a
+  retried request): what suffix decoding's global trie adds;
 - batch: 32 unrepetitive prompts at once (speculation switches itself off above
   `disable_by_batch_size` running sequences); goal >= 0.97x.
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/spec_bench.py [--k 4] [--max-tokens 128] [--threads N]
+    .venv/bin/python benchmarks/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2] [--k 4]
 
-On a shared 2-core machine, oneDNN's 2-thread GEMM at 4-16 rows (a verified row of 1 + K tokens)
-stalls when the cores are oversubscribed (22 ms against 1.2 ms single-threaded for SmolLM2's
-576x3072 layer, load average 9); `--threads 1` measures the kernel cost without that noise.
+The default model is the Q4_1 GGUF that `pagedserve up` serves (its GEMM is pagedserve's C++
+kernel up to 128 rows); the fp32 directory runs its GEMMs in oneDNN.
 """
 
 from __future__ import annotations
@@ -82,61 +87,127 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[f
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
+def spec_counts(llm: LLM) -> dict[str, float]:
+    return dict(llm.engine.stats().get("spec") or {})
+
+
+def clear_suffix_cache(llm: LLM) -> None:
+    speculator = llm.engine.speculator
+    if speculator is not None and speculator.suffix_cache is not None:
+        speculator.suffix_cache.clear()
+
+
+class Tally:
+    """Tokens, seconds and spec counters of one (bench, mode) over the rounds; outputs of round 0."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.seconds = 0.0
+        self.proposed = self.accepted = self.rows = 0
+        self.outputs: list[list[int]] | None = None
+
+    def add(self, llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
+        before = spec_counts(llm)
+        seconds, outs = timed(llm, prompts, params)
+        after = spec_counts(llm)
+        self.tokens += sum(len(o) for o in outs)
+        self.seconds += seconds
+        self.proposed += int(after.get("proposed_tokens", 0) - before.get("proposed_tokens", 0))
+        self.accepted += int(after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0))
+        self.rows += int(after.get("verified_rows", 0) - before.get("verified_rows", 0))
+        if self.outputs is None:
+            self.outputs = outs
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
+
+    def spec_fields(self) -> dict[str, Any]:
+        return {"proposed": self.proposed, "accepted": self.accepted,
+                "acceptance_rate": round(self.accepted / self.proposed, 3) if self.proposed else 0.0,
+                "mean_acceptance_length": round(1 + self.accepted / self.rows, 2) if self.rows else 0.0}
+
+
+def report(bench: str, tallies: dict[str, Tally], goal: float | None = None, **fields: Any) -> None:
+    plain = tallies["plain"]
+    row: dict[str, Any] = {"bench": bench, **fields, "plain_tok_s": round(plain.rate, 2)}
+    for mode, tally in tallies.items():
+        if mode == "plain":
+            continue
+        row[mode] = {"tok_s": round(tally.rate, 2), "speedup": round(tally.rate / plain.rate, 3),
+                     "same_tokens": tally.outputs == plain.outputs, **tally.spec_fields()}
+    if goal is not None:
+        row["goal"] = goal
+    emit(**row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct"))
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    model_dir = Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct"
+    parser.add_argument("--model", default=str(model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (both methods)")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--dump-prompts", metavar="FILE",
+                        help="write the grounded prompts' token ids for benchmarks/peer/llama_cpp_spec_bench.py, exit")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max}
-    engines = {"plain": LLM(args.model, kv_cache_memory=512 << 20),
-               "spec": LLM(args.model, kv_cache_memory=512 << 20, speculative_config=spec)}
+    if args.dump_prompts:
+        llm = LLM(args.model, kv_cache_memory=16 << 20)
+        Path(args.dump_prompts).write_text(json.dumps({
+            "max_tokens": args.max_tokens, "warm": chat_ids(llm, "Say hello."),
+            "grounded": {name: chat_ids(llm, text) for name, text in GROUNDED.items()}}))
+        return
+    torch.set_num_threads(args.threads)
+    configs: dict[str, dict[str, Any] | None] = {"plain": None}
+    for method in args.methods.split(","):
+        configs[method] = ({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max}
+                           if method == "ngram" else {"method": method, "num_speculative_tokens": args.k})
+    engines = {mode: LLM(args.model, kv_cache_memory=512 << 20, speculative_config=config)
+               for mode, config in configs.items()}
+    emit(bench="setup", model=args.model, threads=torch.get_num_threads(), k=args.k, rounds=args.rounds,
+         modes=list(engines))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    warm = [chat_ids(engines["plain"], "Say hello.")]
+    some = next(iter(engines.values()))
+    warm = [chat_ids(some, "Say hello.")]
     for llm in engines.values():
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
-    totals = {"plain": [0, 0.0], "spec": [0, 0.0]}
-    for name, text in GROUNDED.items():
-        prompt = [chat_ids(engines["plain"], text)]
-        result: dict[str, Any] = {}
-        outputs = {}
-        for mode, llm in engines.items():
-            before = dict(llm.engine.stats().get("spec") or {})
-            seconds, outs = timed(llm, prompt, greedy)
-            outputs[mode] = outs
-            tokens = len(outs[0])
-            totals[mode][0] += tokens
-            totals[mode][1] += seconds
-            result[f"{mode}_tok_s"] = round(tokens / seconds, 2)
-            if mode == "spec":
-                after = llm.engine.stats()["spec"]
-                proposed = after["proposed_tokens"] - before.get("proposed_tokens", 0)
-                accepted = after["accepted_tokens"] - before.get("accepted_tokens", 0)
-                rows = after["verified_rows"] - before.get("verified_rows", 0)
-                result |= {"proposed": proposed, "accepted": accepted,
-                           "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
-                           "mean_acceptance_length": round(1 + accepted / rows, 2) if rows else 0.0}
-        emit(bench="grounded", prompt=name, prompt_tokens=len(prompt[0]), output_tokens=len(outputs["plain"][0]),
-             speedup=round(result["spec_tok_s"] / result["plain_tok_s"], 3),
-             same_tokens=outputs["plain"] == outputs["spec"], **result)
-    plain_rate, spec_rate = (totals[m][0] / totals[m][1] for m in ("plain", "spec"))
-    emit(bench="grounded_total", plain_tok_s=round(plain_rate, 2), spec_tok_s=round(spec_rate, 2),
-         speedup=round(spec_rate / plain_rate, 3), goal=GOAL_GROUNDED)
-    prompts = [chat_ids(engines["plain"], f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}, "
-                                          f"idea number {i}.") for i in range(args.batch)]
+    prompts = {name: [chat_ids(some, text)] for name, text in GROUNDED.items()}
+    batch_prompts = [chat_ids(some, f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}, idea number {i}.")
+                     for i in range(args.batch)]
     batch_params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens // 2, ignore_eos=True)
-    rates = {}
-    for mode, llm in engines.items():
-        seconds, outs = timed(llm, prompts, batch_params)
-        rates[mode] = sum(len(o) for o in outs) / seconds
-    emit(bench="batch", num_prompts=args.batch, plain_tok_s=round(rates["plain"], 2),
-         spec_tok_s=round(rates["spec"], 2), ratio=round(rates["spec"] / rates["plain"], 3), goal=GOAL_BATCH,
-         spec_stats=engines["spec"].engine.stats()["spec"])
+    grounded = {name: {mode: Tally() for mode in engines} for name in GROUNDED}
+    repeat = {mode: Tally() for mode in engines}
+    batch = {mode: Tally() for mode in engines}
+    modes = list(engines)
+    for r in range(args.rounds):
+        order = modes[r % len(modes):] + modes[: r % len(modes)]
+        for name, prompt in prompts.items():
+            for mode in order:
+                clear_suffix_cache(engines[mode])
+                grounded[name][mode].add(engines[mode], prompt, greedy)
+                if name == "repeat_passage":  # again, with the output of the run just before cached
+                    repeat[mode].add(engines[mode], prompt, greedy)
+        for mode in order:
+            batch[mode].add(engines[mode], batch_prompts, batch_params)
+    for name, tallies in grounded.items():
+        report("grounded", tallies, prompt=name, prompt_tokens=len(prompts[name][0]))
+    totals = {mode: Tally() for mode in engines}
+    for tallies in grounded.values():
+        for mode, tally in tallies.items():
+            total = totals[mode]
+            total.tokens += tally.tokens
+            total.seconds += tally.seconds
+            total.proposed += tally.proposed
+            total.accepted += tally.accepted
+            total.rows += tally.rows
+            total.outputs = (total.outputs or []) + (tally.outputs or [])
+    report("grounded_total", totals, goal=GOAL_GROUNDED)
+    report("repeat_request", repeat, prompt="repeat_passage")
+    report("batch", batch, goal=GOAL_BATCH, num_prompts=args.batch)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from engine.sched.sequence import Request, Sequence
 from engine.spec.speculator import Speculator
 from engine.spec.verify import accept, verify_plan
 from ops.build import prepare as prepare_kernels
+from ops.parallel import openmp_rows_for, set_openmp_rows
 
 log = get_logger("engine")
 
@@ -62,6 +63,8 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer_dir = tokenizer_dir(config.model, config.tokenizer)
         self.hf_config = load_hf_config(config.model)
+        if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
+            set_openmp_rows(openmp_rows_for(config.serves_quantized_weights))
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)
@@ -247,6 +250,7 @@ class LLMEngine:
             "step_seconds": self.step_seconds,
             "model_seconds": self.runner.model_seconds,
             "spec": self.speculator.stats() if self.speculator is not None else {},
+            "spec_method": self.speculator.config.method if self.speculator is not None else "",
             "spec_accepted_lengths": self.speculator.accepted_lengths() if self.speculator is not None else {},
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "publish_seconds": self.runner.publish_seconds,

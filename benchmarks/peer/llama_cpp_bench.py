@@ -20,7 +20,9 @@ import time
 from typing import Any
 
 
-def load(path: str, threads: int) -> Any:
+def load(path: str, threads: int, **options: Any) -> Any:
+    """A `llama_cpp.Llama` on `path` without the extra weight buffers (`options`: more Llama
+    arguments, e.g. draft_model)."""
     import llama_cpp
 
     default_params = llama_cpp.llama_cpp.llama_model_default_params
@@ -32,7 +34,8 @@ def load(path: str, threads: int) -> Any:
 
     llama_cpp.llama_cpp.llama_model_default_params = params_without_extra_bufts
     try:
-        return llama_cpp.Llama(model_path=path, n_threads=threads, n_batch=512, n_ctx=2048, verbose=False)
+        return llama_cpp.Llama(model_path=path, n_threads=threads, n_batch=512, n_ctx=2048, verbose=False,
+                               **options)
     finally:
         llama_cpp.llama_cpp.llama_model_default_params = default_params
 

@@ -289,7 +289,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       attend_group<T, C>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,
                       tables + seq * table_stride, lens[seq], kv_head, s, work);
     }
-  }, num_seqs >= kOpenMPRows);
+  }, num_seqs >= openmp_rows());
 }
 
 }  // namespace

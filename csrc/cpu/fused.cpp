@@ -64,7 +64,7 @@ void rms_norm_impl(const at::Tensor& out, const at::Tensor& x, const at::Tensor&
       vec::widen(buf.data(), x_ptr + r * x.stride(0), hidden);
       norm_row<T>(out_ptr + r * out.stride(0), buf.data(), w_ptr, hidden, static_cast<float>(eps));
     }
-  }, rows >= kOpenMPRows);
+  }, rows >= openmp_rows());
 }
 
 template <typename T>
@@ -85,7 +85,7 @@ void fused_add_rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, co
       }
       norm_row<T>(xr, buf.data(), w_ptr, hidden, static_cast<float>(eps));
     }
-  }, rows >= kOpenMPRows);
+  }, rows >= openmp_rows());
 }
 
 template <typename T>
@@ -118,7 +118,7 @@ void silu_and_mul_impl(const at::Tensor& out, const at::Tensor& x) {
       T* o = out_ptr + r * out.stride(0);
       for (int64_t j = 0; j < width; ++j) o[j] = round_to<T>(as_f(round_to<T>(gate[j])) * up[j]);
     }
-  }, rows >= kOpenMPRows);
+  }, rows >= openmp_rows());
 }
 
 struct RopeShape {
@@ -171,7 +171,7 @@ void rope_impl(const at::Tensor& positions, const at::Tensor& query, const at::T
         kvq::store_row(vc + dst, v_ptr + t * s.v_token + h * s.v_head, dim);
       }
     }
-  }, num_tokens >= kOpenMPRows);
+  }, num_tokens >= openmp_rows());
 }
 
 template <typename F>

@@ -134,9 +134,17 @@ class ChunkPool {
   std::shared_ptr<Job> current_;
 };
 
-// Rows (tokens) from which a step's linear layers run on oneDNN (ops/linear.py): the step's other
-// kernels then pass `openmp` to parallel_chunks.
-constexpr int64_t kOpenMPRows = 4;
+// Rows (tokens) from which a step's linear layers run on oneDNN: the step's kernels then pass
+// `openmp` to parallel_chunks. 4 for fp32 weights (ops/linear.py: small_gemm up to 3 rows), 129 for
+// quantized ones (ops/quant.py: quant_linear's own kernel up to 128); the engine sets it for its
+// model (set_openmp_rows). With 4 for a Q4_1 model, a speculative row of 1 + 4 tokens put every
+// layer on OpenMP barriers: under load, 96 ms for one layer's four linears at 5 rows against
+// 6 ms at one row (benchmarks/spec_bench.py, README "Speculative decoding").
+inline std::atomic<int64_t>& openmp_rows_setting() {
+  static std::atomic<int64_t> rows{4};
+  return rows;
+}
+inline int64_t openmp_rows() { return openmp_rows_setting().load(std::memory_order_relaxed); }
 
 // Calls fn(begin, end) over [0, n) in chunks of `chunk` (the last may be shorter), on the caller
 // and at most at::get_num_threads() - 1 helpers: the chunk pool's, or OpenMP's with `openmp`.

@@ -289,7 +289,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
       run_task<T, C>(t, q_ptr, k_ptr, v_ptr, tables + t.seq * table_stride, lens[t.seq] - q_len, starts[t.seq],
                   out_ptr, s, cache[0]);
     }
-  }, query.size(0) >= kOpenMPRows);
+  }, query.size(0) >= openmp_rows());
 }
 
 }  // namespace

@@ -304,7 +304,7 @@ void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, in
         default: rows_for_group<F, 4>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
       }
     }
-  }, /*openmp=*/m_len >= kOpenMPRows);
+  }, /*openmp=*/m_len >= openmp_rows());
 }
 
 template <int64_t F>

@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "parallel.h"
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
@@ -33,6 +34,11 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias, "
       "bool int8_activations) -> ()");
   m.def("dequantize_weight(Tensor(a!) out, Tensor qweight, int format) -> ()");
+  // No tensor to dispatch on: one kernel for every backend.
+  m.def("set_openmp_rows(int rows) -> ()", [](int64_t rows) {
+    pagedserve::cpu::openmp_rows_setting().store(rows, std::memory_order_relaxed);
+  });
+  m.def("openmp_rows() -> int", []() { return pagedserve::cpu::openmp_rows(); });
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

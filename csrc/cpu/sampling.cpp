@@ -252,7 +252,7 @@ void draw(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv
           tokens[r] = walk(exps.data(), sums.data(), n, static_cast<double>(u[r]));
         }
       },
-      rows >= kOpenMPRows);
+      rows >= openmp_rows());
 }
 
 void check_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,

@@ -151,7 +151,7 @@ void screened_argmax(const at::Tensor& out, const at::Tensor& approx, const at::
           tokens[r] = std::isnan(floor) ? -1 : best_candidate(x + r * stride, n, b, floor, hr, w, k);
         }
       },
-      rows >= kOpenMPRows);
+      rows >= openmp_rows());
 }
 
 }  // namespace pagedserve::cpu

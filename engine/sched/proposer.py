@@ -21,6 +21,6 @@ class Proposer(Protocol):
         """One verified row's outcome."""
         ...
 
-    def release(self, seq_id: int) -> None:
-        """Forget a finished or aborted sequence."""
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence (a proposer may keep its output)."""
         ...

@@ -79,7 +79,7 @@ class Scheduler:
 
     def free_seq(self, seq: Sequence) -> None:
         if self.speculator is not None:
-            self.speculator.release(seq.seq_id)
+            self.speculator.release(seq)
         if self.block_manager.has_seq(seq.seq_id):
             self.block_manager.free(seq.seq_id)
 

@@ -1,6 +1,7 @@
 """Who proposes, when, and how well it went: one `Speculator` per scheduler, torch-free.
 
-A running decode sequence gets up to K n-gram proposals (`NgramIndex`) when speculation can pay:
+A running decode sequence gets up to K proposals (`NgramIndex` for "ngram", `SuffixIndex` and the
+shared `SuffixCache` of finished outputs for "suffix") when speculation can pay:
 
 - the step runs at most `disable_by_batch_size` sequences (a large batch is already
   compute-bound, verifying K extra tokens per row would cost more than it saves);
@@ -18,22 +19,30 @@ Counters: proposed and accepted tokens, verified rows (mean acceptance length =
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engine.sched.sequence import Sequence
 from engine.spec.config import SpeculativeConfig
 from engine.spec.ngram import NgramIndex
+from engine.spec.suffix import SuffixCache
 
 EMA_WEIGHT = 0.3  # weight of the latest verified row in the acceptance average
 BASE_COOLDOWN = 16  # decode steps without proposals after the first time acceptance falls too low
 MAX_COOLDOWN = 256
 
 
+class SeqIndex(Protocol):
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens continuing `tokens` (which only grow between calls); k = 0 only
+        brings the index up to date."""
+        ...
+
+
 @dataclass(slots=True)
 class SeqSpecState:
     """One sequence's proposer index and acceptance record."""
 
-    index: NgramIndex
+    index: SeqIndex
     rate: float = 1.0  # moving average of accepted / proposed
     rows: int = 0
     cooldown: int = 0  # decode steps left without proposals
@@ -63,6 +72,7 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.suffix_cache = SuffixCache(config) if config.method == "suffix" else None
         self.states: dict[int, SeqSpecState] = {}
         self.counters = SpecCounters()
         self.plain_rate: float | None = None  # tokens/s of decode steps without proposals
@@ -101,8 +111,7 @@ class Speculator:
             return []
         state = self.states.get(seq.seq_id)
         if state is None:
-            c = self.config
-            state = self.states[seq.seq_id] = SeqSpecState(NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max))
+            state = self.states[seq.seq_id] = SeqSpecState(self._new_index())
         if state.cooldown > 0:
             state.cooldown -= 1
             state.index.propose(seq.token_ids, 0)  # keep the index current
@@ -126,9 +135,11 @@ class Speculator:
             state.relapses += 1
             state.rate, state.rows = 1.0, 0
 
-    def release(self, seq_id: int) -> None:
-        """Forget a finished or aborted sequence."""
-        self.states.pop(seq_id, None)
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence (suffix: its output joins the shared cache)."""
+        self.states.pop(seq.seq_id, None)
+        if self.suffix_cache is not None:
+            self.suffix_cache.add_output(seq.seq_id, seq.output_token_ids)
 
     def stats(self) -> dict[str, Any]:
         """Flat numbers (the heartbeat flattens one level of nesting)."""
@@ -145,6 +156,12 @@ class Speculator:
     def accepted_lengths(self) -> dict[str, int]:
         """Verified rows by the number of proposals they accepted ("0" .. "K")."""
         return {str(n): rows for n, rows in sorted(self.counters.accepted_lengths.items())}
+
+
+    def _new_index(self) -> SeqIndex:
+        if self.suffix_cache is not None:
+            return self.suffix_cache.index()
+        return NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
 
 def _ema(average: float | None, value: float) -> float:

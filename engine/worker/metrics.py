@@ -57,10 +57,13 @@ class _StatsCollector(Collector):
                                 ("bad_abort_messages", "bad_aborts", "undecodable abort messages ignored")):
             yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(s.get(key, 0)))
         spec = s.get("spec") or {}
+        method = str(s.get("spec_method") or "none")
         for name, key, text in (("spec_proposed_tokens", "proposed_tokens", "speculative tokens proposed"),
                                 ("spec_accepted_tokens", "accepted_tokens", "speculative tokens accepted"),
                                 ("spec_verified_rows", "verified_rows", "speculative rows verified")):
-            yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(spec.get(key, 0)))
+            counter = CounterMetricFamily(f"pagedserve_{name}", f"{text}, by method", labels=["method"])
+            counter.add_metric([method], float(spec.get(key, 0)))
+            yield counter
         success = CounterMetricFamily("pagedserve_request_success", "finished requests by reason",
                                       labels=["finished_reason"])
         for reason, count in sorted(s.get("finished", {}).items()):

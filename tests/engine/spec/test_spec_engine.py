@@ -1,7 +1,7 @@
 """Speculative decoding end to end on tiny models: the same tokens as without it (greedy and
 seeded sampling), with prefix hits, chunked prefill and preemption (swap and recompute); every
 block back at the end; the policy turns it off for a large batch and ineligible requests; the
-sampled distribution is that of plain sampling (chi-square)."""
+sampled distribution is that of plain sampling (chi-square). Each test runs for both methods."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from engine.llm import LLM
 from engine.worker.heartbeat import flatten_stats
 from tests.engine.helpers import assert_no_leaks, generated
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPECS: dict[str, dict[str, Any]] = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4, "suffix_decoding_max_tree_depth": 12},
+}
 PROMPTS = [[5, 6, 7, 8, 9] * 6, list(range(40, 75)), [100, 101] * 9 + list(range(200, 210)), [33] * 20]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
@@ -26,13 +29,19 @@ def _llm(model: Path, spec: dict[str, Any] | None, **config: Any) -> LLM:
                **config)
 
 
+@pytest.fixture(params=sorted(SPECS))
+def spec(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return SPECS[request.param]
+
+
 @pytest.fixture(scope="module")
 def reference(looping_llama_dir: Path) -> list[list[int]]:
     return generated(_llm(looping_llama_dir, None).generate(PROMPTS, GREEDY))
 
 
-def test_greedy_identical_and_proposals_accepted(looping_llama_dir: Path, reference: list[list[int]]) -> None:
-    llm = _llm(looping_llama_dir, SPEC)
+def test_greedy_identical_and_proposals_accepted(looping_llama_dir: Path, reference: list[list[int]],
+                                                 spec: dict[str, Any]) -> None:
+    llm = _llm(looping_llama_dir, spec)
     assert generated(llm.generate(PROMPTS, GREEDY)) == reference
     spec = llm.engine.stats()["spec"]
     assert spec["accepted_tokens"] > 0 and spec["verified_rows"] > 0
@@ -44,9 +53,9 @@ def test_greedy_identical_and_proposals_accepted(looping_llama_dir: Path, refere
     assert_no_leaks(llm)
 
 
-def test_greedy_identical_with_prefix_hits_and_chunked_prefill(looping_llama_dir: Path,
-                                                               reference: list[list[int]]) -> None:
-    llm = _llm(looping_llama_dir, SPEC, max_num_batched_tokens=16)
+def test_greedy_identical_with_prefix_hits_and_chunked_prefill(looping_llama_dir: Path, reference: list[list[int]],
+                                                               spec: dict[str, Any]) -> None:
+    llm = _llm(looping_llama_dir, spec, max_num_batched_tokens=16)
     assert generated(llm.generate(PROMPTS, GREEDY)) == reference
     assert_no_leaks(llm)
     hits = llm.engine.stats()["prefix_hits"]
@@ -57,9 +66,10 @@ def test_greedy_identical_with_prefix_hits_and_chunked_prefill(looping_llama_dir
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_identical_under_preemption(looping_llama_dir: Path, reference: list[list[int]], mode: str) -> None:
+def test_greedy_identical_under_preemption(looping_llama_dir: Path, reference: list[list[int]], mode: str,
+                                           spec: dict[str, Any]) -> None:
     # 12 blocks of 8 tokens for four sequences growing to 66-84 tokens: they preempt each other
-    llm = _llm(looping_llama_dir, SPEC, num_gpu_blocks=12, block_size=8, preemption_mode=mode, watermark=0.0,
+    llm = _llm(looping_llama_dir, spec, num_gpu_blocks=12, block_size=8, preemption_mode=mode, watermark=0.0,
                num_cpu_blocks=64, debug_blocks=True)  # invariants checked after every step
     assert generated(llm.generate(PROMPTS, GREEDY)) == reference
     stats = llm.engine.stats()
@@ -68,26 +78,37 @@ def test_greedy_identical_under_preemption(looping_llama_dir: Path, reference: l
     assert_no_leaks(llm)
 
 
-def _cycle_prompt(model: Path) -> list[int]:
+@pytest.fixture(scope="module")
+def cycle_prompt(markov_llama_dir: Path) -> list[int]:
     """Two turns of the model's greedy cycle."""
-    out = generated(_llm(model, None).generate([[7, 8, 9, 10]], GREEDY))[0]
+    out = generated(_llm(markov_llama_dir, None).generate([[7, 8, 9, 10]], GREEDY))[0]
     return out[24:48] * 2
 
 
-def test_seeded_sampling_gives_the_same_tokens(markov_llama_dir: Path) -> None:
-    prompts = [_cycle_prompt(markov_llama_dir), *PROMPTS]
+@pytest.fixture(scope="module")
+def seeded_plain(markov_llama_dir: Path, cycle_prompt: list[int]) -> tuple[list[list[int]], list[SamplingParams],
+                                                                           list[list[int]]]:
+    """Prompts, seeded sampling parameters and the tokens plain decoding gives for them."""
+    prompts = [cycle_prompt, *PROMPTS]
     params = [SamplingParams(temperature=0.5 if s % 2 else 1.0, seed=s, max_tokens=48, ignore_eos=True,
                              top_p=0.9 if s % 2 else 1.0) for s in range(len(prompts) * 2)]
     prompts = prompts[:1] * len(prompts) + prompts
-    plain = generated(_llm(markov_llama_dir, None).generate(prompts, params))
-    llm = _llm(markov_llama_dir, {**SPEC, "disable_by_batch_size": 16})
+    return prompts, params, generated(_llm(markov_llama_dir, None).generate(prompts, params))
+
+
+def test_seeded_sampling_gives_the_same_tokens(markov_llama_dir: Path, spec: dict[str, Any],
+                                               seeded_plain: tuple[list[list[int]], list[SamplingParams],
+                                                                   list[list[int]]]) -> None:
+    prompts, params, plain = seeded_plain
+    llm = _llm(markov_llama_dir, {**spec, "disable_by_batch_size": 16})
     assert generated(llm.generate(prompts, params)) == plain
     assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
     assert_no_leaks(llm)
 
 
-def test_off_for_large_batches_and_ineligible_requests(looping_llama_dir: Path, reference: list[list[int]]) -> None:
-    llm = _llm(looping_llama_dir, {**SPEC, "disable_by_batch_size": 3})
+def test_off_for_large_batches_and_ineligible_requests(looping_llama_dir: Path, reference: list[list[int]],
+                                                       spec: dict[str, Any]) -> None:
+    llm = _llm(looping_llama_dir, {**spec, "disable_by_batch_size": 3})
     assert generated(llm.generate(PROMPTS, GREEDY)) == reference  # four sequences: never proposes
     assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
     logprobs = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
@@ -99,21 +120,32 @@ def test_off_for_large_batches_and_ineligible_requests(looping_llama_dir: Path, 
     assert_no_leaks(llm)
 
 
-def test_sampled_distribution_matches_plain_sampling(markov_llama_dir: Path) -> None:
+def _sampled_counts(model: Path, prompt: list[int], config: dict[str, Any] | None,
+                    seeds: range) -> Counter[tuple[int, int]]:
+    """(position, token) counts of the 2nd-4th sampled tokens, one request per seed."""
+    llm = _llm(model, config, max_num_seqs=16)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in seeds]
+    outs = generated(llm.generate([prompt] * len(params), params))
+    if config is not None:
+        stats = llm.engine.stats()["spec"]
+        assert 0 < stats["accepted_tokens"] < stats["proposed_tokens"]
+    assert_no_leaks(llm)
+    return Counter((j, t) for out in outs for j, t in enumerate(out) if j >= 1)
+
+
+@pytest.fixture(scope="module")
+def plain_counts(markov_llama_dir: Path, cycle_prompt: list[int]) -> Counter[tuple[int, int]]:
+    return _sampled_counts(markov_llama_dir, cycle_prompt, None, range(240))
+
+
+def test_sampled_distribution_matches_plain_sampling(markov_llama_dir: Path, spec: dict[str, Any],
+                                                     cycle_prompt: list[int],
+                                                     plain_counts: Counter[tuple[int, int]]) -> None:
     """Chi-square of the 2nd-4th tokens' values, 240 seeds each way (disjoint seeds, so the runs are
     independent samples); acceptances and rejections must have happened at those positions."""
-    prompt = _cycle_prompt(markov_llama_dir)
-    counts: list[Counter[tuple[int, int]]] = []
-    for spec, seeds in ((None, range(240)), ({**SPEC, "disable_by_batch_size": 1000}, range(1000, 1240))):
-        llm = _llm(markov_llama_dir, spec, max_num_seqs=16)
-        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in seeds]
-        outs = generated(llm.generate([prompt] * len(params), params))
-        counts.append(Counter((j, t) for out in outs for j, t in enumerate(out) if j >= 1))
-        if spec is not None:
-            stats = llm.engine.stats()["spec"]
-            assert 0 < stats["accepted_tokens"] < stats["proposed_tokens"]
-        assert_no_leaks(llm)
-    plain, spec_counts = counts
+    plain = plain_counts
+    spec_counts = _sampled_counts(markov_llama_dir, cycle_prompt, {**spec, "disable_by_batch_size": 1000},
+                                  range(1000, 1240))
     keys = set(plain) | set(spec_counts)
     # pool rare cells per position so every cell expects >= 5 in each run
     stat, cells = 0.0, 0

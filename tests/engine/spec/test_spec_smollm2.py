@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from tests.engine.helpers import assert_no_leaks, generated
@@ -30,4 +32,24 @@ def test_greedy_identical_with_speculation(smollm2_dir: Path) -> None:
     assert stats["prefix_hits"] > 0
     assert stats["spec"]["accepted_tokens"] > 0
     assert stats["spec"]["acceptance_rate"] > 0.5
+    assert_no_leaks(llm)
+
+
+@pytest.mark.slow
+def test_suffix_on_the_served_q4_1_file() -> None:
+    """The GGUF that `up` serves: suffix speculation gives the same greedy tokens, and its 5-row
+    verification steps stay on the chunk pool (quantized weights never reach oneDNN there)."""
+    from engine.model.fetch import default_gguf_path
+    from ops.parallel import openmp_rows, openmp_rows_for
+
+    gguf = default_gguf_path()
+    if not gguf.is_file():
+        pytest.skip("the default model's GGUF is not fetched (run `pagedserve fetch-model`)")
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    plain = generated(LLM(str(gguf), kv_cache_memory=64 << 20).chat(CONVERSATIONS, params))
+    llm = LLM(str(gguf), kv_cache_memory=64 << 20, speculative_config={"method": "suffix", "num_speculative_tokens": 4})
+    assert openmp_rows() == openmp_rows_for(True)
+    assert generated(llm.chat(CONVERSATIONS, params)) == plain
+    stats = llm.engine.stats()
+    assert stats["spec_method"] == "suffix" and stats["spec"]["accepted_tokens"] > 0
     assert_no_leaks(llm)

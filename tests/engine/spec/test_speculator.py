@@ -43,7 +43,7 @@ def test_low_acceptance_cools_a_sequence_down() -> None:
     assert all(spec.propose(seq, 8) == [] for _ in range(BASE_COOLDOWN))
     assert spec.propose(seq, 8) == [1, 2, 3]
     assert spec.stats()["proposed_tokens"] == 9 and spec.stats()["accepted_tokens"] == 0
-    spec.release(seq.seq_id)
+    spec.release(seq)
     assert not spec.states
 
 
@@ -71,11 +71,13 @@ def test_prometheus_counters_and_heartbeat_fields() -> None:
     spec.propose(seq, 8)
     spec.record(seq, 3, 2)
     stats = {"num_blocks": 1, "num_free_blocks": 1, "usage_ratio": 0.0, "block_utilization": 0.0, "running": 1,
-             "waiting": 0, "swapped": 0, "spec": spec.stats(), "spec_accepted_lengths": spec.accepted_lengths()}
+             "waiting": 0, "swapped": 0, "spec": spec.stats(), "spec_accepted_lengths": spec.accepted_lengths(),
+             "spec_method": "ngram"}
     metrics = EngineMetrics("cpu")
     metrics.update(stats)
-    values = {s.name: s.value for family in text_string_to_metric_families(metrics.render().decode())
-              for s in family.samples}
+    samples = [s for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples]
+    values = {s.name: s.value for s in samples}
+    assert {s.labels["method"] for s in samples if s.name.startswith("pagedserve_spec_")} == {"ngram"}
     assert values["pagedserve_spec_proposed_tokens_total"] == 3
     assert values["pagedserve_spec_accepted_tokens_total"] == 2
     assert values["pagedserve_spec_verified_rows_total"] == 1
