@@ -56,7 +56,7 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer_dir = tokenizer_dir(config.model, config.tokenizer)
         self.hf_config = load_hf_config(config.model)
-        self.model = load_model(config.model, self.dtype, self.device, config.quantization)
+        self.model = load_model(config.model, self.dtype, self.device, config.quantization, self.hf_config)
         self.model.use_logit_screen = config.logit_screen
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,

@@ -129,9 +129,11 @@ def _load_quantized(model: LlamaForCausalLM, path: Path) -> None:
 
 def load_model(
     path: str | Path, dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
-    quantization: str = "auto",
+    quantization: str = "auto", hf_config: Any = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError.
+    `hf_config` is the caller's `load_hf_config(path)` if it has one (for a .gguf that read parses
+    the file's whole metadata, ~10 s for SmolLM2's tokenizer arrays: once is enough).
 
     A `.gguf` keeps its quantized weights packed (`engine.model.gguf_weights`; fp32 activations on
     the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first.
@@ -144,7 +146,7 @@ def load_model(
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
-    spec = ModelSpec.from_hf_config(load_hf_config(p))
+    spec = ModelSpec.from_hf_config(hf_config if hf_config is not None else load_hf_config(p))
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         log.warning("sliding window attention is not implemented; attention is exact only up to the window",
                     sliding_window=spec.sliding_window)

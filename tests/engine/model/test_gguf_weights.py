@@ -128,3 +128,19 @@ def test_smollm2_q4_1_matches_its_dequantized_weights() -> None:
         ours, theirs = greedy(quant, list(prompt), 12), greedy(fp32, list(prompt), 12)
     first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
     assert first >= 4, f"greedy tokens diverge at {first}: {ours} vs {theirs}"
+
+
+def test_load_model_reads_the_config_once(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine reads a model's config once and hands it to `load_model` (for a .gguf each read
+    parses the whole metadata): a given config is used as is, the file's is not read again."""
+    from engine.model import loader
+
+    config = loader.load_hf_config(tiny_llama_dir)
+    config.num_hidden_layers = 1  # the checkpoint has more layers: only the given config says 1
+
+    def no_second_read(path: object) -> None:
+        raise AssertionError(f"config of {path} read again")
+
+    monkeypatch.setattr(loader, "load_hf_config", no_second_read)
+    with pytest.raises(KeyError, match=r"layers\.1\..* has no place in the model"):  # the checkpoint has layer 1
+        load_model(tiny_llama_dir, hf_config=config)
