@@ -73,6 +73,8 @@ def test_quant_linear_module_shards() -> None:
     expected = x @ layer.dequantized_weight().T + bias
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
     assert layer.out_features == 112
+    with pytest.raises(ValueError, match=r"bias must be fp32 \[112\]"):
+        QuantLinear(96, shards, torch.zeros(111))
     embed = QuantEmbedding(Q8_0, shards[1][1], 96)
     ids = torch.tensor([[3, 0], [31, 3]])
     torch.testing.assert_close(embed(ids), ref.dequantize(shards[1][1], Q8_0.type_id)[ids])
