@@ -4,19 +4,28 @@
   M = 1, 4, 32, 256 rows: the packed-block kernel with int8 activations, with fp32 activations,
   dequantize + oneDNN, and fp32 ``ops.linear`` (oneDNN-packed from 4 rows); GB/s of weight bytes
   read (packed bytes for the quantized paths) and GFLOP/s.
-- ``engine``: one-stream decode tok/s of ``engine.llm.LLM`` on the Q4_1 GGUF against the fp32
-  directory (the fetched default model), and with fp32 activations in the quantized kernels.
+- ``engine``: greedy decode tok/s of ``engine.llm.LLM`` at one stream and a batch of 32 on the Q4_1
+  GGUF against the fp32 directory (the fetched default model) or with fp32 activations in the
+  quantized kernels (``--variants``), and of llama.cpp on the same file with the same prompts,
+  interleaved round by round in one run (``--peer-python``, the venv of
+  ``benchmarks/peer/setup_llama_cpp.sh``; ``benchmarks/peer/llama_cpp_bench.py``).
 
     python benchmarks/quant_bench.py [--parts kernel,engine] [--budget 0.5] [--rows 1,4,32,256]
+    python benchmarks/quant_bench.py --parts engine --batches 1,32 \\
+        --peer-python ~/.cache/pagedserve/peer/llama-cpp-venv/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,45 +77,85 @@ def bench_kernels(formats: list[QuantFormat], rows_list: list[int], budget: floa
                                   "gflops": round(flops_per_row * rows / seconds / 1e9, 2)}), flush=True)
 
 
-def _engine(model: str, total_steps: int, prompt_len: int, int8_activations: bool) -> Any:
-    """An engine with one greedy request prefilled, `total_steps` decode steps to go."""
-    from common.sampling_params import SamplingParams
+def _engine(model: str, int8_activations: bool) -> Any:
+    """An engine on `model`; `int8_activations` set on its decoder layers' quantized linears (the
+    lm_head keeps its own setting)."""
     from engine.llm import LLM
     from engine.model.quant_linear import QuantLinear
 
     engine = LLM(model, kv_cache_memory=1 << 28).engine
-    for module in engine.model.model.modules():  # the decoder layers (the lm_head stays fp32-activation)
+    for module in engine.model.model.modules():
         if isinstance(module, QuantLinear):
             module.int8_activations = int8_activations
-    params = SamplingParams(temperature=0.0, max_tokens=total_steps + 4, ignore_eos=True)
-    gen = torch.Generator().manual_seed(1)
-    engine.add_request("one", torch.randint(100, 40000, (prompt_len,), generator=gen).tolist(), params)
-    engine.step()  # prefill
     return engine
 
 
-def bench_engine(steps: int, rounds: int, prompt_len: int) -> None:
-    """One-stream decode: the engines alternate rounds of `steps` steps (load from other processes
-    hits all alike); the best round's median step counts."""
+def prompts_for(count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` random prompts of `length` token ids (the same lists go to the llama.cpp peer)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
+
+
+def engine_round(engine: Any, prompts: list[list[int]], steps: int) -> float:
+    """Median seconds of a decode step of all `prompts` together, after their prefill."""
+    from common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    while engine.scheduler.waiting:  # prefill everything first
+        engine.step()
+    for _ in range(2):  # the last prefill chunks, and one warm decode step
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    return statistics.median(times)
+
+
+def peer_round(python: str, gguf: str, prompts_file: str, batch: int, steps: int, threads: int) -> float:
+    """One llama.cpp round (benchmarks/peer/llama_cpp_bench.py in its own venv): step seconds."""
+    script = Path(__file__).resolve().parent / "peer" / "llama_cpp_bench.py"
+    out = subprocess.run([python, str(script), "--gguf", gguf, "--prompts", prompts_file, "--batches", str(batch),
+                          "--rounds", "1", "--steps", str(steps), "--threads", str(threads)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["step_ms"]) / 1e3
+
+
+def bench_engine(args: argparse.Namespace) -> None:
+    """Greedy decode of `--batches` concurrent streams: pagedserve's engines (and llama.cpp with
+    `--peer-python`) take turns round by round, so load from other processes hits all alike; the
+    best round's median step counts, tok/s = batch / step."""
     from engine.model.fetch import default_gguf_path, default_model_dir
 
-    directory = default_model_dir(progress=False)
     gguf = str(default_gguf_path())
-    variants = {"q4_1_gguf": (gguf, True), "q4_1_gguf_fp32_activations": (gguf, False),
-                "fp32_dir": (str(directory), True)}
-    engines = {name: _engine(model, steps * rounds + 2, prompt_len, int8) for name, (model, int8) in variants.items()}
-    best = dict.fromkeys(engines, float("inf"))
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            times = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
-            best[name] = min(best[name], statistics.median(times))
-    for name, seconds in best.items():
-        print(json.dumps({"part": "engine", "model": name, "single_stream_tok_s": round(1 / seconds, 2),
-                          "step_ms": round(seconds * 1e3, 2)}), flush=True)
+    known = {"q4_1_gguf": (gguf, True), "q4_1_gguf_fp32_activations": (gguf, False),
+             "fp32_dir": (str(default_model_dir(progress=False)), True)}
+    engines = {name: _engine(*known[name]) for name in args.variants.split(",")}
+    batches = [int(b) for b in args.batches.split(",")]
+    prompts = prompts_for(max(batches), args.prompt_len, 1)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    systems = [*engines, *(["llama.cpp"] if args.peer_python else [])]
+    best = {(s, b): float("inf") for s in systems for b in batches}
+    for _ in range(args.rounds):
+        for batch in batches:
+            for name in systems:
+                seconds = (peer_round(args.peer_python, gguf, f.name, batch, args.steps, args.threads)
+                           if name == "llama.cpp" else engine_round(engines[name], prompts[:batch], args.steps))
+                best[name, batch] = min(best[name, batch], seconds)
+    for (name, batch), seconds in best.items():
+        print(json.dumps({"part": "engine", "system": name, "batch": batch, "threads": args.threads,
+                          "tok_s": round(batch / seconds, 2), "step_ms": round(seconds * 1e3, 2)}), flush=True)
+    if args.peer_python:
+        for name in engines:
+            for batch in batches:
+                print(json.dumps({"part": "ratio", "system": name, "batch": batch, "vs_llama_cpp":
+                                  round(best["llama.cpp", batch] / best[name, batch], 3)}), flush=True)
 
 
 def main() -> None:
@@ -116,16 +165,22 @@ def main() -> None:
     parser.add_argument("--formats", default="Q4_1,Q4_0,Q8_0")
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of timing per implementation")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
+    parser.add_argument("--batches", default="1,32", help="concurrent streams (engine part)")
+    parser.add_argument("--variants", default="q4_1_gguf,fp32_dir",
+                        help="q4_1_gguf, q4_1_gguf_fp32_activations, fp32_dir")
+    parser.add_argument("--peer-python", help="python of the llama-cpp-python venv: llama.cpp rounds interleaved")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (and llama.cpp's)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--prompt-len", type=int, default=64)
     args = parser.parse_args()
     parts: Any = set(args.parts.split(","))
+    torch.set_num_threads(args.threads)
     with torch.inference_mode():
         if "kernel" in parts:
             formats = [FORMATS[f] for f in args.formats.split(",")]
             bench_kernels(formats, [int(r) for r in args.rows.split(",")], args.budget)
         if "engine" in parts:
-            bench_engine(args.steps, args.rounds, args.prompt_len)
+            bench_engine(args)
 
 
 if __name__ == "__main__":

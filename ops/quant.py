@@ -13,6 +13,8 @@ The reference backend (and non-CPU tensors) dequantize in torch and multiply.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,18 +78,31 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None 
     return out
 
 
+@cache
+def _kernel() -> Any:
+    """The C++ kernel's overload, resolved once (a packet call resolves it again each time: ~2 us)."""
+    return cpu_ops().quant_linear.default
+
+
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None = None,
-                 int8_activations: bool = True) -> torch.Tensor:
-    """fp32 ``x [..., K] @ dequantize(qweight).T + bias`` → ``[..., N]``."""
+                 int8_activations: bool = True, *, checked: bool = False) -> torch.Tensor:
+    """fp32 ``x [..., K] @ dequantize(qweight).T + bias`` → ``[..., N]``. ``checked``: the caller
+    validated ``qweight`` and ``bias`` against ``fmt`` already (``QuantLinear`` does at construction;
+    the kernel still checks K against the packed rows): a decode step makes ~120 of these calls."""
     if x.dtype != torch.float32:
         raise ValueError(f"x must be fp32; got {x.dtype}")
     k = x.shape[-1]
-    check_qweight(qweight, fmt, k)
     n = qweight.shape[0]
-    if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
-        raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
-    if use_reference() or x.device.type != "cpu":
+    if not checked:
+        check_qweight(qweight, fmt, k)
+        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
+            raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
+    if use_reference() or not x.is_cpu:
         return ref.quant_linear(x, qweight, fmt.type_id, bias)
+    if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= QUANT_GEMV_MAX_ROWS:  # decode: straight to the kernel
+        out = x.new_empty((x.shape[0], n))
+        _kernel()(out, x, qweight, fmt.type_id, bias, int8_activations)
+        return out
     flat = x.reshape(-1, k)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
@@ -97,5 +112,5 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias:
     else:
         out = flat.new_empty((rows, n))
         if rows:
-            cpu_ops().quant_linear(out, flat, qweight, fmt.type_id, bias, int8_activations)
+            _kernel()(out, flat, qweight, fmt.type_id, bias, int8_activations)
     return out.view(*x.shape[:-1], n)

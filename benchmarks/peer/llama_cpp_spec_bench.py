@@ -19,7 +19,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from llama_cpp_bench import load  # this script's folder is on sys.path; the venv has llama_cpp, not pagedserve
+
+def load(path: str, threads: int, **options: Any) -> Any:
+    """A `llama_cpp.Llama` on `path` without the extra weight buffers (`options`: more Llama
+    arguments, e.g. draft_model): llama.cpp's AMX matmul dies with SIGILL on the VMs that report AMX."""
+    import llama_cpp
+
+    default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+    def params_without_extra_bufts() -> Any:
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = params_without_extra_bufts
+    try:
+        return llama_cpp.Llama(model_path=path, n_threads=threads, n_batch=512, n_ctx=2048, verbose=False,
+                               **options)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = default_params
 
 
 def decode(llm: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:

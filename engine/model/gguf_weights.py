@@ -7,8 +7,8 @@ Tensors are read with `gguf.GGUFReader` (memory-mapped; nothing is dequantized w
 - F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32;
 - the token embedding stays packed (`QuantEmbedding`), and a tied lm_head runs the quantized
   kernel on the same packed bytes (fewer bytes per decode step than the fp32 lm_head or its bf16
-  logit screen), with fp32 activations (the greedy argmax of the stored weights); the logit
-  screen is then off, as it needs an fp32 lm_head weight;
+  logit screen), with fp32 activations (the greedy argmax of the stored weights); greedy rows
+  go through its int8-activation screen (`engine.model.quant_screen`), which decides the same token;
 - llama.cpp's converter permutes the rows of Q and K within each head (RoPE's interleaved pairs);
   whole rows are moved back here, which is possible in packed form because blocks run along K.
 
@@ -158,7 +158,6 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
         _rank_slices(model, collector)
     _fill_params(model, collector)
     _build_linears(model, collector, int8_activations)
-    model.use_logit_screen = False  # a quantized lm_head has no fp32 weight to screen
     return model
 
 

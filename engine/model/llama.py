@@ -16,6 +16,8 @@ import ops
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
+from engine.model.quant_linear import QuantLinear
+from engine.model.quant_screen import QuantLogitScreen
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -127,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings and shard.owns_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.use_logit_screen = True  # greedy rows through `LogitScreen` where it applies
-        self.screen: LogitScreen | None = None
+        self.screen: LogitScreen | QuantLogitScreen | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -165,13 +167,18 @@ class LlamaForCausalLM(nn.Module):
         tokens[random] = self._pick_in_groups(hidden.index_select(0, random), pick.only_random())
         return tokens
 
-    def logit_screen(self) -> LogitScreen | None:
-        """The lm_head's bf16 screen, made on first use (after the checkpoint is loaded), or None
-        where it does not apply (`LogitScreen.usable`, or a quantized lm_head) or `use_logit_screen` is off."""
-        weight = getattr(self.lm_head, "weight", None)  # None for a quantized lm_head (QuantLinear)
+    def logit_screen(self) -> LogitScreen | QuantLogitScreen | None:
+        """The lm_head's bf16 screen (a quantized lm_head's int8-activation one), made on first use
+        (after the checkpoint is loaded), or None where it does not apply (`LogitScreen.usable`,
+        `QuantLogitScreen.for_lm_head`) or `use_logit_screen` is off."""
+        if self.use_logit_screen and isinstance(self.lm_head, QuantLinear):
+            if not (isinstance(self.screen, QuantLogitScreen) and self.screen.serves(self.lm_head)):
+                self.screen = QuantLogitScreen.for_lm_head(self.lm_head)
+            return self.screen
+        weight = getattr(self.lm_head, "weight", None)
         if not self.use_logit_screen or weight is None or not LogitScreen.usable(weight):
             return None
-        if self.screen is None or self.screen.weight.data_ptr() != weight.data_ptr():
+        if not isinstance(self.screen, LogitScreen) or self.screen.weight.data_ptr() != weight.data_ptr():
             self.screen = LogitScreen(weight)
         return self.screen
 

@@ -31,6 +31,8 @@ class QuantLinear(nn.Module):
                 raise ValueError(f"shard {i}: fp32 weight must be [rows, {in_features}]; got {tuple(tensor.shape)}")
             self.register_buffer(f"shard{i}", tensor.contiguous())
         self.out_features = sum(t.shape[0] for _, t in shards)
+        if bias is not None and (bias.shape != (self.out_features,) or bias.dtype != torch.float32):
+            raise ValueError(f"bias must be fp32 [{self.out_features}]; got {tuple(bias.shape)} {bias.dtype}")
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.int8_activations = int8_activations  # False: fp32 activations (exact, slower)
 
@@ -44,17 +46,17 @@ class QuantLinear(nn.Module):
                           for fmt, t in self.shards()])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self.shards()
-        if len(parts) == 1:
-            return self._shard(x, *parts[0], self.bias)
-        out = torch.cat([self._shard(x, fmt, t, None) for fmt, t in parts], dim=-1)
+        if len(self.formats) == 1:  # the common case, kept short: a decode step runs ~120 of these
+            return self._shard(x, self.formats[0], self._buffers["shard0"], self.bias)
+        out = torch.cat([self._shard(x, fmt, t, None) for fmt, t in self.shards()], dim=-1)
         return out if self.bias is None else out + self.bias
 
-    def _shard(self, x: torch.Tensor, fmt: QuantFormat | None, t: torch.Tensor,
+    def _shard(self, x: torch.Tensor, fmt: QuantFormat | None, t: torch.Tensor | None,
                bias: torch.Tensor | None) -> torch.Tensor:
+        assert t is not None
         if fmt is None:
             return ops.linear(x, t, bias)
-        return ops.quant_linear(x, t, fmt, bias, self.int8_activations)
+        return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True)  # checked in __init__
 
     def extra_repr(self) -> str:
         names = ",".join("F32" if f is None else f.name for f in self.formats)

@@ -1,6 +1,6 @@
 """The quantized GGUF path: tensors stay packed, Q/K rows are put back in HF order, unsupported
 types are refused by name, and the real SmolLM2 Q4_1 file (when fetched) decodes like the same
-weights dequantized to fp32."""
+weights dequantized to fp32 (its lm_head's int8 screen picking the exact greedy tokens)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from engine.model import load_model
 from engine.model.gguf_weights import GGUFWeightError, read_tensor, unpermute_rope_rows
 from engine.model.loader import ModelLoadError
 from engine.model.quant_linear import QuantEmbedding, QuantLinear
-from ops.quant import Q4_1, Q8_0
+from engine.model.quant_screen import QuantLogitScreen
+from ops.quant import Q4_1, Q8_0, QUANT_GEMV_MAX_ROWS
 from ops.reference import quant as ref
 
 gguf = pytest.importorskip("gguf")
@@ -72,6 +73,8 @@ def test_quant_linear_module_shards() -> None:
     expected = x @ layer.dequantized_weight().T + bias
     torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
     assert layer.out_features == 112
+    with pytest.raises(ValueError, match=r"bias must be fp32 \[112\]"):
+        QuantLinear(96, shards, torch.zeros(111))
     embed = QuantEmbedding(Q8_0, shards[1][1], 96)
     ids = torch.tensor([[3, 0], [31, 3]])
     torch.testing.assert_close(embed(ids), ref.dequantize(shards[1][1], Q8_0.type_id)[ids])
@@ -106,7 +109,8 @@ def test_smollm2_q4_1_matches_its_dequantized_weights() -> None:
     assert isinstance(quant.lm_head, QuantLinear) and quant.lm_head.formats == [Q8_0]
     assert not quant.lm_head.int8_activations and quant.model.layers[0].mlp.down_proj.int8_activations
     assert isinstance(quant.model.embed_tokens, QuantEmbedding)
-    assert quant.logit_screen() is None
+    screen = quant.logit_screen()
+    assert isinstance(screen, QuantLogitScreen) and screen.serves(quant.lm_head)
     hf = load_file(str(gguf_file.parent / "model.safetensors"))
     for i in (0, 29):
         layer = quant.model.layers[i]
@@ -121,10 +125,31 @@ def test_smollm2_q4_1_matches_its_dequantized_weights() -> None:
     passage = tokenizer(PASSAGE)["input_ids"]
     with torch.inference_mode():
         reference = mean_nll(fp32, passage)
+        heads: list[torch.Tensor] = []
+        hook = quant.lm_head.register_forward_pre_hook(lambda _, args: heads.append(args[0]))
         assert abs(mean_nll(quant, passage) - reference) <= 0.01 * reference
+        hook.remove()
+        hidden = heads[0][:QUANT_GEMV_MAX_ROWS]  # the passage's final hidden states: the screen's tokens are exact
+        assert torch.equal(screen.argmax(hidden), quant.lm_head(hidden).max(dim=-1).indices)
         assert abs(mean_nll_decode(quant, passage[:48]) - mean_nll(fp32, passage[:48])) <= 0.01 * reference
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                                add_generation_prompt=True, tokenize=True, return_dict=False)
         ours, theirs = greedy(quant, list(prompt), 12), greedy(fp32, list(prompt), 12)
     first = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b), len(ours))
     assert first >= 4, f"greedy tokens diverge at {first}: {ours} vs {theirs}"
+
+
+def test_load_model_reads_the_config_once(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine reads a model's config once and hands it to `load_model` (for a .gguf each read
+    parses the whole metadata): a given config is used as is, the file's is not read again."""
+    from engine.model import loader
+
+    config = loader.load_hf_config(tiny_llama_dir)
+    config.num_hidden_layers = 1  # the checkpoint has more layers: only the given config says 1
+
+    def no_second_read(path: object) -> None:
+        raise AssertionError(f"config of {path} read again")
+
+    monkeypatch.setattr(loader, "load_hf_config", no_second_read)
+    with pytest.raises(KeyError, match=r"layers\.1\..* has no place in the model"):  # the checkpoint has layer 1
+        load_model(tiny_llama_dir, hf_config=config)

@@ -1,0 +1,75 @@
+"""Greedy tokens of a quantized lm_head through an int8-activation screen, decided exactly.
+
+A quantized lm_head (SmolLM2's tied Q8_0 embedding, 49152 x 576) keeps fp32 activations: its
+argmax is the greedy token, and int8 activations flip near-ties. But the fp32-activation kernel
+is ~1.8x slower per byte. Here greedy rows run the int8 kernel over the whole vocabulary, and
+only the tokens that could still be the maximum get their fp32-activation logit.
+
+The bound is exact arithmetic, not a tolerance guess. The int8 kernel computes `w . x_hat` with
+`x_hat` the activation row quantized per 32-block (`ops.reference.quant.int8_activations`),
+so its error against `w . x` is `w . (x_hat - x)`, at most `|w| |x_hat - x|` (Cauchy-Schwarz);
+the fp32 rounding of either kernel over K terms is below `K * 2^-24 * sum |w_i x_i|`, covered by
+`ROUNDING * |w| |x|` for K up to 1600. A token whose screened logit plus its bound is below some
+token's screened logit minus that one's bound cannot be the maximum; the rest are computed with
+fp32 activations (the lm_head's own kernel, on their packed rows) and the first maximum wins:
+the token `QuantLinear(int8_activations=False)` logits give, at up to `QUANT_GEMV_MAX_ROWS` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+import ops
+from engine.model.quant_linear import QuantLinear
+from ops.quant import QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.reference.quant import int8_activations
+
+ROUNDING = 1e-4  # >= 2 * K * 2^-24 for K <= 1600: both kernels' fp32 rounding, relative to |w| |x|
+NORM_SLACK = 1.01  # the row norms and |x_hat - x| are themselves fp32 results
+
+
+class QuantLogitScreen:
+    """The screen of a one-shard quantized lm_head: its packed weight and fp32 row norms."""
+
+    def __init__(self, fmt: QuantFormat, qweight: Tensor, in_features: int) -> None:
+        self.fmt, self.qweight, self.in_features = fmt, qweight, in_features
+        self.norms = torch.cat([ops.dequantize(rows, fmt, in_features).norm(dim=1)
+                                for rows in qweight.split(4096)]) * NORM_SLACK
+
+    @staticmethod
+    def for_lm_head(lm_head: QuantLinear) -> QuantLogitScreen | None:
+        """A screen for `lm_head` if it is one quantized shard without a bias, else None."""
+        shards = lm_head.shards()
+        if len(shards) != 1 or shards[0][0] is None or lm_head.bias is not None:
+            return None
+        fmt, qweight = shards[0]
+        assert fmt is not None
+        return QuantLogitScreen(fmt, qweight, lm_head.in_features)
+
+    def serves(self, lm_head: QuantLinear) -> bool:
+        """Whether this screen was made from `lm_head`'s current packed weight."""
+        shards = lm_head.shards()
+        return len(shards) == 1 and shards[0][1].data_ptr() == self.qweight.data_ptr()
+
+    def argmax(self, hidden: Tensor) -> Tensor:
+        """int64 `[rows]`: the first maximum of each row's fp32-activation logits."""
+        parts = [self._argmax(part.contiguous()) for part in hidden.split(QUANT_GEMV_MAX_ROWS)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def candidates(self, hidden: Tensor) -> Tensor:
+        """bool `[rows, vocab]`: the tokens the screen cannot rule out (every maximum among them)."""
+        approx = ops.quant_linear(hidden, self.qweight, self.fmt, None, int8_activations=True)
+        error = (int8_activations(hidden) - hidden).norm(dim=1, keepdim=True) * NORM_SLACK
+        slack = (error + ROUNDING * hidden.norm(dim=1, keepdim=True)) * self.norms
+        floor = (approx - slack).max(dim=1, keepdim=True).values  # NaN if the row has one
+        unscreened = ~torch.isfinite(floor)  # a non-finite value: every token
+        return (approx + slack >= floor) | unscreened
+
+    def _argmax(self, hidden: Tensor) -> Tensor:
+        mask = self.candidates(hidden)
+        columns = mask.any(dim=0).nonzero().squeeze(1)
+        exact = ops.quant_linear(hidden, self.qweight.index_select(0, columns), self.fmt, None,
+                                 int8_activations=False)
+        exact = exact.masked_fill(~mask.index_select(1, columns), float("-inf"))
+        return columns[exact.max(dim=-1).indices]

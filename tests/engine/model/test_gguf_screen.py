@@ -1,0 +1,62 @@
+"""The int8-activation screen of a quantized lm_head (`QuantLogitScreen`) picks exactly the token
+the fp32-activation logits give: random and tied weights, outlier activations, non-finite rows,
+more rows than one kernel call takes; and it rules out nearly the whole vocabulary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.quant_linear import QuantLinear
+from engine.model.quant_screen import QuantLogitScreen
+from ops.quant import Q4_0, Q4_1, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.reference import quant as ref
+
+
+def _lm_head(fmt: QuantFormat, vocab: int, hidden: int, seed: int) -> QuantLinear:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.05
+    weight[7] = weight[3]  # an exact tie between two tokens: the first must win
+    weight[vocab - 1] = weight[3]
+    return QuantLinear(hidden, [(fmt, ref.quantize(weight, fmt.type_id))], int8_activations=False)
+
+
+def _exact_tokens(lm_head: QuantLinear, hidden: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lm_head(part).max(dim=-1).indices for part in hidden.split(QUANT_GEMV_MAX_ROWS)])
+
+
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0], ids=lambda f: f.name)
+@pytest.mark.parametrize(("vocab", "hidden", "rows"), [(4099, 576, 1), (1000, 64, 40), (2048, 96, 64)])
+def test_screen_picks_the_fp32_activation_argmax(fmt: QuantFormat, vocab: int, hidden: int, rows: int) -> None:
+    lm_head = _lm_head(fmt, vocab, hidden, seed=vocab + rows)
+    screen = QuantLogitScreen.for_lm_head(lm_head)
+    assert screen is not None and screen.serves(lm_head)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=gen)
+    x[0, 5] = 40.0  # an outlier: a coarse int8 scale for its block
+    weight = lm_head.dequantized_weight()
+    tied = torch.randn(rows, hidden, generator=gen) * 0.01 + weight[3] * 50  # token 3 (= 7, last) on top
+    for batch in (x, tied):
+        assert torch.equal(screen.argmax(batch), _exact_tokens(lm_head, batch))
+    assert screen.argmax(tied)[0].item() == 3
+    assert screen.candidates(x).sum(dim=1).float().mean() < 0.05 * vocab  # it does screen
+
+
+def test_screen_over_many_rows_and_non_finite_rows() -> None:
+    lm_head = _lm_head(Q8_0, 512, 64, seed=1)
+    screen = QuantLogitScreen.for_lm_head(lm_head)
+    assert screen is not None
+    x = torch.randn(QUANT_GEMV_MAX_ROWS + 9, 64, generator=torch.Generator().manual_seed(2))
+    x[4, 0] = float("nan")
+    x[QUANT_GEMV_MAX_ROWS + 2, 9] = float("inf")
+    mask = screen.candidates(x[:QUANT_GEMV_MAX_ROWS])
+    assert mask[4].all() and mask.sum() < mask.numel() // 4  # the NaN row is not screened, the rest are
+    assert torch.equal(screen.argmax(x), _exact_tokens(lm_head, x))
+
+
+def test_no_screen_for_shards_or_bias() -> None:
+    w = torch.randn(64, 32)
+    two = QuantLinear(32, [(Q8_0, ref.quantize(w[:32], Q8_0.type_id)), (Q4_1, ref.quantize(w[32:], Q4_1.type_id))])
+    biased = QuantLinear(32, [(Q8_0, ref.quantize(w, Q8_0.type_id))], bias=torch.zeros(64))
+    plain = QuantLinear(32, [(None, w)])
+    assert all(QuantLogitScreen.for_lm_head(m) is None for m in (two, biased, plain))
