@@ -76,8 +76,8 @@ def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def chat_ids(llm: LLM, text: str) -> list[int]:
-    return list(llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False))
 
 
@@ -106,10 +106,11 @@ class Tally:
         self.proposed = self.accepted = self.rows = 0
         self.outputs: list[list[int]] | None = None
 
-    def add(self, llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
+    def add(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, **label: Any) -> None:
         before = spec_counts(llm)
         seconds, outs = timed(llm, prompts, params)
         after = spec_counts(llm)
+        emit(bench="run", **label, tokens=sum(len(o) for o in outs), seconds=round(seconds, 3))  # progress
         self.tokens += sum(len(o) for o in outs)
         self.seconds += seconds
         self.proposed += int(after.get("proposed_tokens", 0) - before.get("proposed_tokens", 0))
@@ -156,10 +157,14 @@ def main() -> None:
                         help="write the grounded prompts' token ids for benchmarks/peer/llama_cpp_spec_bench.py, exit")
     args = parser.parse_args()
     if args.dump_prompts:
-        llm = LLM(args.model, kv_cache_memory=16 << 20)
+        from transformers import AutoTokenizer
+
+        from engine.model.loader import tokenizer_dir
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(args.model, None)))
         Path(args.dump_prompts).write_text(json.dumps({
-            "max_tokens": args.max_tokens, "warm": chat_ids(llm, "Say hello."),
-            "grounded": {name: chat_ids(llm, text) for name, text in GROUNDED.items()}}))
+            "max_tokens": args.max_tokens, "warm": chat_ids(tokenizer, "Say hello."),
+            "grounded": {name: chat_ids(tokenizer, text) for name, text in GROUNDED.items()}}))
         return
     torch.set_num_threads(args.threads)
     configs: dict[str, dict[str, Any] | None] = {"plain": None}
@@ -171,7 +176,7 @@ def main() -> None:
     emit(bench="setup", model=args.model, threads=torch.get_num_threads(), k=args.k, rounds=args.rounds,
          modes=list(engines))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    some = next(iter(engines.values()))
+    some = next(iter(engines.values())).tokenizer
     warm = [chat_ids(some, "Say hello.")]
     for llm in engines.values():
         llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8))
@@ -188,11 +193,11 @@ def main() -> None:
         for name, prompt in prompts.items():
             for mode in order:
                 clear_suffix_cache(engines[mode])
-                grounded[name][mode].add(engines[mode], prompt, greedy)
+                grounded[name][mode].add(engines[mode], prompt, greedy, prompt=name, mode=mode, round=r)
                 if name == "repeat_passage":  # again, with the output of the run just before cached
-                    repeat[mode].add(engines[mode], prompt, greedy)
+                    repeat[mode].add(engines[mode], prompt, greedy, prompt="repeat_request", mode=mode, round=r)
         for mode in order:
-            batch[mode].add(engines[mode], batch_prompts, batch_params)
+            batch[mode].add(engines[mode], batch_prompts, batch_params, prompt="batch", mode=mode, round=r)
     for name, tallies in grounded.items():
         report("grounded", tallies, prompt=name, prompt_tokens=len(prompts[name][0]))
     totals = {mode: Tally() for mode in engines}
