@@ -27,6 +27,7 @@ from engine.model.capacity import (
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
 from engine.model.loader import load_hf_config, load_model, resolve_dtype, tokenizer_dir
+from engine.model.quant_linear import all_linears_quantized
 from engine.model.runner import ModelRunner, sampling_rows, spec_order
 from engine.outputs import RequestOutput
 from engine.sample.grammar import GrammarCompiler
@@ -58,6 +59,10 @@ class LLMEngine:
         self.hf_config = load_hf_config(config.model)
         self.model = load_model(config.model, self.dtype, self.device, config.quantization, self.hf_config)
         self.model.use_logit_screen = config.logit_screen
+        # CPU kernels: only quantized linears, no oneDNN GEMM in decode steps: all on the chunk pool
+        # (ops.quant.set_chunk_pool_only, set each step: engines of other models may share the process)
+        self.chunk_pool_only = (all_linears_quantized(self.model)
+                                if self.device.type == "cpu" and config.attention_backend == "auto" else None)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)
@@ -182,6 +187,9 @@ class LLMEngine:
         if not sched.is_empty:
             pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
             spec = spec_order(sched.scheduled)
+            if self.chunk_pool_only is not None:  # past QUANT_GEMV_MAX_ROWS rows oneDNN runs the linears
+                rows = sum(s.num_new for s in sched.scheduled)
+                ops.quant.set_chunk_pool_only(self.chunk_pool_only and rows <= ops.quant.QUANT_GEMV_MAX_ROWS)
             result = self.runner.execute(sched, pick, verify_plan(spec) if spec else None)
             samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens,
                                    result.logit_rows)

@@ -78,6 +78,14 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None 
     return out
 
 
+def set_chunk_pool_only(on: bool) -> None:
+    """While on, the CPU kernels ignore their OpenMP hint and share work on their own thread pool
+    (csrc/cpu/parallel.h): right for a model whose linear layers are all quantized, whose decode
+    steps then run no oneDNN (OpenMP) GEMM. A no-op under the reference backend."""
+    if not use_reference():
+        cpu_ops().set_chunk_pool_only(on)
+
+
 @cache
 def _kernel() -> Any:
     """The C++ kernel's overload, resolved once (a packet call resolves it again each time: ~2 us)."""

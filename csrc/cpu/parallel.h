@@ -138,6 +138,16 @@ class ChunkPool {
 // kernels then pass `openmp` to parallel_chunks.
 constexpr int64_t kOpenMPRows = 4;
 
+// Set for a model whose linear layers are all quantized (engine/model/quant_linear.py): its steps
+// of up to 128 rows run no oneDNN GEMM, so there are no spinning OpenMP threads to share cores
+// with, and `openmp` is ignored: every kernel takes the chunk pool, which never waits for a
+// descheduled thread. (Measured at batch 32 on SmolLM2 Q4_1 with 2 threads on a loaded machine:
+// OpenMP regions 3.5-5.8 s a step, most of it spinning at barriers.)
+inline std::atomic<bool>& chunk_pool_only() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+
 // Calls fn(begin, end) over [0, n) in chunks of `chunk` (the last may be shorter), on the caller
 // and at most at::get_num_threads() - 1 helpers: the chunk pool's, or OpenMP's with `openmp`.
 // Inline when there is a single chunk or thread.
@@ -151,7 +161,7 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& fn, bool openmp = false)
     fn(0, n);
     return;
   }
-  if (openmp) {
+  if (openmp && !chunk_pool_only().load(std::memory_order_relaxed)) {
     std::atomic<int64_t> next{0};
     at::parallel_for(0, helpers + 1, 1, [&](int64_t, int64_t) {
       for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < num_chunks;

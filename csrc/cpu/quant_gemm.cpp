@@ -359,4 +359,6 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
   }, /*openmp=*/true);
 }
 
+void set_chunk_pool_only(bool on) { chunk_pool_only().store(on, std::memory_order_relaxed); }
+
 }  // namespace pagedserve::cpu

@@ -33,6 +33,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias, "
       "bool int8_activations) -> ()");
   m.def("dequantize_weight(Tensor(a!) out, Tensor qweight, int format) -> ()");
+  m.def("set_chunk_pool_only(bool on) -> ()", &pagedserve::cpu::set_chunk_pool_only);  // no tensors: no dispatch key
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {

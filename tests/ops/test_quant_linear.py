@@ -113,3 +113,22 @@ def test_bad_arguments_raise() -> None:
         ops.quant_linear(x.half(), qweight, Q4_1)
     with pytest.raises(ValueError, match="bias"):
         ops.quant_linear(x, qweight, Q4_1, torch.randn(41))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, QUANT_GEMV_MAX_ROWS + 2])
+def test_chunk_pool_only_gives_the_same_bits(m: int) -> None:
+    """`set_chunk_pool_only` changes which threads run the chunks (OpenMP's or the pool's), never
+    what a chunk computes: kernels give bit-identical outputs with it on, at two threads."""
+    qweight, _ = _packed(Q4_1, 1536, 576, m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = [ops.quant_linear(x, qweight, Q4_1), ops.dequantize(qweight, Q4_1)]
+        ops.quant.set_chunk_pool_only(True)
+        got = [ops.quant_linear(x, qweight, Q4_1), ops.dequantize(qweight, Q4_1)]
+    finally:
+        ops.quant.set_chunk_pool_only(False)
+        torch.set_num_threads(threads)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)

@@ -153,3 +153,16 @@ def test_load_model_reads_the_config_once(tiny_llama_dir: Path, monkeypatch: pyt
     monkeypatch.setattr(loader, "load_hf_config", no_second_read)
     with pytest.raises(KeyError, match=r"layers\.1\..* has no place in the model"):  # the checkpoint has layer 1
         load_model(tiny_llama_dir, hf_config=config)
+
+
+def test_all_linears_quantized() -> None:
+    from torch import nn
+
+    from engine.model.quant_linear import all_linears_quantized
+
+    packed = QuantLinear(32, [(Q8_0, ref.quantize(torch.randn(8, 32), Q8_0.type_id))])
+    with_f32 = QuantLinear(32, [(None, torch.randn(8, 32))])
+    assert all_linears_quantized(nn.Sequential(packed, nn.ReLU()))
+    assert not all_linears_quantized(nn.Sequential(packed, with_f32))  # an fp32 shard runs ops.linear (oneDNN)
+    assert not all_linears_quantized(nn.Sequential(packed, nn.Linear(8, 8)))
+    assert not all_linears_quantized(nn.Sequential(nn.ReLU()))
