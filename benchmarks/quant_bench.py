@@ -96,8 +96,9 @@ def prompts_for(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def engine_round(engine: Any, prompts: list[list[int]], steps: int) -> float:
-    """Median seconds of a decode step of all `prompts` together, after their prefill."""
+def engine_round(engine: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Median seconds of a decode step of all `prompts` together, after their prefill, and median
+    CPU seconds of this process per step (all its threads: on a loaded machine the steadier figure)."""
     from common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -107,14 +108,15 @@ def engine_round(engine: Any, prompts: list[list[int]], steps: int) -> float:
         engine.step()
     for _ in range(2):  # the last prefill chunks, and one warm decode step
         engine.step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         engine.step()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def peer_round(python: str, gguf: str, prompts_file: str, batch: int, steps: int, threads: int) -> float:
@@ -142,15 +144,22 @@ def bench_engine(args: argparse.Namespace) -> None:
         json.dump(prompts, f)
     systems = [*engines, *(["llama.cpp"] if args.peer_python else [])]
     best = {(s, b): float("inf") for s in systems for b in batches}
+    cpu = {(s, b): float("inf") for s in engines for b in batches}
     for _ in range(args.rounds):
         for batch in batches:
             for name in systems:
-                seconds = (peer_round(args.peer_python, gguf, f.name, batch, args.steps, args.threads)
-                           if name == "llama.cpp" else engine_round(engines[name], prompts[:batch], args.steps))
+                if name == "llama.cpp":
+                    seconds = peer_round(args.peer_python, gguf, f.name, batch, args.steps, args.threads)
+                else:
+                    seconds, cpu_seconds = engine_round(engines[name], prompts[:batch], args.steps)
+                    cpu[name, batch] = min(cpu[name, batch], cpu_seconds)
                 best[name, batch] = min(best[name, batch], seconds)
     for (name, batch), seconds in best.items():
-        print(json.dumps({"part": "engine", "system": name, "batch": batch, "threads": args.threads,
-                          "tok_s": round(batch / seconds, 2), "step_ms": round(seconds * 1e3, 2)}), flush=True)
+        line = {"part": "engine", "system": name, "batch": batch, "threads": args.threads,
+                "tok_s": round(batch / seconds, 2), "step_ms": round(seconds * 1e3, 2)}
+        if (name, batch) in cpu:
+            line["cpu_ms_per_step"] = round(cpu[name, batch] * 1e3, 2)
+        print(json.dumps(line), flush=True)
     if args.peer_python:
         for name in engines:
             for batch in batches:

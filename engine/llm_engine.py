@@ -27,6 +27,7 @@ from engine.model.capacity import (
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
 from engine.model.loader import load_hf_config, load_model, resolve_dtype, tokenizer_dir
+from engine.model.quant_linear import all_linears_quantized
 from engine.model.runner import ModelRunner, sampling_rows, spec_order
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -63,8 +64,6 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer_dir = tokenizer_dir(config.model, config.tokenizer)
         self.hf_config = load_hf_config(config.model)
-        if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
-            set_openmp_rows(openmp_rows_for(config.serves_quantized_weights))
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)
@@ -86,6 +85,8 @@ class LLMEngine:
         """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
         self.model = load_model(config.model, self.dtype, self.device, config.quantization, shard, spec)
         self.model.use_logit_screen = config.logit_screen
+        if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
+            set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model)))
         kv_spec = shard.kv_spec(self.model.spec)
         block_bytes = kv_bytes_per_block(kv_spec, config.block_size, self.kv_dtype)
         peak = (profile_peak(self.model, profile_tokens, config.max_num_seqs, kv_spec, config.block_size,

@@ -80,5 +80,6 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 
 // out fp32 [N, K] = the weights of qweight uint8 [N, K / 32 * block_bytes] in `format`.
 void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format);
+// Kernels ignore their `openmp` hint (parallel.h) while on: for models with only quantized linears.
 
 }  // namespace pagedserve::cpu

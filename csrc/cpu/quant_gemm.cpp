@@ -359,4 +359,5 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
   }, /*openmp=*/true);
 }
 
+
 }  // namespace pagedserve::cpu

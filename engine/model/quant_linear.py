@@ -63,6 +63,13 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, formats={names}"
 
 
+def all_linears_quantized(model: nn.Module) -> bool:
+    """Whether every linear layer of `model` is a `QuantLinear` with only packed shards (its steps
+    of up to `ops.quant.QUANT_GEMV_MAX_ROWS` rows then run no oneDNN GEMM)."""
+    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    return bool(linears) and all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
+
+
 class QuantEmbedding(nn.Module):
     """Token embedding over a packed `[vocab, hidden]` weight: `forward(ids)` dequantizes the looked-up rows."""
 

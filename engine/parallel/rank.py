@@ -83,12 +83,13 @@ def _serve(args: RankArgs) -> None:
         torch.cuda.set_device(device)
     if config.attention_backend == "auto":
         prepare_kernels(device)
-        if device.type == "cpu":  # which threads the kernels share, as on rank 0 (ops.parallel)
-            from ops.parallel import openmp_rows_for, set_openmp_rows
-            set_openmp_rows(openmp_rows_for(config.serves_quantized_weights))
     groups = join(args.rendezvous, args.rank)
     shard = TPShard(args.rank, groups.size, groups.compute)
     model = load_model(config.model, args.dtype, device, config.quantization, shard, args.spec)
+    if device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share, as on rank 0
+        from engine.model.quant_linear import all_linears_quantized
+        from ops.parallel import openmp_rows_for, set_openmp_rows
+        set_openmp_rows(openmp_rows_for(all_linears_quantized(model)))
     kv_dtype = getattr(torch, args.kv_dtype)
     kv_spec = shard.kv_spec(model.spec)
     block_bytes = kv_bytes_per_block(kv_spec, config.block_size, kv_dtype)

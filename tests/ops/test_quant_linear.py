@@ -113,3 +113,25 @@ def test_bad_arguments_raise() -> None:
         ops.quant_linear(x.half(), qweight, Q4_1)
     with pytest.raises(ValueError, match="bias"):
         ops.quant_linear(x, qweight, Q4_1, torch.randn(41))
+
+
+@pytest.mark.parametrize("m", [1, 4, 16, QUANT_GEMV_MAX_ROWS + 2])
+def test_openmp_rows_change_threads_not_bits(m: int) -> None:
+    """`ops.parallel.set_openmp_rows` changes which threads run the chunks (OpenMP's or the chunk
+    pool's), never what a chunk computes: bit-identical outputs either way, at two threads."""
+    from ops.parallel import openmp_rows, set_openmp_rows
+
+    qweight, _ = _packed(Q4_1, 1536, 576, m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+    threads, rows = torch.get_num_threads(), openmp_rows()
+    torch.set_num_threads(2)
+    try:
+        set_openmp_rows(1)  # every kernel on OpenMP
+        expected = [ops.quant_linear(x, qweight, Q4_1), ops.dequantize(qweight, Q4_1)]
+        set_openmp_rows(1 << 40)  # every kernel on the chunk pool
+        got = [ops.quant_linear(x, qweight, Q4_1), ops.dequantize(qweight, Q4_1)]
+    finally:
+        set_openmp_rows(rows)
+        torch.set_num_threads(threads)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)

@@ -153,3 +153,47 @@ def test_load_model_reads_the_config_once(tiny_llama_dir: Path, monkeypatch: pyt
     monkeypatch.setattr(loader, "load_hf_config", no_second_read)
     with pytest.raises(KeyError, match=r"layers\.1\..* has no place in the model"):  # the checkpoint has layer 1
         load_model(tiny_llama_dir, hf_config=config)
+
+
+def test_all_linears_quantized() -> None:
+    from torch import nn
+
+    from engine.model.quant_linear import all_linears_quantized
+
+    packed = QuantLinear(32, [(Q8_0, ref.quantize(torch.randn(8, 32), Q8_0.type_id))])
+    with_f32 = QuantLinear(32, [(None, torch.randn(8, 32))])
+    assert all_linears_quantized(nn.Sequential(packed, nn.ReLU()))
+    assert not all_linears_quantized(nn.Sequential(packed, with_f32))  # an fp32 shard runs ops.linear (oneDNN)
+    assert not all_linears_quantized(nn.Sequential(packed, nn.Linear(8, 8)))
+    assert not all_linears_quantized(nn.Sequential(nn.ReLU()))
+
+
+@pytest.mark.slow
+def test_smollm2_q4_1_engine_batch_decodes_like_single_streams() -> None:
+    """The engine on the Q4_1 file (kernels on the chunk pool up to 128 rows, the lm_head screened) decodes
+    a batch of greedy streams token for token as it decodes each stream alone: no kernel's rows
+    depend on the batch up to 128 rows."""
+    from common.sampling_params import SamplingParams
+    from engine.llm import LLM
+
+    engine = LLM(str(_smollm2_gguf()), kv_cache_memory=1 << 27).engine
+    from ops.parallel import openmp_rows
+    from ops.quant import QUANT_GEMV_MAX_ROWS
+
+    assert openmp_rows() == QUANT_GEMV_MAX_ROWS + 1  # every step of up to 128 rows on the chunk pool
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(100, 40000, (5 + 3 * i,), generator=gen).tolist() for i in range(6)]
+
+    def run(batch: list[list[int]], tag: str) -> list[list[int]]:
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"{tag}{i}", prompt, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        return [tokens[f"{tag}{i}"] for i in range(len(batch))]
+
+    together = run(prompts, "b")
+    alone = [run([p], f"s{i}-")[0] for i, p in enumerate(prompts)]
+    assert together == alone and all(len(t) == 12 for t in together)
