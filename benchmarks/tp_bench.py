@@ -10,7 +10,7 @@
   broadcast's share of it (publish_seconds) at TP = 1, 2, ..., the same total torch threads
   split over the ranks, greedy decode of B prompts; tok/s alongside.
 
-    python benchmarks/tp_bench.py [--parts broadcast,step,check] [--model DIR] [--sizes 1,2] [--threads 2]
+    python benchmarks/tp_bench.py [--parts broadcast,step,check] [--model DIR] [--sizes 1,3] [--threads 3]
                                   [--batch 16] [--tokens 32] [--rounds 200] [--device cpu|cuda]
 """
 
@@ -131,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--parts", default="broadcast,step")
     parser.add_argument("--model", help="model directory (default: the fetched SmolLM2 fp32 directory)")
-    parser.add_argument("--sizes", default="1,2", help="tensor_parallel_size values of the step part")
+    parser.add_argument("--sizes", default="1,3", help="tensor_parallel_size values (SmolLM2: 1 or 3; 9 heads)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in all, split over the ranks")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)

@@ -66,8 +66,9 @@ else
 fi
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$DEVICE" = cuda ] && [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: greedy TP=2 == TP=1, step times
+  step random_decisive 120 "$PY" benchmarks/random_model.py --shape decisive --out "$LOG/decisive-random"
   step tp2 300 "$PY" benchmarks/tp_bench.py --parts check,step --device cuda --sizes 1,2 \
-    --model "$LOG/smollm2-random" --batch 32 --tokens 32
+    --model "$LOG/decisive-random" --batch 32 --tokens 32  # 8 heads / 2 KV heads: SmolLM2's 9 do not split in 2
 else
   echo "[tp2] skipped: $gpus CUDA device(s) here; the TP=2 check needs 2" >&2
 fi
