@@ -6,10 +6,13 @@ One JSON line per configuration, then a summary line.
   the first reads the earlier chunks' K/V back from the (possibly int8) cache;
 - greedy: tokens of a few prompts against the fp32 model with an fp32 cache (identical, or the
   first position that differs);
+- weights: the fp32 directory, and with `--weights fp32,q4_1` also the Q4_1 GGUF as `pagedserve up`
+  serves it (int8 activations in the quantized GEMV) with each KV dtype: the combination behind
+  `up`'s default KV dtype;
 - decode: paged decode attention at SmolLM2's shape (9 heads, 3 KV heads, head 64, block 16),
   batch 32 x 512 tokens of context, fp32 cache against int8 cache (best of timed rounds).
 
-    python benchmarks/kv_quality.py [--model DIR] [--budget 1]
+    python benchmarks/kv_quality.py [--model DIR] [--budget 1] [--weights fp32,q4_1]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ops
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.model.fetch import default_model_dir
+from engine.model.fetch import GGUF_NAME, default_model_dir
 from ops.reference.kv_quant import quantize_rows
 
 PASSAGE = (
@@ -62,7 +65,8 @@ PROMPTS = [
     "List five tips for learning a new language as an adult.",
     "What are the main differences between a river and a canal?",
 ]
-CONFIGS = [("float32", "float32"), ("float32", "int8"), ("bfloat16", "bfloat16"), ("bfloat16", "int8")]
+CONFIGS = {"fp32": [("float32", "float32"), ("float32", "int8"), ("bfloat16", "bfloat16"), ("bfloat16", "int8")],
+           "q4_1": [("auto", "auto"), ("auto", "int8")]}  # the GGUF as `up` serves it (fp32 model, int8 GEMV inputs)
 NEW_TOKENS = 48
 
 
@@ -84,7 +88,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
-def quality(model: str) -> list[dict[str, Any]]:
+def quality(model: str, weights: list[str]) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
@@ -93,9 +97,11 @@ def quality(model: str) -> list[dict[str, Any]]:
                                             tokenize=True, return_dict=False)) for p in PROMPTS]
     rows: list[dict[str, Any]] = []
     baseline: list[list[int]] = []
-    for dtype, kv in CONFIGS:
-        llm = LLM(model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=256 << 20, max_num_batched_tokens=64,
-                  enable_prefix_caching=False)
+    configs = [(w, dtype, kv) for w in weights for dtype, kv in CONFIGS[w]]
+    for w, dtype, kv in configs:
+        path = model if w == "fp32" else str(Path(model) / GGUF_NAME)
+        llm = LLM(path, tokenizer=model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=256 << 20,
+                  max_num_batched_tokens=64, enable_prefix_caching=False)
         nll = passage_nll(llm, passage)
         tokens = greedy(llm, prompts)
         baseline = baseline or tokens
@@ -103,7 +109,8 @@ def quality(model: str) -> list[dict[str, Any]]:
         caches = llm.engine.runner.kv_caches
         slots = caches[0][0].shape[0] * caches[0][0].shape[2]
         bytes_per_token = sum(k.nbytes + v.nbytes for k, v in caches) // slots
-        rows.append({"dtype": dtype, "kv_cache_dtype": kv, "passage_tokens": len(passage), "nll": round(nll, 5),
+        rows.append({"weights": w, "dtype": dtype, "kv_cache_dtype": kv, "passage_tokens": len(passage),
+                     "nll": round(nll, 5),
                      "bytes_per_token": bytes_per_token, "tokens_per_gib": 2**30 // bytes_per_token,
                      "greedy_identical": sum(d is None for d in divergences), "greedy_prompts": len(prompts),
                      "first_divergence": divergences})
@@ -141,14 +148,20 @@ def main() -> int:
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of timing per decode variant")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--weights", default="fp32", help="comma-separated: fp32 (the directory), q4_1 (its GGUF)")
     args = parser.parse_args()
-    rows = [] if args.skip_quality else quality(args.model or str(default_model_dir(progress=True)))
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    rows = [] if args.skip_quality else quality(args.model or str(default_model_dir(progress=True)), weights)
     speed = decode_speed(args.budget)
     print(json.dumps(speed), flush=True)
     if rows:
-        ref = {r["dtype"]: r["nll"] for r in rows if r["kv_cache_dtype"] != "int8"}
-        summary = {f"{r['dtype']}_int8_nll_rel": round(r["nll"] / ref[r["dtype"]] - 1, 5)
+        ref = {(r["weights"], r["dtype"]): r["nll"] for r in rows if r["kv_cache_dtype"] != "int8"}
+        fp32 = rows[0]["nll"]  # the fp32 directory with an fp32 cache, or the first row asked for
+        summary = {f"{r['weights']}_{r['dtype']}_int8_nll_rel":
+                   round(r["nll"] / ref[(r["weights"], r["dtype"])] - 1, 5)
                    for r in rows if r["kv_cache_dtype"] == "int8"}
+        summary |= {f"{r['weights']}_{r['dtype']}_{r['kv_cache_dtype']}_nll_rel_to_first":
+                    round(r["nll"] / fp32 - 1, 5) for r in rows[1:]}
         print(json.dumps({"summary": summary, "within_1pct": all(abs(v) < 0.01 for v in summary.values())}))
     return 0
 

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,28 +77,37 @@ def _local_latency(engine: Any, tok: Any, light: list[BenchRequest], tag: str) -
     return {"completed": len(singles), "ttft_p50_s": statistics.median(r["ttft_p50_s"] for r in singles)}
 
 
-def _bench(url: str, name: str, args: argparse.Namespace, num: int, output_len: int,
-           concurrency: int | None, seed: int | None = None) -> dict[str, Any]:
-    """`pagedserve bench` as a separate client process; its JSON report."""
+def bench_client(url: str, name: str, num: int, prompt_len: int, output_len: int, seed: int,
+                 concurrency: int | None = None) -> dict[str, Any]:
+    """`pagedserve bench` as a separate client process: a synthetic trace, every request at once
+    (or `concurrency` at a time); the figures of its JSON report."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = _cli("bench", "--url", url, "--model", name, "--num-prompts", str(num), "--prompt-len",
-                   str(args.prompt_len), "--output-len", str(output_len),
-                   "--seed", str(args.seed if seed is None else seed), "--no-progress", "--output", out.name)
+                   str(prompt_len), "--output-len", str(output_len), "--seed", str(seed), "--no-progress",
+                   "--output", out.name)
         if concurrency:
             cmd += ["--max-concurrency", str(concurrency)]
         subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
         report: dict[str, Any] = json.loads(Path(out.name).read_text())
     return {"completed": report["completed"], "failed": report["failed"], "duration_s": report["duration_s"],
-            "output_throughput_tok_s": report["output_throughput_tok_s"], "ttft_p50_s": report["ttft_s"]["p50"]}
+            "output_throughput_tok_s": report["output_throughput_tok_s"], "ttft_p50_s": report["ttft_s"]["p50"],
+            "ttft_s": report["ttft_s"], "errors": report["errors"]}
+
+
+def _bench(url: str, name: str, args: argparse.Namespace, num: int, output_len: int,
+           concurrency: int | None, seed: int | None = None) -> dict[str, Any]:
+    return bench_client(url, name, num, args.prompt_len, output_len, args.seed if seed is None else seed, concurrency)
 
 
 @contextlib.contextmanager
-def pagedserve_up(model: str, args: argparse.Namespace, pool: str = "blocking") -> Iterator[str]:
-    """`pagedserve up` on a free port (gateway Redis pool `pool`); yields its URL once healthy."""
+def pagedserve_up(up_args: list[str], kv_cache_memory: str, max_num_seqs: int, pool: str = "blocking",
+                  engine_args: str = "") -> Iterator[tuple[str, str]]:
+    """`pagedserve up UP_ARGS` on a free port (gateway Redis pool `pool`); yields its URL and served
+    model name once healthy."""
     port = free_port()
-    up = subprocess.Popen(_cli("up", "--port", str(port), "--model", model, "--kv-cache-memory",
-                               args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
-                               "--gateway-args", f"--redis-pool {pool}"),
+    up = subprocess.Popen(_cli("up", "--port", str(port), *up_args, "--kv-cache-memory", kv_cache_memory,
+                               "--max-num-seqs", str(max_num_seqs), "--gateway-args", f"--redis-pool {pool}",
+                               "--engine-args", engine_args),
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert up.stdout is not None
@@ -106,7 +116,10 @@ def pagedserve_up(model: str, args: argparse.Namespace, pool: str = "blocking") 
                 break
         else:
             raise RuntimeError(f"pagedserve up exited with {up.wait()}")
-        yield f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
+            name = str(json.load(resp)["data"][0]["id"])
+        yield url, name
     finally:
         up.terminate()
         up.wait(60)
@@ -149,7 +162,7 @@ def main() -> int:
     local_l: list[dict[str, Any]] = []
     served_l: list[dict[str, Any]] = []
     for k, pool in enumerate(pools):
-        with pagedserve_up(model, args, pool) as url:
+        with pagedserve_up(["--model", model], args.kv_cache_memory, args.max_num_seqs, pool) as (url, _):
             _bench(url, name, args, 2, 4, 1, args.seed + 1)  # warm-up (a different trace than the measured ones)
             for r in range(args.repeats):  # alternate, so both paths see the same background load
                 local_b.append(_run(engine, tok, burst_trace, f"b{k}-{r}-"))

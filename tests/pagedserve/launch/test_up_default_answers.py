@@ -1,0 +1,68 @@
+"""`pagedserve up`'s default configuration (the Q4_1 GGUF with int8 activations, its default KV cache
+dtype) answers simple factual questions as the fp32 model does: greedy, chat-templated, the fact
+each fp32 answer states must be in the default's answer too.
+
+This is the gate for an int8 KV cache by default: Q4_1 weights (int8 activations) with an int8 cache
+answer "What is the capital of France?" with "L'Étoile, …", where fp32 (and each alone) says Paris.
+It is not a kernel bug (an fp32 cache holding the same quantized-then-dequantized rows gives the same
+logprobs): the answer's first token is a near-tie in fp32 ("The" -1.88 against "L" -1.97), and any
+8-bit KV rounding tried on top of int8 activations tips it. The int8 case is a strict xfail in the slow
+suite, so the day it passes (a better KV format or activation scheme) the default can change. Asked
+in one batch the five prompts prefill in one step of more than 128 rows, which runs on fp32 activations
+and answers right: so each is asked alone."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+from engine.worker.cli import resolve_model
+from pagedserve.launch.up import add_arguments
+
+# question -> the fact fp32 SmolLM2 states in its greedy answer
+FACTS = {
+    "What is the capital of France?": "Paris",
+    "What is the capital of Japan?": "Tokyo",
+    "What is the capital of Germany?": "Berlin",
+    "What is the chemical symbol for gold?": "Au",
+    "How many days are in a week?": "7",
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+
+
+def up_defaults() -> argparse.Namespace:
+    """`pagedserve up`'s options when given none."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
+def answers(model: str, tokenizer: str | None, **config: object) -> dict[str, str]:
+    """Each question alone, as one client asks it: a step of more than 128 rows would run the quantized
+    GEMV on fp32 activations (dequantize + oneDNN) instead of int8 ones."""
+    llm = LLM(model, tokenizer=tokenizer, kv_cache_memory=32 << 20, **config)
+    return {q: llm.chat([[{"role": "user", "content": q}]], GREEDY)[0].outputs[0].text for q in FACTS}
+
+
+@pytest.mark.slow  # the facts table's own check; the default suite keeps only up's configuration
+def test_fp32_model_states_each_fact(smollm2_dir: Path) -> None:
+    got = answers(str(smollm2_dir), None, dtype="float32")
+    assert all(fact in got[q] for q, fact in FACTS.items()), got
+
+
+@pytest.mark.parametrize("kv_cache_dtype", [
+    pytest.param(None, id="up-default"),
+    pytest.param("int8", id="int8-kv", marks=[pytest.mark.slow, pytest.mark.xfail(
+        strict=True, reason="Q4_1 int8 activations + int8 KV tip France's near-tie first token to 'L'")]),
+])
+def test_up_default_configuration_states_each_fact(smollm2_dir: Path, kv_cache_dtype: str | None) -> None:
+    args = up_defaults()
+    model, tokenizer = resolve_model(args.model, args.tokenizer, args.quantization)
+    assert model.endswith(".gguf"), "up serves the GGUF by default"
+    got = answers(model, tokenizer, kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype, dtype="auto",
+                  quantization=args.quantization)
+    assert all(fact in got[q] for q, fact in FACTS.items()), got
