@@ -140,9 +140,10 @@ def test_smollm2_q4_1_matches_its_dequantized_weights() -> None:
 
 
 def test_load_model_reads_the_config_once(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine reads a model's config once and hands it to `load_model` (for a .gguf each read
-    parses the whole metadata): a given config is used as is, the file's is not read again."""
+    """The engine reads a model's config once and hands its `ModelSpec` to `load_model` (for a .gguf
+    each read parses the whole metadata): a given spec is used as is, the file's config is not read again."""
     from engine.model import loader
+    from engine.model.spec import ModelSpec
 
     config = loader.load_hf_config(tiny_llama_dir)
     config.num_hidden_layers = 1  # the checkpoint has more layers: only the given config says 1
@@ -152,7 +153,7 @@ def test_load_model_reads_the_config_once(tiny_llama_dir: Path, monkeypatch: pyt
 
     monkeypatch.setattr(loader, "load_hf_config", no_second_read)
     with pytest.raises(KeyError, match=r"layers\.1\..* has no place in the model"):  # the checkpoint has layer 1
-        load_model(tiny_llama_dir, hf_config=config)
+        load_model(tiny_llama_dir, spec=ModelSpec.from_hf_config(config))
 
 
 def test_all_linears_quantized() -> None:
