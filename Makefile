@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: setup serve test test-slow lint bench
+.PHONY: setup serve test test-slow test-long lint bench
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,6 +24,9 @@ test: setup
 
 test-slow: setup
 	VENV=$(VENV) bash scripts/test.sh -m slow $(ARGS)
+
+test-long: setup
+	VENV=$(VENV) bash scripts/test.sh -m long $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -169,7 +169,7 @@ def test_all_linears_quantized() -> None:
     assert not all_linears_quantized(nn.Sequential(nn.ReLU()))
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_smollm2_q4_1_engine_batch_decodes_like_single_streams() -> None:
     """The engine on the Q4_1 file (kernels on the chunk pool up to 128 rows, the lm_head screened) decodes
     a batch of greedy streams token for token as it decodes each stream alone: no kernel's rows

@@ -17,7 +17,6 @@ from engine.model.loader import load_model
 from engine.model.quant_linear import QuantLinear
 from engine.model.sharding import TPShard
 
-pytestmark = pytest.mark.slow
 
 
 def _weight(module: torch.nn.Module) -> torch.Tensor:
@@ -25,6 +24,7 @@ def _weight(module: torch.nn.Module) -> torch.Tensor:
     return module.dequantized_weight()
 
 
+@pytest.mark.long
 def test_rank_slices_of_packed_weights_match_the_whole_file(smollm2_dir: Path) -> None:
     path = smollm2_dir / GGUF_NAME
     full = load_model(path).model.layers[3]
@@ -42,6 +42,7 @@ def test_rank_slices_of_packed_weights_match_the_whole_file(smollm2_dir: Path) -
     assert ranks[1].lm_head.weight.shape[0] == 0
 
 
+@pytest.mark.slow
 def test_greedy_tokens_at_3_ranks_on_q4_1_equal_one_process(smollm2_dir: Path) -> None:
     path = str(smollm2_dir / GGUF_NAME)
     prompts = [[1, 504, 3458, 282, 4649, 314], [1, 19936, 253, 1345, 2714, 30]]

@@ -35,7 +35,7 @@ def test_greedy_identical_with_speculation(smollm2_dir: Path) -> None:
     assert_no_leaks(llm)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_suffix_on_the_served_q4_1_file() -> None:
     """The GGUF that `up` serves: suffix speculation gives the same greedy tokens, and its 5-row
     verification steps stay on the chunk pool (quantized weights never reach oneDNN there)."""
