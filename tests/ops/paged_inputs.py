@@ -86,3 +86,20 @@ def make_prefill(
     query = qkv.to(device=device, dtype=dtype)[:, :num_heads]
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return query, key_cache, value_cache, tables, starts, context_lens
+
+
+def rope_and_cache_both(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, caches: torch.Tensor,
+                        slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        head_size: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`(qkv, key_cache, value_cache)` after `ops.rotary_embedding_and_cache` and after the torch
+    reference, each run on its own copies of `qkv` and `caches` (`[2, blocks, ...]`: keys, values)."""
+    import ops
+
+    results = []
+    for fn in (ops.rotary_embedding_and_cache, ops.reference.rotary_embedding_and_cache):
+        buf, key_cache, value_cache = qkv.clone(), caches[0].clone(), caches[1].clone()
+        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
+        q, k, v = (t.unflatten(-1, (-1, head_size)) for t in buf.split(sizes, -1))
+        fn(positions, q, k, v, cos_sin, key_cache, value_cache, slots)
+        results.append((buf, key_cache, value_cache))
+    return results

@@ -10,7 +10,7 @@ import torch
 
 import ops
 from ops.reference.kv_quant import dequantize_rows
-from tests.ops.paged_inputs import HEAD_PAIRS, TOLERANCE, make_prefill
+from tests.ops.paged_inputs import HEAD_PAIRS, TOLERANCE, make_prefill, rope_and_cache_both
 from tests.ops.test_kv_int8 import decode_inputs, int8_caches
 from tests.ops.test_prefill_attention import mixed_batch
 
@@ -65,13 +65,8 @@ def test_rope_cache_write_quantizes_like_the_reference(dtype: torch.dtype, heads
         slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].cuda()
         slots[::4] = -1
         caches = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_size + 2, dtype=torch.int8, device="cuda")
-        results = []
-        for fn in (ops.rotary_embedding_and_cache, ops.reference.rotary_embedding_and_cache):
-            buf, key_cache, value_cache = qkv.clone(), caches[0].clone(), caches[1].clone()
-            sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
-            q, k, v = (t.unflatten(-1, (-1, head_size)) for t in buf.split(sizes, -1))
-            fn(positions, q, k, v, cos_sin, key_cache, value_cache, slots)
-            results.append((buf, key_cache, value_cache))
+        results = rope_and_cache_both(qkv, positions, cos_sin, caches, slots, num_heads, num_kv_heads,
+                                      head_size)
         ops.raise_device_errors(sync=True)
         (buf, key_cache, value_cache), (want_buf, want_key, want_value) = results
         close(buf, want_buf, dtype)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ops
-from tests.ops.paged_inputs import HEAD_PAIRS, TOLERANCE
+from tests.ops.paged_inputs import HEAD_PAIRS, TOLERANCE, rope_and_cache_both
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -57,13 +57,8 @@ def check_rope(heads: tuple[int, int], head_size: int, block_size: int, dtype: t
     shape = (num_blocks, num_kv_heads, block_size, head_size) if with_cache else (0, num_kv_heads, block_size,
                                                                                    head_size)
     caches = torch.randn(2, *shape, generator=gen).to(device, dtype)
-    results = []
-    for fn in (ops.rotary_embedding_and_cache, ops.reference.rotary_embedding_and_cache):
-        buf, key_cache, value_cache = qkv.clone(), caches[0].clone(), caches[1].clone()
-        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
-        q, k, v = (t.unflatten(-1, (-1, head_size)) for t in buf.split(sizes, -1))
-        fn(positions, q, k, v, cos_sin, key_cache, value_cache, slots)
-        results.append((buf, key_cache, value_cache))
+    results = rope_and_cache_both(qkv, positions, cos_sin, caches, slots, num_heads, num_kv_heads,
+                                  head_size)
     (buf, key_cache, value_cache), (want_buf, want_key_cache, want_value_cache) = results
     close(buf, want_buf)
     close(key_cache, want_key_cache)

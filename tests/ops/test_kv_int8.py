@@ -11,7 +11,7 @@ import torch
 
 import ops
 from ops.reference.kv_quant import dequantize_rows, quantize_rows
-from tests.ops.paged_inputs import HEAD_PAIRS, TOLERANCE, context_lengths, make_paged, make_prefill
+from tests.ops.paged_inputs import HEAD_PAIRS, TOLERANCE, context_lengths, make_paged, make_prefill, rope_and_cache_both
 from tests.ops.test_prefill_attention import mixed_batch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -67,13 +67,8 @@ def test_rope_and_cache_write_quantize_like_the_reference(dtype: torch.dtype, he
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[::4] = -1
     caches = torch.zeros(2, num_blocks, num_kv_heads, block_size, head_size + 2, dtype=torch.int8)
-    results = []
-    for fn in (ops.rotary_embedding_and_cache, ops.reference.rotary_embedding_and_cache):
-        buf, key_cache, value_cache = qkv.clone(), caches[0].clone(), caches[1].clone()
-        sizes = [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size]
-        q, k, v = (t.unflatten(-1, (-1, head_size)) for t in buf.split(sizes, -1))
-        fn(positions, q, k, v, cos_sin, key_cache, value_cache, slots)
-        results.append((buf, key_cache, value_cache))
+    results = rope_and_cache_both(qkv, positions, cos_sin, caches, slots, num_heads, num_kv_heads,
+                                  head_size)
     (buf, key_cache, value_cache), (want_buf, want_key, want_value) = results
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(buf.float(), want_buf.float(), atol=tol, rtol=tol)

@@ -1,7 +1,7 @@
 """Tensor parallelism at 3 over SmolLM2's Q4_1 GGUF, its blocks kept packed: each rank's packed
 slices dequantize to the matching slices of the whole file's weights (rows for q/k/v, gate/up and
 the embedding; block-aligned columns for o and down), and greedy tokens equal one process's.
-Marked slow (the file is read once per rank, and two ranks start)."""
+The greedy check is slow, the slice check long (the file is read once per rank, and two ranks start)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from engine.model.fetch import GGUF_NAME
 from engine.model.loader import load_model
 from engine.model.quant_linear import QuantLinear
 from engine.model.sharding import TPShard
-
 
 
 def _weight(module: torch.nn.Module) -> torch.Tensor:
