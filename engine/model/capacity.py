@@ -24,13 +24,14 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_model_dtype(dtype: str, device: torch.device, cpuinfo: str | None = None,
                         quantized_weights: bool = False) -> str:
-    """auto: fp32 for quantized GGUF weights (their kernels take fp32 activations); bf16 on CUDA;
-    on the CPU bf16 where it computes bf16 natively (avx512_bf16 or amx_bf16 in ``cpuinfo``,
-    default /proc/cpuinfo), else fp32 (an emulated bf16 GEMM is no faster). Logs the choice and why."""
+    """auto: fp32 for quantized GGUF weights (their kernels take fp32 activations and round them to
+    int8 per 32-block themselves); bf16 on CUDA; on the CPU bf16 where it computes bf16 natively
+    (avx512_bf16 or amx_bf16 in ``cpuinfo``, default /proc/cpuinfo), else fp32 (an emulated bf16
+    GEMM is no faster). Logs the choice and why."""
     if dtype != "auto":
         return dtype
     if quantized_weights:
-        choice, reason = "float32", "quantized weights compute with fp32 activations"
+        choice, reason = "float32", "quantized weights take fp32 activations (the kernel rounds them to int8)"
     elif device.type == "cuda":
         choice, reason = "bfloat16", "cuda device"
     else:
