@@ -13,7 +13,7 @@ import pytest
 
 from common.protocol import ErrorInfo, SeqOutput
 from gateway.text.tokenizer import ModelTokenizer
-from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, watch_aborts
+from tests.fixtures.gateway import MODEL, Gateway, gateway, open_live_gateway, watch_aborts
 from tests.fixtures.sse_clients import StrippingSSEReader
 
 __all__ = ["gateway"]
@@ -52,8 +52,7 @@ async def test_no_comment_frames_by_default(gateway: Gateway) -> None:
 
 @pytest.fixture
 async def keepalive_gateway(redis_server: str, tiny_tokenizer_dir: Path) -> AsyncIterator[Gateway]:
-    async with open_gateway(redis_server, tiny_tokenizer_dir, sse_keepalive_s=0.05) as gw:
-        await gw.engine.beat()
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, sse_keepalive_s=0.05) as gw:
         yield gw
 
 
@@ -87,8 +86,7 @@ async def test_error_after_tokens_stays_in_the_stream(gateway: Gateway) -> None:
 
 @pytest.fixture
 async def short_write_gateway(redis_server: str, tiny_tokenizer_dir: Path) -> AsyncIterator[Gateway]:
-    async with open_gateway(redis_server, tiny_tokenizer_dir, write_timeout_s=0.5) as gw:
-        await gw.engine.beat()
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, write_timeout_s=0.5) as gw:
         yield gw
 
 

@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 
 from gateway.text.tokenizer import ModelTokenizer
-from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway
+from tests.fixtures.gateway import MODEL, Gateway, gateway, open_live_gateway
 
 __all__ = ["gateway"]
 
@@ -57,8 +57,7 @@ async def test_tokenize_errors(gateway: Gateway) -> None:
 
 
 async def test_tokenize_needs_the_api_key(redis_server: str, tiny_tokenizer_dir: Path) -> None:
-    async with open_gateway(redis_server, tiny_tokenizer_dir, api_keys=("k",)) as gw:
-        await gw.engine.beat()
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, api_keys=("k",)) as gw:
         for path, body in (("/tokenize", {"model": MODEL, "prompt": "a"}), ("/detokenize", {"model": MODEL,
                                                                                              "tokens": [1]})):
             assert (await gw.client.post(path, json=body)).status == 401

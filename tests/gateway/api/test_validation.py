@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway
+from tests.fixtures.gateway import MODEL, Gateway, gateway, open_live_gateway
 
 __all__ = ["gateway"]
 
@@ -99,16 +99,14 @@ async def test_bad_request(gateway: Gateway, name: str, path: str, payload: Any,
 
 
 async def test_oversized_body_is_413(redis_server: str, tiny_tokenizer_dir: Path) -> None:
-    async with open_gateway(redis_server, tiny_tokenizer_dir, max_body_bytes=1000) as gw:
-        await gw.engine.beat()
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, max_body_bytes=1000) as gw:
         resp = await gw.client.post(COMP, json={"model": MODEL, "prompt": "x" * 5000})
         assert resp.status == 413
         _check_error(await resp.json(), None)
 
 
 async def test_api_keys(redis_server: str, tiny_tokenizer_dir: Path) -> None:
-    async with open_gateway(redis_server, tiny_tokenizer_dir, api_keys=("k1", "k2")) as gw:
-        await gw.engine.beat()
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, api_keys=("k1", "k2")) as gw:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic k1"}):
             resp = await gw.client.get("/v1/models", headers=headers)
             assert resp.status == 401

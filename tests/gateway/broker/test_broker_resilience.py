@@ -17,7 +17,7 @@ from common.protocol import SeqOutput, Usage
 from gateway.broker.watch import Watch
 from gateway.state import BROKER
 from gateway.text.tokenizer import ModelTokenizer
-from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, parse_sse
+from tests.fixtures.gateway import MODEL, Gateway, gateway, open_gateway, open_live_gateway, parse_sse
 
 __all__ = ["gateway"]
 
@@ -76,8 +76,7 @@ async def test_redis_restart_without_persistence_fails_in_flight_then_serves(
 
 
 async def test_a_full_model_queue_answers_429_with_retry_after(redis_server: str, tiny_tokenizer_dir: Path) -> None:
-    async with open_gateway(redis_server, tiny_tokenizer_dir, max_queued_per_model=2) as gw:
-        await gw.engine.beat()
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, max_queued_per_model=2) as gw:
         waiting = [asyncio.create_task(gw.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
                    for _ in range(2)]
         reqs = [await gw.engine.next_request() for _ in range(2)]
@@ -131,8 +130,7 @@ async def test_a_wedged_reader_is_replaced_and_reads_on(redis_server: str, tiny_
     cancellation (the worst case; CI once saw a reader whose reply had arrived and whose loop
     never ran again): the supervisor starts a new loop on a new connection, which reads on from
     the last id handled, and the request completes whole."""
-    async with open_gateway(redis_server, tiny_tokenizer_dir, request_timeout_s=120.0) as gw:
-        await gw.engine.beat()
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, request_timeout_s=120.0) as gw:
         broker = gw.client.app[BROKER]  # type: ignore[index]
         post, req, ids, half = await _half_streamed(gw)
         wedged = broker.reader
