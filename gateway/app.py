@@ -54,7 +54,10 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     pool = client.connection_pool
     if isinstance(pool, MeteredPool):
         app[METRICS].watch_pool(pool)
-    watch = Watch(broker, registry, cfg.watch_interval_s, cfg.orphan_after_s)
+    # the liveness key's refresh must not queue behind a burst in the pool: a connection of its own
+    liveness = single_client(spec, socket_connect_timeout=2.0, socket_timeout=10.0,
+                             client_name=f"{cfg.redis_prefix}-live-{cfg.gateway_id}")
+    watch = Watch(broker, registry, cfg.watch_interval_s, cfg.orphan_after_s, liveness_client=liveness)
     tasks = [asyncio.create_task(broker.supervise(), name=f"reader-{cfg.gateway_id}"),
              asyncio.create_task(watch.run(), name=f"watch-{cfg.gateway_id}")]
     yield
@@ -67,6 +70,7 @@ async def _shut(tasks: list[asyncio.Task[None]], broker: Broker, watch: Watch, c
     broker.stop()
     watch.stopped = True
     await shut_down("gateway", tasks, [client.delete(*keys), broker.reader.aclose(),
+                                       watch.liveness_client.aclose(close_connection_pool=True),
                                        client.aclose(close_connection_pool=True)])
 
 

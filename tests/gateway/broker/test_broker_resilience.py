@@ -178,3 +178,26 @@ async def test_shutdown_ends_a_loop_that_swallows_its_cancellation_and_closes_th
     await asyncio.wait_for(stack.aclose(), 60)  # hung forever before the loops had a stop flag
     assert swallowed.is_set()
     assert not any(c.is_connected for c in connections)
+
+
+async def test_the_liveness_key_is_refreshed_while_every_pooled_connection_is_busy(
+        redis_server: str, tiny_tokenizer_dir: Path) -> None:
+    """A burst holds every pooled connection (a thousand streams on 8 connections did, in CI
+    under load): the liveness key must still be refreshed within its TTL, else every engine
+    drops every request of a gateway that is alive. Through the pool, this refresh waited."""
+    async with open_live_gateway(redis_server, tiny_tokenizer_dir, redis_pool_size=2, watch_interval_s=0.2,
+                                 redis_pool_timeout_s=60.0) as gw:
+        pool = gw.client.app[BROKER].client.connection_pool  # type: ignore[index]
+        held = [await pool.get_connection() for _ in range(2)]  # the whole pool, as a burst would hold it
+        try:
+            key = gw.engine.keys.gateway(gw.config.gateway_id)
+            await gw.redis.delete(key)
+            for _ in range(200):
+                if await gw.redis.exists(key):
+                    break
+                await asyncio.sleep(0.05)
+            assert await gw.redis.exists(key), "the liveness key was not refreshed while the pool was busy"
+            assert 0 < await gw.redis.pttl(key) <= 600
+        finally:
+            for connection in held:
+                await pool.release(connection)
