@@ -24,8 +24,9 @@ from typing import Any
 
 import aiohttp
 
+from common.ports import free_port
 from gateway.clients.sse_reader import SSE_DONE, sse_payloads
-from pagedserve.launch.redis_server import RedisServer, free_port
+from pagedserve.launch.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

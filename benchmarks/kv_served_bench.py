@@ -24,7 +24,7 @@ from typing import Any
 from peer.counters import metric_value
 from serving_bench import bench_client, pagedserve_up
 
-from pagedserve.launch.redis_server import free_port
+from common.ports import free_port
 
 
 class EngineSampler:

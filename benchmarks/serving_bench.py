@@ -30,8 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from common.ports import free_port
 from gateway.clients.bench_trace import BenchRequest, synthetic
-from pagedserve.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from common.ports import free_port
 from common.sampling_params import SamplingParams
 from engine.model.step_inputs import StepInputs
 from engine.parallel.channel import Rendezvous, join
-from engine.parallel.group import free_port
 from engine.parallel.step_message import Command, control, header, pack
 
 

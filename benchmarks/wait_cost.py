@@ -18,10 +18,11 @@ import time
 
 import redis
 
+from common.ports import free_port
 from common.protocol import Keys, OutputMessage, SeqOutput
 from common.redis_conn import ReplicaAck, pinned, pooled_client
 from engine.worker.outbox import Outbox, flush
-from pagedserve.launch.redis_server import find_redis_binary, free_port
+from pagedserve.launch.redis_server import find_redis_binary
 
 KEYS = Keys("bench")
 

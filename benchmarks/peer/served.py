@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peer.counters import pagedserve_figures, vllm_figures
-from pagedserve.launch.redis_server import free_port
+from common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WARMUPS = 1  # untimed client requests before each run (the first request of the trace)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from common.log import get_logger
+from common.ports import free_port
 from engine.config import EngineConfig
 from engine.model.sharding import TPShard
 from engine.model.spec import ModelSpec
@@ -35,12 +35,6 @@ EXIT_RANK_FAILED = 70  # the engine's exit status when a rank failed (EX_SOFTWAR
 
 class TensorParallelError(RuntimeError):
     """A rank of the group failed; the group (and its engine) cannot go on."""
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class TensorParallelGroup:

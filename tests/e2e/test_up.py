@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 
-from pagedserve.launch.redis_server import free_port
+from common.ports import free_port
 from tests.e2e.support import ROOT
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.ports import free_port
 from engine.model.step_inputs import StepInputs
 from engine.parallel.channel import Rendezvous, join
-from engine.parallel.group import free_port
 from engine.parallel.step_message import FIRST_PART, Command, control, header, pack, unpack
 
 
