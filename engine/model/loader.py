@@ -50,8 +50,11 @@ def tokenizer_dir(model: str | Path, tokenizer: str | None = None) -> str:
 
 def _export_gguf_tokenizer(gguf: Path) -> Path:
     """The GGUF's tokenizer and chat template, saved once as a Hugging Face tokenizer directory."""
+    import contextlib
     import hashlib
     import os
+    import shutil
+    import tempfile
 
     from transformers import AutoTokenizer
 
@@ -65,8 +68,20 @@ def _export_gguf_tokenizer(gguf: Path) -> Path:
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"{str(gguf)!r} has no usable tokenizer metadata ({exc}); "
                                  "pass --tokenizer DIR") from exc
-        tok.save_pretrained(str(target))
-        log.info("exported the GGUF's tokenizer", gguf=str(gguf), dir=str(target))
+        # Written beside the target, then renamed into place: engines (and test workers) starting
+        # at once from one file never read a half-written directory.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=target.parent))
+        tok.save_pretrained(str(staging))
+        try:
+            os.rename(staging, target)
+            log.info("exported the GGUF's tokenizer", gguf=str(gguf), dir=str(target))
+        except OSError:  # another process got there first (its copy is the same), or a broken old one
+            if not (target / "tokenizer_config.json").is_file():
+                shutil.rmtree(target, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.rename(staging, target)
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
