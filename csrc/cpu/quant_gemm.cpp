@@ -11,110 +11,18 @@
 //
 // Large M (prefill) goes through `dequantize_weight` and oneDNN instead (ops/quant.py).
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
-#include <cmath>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "ops.h"
 #include "parallel.h"
-#include "vec.h"
+#include "quant_blocks.h"
 
 namespace pagedserve::cpu {
 namespace {
 
-constexpr int kBlock = 32;
-
-struct BlockQ8_0 {
-  uint16_t d;
-  int8_t q[kBlock];
-};
-struct BlockQ4_0 {
-  uint16_t d;
-  uint8_t q[kBlock / 2];
-};
-struct BlockQ4_1 {
-  uint16_t d, m;
-  uint8_t q[kBlock / 2];
-};
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20,
-              "GGUF block sizes");
-
-// One activation block quantized: x ~= d * q; s = d * sum(q).
-struct ActBlock {
-  float d, s;
-  int8_t q[kBlock];
-};
-
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
-
-int64_t block_bytes(int64_t format) {
-  switch (format) {
-    case kQuantQ8_0: return sizeof(BlockQ8_0);
-    case kQuantQ4_0: return sizeof(BlockQ4_0);
-    case kQuantQ4_1: return sizeof(BlockQ4_1);
-    default: TORCH_CHECK(false, "quant: unknown format ", format, " (Q4_0=2, Q4_1=3, Q8_0=8)");
-  }
-  return 0;
-}
-
-void quantize_row(const float* x, int64_t k_len, ActBlock* out) {
-  for (int64_t b = 0; b < k_len / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f;
-    const float inv = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int q = static_cast<int>(std::nearbyint(xb[i] * inv));
-      out[b].q[i] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    out[b].d = d;
-    out[b].s = d * static_cast<float>(sum);
-  }
-}
-
-// Unsigned 32 weights of a Q4 block in element order (low nibbles 0..15, high 16..31).
-#if defined(__AVX2__)
-inline __m256i unpack_nibbles(const uint8_t* q) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// Eight int32 partial sums of u8 x s8 products (u < 129, |s| < 128: no int16 saturation).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
 
 // Integer dot of weight block b with activation block a (unscaled), in scalar code.
 template <int64_t F>
@@ -195,77 +103,14 @@ void int8_rows(const ActBlock* act, int64_t nb, const uint8_t* w, int64_t row_by
   }
 }
 
-// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4, signed for Q8_0).
-template <int64_t F>
-inline void block_affine(const void* wb, float& d, float& m) {
-  if constexpr (F == kQuantQ8_0) {
-    d = half_to_float(static_cast<const BlockQ8_0*>(wb)->d);
-    m = 0.f;
-  } else if constexpr (F == kQuantQ4_0) {
-    d = half_to_float(static_cast<const BlockQ4_0*>(wb)->d);
-    m = -8.f * d;
-  } else {
-    d = half_to_float(static_cast<const BlockQ4_1*>(wb)->d);
-    m = half_to_float(static_cast<const BlockQ4_1*>(wb)->m);
-  }
-}
-
-template <int64_t F>
-inline const uint8_t* block_quants(const void* wb) {
-  if constexpr (F == kQuantQ8_0) return reinterpret_cast<const uint8_t*>(static_cast<const BlockQ8_0*>(wb)->q);
-  if constexpr (F == kQuantQ4_0) return static_cast<const BlockQ4_0*>(wb)->q;
-  return static_cast<const BlockQ4_1*>(wb)->q;
-}
-
-// fp32 values of weight block `wb` into dst[32].
-template <int64_t F>
-inline void dequant_block(const void* wb, float* dst) {
-  float d, m;
-  block_affine<F>(wb, d, m);
-  const uint8_t* q = block_quants<F>(wb);
-#if defined(__AVX2__)
-  const __m256i bytes = F == kQuantQ8_0 ? load32(reinterpret_cast<const int8_t*>(q)) : unpack_nibbles(q);
-  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
-  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-  for (int u = 0; u < 4; ++u) {
-    const __m128i part = parts[u];
-    const __m256i wide = F == kQuantQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
-    _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
-  }
-#else
-  if constexpr (F == kQuantQ8_0) {
-    for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(q[i]));
-  } else {
-    for (int i = 0; i < kBlock / 2; ++i) {
-      dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
-      dst[i + kBlock / 2] = d * static_cast<float>(q[i] >> 4) + m;
-    }
-  }
-#endif
-}
-
-// Rows [begin, end) of out with fp32 activations x[M][K]: each weight block widened, then FMA'd.
+// Rows [begin, end) of out with fp32 activations x[M][K].
 template <int64_t F, int M>
 void fp32_rows(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t bsize,
                const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
-  using vec::Vec;
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    constexpr int U = kBlock / vec::kWidth;
-    Vec acc[M][U] = {};  // one FMA chain per eighth of a block
-    alignas(32) float wf[kBlock];
-    for (int64_t b = 0; b < nb; ++b) {
-      dequant_block<F>(row + b * bsize, wf);
-#pragma GCC unroll 4
-      for (int u = 0; u < U; ++u) {
-        const Vec wv = vec::load(wf + u * vec::kWidth);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) acc[m][u] += wv * vec::load(x + m * ldx + b * kBlock + u * vec::kWidth);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      out[m * ldo + n] = vec::hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) + (bias != nullptr ? bias[n] : 0.f);
+    float dots[M];
+    fp32_row_dots<F, M>(x, ldx, nb, w + n * row_bytes, bsize, dots);
+    for (int m = 0; m < M; ++m) out[m * ldo + n] = dots[m] + (bias != nullptr ? bias[n] : 0.f);
   }
 }
 
