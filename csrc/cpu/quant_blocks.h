@@ -39,12 +39,6 @@ struct BlockQ4_1 {
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20,
               "GGUF block sizes");
 
-// One activation block quantized: x ~= d * q; s = d * sum(q).
-struct ActBlock {
-  float d, s;
-  int8_t q[kBlock];
-};
-
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
@@ -63,21 +57,49 @@ inline int64_t block_bytes(int64_t format) {
   return 0;
 }
 
-inline void quantize_row(const float* x, int64_t k_len, ActBlock* out) {
+// Activation row x[K] quantized per 32-block for the int8 path: x ~= d[b] * q[b * 32 + i], with
+// d = max|x| / 127 and q rounded to nearest even (ops/reference/quant.py: int8_activations), and
+// s[b] = d[b] * sum(q of block b) (the Q4_0 offset and Q4_1 min terms). Quants, scales and sums
+// are three planes, so the per-block terms of many blocks are vector operations.
+inline void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, float* s) {
   for (int64_t b = 0; b < k_len / kBlock; ++b) {
     const float* xb = x + b * kBlock;
+    int8_t* qb = q + b * kBlock;
+#if defined(__AVX2__)
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int u = 0; u < 4; ++u) {
+      v[u] = _mm256_loadu_ps(xb + 8 * u);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[u]));
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    const float scale = _mm_cvtss_f32(t) / 127.f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    __m256i i[4];  // rounded to nearest even, as nearbyint in the default rounding mode
+    for (int u = 0; u < 4; ++u) i[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], inv));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    const int sum = _mm_cvtsi128_si32(h);
+#else
     float amax = 0.f;
     for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f;
-    const float inv = d > 0.f ? 1.f / d : 0.f;
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
     int sum = 0;
     for (int i = 0; i < kBlock; ++i) {
-      const int q = static_cast<int>(std::nearbyint(xb[i] * inv));
-      out[b].q[i] = static_cast<int8_t>(q);
-      sum += q;
+      const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+      qb[i] = static_cast<int8_t>(v);
+      sum += v;
     }
-    out[b].d = d;
-    out[b].s = d * static_cast<float>(sum);
+#endif
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
   }
 }
 

@@ -28,13 +28,15 @@ using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
 
 // |x_hat - x| and |x| of one activation row, in double.
 void activation_error(const float* x, int64_t k_len, double& error, double& norm) {
-  std::vector<ActBlock> act(k_len / kBlock);
-  quantize_row(x, k_len, act.data());
+  const int64_t nb = k_len / kBlock;
+  std::vector<int8_t> q(k_len);
+  std::vector<float> d(nb), s(nb);
+  quantize_row(x, k_len, q.data(), d.data(), s.data());
   double e = 0.0, n = 0.0;
-  for (int64_t b = 0; b < k_len / kBlock; ++b)
+  for (int64_t b = 0; b < nb; ++b)
     for (int i = 0; i < kBlock; ++i) {
       const double v = x[b * kBlock + i];
-      const double diff = static_cast<double>(act[b].d * static_cast<float>(act[b].q[i])) - v;
+      const double diff = static_cast<double>(d[b] * static_cast<float>(q[b * kBlock + i])) - v;
       e += diff * diff;
       n += v * v;
     }
