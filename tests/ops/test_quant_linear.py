@@ -143,10 +143,10 @@ TILE_ROWS = [*range(1, 10), 15, 16, 17, 31, 32, 33, QUANT_GEMV_MAX_ROWS, QUANT_G
 @pytest.mark.parametrize(("n", "k"), [(37, 160), (96, 32), (130, 1536)])
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
-    """Every row count the kernel splits into tiles (8 rows per pass with int8 activations, 4 with
-    fp32, the per-block or vectorized scale terms below and from 3 rows), N and K off the tile and
-    odd in blocks, bias on every other count: int8 activations equal the reference on the rounded
-    activations, fp32 activations the reference itself."""
+    """Every row count the kernel splits into tiles (4 rows per pass), N and K off the tile and odd in
+    blocks, bias on every other count: int8 activations equal the reference on the rounded
+    activations, fp32 activations the reference itself, and a row's output is bit for bit the same
+    in any batch (the last row, in the last partial tile, against that row alone)."""
     fmt = FORMATS[name]
     qweight, _ = _packed(fmt, n, k, n * k)
     weight = ref.dequantize(qweight, fmt.type_id)
@@ -160,6 +160,10 @@ def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
         expected = rows @ weight.T + (0 if b is None else b)
         if m <= QUANT_GEMV_MAX_ROWS:
             as_int8 = ref.int8_activations(rows) @ weight.T + (0 if b is None else b)
-            torch.testing.assert_close(ops.quant_linear(rows, qweight, fmt, b), as_int8, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(ops.quant_linear(rows, qweight, fmt, b, int8_activations=False), expected,
-                                   rtol=1e-4, atol=1e-4)
+            got = ops.quant_linear(rows, qweight, fmt, b)
+            torch.testing.assert_close(got, as_int8, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got[-1:], ops.quant_linear(rows[-1:], qweight, fmt, b))
+        fp32 = ops.quant_linear(rows, qweight, fmt, b, int8_activations=False)
+        torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)
+        if m <= QUANT_GEMV_MAX_ROWS:
+            assert torch.equal(fp32[-1:], ops.quant_linear(rows[-1:], qweight, fmt, b, int8_activations=False))
