@@ -78,6 +78,22 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None 
     return out
 
 
+def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
+                    norms: torch.Tensor, rounding: float, norm_slack: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, candidates)`` int64 ``[rows]``: the greedy tokens of a quantized lm_head with fp32
+    activations found through its int8-activation logits ``approx`` (engine/model/quant_screen.py
+    has the bound), and how many tokens per row needed their fp32-activation logit; token -1 for a
+    row with a non-finite value (the caller computes that row in full)."""
+    if use_reference() or not hidden.is_cpu:
+        return ref.screened_argmax(approx, hidden, qweight, fmt.type_id, norms, rounding, norm_slack)
+    rows = hidden.shape[0]
+    tokens = torch.empty(rows, dtype=torch.int64)
+    counts = torch.empty(rows, dtype=torch.int64)
+    cpu_ops().quant_screened_argmax(tokens, counts, approx.contiguous(), hidden.contiguous(), qweight,
+                                    fmt.type_id, norms, rounding, norm_slack)
+    return tokens, counts
+
+
 @cache
 def _kernel() -> Any:
     """The C++ kernel's overload, resolved once (a packet call resolves it again each time: ~2 us)."""

@@ -78,6 +78,14 @@ constexpr int64_t kQuantQ8_0 = 8;
 void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
                   const c10::optional<at::Tensor>& bias, bool int8_activations);
 
+// out int64 [rows]: per row, the first token maximizing the fp32-activation logit of the quantized
+// lm_head qweight, searched among tokens whose int8-activation logit approx [rows, vocab] can reach
+// the row's maximum (bound: (norm_slack |x_hat - x| + rounding |x|) norms[j]); -1 for a row with a
+// non-finite value. candidates int64 [rows]: how many tokens got their fp32-activation logit.
+void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, const at::Tensor& approx,
+                           const at::Tensor& hidden, const at::Tensor& qweight, int64_t format,
+                           const at::Tensor& norms, double rounding, double norm_slack);
+
 // out fp32 [N, K] = the weights of qweight uint8 [N, K / 32 * block_bytes] in `format`.
 void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format);
 // Kernels ignore their `openmp` hint (parallel.h) while on: for models with only quantized linears.

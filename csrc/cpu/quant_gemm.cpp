@@ -11,133 +11,60 @@
 //
 // Large M (prefill) goes through `dequantize_weight` and oneDNN instead (ops/quant.py).
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
-#include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 #include "ops.h"
 #include "parallel.h"
-#include "vec.h"
+#include "quant_blocks.h"
 
 namespace pagedserve::cpu {
 namespace {
 
-constexpr int kBlock = 32;
+using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
 
-struct BlockQ8_0 {
-  uint16_t d;
-  int8_t q[kBlock];
-};
-struct BlockQ4_0 {
-  uint16_t d;
-  uint8_t q[kBlock / 2];
-};
-struct BlockQ4_1 {
-  uint16_t d, m;
-  uint8_t q[kBlock / 2];
-};
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20,
-              "GGUF block sizes");
+// Activation rows quantized for the int8 path (quantize_row): quants [M][K], block scales and
+// scaled sums [M][nb].
+struct ActPlanes {
+  int64_t nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
 
-// One activation block quantized: x ~= d * q; s = d * sum(q).
-struct ActBlock {
-  float d, s;
-  int8_t q[kBlock];
-};
-
-inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
-
-int64_t block_bytes(int64_t format) {
-  switch (format) {
-    case kQuantQ8_0: return sizeof(BlockQ8_0);
-    case kQuantQ4_0: return sizeof(BlockQ4_0);
-    case kQuantQ4_1: return sizeof(BlockQ4_1);
-    default: TORCH_CHECK(false, "quant: unknown format ", format, " (Q4_0=2, Q4_1=3, Q8_0=8)");
+  ActPlanes(const at::Tensor& x, int64_t k_len) : nb(k_len / kBlock) {
+    const int64_t m_len = x.size(0);
+    q.resize(m_len * k_len);
+    d.resize(m_len * nb);
+    s.resize(m_len * nb);
+    for (int64_t m = 0; m < m_len; ++m)
+      quantize_row(x.data_ptr<float>() + m * x.stride(0), k_len, &q[m * k_len], &d[m * nb], &s[m * nb]);
   }
-  return 0;
-}
+};
 
-void quantize_row(const float* x, int64_t k_len, ActBlock* out) {
-  for (int64_t b = 0; b < k_len / kBlock; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f;
-    const float inv = d > 0.f ? 1.f / d : 0.f;
-    int sum = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      const int q = static_cast<int>(std::nearbyint(xb[i] * inv));
-      out[b].q[i] = static_cast<int8_t>(q);
-      sum += q;
-    }
-    out[b].d = d;
-    out[b].s = d * static_cast<float>(sum);
-  }
-}
-
-// Unsigned 32 weights of a Q4 block in element order (low nibbles 0..15, high 16..31).
-#if defined(__AVX2__)
-inline __m256i unpack_nibbles(const uint8_t* q) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
-
-// Eight int32 partial sums of u8 x s8 products (u < 129, |s| < 128: no int16 saturation).
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
-// Integer dot of weight block b with activation block a (unscaled), in scalar code.
+// Integer dot of weight block `blk` with 32 activation quants, in scalar code.
 template <int64_t F>
-inline int32_t block_idot(const void* wb, const ActBlock& a) {
+inline int32_t block_idot(const BlockOf<F>& blk, const int8_t* a) {
   int32_t sum = 0;
   if constexpr (F == kQuantQ8_0) {
-    const auto* w = static_cast<const BlockQ8_0*>(wb);
-    for (int i = 0; i < kBlock; ++i) sum += w->q[i] * a.q[i];
+    for (int i = 0; i < kBlock; ++i) sum += blk.q[i] * a[i];
   } else {
-    const uint8_t* q = F == kQuantQ4_0 ? static_cast<const BlockQ4_0*>(wb)->q : static_cast<const BlockQ4_1*>(wb)->q;
-    for (int i = 0; i < kBlock / 2; ++i) sum += (q[i] & 0x0F) * a.q[i] + (q[i] >> 4) * a.q[i + kBlock / 2];
+    for (int i = 0; i < kBlock / 2; ++i) sum += (blk.q[i] & 0x0F) * a[i] + (blk.q[i] >> 4) * a[i + kBlock / 2];
   }
   return sum;
 }
 
-// Rows [begin, end) of out[M][N] with int8 activations `act` (M rows of nb blocks).
+// Rows [begin, end) of out[M][N] from M activation rows (quants q [M][nb * 32], scales ad and sums
+// as [M][nb]). Per weight block and activation row: one integer dot product (maddubs + madd on
+// AVX2, dpbusd with VNNI), its conversion and one FMA; two interleaved sets of accumulators per row
+// (even and odd blocks) hide the FMA latency (one chain per block pair: measured 4.4 -> fewer
+// cycles per block). A row's arithmetic does not depend on M or on the row's place in the batch.
 template <int64_t F, int M>
-void int8_rows(const ActBlock* act, int64_t nb, const uint8_t* w, int64_t row_bytes, const float* bias, float* out,
-               int64_t ldo, int64_t begin, int64_t end) {
-  using Block = std::conditional_t<F == kQuantQ8_0, BlockQ8_0, std::conditional_t<F == kQuantQ4_0, BlockQ4_0, BlockQ4_1>>;
+void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
+               const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
+  using Block = BlockOf<F>;
+  const int64_t k_len = nb * kBlock;
 #if defined(__AVX2__)
-  // Block b of a row into acc[m] / extra[m]; two interleaved sets of accumulators per row hide the
-  // FMA latency (one chain per block pair: measured 4.4 -> fewer cycles per block).
   const auto step = [&](const Block& blk, int64_t b, __m256* acc, float* extra) {
     const float wd = half_to_float(blk.d);
     [[maybe_unused]] float wm = 0.f;
@@ -152,12 +79,11 @@ void int8_rows(const ActBlock* act, int64_t nb, const uint8_t* w, int64_t row_by
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const ActBlock& a = act[m * nb + b];
-      __m256i xs = load32(a.q);
+      __m256i xs = load32(q + m * k_len + b * kBlock);
       if constexpr (F == kQuantQ8_0) xs = _mm256_sign_epi8(xs, wsign);
       const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
-      acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd * a.d), acc[m]);
-      if constexpr (F != kQuantQ8_0) extra[m] += wm * a.s;
+      acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd * ad[m * nb + b]), acc[m]);
+      if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
     }
   };
 #endif
@@ -179,15 +105,13 @@ void int8_rows(const ActBlock* act, int64_t nb, const uint8_t* w, int64_t row_by
 #else
     float acc[M] = {}, extra[M] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const Block& blk = row[b];
-      const float wd = half_to_float(blk.d);
+      const float wd = half_to_float(row[b].d);
       float wm = 0.f;
       if constexpr (F == kQuantQ4_0) wm = -8.f * wd;
-      if constexpr (F == kQuantQ4_1) wm = half_to_float(blk.m);
+      if constexpr (F == kQuantQ4_1) wm = half_to_float(row[b].m);
       for (int m = 0; m < M; ++m) {
-        const ActBlock& a = act[m * nb + b];
-        acc[m] += wd * a.d * static_cast<float>(block_idot<F>(&blk, a));
-        if constexpr (F != kQuantQ8_0) extra[m] += wm * a.s;
+        acc[m] += wd * ad[m * nb + b] * static_cast<float>(block_idot<F>(row[b], q + m * k_len + b * kBlock));
+        if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
       }
     }
     for (int m = 0; m < M; ++m) out[m * ldo + n] = acc[m] + extra[m] + (bias != nullptr ? bias[n] : 0.f);
@@ -195,92 +119,58 @@ void int8_rows(const ActBlock* act, int64_t nb, const uint8_t* w, int64_t row_by
   }
 }
 
-// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4, signed for Q8_0).
-template <int64_t F>
-inline void block_affine(const void* wb, float& d, float& m) {
-  if constexpr (F == kQuantQ8_0) {
-    d = half_to_float(static_cast<const BlockQ8_0*>(wb)->d);
-    m = 0.f;
-  } else if constexpr (F == kQuantQ4_0) {
-    d = half_to_float(static_cast<const BlockQ4_0*>(wb)->d);
-    m = -8.f * d;
-  } else {
-    d = half_to_float(static_cast<const BlockQ4_1*>(wb)->d);
-    m = half_to_float(static_cast<const BlockQ4_1*>(wb)->m);
-  }
-}
-
-template <int64_t F>
-inline const uint8_t* block_quants(const void* wb) {
-  if constexpr (F == kQuantQ8_0) return reinterpret_cast<const uint8_t*>(static_cast<const BlockQ8_0*>(wb)->q);
-  if constexpr (F == kQuantQ4_0) return static_cast<const BlockQ4_0*>(wb)->q;
-  return static_cast<const BlockQ4_1*>(wb)->q;
-}
-
-// fp32 values of weight block `wb` into dst[32].
-template <int64_t F>
-inline void dequant_block(const void* wb, float* dst) {
-  float d, m;
-  block_affine<F>(wb, d, m);
-  const uint8_t* q = block_quants<F>(wb);
-#if defined(__AVX2__)
-  const __m256i bytes = F == kQuantQ8_0 ? load32(reinterpret_cast<const int8_t*>(q)) : unpack_nibbles(q);
-  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
-  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-  for (int u = 0; u < 4; ++u) {
-    const __m128i part = parts[u];
-    const __m256i wide = F == kQuantQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
-    _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
-  }
-#else
-  if constexpr (F == kQuantQ8_0) {
-    for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(q[i]));
-  } else {
-    for (int i = 0; i < kBlock / 2; ++i) {
-      dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
-      dst[i + kBlock / 2] = d * static_cast<float>(q[i] >> 4) + m;
-    }
-  }
-#endif
-}
-
-// Rows [begin, end) of out with fp32 activations x[M][K]: each weight block widened, then FMA'd.
+// Rows [begin, end) of out with fp32 activations x[M][K].
 template <int64_t F, int M>
 void fp32_rows(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_t row_bytes, int64_t bsize,
                const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
-  using vec::Vec;
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    constexpr int U = kBlock / vec::kWidth;
-    Vec acc[M][U] = {};  // one FMA chain per eighth of a block
-    alignas(32) float wf[kBlock];
-    for (int64_t b = 0; b < nb; ++b) {
-      dequant_block<F>(row + b * bsize, wf);
-#pragma GCC unroll 4
-      for (int u = 0; u < U; ++u) {
-        const Vec wv = vec::load(wf + u * vec::kWidth);
-#pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) acc[m][u] += wv * vec::load(x + m * ldx + b * kBlock + u * vec::kWidth);
-      }
-    }
-    for (int m = 0; m < M; ++m)
-      out[m * ldo + n] = vec::hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3])) + (bias != nullptr ? bias[n] : 0.f);
+    float dots[M];
+    fp32_row_dots<F, M>(x, ldx, nb, w + n * row_bytes, bsize, dots);
+    for (int m = 0; m < M; ++m) out[m * ldo + n] = dots[m] + (bias != nullptr ? bias[n] : 0.f);
   }
 }
 
 // Output rows [begin, end) for every activation row, four activation rows per pass over the
 // chunk's weight rows (which stay in cache between passes).
 template <int64_t F, int M>
-void rows_for_group(const at::Tensor& out, const at::Tensor& x, int64_t row0, const uint8_t* w, int64_t k_len,
-                    const float* bias, bool int8_act, const ActBlock* act, int64_t begin, int64_t end) {
-  const int64_t nb = k_len / kBlock, bsize = block_bytes(F), row_bytes = nb * bsize, ldo = out.stride(0);
-  float* op = out.data_ptr<float>() + row0 * ldo;
-  if (int8_act) {
-    int8_rows<F, M>(act + row0 * nb, nb, w, row_bytes, bias, op, ldo, begin, end);
-  } else {
-    const float* xp = x.data_ptr<float>() + row0 * x.stride(0);
-    fp32_rows<F, M>(xp, x.stride(0), nb, w, row_bytes, bsize, bias, op, ldo, begin, end);
+void int8_group(const at::Tensor& out, const ActPlanes& act, int64_t row0, const uint8_t* w, const float* bias,
+                int64_t begin, int64_t end) {
+  const int64_t nb = act.nb, ldo = out.stride(0);
+  int8_rows<F, M>(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nb, w,
+                  nb * block_bytes(F), bias, out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
+}
+
+template <int64_t F, int M>
+void fp32_group(const at::Tensor& out, const at::Tensor& x, int64_t row0, const uint8_t* w, int64_t k_len,
+                const float* bias, int64_t begin, int64_t end) {
+  const int64_t nb = k_len / kBlock, bsize = block_bytes(F), ldo = out.stride(0);
+  fp32_rows<F, M>(x.data_ptr<float>() + row0 * x.stride(0), x.stride(0), nb, w, nb * bsize, bsize, bias,
+                  out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
+}
+
+template <int64_t F>
+void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
+                int64_t begin, int64_t end) {
+  for (int64_t row0 = 0; row0 < m_len; row0 += 4) {
+    switch (std::min<int64_t>(4, m_len - row0)) {
+      case 1: int8_group<F, 1>(out, act, row0, w, bias, begin, end); break;
+      case 2: int8_group<F, 2>(out, act, row0, w, bias, begin, end); break;
+      case 3: int8_group<F, 3>(out, act, row0, w, bias, begin, end); break;
+      default: int8_group<F, 4>(out, act, row0, w, bias, begin, end); break;
+    }
+  }
+}
+
+template <int64_t F>
+void fp32_chunk(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t k_len, const float* bias,
+                int64_t begin, int64_t end) {
+  for (int64_t row0 = 0; row0 < x.size(0); row0 += 4) {
+    switch (std::min<int64_t>(4, x.size(0) - row0)) {
+      case 1: fp32_group<F, 1>(out, x, row0, w, k_len, bias, begin, end); break;
+      case 2: fp32_group<F, 2>(out, x, row0, w, k_len, bias, begin, end); break;
+      case 3: fp32_group<F, 3>(out, x, row0, w, k_len, bias, begin, end); break;
+      default: fp32_group<F, 4>(out, x, row0, w, k_len, bias, begin, end); break;
+    }
   }
 }
 
@@ -288,21 +178,15 @@ template <int64_t F>
 void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n_len, int64_t k_len,
                 const float* bias, bool int8_act) {
   const int64_t m_len = x.size(0), nb = k_len / kBlock;
-  std::vector<ActBlock> act;
-  if (int8_act) {
-    act.resize(m_len * nb);
-    for (int64_t m = 0; m < m_len; ++m) quantize_row(x.data_ptr<float>() + m * x.stride(0), k_len, &act[m * nb]);
-  }
+  std::optional<ActPlanes> act;
+  if (int8_act) act.emplace(x, k_len);
   // Chunks of at least ~64 KiB of packed weights, about eight per thread.
   const int64_t chunk = row_chunk(n_len, nb * block_bytes(F), 64 * 1024);
   parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
-    for (int64_t row0 = 0; row0 < m_len; row0 += 4) {
-      switch (std::min<int64_t>(4, m_len - row0)) {
-        case 1: rows_for_group<F, 1>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
-        case 2: rows_for_group<F, 2>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
-        case 3: rows_for_group<F, 3>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
-        default: rows_for_group<F, 4>(out, x, row0, w, k_len, bias, int8_act, act.data(), begin, end); break;
-      }
+    if (act) {
+      int8_chunk<F>(out, *act, m_len, w, bias, begin, end);
+    } else {
+      fp32_chunk<F>(out, x, w, k_len, bias, begin, end);
     }
   }, /*openmp=*/m_len >= openmp_rows());
 }

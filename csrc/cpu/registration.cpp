@@ -34,6 +34,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias, "
       "bool int8_activations) -> ()");
   m.def("dequantize_weight(Tensor(a!) out, Tensor qweight, int format) -> ()");
+  m.def(
+      "quant_screened_argmax(Tensor(a!) out, Tensor(b!) candidates, Tensor approx, Tensor hidden, "
+      "Tensor qweight, int format, Tensor norms, float rounding, float norm_slack) -> ()");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("set_openmp_rows(int rows) -> ()", [](int64_t rows) {
     pagedserve::cpu::openmp_rows_setting().store(rows, std::memory_order_relaxed);
@@ -57,4 +60,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);
   m.impl("quant_linear", &pagedserve::cpu::quant_linear);
   m.impl("dequantize_weight", &pagedserve::cpu::dequantize_weight);
+  m.impl("quant_screened_argmax", &pagedserve::cpu::quant_screened_argmax);
 }

@@ -13,6 +13,8 @@ the fp32 rounding of either kernel over K terms is below `K * 2^-24 * sum |w_i x
 token's screened logit minus that one's bound cannot be the maximum; the rest are computed with
 fp32 activations (the lm_head's own kernel, on their packed rows) and the first maximum wins:
 the token `QuantLinear(int8_activations=False)` logits give, at up to `QUANT_GEMV_MAX_ROWS` rows.
+The screen runs as one fused pass per row (`ops.quant.screened_argmax`, csrc/cpu/quant_screen.cpp);
+`candidates` is the same bound in torch, for tests.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import Tensor
 
 import ops
 from engine.model.quant_linear import QuantLinear
-from ops.quant import QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.quant import QUANT_GEMV_MAX_ROWS, QuantFormat, screened_argmax
 from ops.reference.quant import int8_activations
 
 ROUNDING = 1e-4  # >= 2 * K * 2^-24 for K <= 1600: both kernels' fp32 rounding, relative to |w| |x|
@@ -67,9 +69,17 @@ class QuantLogitScreen:
         return (approx + slack >= floor) | unscreened
 
     def _argmax(self, hidden: Tensor) -> Tensor:
-        mask = self.candidates(hidden)
-        columns = mask.any(dim=0).nonzero().squeeze(1)
-        exact = ops.quant_linear(hidden, self.qweight.index_select(0, columns), self.fmt, None,
-                                 int8_activations=False)
-        exact = exact.masked_fill(~mask.index_select(1, columns), float("-inf"))
-        return columns[exact.max(dim=-1).indices]
+        tokens, _ = self.screen(hidden)
+        unscreened = (tokens < 0).nonzero().squeeze(1)
+        if unscreened.numel():  # a non-finite value: every token's fp32-activation logit
+            rows = hidden.index_select(0, unscreened)
+            exact = ops.quant_linear(rows, self.qweight, self.fmt, None, int8_activations=False)
+            tokens[unscreened] = exact.max(dim=-1).indices
+        return tokens
+
+    def screen(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """`(tokens, candidates)` int64 `[rows]` for at most `QUANT_GEMV_MAX_ROWS` rows: each row's
+        token (-1 for a row with a non-finite value) and how many tokens the screen left in (one
+        fused pass per row: `ops.quant.screened_argmax`)."""
+        approx = ops.quant_linear(hidden, self.qweight, self.fmt, None, int8_activations=True)
+        return screened_argmax(approx, hidden, self.qweight, self.fmt, self.norms, ROUNDING, NORM_SLACK)

@@ -92,3 +92,23 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1.0 / d, 0.0)
     return (torch.round(blocks * inv) * d).reshape(x.shape)
+
+
+def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.Tensor, fmt: int,
+                    norms: torch.Tensor, rounding: float, norm_slack: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, candidates)`` int64 ``[rows]`` of the int8-activation screen of a quantized lm_head:
+    per row the first maximum of the fp32-activation logits among the tokens whose ``approx`` (the
+    int8-activation logits) plus ``(norm_slack |x_hat - x| + rounding |x|) norms`` reaches the row's
+    largest ``approx - `` that bound; -1 where the row has a non-finite value."""
+    hidden = hidden.float()
+    error = (int8_activations(hidden).double() - hidden.double()).norm(dim=1, keepdim=True)
+    scale = (norm_slack * error + rounding * hidden.double().norm(dim=1, keepdim=True)).float()
+    slack = scale * norms
+    floor = (approx - slack).max(dim=1, keepdim=True).values
+    mask = approx + slack >= floor
+    finite = torch.isfinite(approx).all(dim=1) & torch.isfinite(floor).squeeze(1) & torch.isfinite(scale).squeeze(1)
+    unscreened = ~finite
+    weight = dequantize(qweight, fmt)
+    exact = (hidden @ weight.T).masked_fill(~mask, float("-inf"))
+    tokens = exact.max(dim=-1).indices.masked_fill(unscreened, -1)
+    return tokens, mask.sum(dim=1).masked_fill(unscreened, 0)

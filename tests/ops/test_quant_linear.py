@@ -135,3 +135,35 @@ def test_openmp_rows_change_threads_not_bits(m: int) -> None:
         torch.set_num_threads(threads)
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
+
+
+TILE_ROWS = [*range(1, 10), 15, 16, 17, 31, 32, 33, QUANT_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS + 1]
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 160), (96, 32), (130, 1536)])
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
+    """Every row count the kernel splits into tiles (4 rows per pass), N and K off the tile and odd in
+    blocks, bias on every other count: int8 activations equal the reference on the rounded
+    activations, fp32 activations the reference itself, and a row's output is bit for bit the same
+    in any batch (the last row, in the last partial tile, against that row alone)."""
+    fmt = FORMATS[name]
+    qweight, _ = _packed(fmt, n, k, n * k)
+    weight = ref.dequantize(qweight, fmt.type_id)
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(max(TILE_ROWS), k, generator=gen)
+    x[:, 3] *= 20  # an outlier in the first block of every row
+    bias = torch.randn(n, generator=gen)
+    for i, m in enumerate(TILE_ROWS):
+        b = bias if i % 2 else None
+        rows = x[:m]
+        expected = rows @ weight.T + (0 if b is None else b)
+        if m <= QUANT_GEMV_MAX_ROWS:
+            as_int8 = ref.int8_activations(rows) @ weight.T + (0 if b is None else b)
+            got = ops.quant_linear(rows, qweight, fmt, b)
+            torch.testing.assert_close(got, as_int8, rtol=1e-4, atol=1e-4)
+            assert torch.equal(got[-1:], ops.quant_linear(rows[-1:], qweight, fmt, b))
+        fp32 = ops.quant_linear(rows, qweight, fmt, b, int8_activations=False)
+        torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)
+        if m <= QUANT_GEMV_MAX_ROWS:
+            assert torch.equal(fp32[-1:], ops.quant_linear(rows[-1:], qweight, fmt, b, int8_activations=False))

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ops
 from engine.model.quant_linear import QuantLinear
-from engine.model.quant_screen import QuantLogitScreen
+from engine.model.quant_screen import NORM_SLACK, ROUNDING, QuantLogitScreen
 from ops.quant import Q4_0, Q4_1, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import quant as ref
 
@@ -60,3 +61,27 @@ def test_no_screen_for_shards_or_bias() -> None:
     biased = QuantLinear(32, [(Q8_0, ref.quantize(w, Q8_0.type_id))], bias=torch.zeros(64))
     plain = QuantLinear(32, [(None, w)])
     assert all(QuantLogitScreen.for_lm_head(m) is None for m in (two, biased, plain))
+
+
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0], ids=lambda f: f.name)
+def test_fused_screen_matches_its_torch_reference(fmt: QuantFormat) -> None:
+    """The fused C++ pass (`ops.quant.screened_argmax`) against `ops.reference.quant.screened_argmax`:
+    the same tokens, about the same number of candidates (the bound is the same; fp32 rounding of
+    `approx +- slack` may move a token on the edge), -1 for non-finite rows."""
+    lm_head = _lm_head(fmt, 3001, 128, seed=5)
+    screen = QuantLogitScreen.for_lm_head(lm_head)
+    assert screen is not None
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(11, 128, generator=gen)
+    x[2, 3] = 25.0
+    x[4] = lm_head.dequantized_weight()[7] * 80  # tokens 3, 7 and the last tie: the first wins
+    x[9, 1] = float("nan")
+    tokens, counts = screen.screen(x)
+    approx = ops.quant_linear(x, screen.qweight, fmt, None, int8_activations=True)
+    want, want_counts = ref.screened_argmax(approx, x, screen.qweight, fmt.type_id, screen.norms, ROUNDING,
+                                            NORM_SLACK)
+    assert tokens[9] == -1 and want[9] == -1
+    assert torch.equal(tokens, want)
+    assert tokens[4] == 3
+    assert (counts - want_counts).abs().max() <= 1
+    assert counts[torch.arange(11) != 9].min() >= 1 and counts.max() < 0.05 * 3001

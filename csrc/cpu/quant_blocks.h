@@ -1,0 +1,209 @@
+// GGUF block formats (Q8_0, Q4_0, Q4_1) as the CPU kernels read them: the block structs, the
+// activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
+// dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
+// quant_screen.cpp (the exact logits of a screened quantized lm_head), so both compute a logit
+// with the same arithmetic.
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "ops.h"
+#include "vec.h"
+
+namespace pagedserve::cpu::quant {
+
+constexpr int kBlock = 32;
+
+struct BlockQ8_0 {
+  uint16_t d;
+  int8_t q[kBlock];
+};
+struct BlockQ4_0 {
+  uint16_t d;
+  uint8_t q[kBlock / 2];
+};
+struct BlockQ4_1 {
+  uint16_t d, m;
+  uint8_t q[kBlock / 2];
+};
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20,
+              "GGUF block sizes");
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+inline int64_t block_bytes(int64_t format) {
+  switch (format) {
+    case kQuantQ8_0: return sizeof(BlockQ8_0);
+    case kQuantQ4_0: return sizeof(BlockQ4_0);
+    case kQuantQ4_1: return sizeof(BlockQ4_1);
+    default: TORCH_CHECK(false, "quant: unknown format ", format, " (Q4_0=2, Q4_1=3, Q8_0=8)");
+  }
+  return 0;
+}
+
+// Activation row x[K] quantized per 32-block for the int8 path: x ~= d[b] * q[b * 32 + i], with
+// d = max|x| / 127 and q rounded to nearest even (ops/reference/quant.py: int8_activations), and
+// s[b] = d[b] * sum(q of block b) (the Q4_0 offset and Q4_1 min terms). Quants, scales and sums
+// are three planes, so the per-block terms of many blocks are vector operations.
+inline void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < k_len / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    int8_t* qb = q + b * kBlock;
+#if defined(__AVX2__)
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int u = 0; u < 4; ++u) {
+      v[u] = _mm256_loadu_ps(xb + 8 * u);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.f), v[u]));
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_movehdup_ps(t));
+    const float scale = _mm_cvtss_f32(t) / 127.f;
+    const __m256 inv = _mm256_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    __m256i i[4];  // rounded to nearest even, as nearbyint in the default rounding mode
+    for (int u = 0; u < 4; ++u) i[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], inv));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+    const int sum = _mm_cvtsi128_si32(h);
+#else
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    int sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+      qb[i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+#endif
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+// Unsigned 32 weights of a Q4 block in element order (low nibbles 0..15, high 16..31).
+#if defined(__AVX2__)
+inline __m256i unpack_nibbles(const uint8_t* q) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Eight int32 partial sums of u8 x s8 products (u < 129, |s| < 128: no int16 saturation).
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+template <int64_t F>
+using BlockOf = std::conditional_t<F == kQuantQ8_0, BlockQ8_0, std::conditional_t<F == kQuantQ4_0, BlockQ4_0, BlockQ4_1>>;
+
+// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4, signed for Q8_0).
+template <int64_t F>
+inline void block_affine(const void* wb, float& d, float& m) {
+  if constexpr (F == kQuantQ8_0) {
+    d = half_to_float(static_cast<const BlockQ8_0*>(wb)->d);
+    m = 0.f;
+  } else if constexpr (F == kQuantQ4_0) {
+    d = half_to_float(static_cast<const BlockQ4_0*>(wb)->d);
+    m = -8.f * d;
+  } else {
+    d = half_to_float(static_cast<const BlockQ4_1*>(wb)->d);
+    m = half_to_float(static_cast<const BlockQ4_1*>(wb)->m);
+  }
+}
+
+template <int64_t F>
+inline const uint8_t* block_quants(const void* wb) {
+  if constexpr (F == kQuantQ8_0) return reinterpret_cast<const uint8_t*>(static_cast<const BlockQ8_0*>(wb)->q);
+  if constexpr (F == kQuantQ4_0) return static_cast<const BlockQ4_0*>(wb)->q;
+  return static_cast<const BlockQ4_1*>(wb)->q;
+}
+
+// fp32 values of weight block `wb` into dst[32].
+template <int64_t F>
+inline void dequant_block(const void* wb, float* dst) {
+  float d, m;
+  block_affine<F>(wb, d, m);
+  const uint8_t* q = block_quants<F>(wb);
+#if defined(__AVX2__)
+  const __m256i bytes = F == kQuantQ8_0 ? load32(reinterpret_cast<const int8_t*>(q)) : unpack_nibbles(q);
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int u = 0; u < 4; ++u) {
+    const __m128i part = parts[u];
+    const __m256i wide = F == kQuantQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+    _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
+  }
+#else
+  if constexpr (F == kQuantQ8_0) {
+    for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(q[i]));
+  } else {
+    for (int i = 0; i < kBlock / 2; ++i) {
+      dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
+      dst[i + kBlock / 2] = d * static_cast<float>(q[i] >> 4) + m;
+    }
+  }
+#endif
+}
+
+// The M fp32-activation dot products of packed weight row `row` (nb blocks of `bsize` bytes) with
+// x[m][K] (row stride ldx), before any bias: each weight block widened, then FMA'd.
+template <int64_t F, int M>
+inline void fp32_row_dots(const float* x, int64_t ldx, int64_t nb, const uint8_t* row, int64_t bsize, float* dots) {
+  using vec::Vec;
+  constexpr int U = kBlock / vec::kWidth;
+  static_assert(U == 4, "fp32_row_dots sums four vectors per block");
+  Vec acc[M][U] = {};  // one FMA chain per eighth of a block
+  alignas(32) float wf[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    dequant_block<F>(row + b * bsize, wf);
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const Vec wv = vec::load(wf + u * vec::kWidth);
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) acc[m][u] += wv * vec::load(x + m * ldx + b * kBlock + u * vec::kWidth);
+    }
+  }
+  for (int m = 0; m < M; ++m) dots[m] = vec::hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));
+}
+
+}  // namespace pagedserve::cpu::quant

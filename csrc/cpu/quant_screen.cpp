@@ -1,0 +1,135 @@
+// Greedy tokens of a quantized lm_head from its int8-activation logits, decided with fp32 activations
+// (engine/model/quant_screen.py derives the bound).
+//
+// `approx` holds the int8-activation logits of each hidden row x (quant_linear with
+// int8_activations). Token j's approx is within slack_j = (norm_slack |x_hat - x| + rounding |x|)
+// norms[j] of its fp32-activation logit, x_hat being x as quantize_row rounds it (the same
+// function the int8 kernel uses, so the error is measured on the very values the kernel saw). A
+// token can be the maximum only if approx_j + slack_j reaches the row's largest approx_i - slack_i;
+// those few get their fp32-activation logit from the same row dot products as quant_linear's fp32
+// path, and the first maximum among them is the token. One fused pass per row, no [rows, vocab]
+// temporaries: the torch version of this screen cost ten full-vocabulary elementwise ops a step.
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "ops.h"
+#include "parallel.h"
+#include "quant_blocks.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
+
+// |x_hat - x| and |x| of one activation row, in double.
+void activation_error(const float* x, int64_t k_len, double& error, double& norm) {
+  const int64_t nb = k_len / kBlock;
+  std::vector<int8_t> q(k_len);
+  std::vector<float> d(nb), s(nb);
+  quantize_row(x, k_len, q.data(), d.data(), s.data());
+  double e = 0.0, n = 0.0;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int i = 0; i < kBlock; ++i) {
+      const double v = x[b * kBlock + i];
+      const double diff = static_cast<double>(d[b] * static_cast<float>(q[b * kBlock + i])) - v;
+      e += diff * diff;
+      n += v * v;
+    }
+  error = std::sqrt(e);
+  norm = std::sqrt(n);
+}
+
+// Token of one row; -1 when the row (or its approx) holds a non-finite value. `counted`: the
+// tokens whose fp32-activation logit was computed.
+template <int64_t F>
+int64_t row_token(const float* approx, int64_t vocab, const float* norms, const float* x, int64_t k_len,
+                  const uint8_t* w, float scale, int64_t& counted) {
+  counted = 0;
+  if (!std::isfinite(scale)) return -1;
+  using vec::Vec;
+  constexpr int64_t W = vec::kWidth;
+  const int64_t body = vocab / W * W;
+  const Vec vs = vec::splat(scale), big = vec::splat(std::numeric_limits<float>::max());
+  Vec lows = vec::splat(-std::numeric_limits<float>::infinity()), bad = vec::splat(0.f);
+  for (int64_t j = 0; j < body; j += W) {
+    const Vec a = vec::load(approx + j);
+    lows = vec::vmax(lows, a - vs * vec::load(norms + j));
+    bad = (a <= big && a >= -big) ? bad : vec::splat(1.f);  // NaN and +-inf fail both tests
+  }
+  float floor = vec::hmax(lows);
+  bool finite = vec::hmax(bad) == 0.f;
+  for (int64_t j = body; j < vocab; ++j) {
+    finite = finite && std::isfinite(approx[j]);
+    floor = std::max(floor, approx[j] - scale * norms[j]);
+  }
+  if (!finite || !std::isfinite(floor)) return -1;
+  const int64_t nb = k_len / kBlock, bsize = block_bytes(F), row_bytes = nb * bsize;
+  int64_t best = -1;
+  float best_logit = 0.f;
+  const Vec vfloor = vec::splat(floor);
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (j % W == 0 && j + W <= vocab) {  // skip eight tokens at once unless one reaches the floor
+      const Vec highs = vec::load(approx + j) + vs * vec::load(norms + j);
+      if (vec::hmax(highs - vfloor) < 0.f) {
+        j += W - 1;
+        continue;
+      }
+    }
+    if (approx[j] + scale * norms[j] < floor) continue;
+    float logit;
+    fp32_row_dots<F, 1>(x, k_len, nb, w + j * row_bytes, bsize, &logit);
+    ++counted;
+    if (best < 0 || logit > best_logit) best = j, best_logit = logit;
+  }
+  return best;
+}
+
+}  // namespace
+
+void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, const at::Tensor& approx,
+                           const at::Tensor& hidden, const at::Tensor& qweight, int64_t format,
+                           const at::Tensor& norms, double rounding, double norm_slack) {
+  TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == at::kFloat && approx.is_contiguous(),
+              "quant_screened_argmax: approx must be contiguous fp32 [rows, vocab]");
+  const int64_t rows = approx.size(0), vocab = approx.size(1);
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
+                  hidden.size(0) == rows && hidden.size(1) % kBlock == 0,
+              "quant_screened_argmax: hidden must be contiguous fp32 [rows, K], K a multiple of 32");
+  const int64_t k_len = hidden.size(1);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(0) == vocab && qweight.size(1) == k_len / kBlock * block_bytes(format),
+              "quant_screened_argmax: qweight must be contiguous uint8 [vocab, K / 32 * block_bytes]");
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == vocab,
+              "quant_screened_argmax: norms must be fp32 [vocab]");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows &&
+                  candidates.scalar_type() == at::kLong && candidates.is_contiguous() && candidates.numel() == rows,
+              "quant_screened_argmax: out and candidates must be int64 [rows]");
+  const float* ap = approx.data_ptr<float>();
+  const float* hp = hidden.data_ptr<float>();
+  const float* np = norms.data_ptr<float>();
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  int64_t* tokens = out.data_ptr<int64_t>();
+  int64_t* counts = candidates.data_ptr<int64_t>();
+  parallel_chunks(rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = hp + r * k_len;
+      double error, norm;
+      activation_error(x, k_len, error, norm);
+      const auto scale = static_cast<float>(norm_slack * error + rounding * norm);
+      const float* a = ap + r * vocab;
+      switch (format) {
+        case kQuantQ8_0: tokens[r] = row_token<kQuantQ8_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        case kQuantQ4_0: tokens[r] = row_token<kQuantQ4_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        case kQuantQ4_1: tokens[r] = row_token<kQuantQ4_1>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        default: TORCH_CHECK(false, "quant_screened_argmax: unknown format ", format);
+      }
+    }
+  }, rows >= openmp_rows());
+}
+
+}  // namespace pagedserve::cpu
