@@ -12,7 +12,7 @@ JSON object per line on stdout.
 - batch: 32 unrepetitive prompts at once (speculation switches itself off above
   `disable_by_batch_size` running sequences); goal >= 0.97x.
 
-    .venv/bin/python benchmarks/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2] [--k 4]
+    .venv/bin/python benchmarks/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2] [--k 4 | --k 3,4]
 
 The default model is the Q4_1 GGUF that `pagedserve up` serves (its GEMM is pagedserve's C++
 kernel up to 128 rows); the fp32 directory runs its GEMMs in oneDNN.
@@ -146,7 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_dir = Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct"
     parser.add_argument("--model", default=str(model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (both methods)")
+    parser.add_argument("--k", default="4",
+                        help="num_speculative_tokens (both methods); several (3,4) run one engine per method and K")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
@@ -168,12 +169,15 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     configs: dict[str, dict[str, Any] | None] = {"plain": None}
+    ks = [int(k) for k in args.k.split(",")]
     for method in args.methods.split(","):
-        configs[method] = ({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max}
-                           if method == "ngram" else {"method": method, "num_speculative_tokens": args.k})
+        for k in ks:
+            mode = method if len(ks) == 1 else f"{method}_k{k}"
+            configs[mode] = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max}
+                             if method == "ngram" else {"method": method, "num_speculative_tokens": k})
     engines = {mode: LLM(args.model, kv_cache_memory=512 << 20, speculative_config=config)
                for mode, config in configs.items()}
-    emit(bench="setup", model=args.model, threads=torch.get_num_threads(), k=args.k, rounds=args.rounds,
+    emit(bench="setup", model=args.model, threads=torch.get_num_threads(), k=ks, rounds=args.rounds,
          modes=list(engines))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     some = next(iter(engines.values())).tokenizer
