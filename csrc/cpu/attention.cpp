@@ -1,8 +1,7 @@
-// CPU decode paged attention: one task per (run of rows, kv head), online softmax over K/V blocks.
+// CPU decode paged attention: one task per (sequence, kv head), online softmax over K/V blocks.
 //
 // Every K or V row is read (and widened to fp32) once and used by all query heads of its
-// GQA group, and by every row of its run (a speculative row's positions, `attend_rows`). Inner
-// loops are `omp simd` so the compiler vectorizes them without -ffast-math.
+// GQA group. Inner loops are `omp simd` so the compiler vectorizes them without -ffast-math.
 // An int8 cache (rows of head_size values and an fp16 scale, kv_quant.h) is dequantized a row at
 // a time into the same fp32 scratch the bf16/fp16 rows are widened into.
 #include <ATen/Parallel.h>
@@ -171,38 +170,24 @@ inline void prefetch_start(const C* key_cache, const C* value_cache, const int32
   }
 }
 
-// Query rows that attend together: a speculative row's positions arrive as consecutive decode rows
-// of one sequence (context lengths L + 1, L + 2, ...) over the same block table, and one task reads
-// each K/V row once for all of them. At most this many rows per run (bounds the scratch).
-constexpr int64_t kMaxRunRows = 16;
-
-// One task: `rows` query rows (row j's context is lens[j]; each row's blocks are the first ones of
-// `table`) x the query heads of `kv_head`'s GQA group. Every row's logits, softmax steps and V sums
-// run in exactly the order a one-row call runs them (block by block, V rows in pairs, an odd last
-// one alone), so a row's output does not depend on the rows it shares the task with.
 // T: the query/out dtype; C: the cache element (T, or int8_t for a quantized cache).
 template <typename T, typename C>
-void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cache, const int32_t* table,
-                 const int32_t* lens, int64_t rows, int64_t kv_head, const Shape& s, std::vector<float>& work) {
+void attend_group(T* out, const T* query, const C* key_cache, const C* value_cache, const int32_t* table,
+                  int64_t context_len, int64_t kv_head, const Shape& s, std::vector<float>& work) {
   const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_size, bs = s.block_size, rs = s.row_elems;
-  const int64_t gd = group * dim, gb = group * bs;
-  work.assign(rows * (2 * gd + gb + 2 * group) + 2 * dim, 0.f);
-  float* q = work.data();  // [rows][group][dim], scaled
-  float* acc = q + rows * gd;  // [rows][group][dim]
-  float* logits = acc + rows * gd;  // [rows][group][bs]
-  float* maxes = logits + rows * gb;  // [rows][group]
-  float* sums = maxes + rows * group;
-  float* row = sums + rows * group;  // two widened K/V rows
-  int64_t longest = 0;
-  for (int64_t j = 0; j < rows; ++j) {
-    longest = std::max<int64_t>(longest, lens[j]);
-    for (int64_t h = 0; h < group; ++h) {
-      const T* src = query + j * s.q_stride_seq + (kv_head * group + h) * s.q_stride_head;
-      for (int64_t d = 0; d < dim; ++d) q[j * gd + h * dim + d] = static_cast<float>(src[d]) * s.scale;
-      maxes[j * group + h] = -std::numeric_limits<float>::infinity();
-    }
+  work.assign(2 * group * dim + 2 * dim + group * bs + 2 * group, 0.f);
+  float* q = work.data();
+  float* acc = q + group * dim;
+  float* row = acc + group * dim;
+  float* logits = row + 2 * dim;  // row holds two widened K/V rows
+  float* maxes = logits + group * bs;
+  float* sums = maxes + group;
+  for (int64_t h = 0; h < group; ++h) {
+    const T* src = query + (kv_head * group + h) * s.q_stride_head;
+    for (int64_t d = 0; d < dim; ++d) q[h * dim + d] = static_cast<float>(src[d]) * s.scale;
+    maxes[h] = -std::numeric_limits<float>::infinity();
   }
-  const int64_t num_used = std::min(s.max_blocks, (longest + bs - 1) / bs);
+  const int64_t num_used = std::min(s.max_blocks, (context_len + bs - 1) / bs);
   for (int64_t b = 1; b < std::min(num_used, kPrefetchAhead); ++b) {
     const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * bs * rs;
     if (table[b] >= 0 && table[b] < s.num_blocks) prefetch_block(key_cache + first, value_cache + first, bs * rs);
@@ -211,9 +196,8 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
     const int64_t block = table[b];
     TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
                 s.num_blocks, ")");
-    const int64_t n = std::min(bs, longest - b * bs);
+    const int64_t n = std::min(bs, context_len - b * bs);
     const int64_t base = (block * s.num_kv_heads + kv_head) * bs * rs;
-    const auto count = [&](int64_t j) { return std::min(bs, lens[j] - b * bs); };  // row j's tokens here
     // The block kPrefetchAhead on is fetched a row at a time as this block's rows are used: a
     // whole block at once (128 lines) overflows the miss queue and stalls on the prefetches.
     const C* next_k = nullptr;
@@ -227,76 +211,48 @@ void attend_rows(T* out, const T* query, const C* key_cache, const C* value_cach
       if constexpr (std::is_same_v<C, int8_t>) {
         const int8_t* k = key_cache + base + t * rs;
         const float k_scale = kvq::row_scale(k, dim);
-        for (int64_t j = 0; j < rows; ++j)
-          if (t < count(j))
-            for (int64_t h = 0; h < group; ++h)
-              logits[j * gb + h * bs + t] = dot_i8(q + j * gd + h * dim, k, dim) * k_scale;
+        for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot_i8(q + h * dim, k, dim) * k_scale;
       } else {
         const float* k = as_float(key_cache + base + t * rs, row, dim);
-        for (int64_t j = 0; j < rows; ++j)
-          if (t < count(j))
-            for (int64_t h = 0; h < group; ++h) logits[j * gb + h * bs + t] = dot(q + j * gd + h * dim, k, dim);
+        for (int64_t h = 0; h < group; ++h) logits[h * bs + t] = dot(q + h * dim, k, dim);
       }
       if (next_k) prefetch_rows(next_k + t * rs, rs);
     }
     if (next_k)
       for (int64_t t = n; t < bs; ++t) prefetch_rows(next_k + t * rs, rs);
-    for (int64_t j = 0; j < rows; ++j)
-      if (count(j) > 0)
-        for (int64_t h = 0; h < group; ++h)
-          online_softmax_step(logits + j * gb + h * bs, count(j), maxes[j * group + h], sums[j * group + h],
-                              acc + j * gd + h * dim, dim);
+    for (int64_t h = 0; h < group; ++h)
+      online_softmax_step(logits + h * bs, n, maxes[h], sums[h], acc + h * dim, dim);
     int64_t t = 0;
     if constexpr (std::is_same_v<C, int8_t>) {
       for (; t < n; t += 2) {
         const int8_t* v0 = value_cache + base + t * rs;
         const int8_t* v1 = t + 1 < n ? v0 + rs : nullptr;
         const float s0 = kvq::row_scale(v0, dim), s1 = v1 ? kvq::row_scale(v1, dim) : 0.f;
-        for (int64_t j = 0; j < rows; ++j) {
-          if (t >= count(j)) continue;
-          const int8_t* x1 = t + 1 < count(j) ? v1 : nullptr;
-          const float* w = logits + j * gb;
-          for (int64_t h = 0; h < group; ++h)
-            axpy2_i8(acc + j * gd + h * dim, w[h * bs + t] * s0, v0, x1 ? w[h * bs + t + 1] * s1 : 0.f, x1, dim);
-        }
+        for (int64_t h = 0; h < group; ++h)
+          axpy2_i8(acc + h * dim, logits[h * bs + t] * s0, v0, v1 ? logits[h * bs + t + 1] * s1 : 0.f, v1, dim);
         if (next_v) prefetch_rows(next_v + t * rs, 2 * rs);
       }
       t = vec::round_up(n, 2);
     }
-    for (; t < n; t += 2) {
+    for (; t + 1 < n; t += 2) {
       const float* v0 = as_float(value_cache + base + t * rs, row, dim);
-      const float* v1 = t + 1 < n ? as_float(value_cache + base + (t + 1) * rs, row + dim, dim) : nullptr;
-      for (int64_t j = 0; j < rows; ++j) {
-        const float* w = logits + j * gb;
-        if (t + 1 < count(j)) {
-          for (int64_t h = 0; h < group; ++h)
-            axpy2(acc + j * gd + h * dim, w[h * bs + t], v0, w[h * bs + t + 1], v1, dim);
-        } else if (t < count(j)) {  // row j's odd last token in this block
-          for (int64_t h = 0; h < group; ++h) axpy(acc + j * gd + h * dim, w[h * bs + t], v0, dim);
-        }
-      }
+      const float* v1 = as_float(value_cache + base + (t + 1) * rs, row + dim, dim);
+      for (int64_t h = 0; h < group; ++h)
+        axpy2(acc + h * dim, logits[h * bs + t], v0, logits[h * bs + t + 1], v1, dim);
       if (next_v) prefetch_rows(next_v + t * rs, 2 * rs);
     }
-    if (next_v)
-      for (t = vec::round_up(n, 2); t < bs; t += 2) prefetch_rows(next_v + t * rs, std::min<int64_t>(2, bs - t) * rs);
-  }
-  for (int64_t j = 0; j < rows; ++j)
-    for (int64_t h = 0; h < group; ++h) {
-      const float total = sums[j * group + h];
-      const float inv = total > 0.f ? 1.f / total : 0.f;  // empty context -> zeros
-      T* dst = out + j * s.out_stride_seq + (kv_head * group + h) * s.out_stride_head;
-      for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[j * gd + h * dim + d] * inv);
+    if (t < n) {
+      const float* v = as_float(value_cache + base + t * rs, row, dim);
+      for (int64_t h = 0; h < group; ++h) axpy(acc + h * dim, logits[h * bs + t], v, dim);
     }
-}
-
-// Whether row `seq` continues row `seq - 1`: one token longer, the same blocks over its context.
-inline bool continues(const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t seq,
-                      const Shape& s) {
-  if (lens[seq] != lens[seq - 1] + 1) return false;
-  const int64_t used = std::min(s.max_blocks, (static_cast<int64_t>(lens[seq]) + s.block_size - 1) / s.block_size);
-  const int32_t* a = tables + seq * table_stride;
-  const int32_t* b = a - table_stride;
-  return std::equal(a, a + used, b);
+    if (next_v)
+      for (; t < bs; t += 2) prefetch_rows(next_v + t * rs, std::min<int64_t>(2, bs - t) * rs);
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;  // empty context -> zeros
+    T* dst = out + (kv_head * group + h) * s.out_stride_head;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[h * dim + d] * inv);
+  }
 }
 
 template <typename T, typename C>
@@ -310,19 +266,14 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
-  const int64_t num_seqs = query.size(0);
+  const int64_t num_seqs = query.size(0), num_tasks = num_seqs * s.num_kv_heads;
   const int64_t capacity = s.max_blocks * s.block_size;
   int64_t total_len = 0;
-  std::vector<int64_t> firsts;  // the first row of each run, then num_seqs
   for (int64_t seq = 0; seq < num_seqs; ++seq) {  // checked here, not in Python: no per-layer tensor ops
     TORCH_CHECK_VALUE(lens[seq] >= 0 && lens[seq] <= capacity, "context_lens must lie in [0, ", capacity,
                       "] (block_tables width x block_size); got ", lens[seq], " for sequence ", seq);
     total_len += lens[seq];
-    if (seq == 0 || seq - firsts.back() >= kMaxRunRows || !continues(tables, table_stride, lens, seq, s))
-      firsts.push_back(seq);
   }
-  firsts.push_back(num_seqs);
-  const int64_t num_runs = static_cast<int64_t>(firsts.size()) - 1, num_tasks = num_runs * s.num_kv_heads;
   // A small batch (decode of a few short sequences) is done before a second thread would start.
   const bool small = total_len * s.num_kv_heads * s.head_size * 2 < kMinParallelElems;
   // About eight chunks per thread: a chunk's tasks run in order, so each can warm the next one's blocks.
@@ -330,14 +281,13 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   parallel_chunks(num_tasks, chunk, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> work;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t run_index = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
-      const int64_t first = firsts[run_index], last = firsts[run_index + 1] - 1;  // the last row reads the most
+      const int64_t seq = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
       if (task + 1 < end) {
-        const int64_t next = firsts[(task + 1) / s.num_kv_heads + 1] - 1;
+        const int64_t next = (task + 1) / s.num_kv_heads;
         prefetch_start<C>(k_ptr, v_ptr, tables + next * table_stride, lens[next], (task + 1) % s.num_kv_heads, s);
       }
-      attend_rows<T, C>(out_ptr + first * s.out_stride_seq, q_ptr + first * s.q_stride_seq, k_ptr, v_ptr,
-                        tables + last * table_stride, lens + first, last - first + 1, kv_head, s, work);
+      attend_group<T, C>(out_ptr + seq * s.out_stride_seq, q_ptr + seq * s.q_stride_seq, k_ptr, v_ptr,
+                      tables + seq * table_stride, lens[seq], kv_head, s, work);
     }
   }, num_seqs >= openmp_rows());
 }
