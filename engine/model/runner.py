@@ -8,7 +8,7 @@ across steps (`BlockTableBuffer`).
 A speculative row (`ScheduledSeq.num_spec` = k) runs among the decodes as 1 + k decode rows over
 the same block table, with context lengths L + 1 .. L + 1 + k: each position's attention sums run
 in exactly the order plain decoding runs them (bit for bit, so no near tie breaks differently in
-attention), and the decode kernel reads the shared K/V once for all of them. Each of the
+attention). Each of the
 k + 1 positions yields a token, taken by the verifier's picker (`engine.spec.verify.verify_plan`)
 as `ModelOutput.spec_tokens`."""
 
