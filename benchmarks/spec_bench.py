@@ -12,7 +12,7 @@ JSON object per line on stdout.
 - batch: 32 unrepetitive prompts at once (speculation switches itself off above
   `disable_by_batch_size` running sequences); goal >= 0.97x.
 
-    .venv/bin/python benchmarks/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2] [--k 4]
+    .venv/bin/python benchmarks/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2] [--k 4 | --k 3,4]
 
 The default model is the Q4_1 GGUF that `pagedserve up` serves (its GEMM is pagedserve's C++
 kernel up to 128 rows); the fp32 directory runs its GEMMs in oneDNN.
@@ -81,10 +81,12 @@ def chat_ids(tokenizer: Any, text: str) -> list[int]:
                                                   tokenize=True, return_dict=False))
 
 
-def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
-    start = time.perf_counter()
+def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """Wall seconds, this process's CPU seconds (all threads: less sensitive to other work on the
+    machine than wall time, though a spinning pool thread counts too), and the outputs."""
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+    return time.perf_counter() - start, time.process_time() - cpu, [o.outputs[0].token_ids for o in outs]
 
 
 def spec_counts(llm: LLM) -> dict[str, float]:
@@ -103,16 +105,19 @@ class Tally:
     def __init__(self) -> None:
         self.tokens = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
         self.proposed = self.accepted = self.rows = 0
         self.outputs: list[list[int]] | None = None
 
     def add(self, llm: LLM, prompts: list[list[int]], params: SamplingParams, **label: Any) -> None:
         before = spec_counts(llm)
-        seconds, outs = timed(llm, prompts, params)
+        seconds, cpu_seconds, outs = timed(llm, prompts, params)
         after = spec_counts(llm)
-        emit(bench="run", **label, tokens=sum(len(o) for o in outs), seconds=round(seconds, 3))  # progress
+        emit(bench="run", **label, tokens=sum(len(o) for o in outs), seconds=round(seconds, 3),
+             cpu_seconds=round(cpu_seconds, 3))  # progress
         self.tokens += sum(len(o) for o in outs)
         self.seconds += seconds
+        self.cpu_seconds += cpu_seconds
         self.proposed += int(after.get("proposed_tokens", 0) - before.get("proposed_tokens", 0))
         self.accepted += int(after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0))
         self.rows += int(after.get("verified_rows", 0) - before.get("verified_rows", 0))
@@ -122,6 +127,10 @@ class Tally:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def cpu_rate(self) -> float:
+        return self.tokens / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
 
     def spec_fields(self) -> dict[str, Any]:
         return {"proposed": self.proposed, "accepted": self.accepted,
@@ -136,6 +145,7 @@ def report(bench: str, tallies: dict[str, Tally], goal: float | None = None, **f
         if mode == "plain":
             continue
         row[mode] = {"tok_s": round(tally.rate, 2), "speedup": round(tally.rate / plain.rate, 3),
+                     "speedup_cpu": round(tally.cpu_rate / plain.cpu_rate, 3) if plain.cpu_rate else 0.0,
                      "same_tokens": tally.outputs == plain.outputs, **tally.spec_fields()}
     if goal is not None:
         row["goal"] = goal
@@ -146,7 +156,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_dir = Path.home() / ".cache/pagedserve/models/SmolLM2-135M-Instruct"
     parser.add_argument("--model", default=str(model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens (both methods)")
+    parser.add_argument("--k", default="4",
+                        help="num_speculative_tokens (both methods); several (3,4) run one engine per method and K")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
@@ -168,12 +179,15 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     configs: dict[str, dict[str, Any] | None] = {"plain": None}
+    ks = [int(k) for k in args.k.split(",")]
     for method in args.methods.split(","):
-        configs[method] = ({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max}
-                           if method == "ngram" else {"method": method, "num_speculative_tokens": args.k})
+        for k in ks:
+            mode = method if len(ks) == 1 else f"{method}_k{k}"
+            configs[mode] = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max}
+                             if method == "ngram" else {"method": method, "num_speculative_tokens": k})
     engines = {mode: LLM(args.model, kv_cache_memory=512 << 20, speculative_config=config)
                for mode, config in configs.items()}
-    emit(bench="setup", model=args.model, threads=torch.get_num_threads(), k=args.k, rounds=args.rounds,
+    emit(bench="setup", model=args.model, threads=torch.get_num_threads(), k=ks, rounds=args.rounds,
          modes=list(engines))
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     some = next(iter(engines.values())).tokenizer
@@ -206,6 +220,7 @@ def main() -> None:
             total = totals[mode]
             total.tokens += tally.tokens
             total.seconds += tally.seconds
+            total.cpu_seconds += tally.cpu_seconds
             total.proposed += tally.proposed
             total.accepted += tally.accepted
             total.rows += tally.rows

@@ -5,9 +5,12 @@ It reads only the scheduler's output (`engine.sched.output`): token ids, start p
 block tables. Slots are computed in bulk from the step's block-table tensor, which persists
 across steps (`BlockTableBuffer`).
 
-A speculative row (`ScheduledSeq.num_spec` = k) runs as a prefill chunk of 1 + k tokens over its
-cached context; each of its k + 1 positions yields a token, taken by the verifier's picker
-(`engine.spec.verify.verify_plan`) as `ModelOutput.spec_tokens`."""
+A speculative row (`ScheduledSeq.num_spec` = k) runs among the decodes as 1 + k decode rows over
+the same block table, with context lengths L + 1 .. L + 1 + k: each position's attention sums run
+in exactly the order plain decoding runs them (bit for bit, so no near tie breaks differently in
+attention). Each of the
+k + 1 positions yields a token, taken by the verifier's picker (`engine.spec.verify.verify_plan`)
+as `ModelOutput.spec_tokens`."""
 
 from __future__ import annotations
 
@@ -58,9 +61,14 @@ class ModelOutput:
     spec_tokens: Tensor | None = None  # the target's token at each speculative position (`spec_order`)
 
 
+def is_prefill(s: ScheduledSeq) -> bool:
+    """A prefill chunk: more than one new token and not a speculative row (those attend as decodes)."""
+    return len(s.token_ids) > 1 and not s.num_spec
+
+
 def batch_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-    """The step's rows: prefill chunks (more than one new token) first, then decodes."""
-    return [s for s in scheduled if len(s.token_ids) > 1] + [s for s in scheduled if len(s.token_ids) == 1]
+    """The step's rows: prefill chunks first, then decodes and speculative rows (in scheduled order)."""
+    return [s for s in scheduled if is_prefill(s)] + [s for s in scheduled if not is_prefill(s)]
 
 
 def sampling_rows(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -186,10 +194,11 @@ class ModelRunner:
             ops.swap_blocks(src_v, dst_v, mapping)
 
     def prepare(self, scheduled: list[ScheduledSeq], sched: SchedulerOutput | None = None) -> StepBatch:
-        """Prefill chunks (more than one new token) first, then one token per decode sequence;
-        positions and slots computed in bulk from the block-table tensor; the block moves of `sched`."""
+        """Prefill chunks first, then one decode row per decode sequence and 1 + k per speculative
+        row (each with its sequence's block table, context length = position + 1); positions and
+        slots computed in bulk from the block-table tensor; the block moves of `sched`."""
         order = batch_order(scheduled)
-        num_prefills = sum(1 for s in order if len(s.token_ids) > 1)
+        num_prefills = sum(1 for s in order if is_prefill(s))
         counts = [len(s.token_ids) for s in order]
         ends = list(accumulate(counts))
         num_tokens = ends[-1] if ends else 0
@@ -216,6 +225,8 @@ class ModelRunner:
                                   for r in range(e - 1 - s.num_spec, e)], dtype=torch.int64) if spec else None
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in order)), dtype=torch.int64)
         prefill_tokens = ends[num_prefills - 1] if num_prefills else 0
+        if spec:  # a decode row per token: speculative rows repeat their table
+            tables = torch.cat([tables[:num_prefills], tables.index_select(0, rows[prefill_tokens:])])
         inputs = StepInputs(
             input_ids, positions, slots, [0, *ends[:num_prefills]],
             [s.start + len(s.token_ids) for s in order[:num_prefills]], tables,

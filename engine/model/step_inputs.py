@@ -20,8 +20,8 @@ class StepInputs:
     slots: Tensor  # int64 [T], -1 = do not write
     prefill_query_start: list[int]  # [P + 1]
     prefill_context_lens: list[int]  # [P]
-    block_tables: Tensor  # int32 [P + D, width], prefill rows first
-    decode_context_lens: Tensor  # int32 [D]
+    block_tables: Tensor  # int32 [P + D, width], prefill rows first, then one per decode row
+    decode_context_lens: Tensor  # int32 [D]: decode rows (a speculative row of k proposals is 1 + k of them)
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copy: list[tuple[int, int]]

@@ -9,16 +9,20 @@ shared `SuffixCache` of finished outputs for "suffix") when speculation can pay:
 - the sequence's recent acceptance rate is at least `min_acceptance_rate`; below it the
   sequence stops proposing for a cool-down that doubles on each relapse (16, 32 ... 256 steps);
 - speculative steps actually yield more tokens per second than plain decode steps on this
-  machine (`observe_step`, moving averages of both): when they do not (a CPU whose GEMM is slow
-  at a few rows, a loaded machine), nobody proposes for a cool-down (16 ... 256 steps), during
-  which the plain rate is measured again.
+  machine (`observe_step`: the medians of the last `RATE_WINDOW` steps of each kind, so a few
+  steps slowed by other work on the machine do not decide): when they do not (a CPU whose GEMM
+  is slow at a few rows), nobody proposes for a cool-down (16 ... 256 steps, doubling while the
+  verdict repeats, back to 16 once speculation is found faster), during which the plain rate is
+  measured again.
 
 Counters: proposed and accepted tokens, verified rows (mean acceptance length =
 1 + accepted / rows: tokens a verified row yields)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any, Protocol
 
 from engine.sched.sequence import Sequence
@@ -29,6 +33,8 @@ from engine.spec.suffix import SuffixCache
 EMA_WEIGHT = 0.3  # weight of the latest verified row in the acceptance average
 BASE_COOLDOWN = 16  # decode steps without proposals after the first time acceptance falls too low
 MAX_COOLDOWN = 256
+RATE_WINDOW = 8  # recent steps of each kind whose median tokens/s the pause rule compares
+MIN_SPEC_STEPS = 4  # speculative steps between verdicts (the first waits for a full window)
 
 
 class SeqIndex(Protocol):
@@ -75,11 +81,11 @@ class Speculator:
         self.suffix_cache = SuffixCache(config) if config.method == "suffix" else None
         self.states: dict[int, SeqSpecState] = {}
         self.counters = SpecCounters()
-        self.plain_rate: float | None = None  # tokens/s of decode steps without proposals
-        self.spec_rate: float | None = None  # tokens/s of steps with proposals
-        self.spec_steps = 0
+        self.plain_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # tokens/s of decode steps without proposals
+        self.spec_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # tokens/s of steps with proposals
+        self.spec_steps = 0  # speculative steps since the last verdict
         self.pause = 0  # steps left without proposals for anyone
-        self.pauses = 0
+        self.pauses = 0  # verdicts "slower" in a row (the next pause is BASE_COOLDOWN << pauses)
 
     def allows_batch(self, num_running_seqs: int) -> bool:
         """Called once per step: whether this step may propose."""
@@ -89,20 +95,26 @@ class Speculator:
         return num_running_seqs <= self.config.disable_by_batch_size
 
     def observe_step(self, seconds: float, num_tokens: int, speculative: bool) -> None:
-        """A decode-only step's wall time and the tokens it produced (no prefill in it)."""
+        """A decode-only step's wall time and the tokens it produced (no prefill in it); every
+        `MIN_SPEC_STEPS` speculative steps, the verdict (pause or not)."""
         if seconds <= 0 or num_tokens <= 0:
             return
         rate = num_tokens / seconds
         if not speculative:
-            self.plain_rate = _ema(self.plain_rate, rate)
+            self.plain_rates.append(rate)
             return
-        self.spec_rate = _ema(self.spec_rate, rate)
+        self.spec_rates.append(rate)
         self.spec_steps += 1
-        if self.plain_rate is not None and self.spec_steps >= 3 and self.spec_rate < self.plain_rate:
-            self.pause = min(MAX_COOLDOWN, BASE_COOLDOWN << self.pauses)
-            self.pauses += 1
-            self.counters.pauses += 1
-            self.spec_rate, self.spec_steps = None, 0
+        if not self.plain_rates or len(self.spec_rates) < RATE_WINDOW or self.spec_steps < MIN_SPEC_STEPS:
+            return
+        self.spec_steps = 0
+        if median(self.spec_rates) >= median(self.plain_rates):
+            self.pauses = 0
+            return
+        self.pause = min(MAX_COOLDOWN, BASE_COOLDOWN << self.pauses)
+        self.pauses += 1
+        self.counters.pauses += 1
+        self.spec_rates.clear()
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(K, limit) proposed tokens following `seq.token_ids`, or [] when this
@@ -162,7 +174,3 @@ class Speculator:
         if self.suffix_cache is not None:
             return self.suffix_cache.index()
         return NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
-
-
-def _ema(average: float | None, value: float) -> float:
-    return value if average is None else average + EMA_WEIGHT * (value - average)

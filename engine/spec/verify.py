@@ -9,9 +9,11 @@ rejection sampling (arXiv 2211.17192) realized by coupling: the proposal is acce
 probability p(d) (the draw lands on d), and on rejection the token is the draw given that it is
 not d, which is p with d removed, renormalized. So every token has the distribution of plain
 sampling, and a seeded request gives the very tokens it gives without speculation: the same
-uniform decides each index. What can differ is only floating point: the verified positions run
-through the prefill attention kernel instead of the decode one, so a near-tie between two
-logits may break the other way (as a different batch can make it break without speculation)."""
+uniform decides each index. The verified positions attend as decode rows (one per position, over
+the sequence's block table, `engine.model.runner`), so their attention sums are plain decoding's,
+bit for bit; what may still differ is a linear layer's arithmetic at 1 + k rows against 1 (where a
+kernel's rows depend on the batch, as a different batch can make a near tie break the other way
+without speculation)."""
 
 from __future__ import annotations
 

@@ -66,3 +66,45 @@ def test_positions_slots_and_metadata_match_the_per_token_formula() -> None:
     assert batch.meta.decode_context_lens.tolist() == [9]
     assert batch.sampling == [items[1], items[0]]
     assert batch.sample_rows is not None and batch.sample_rows.tolist() == [5, 11]
+
+
+def _spec_item(seq: Sequence, proposals: list[int], table: list[int]) -> ScheduledSeq:
+    return ScheduledSeq(seq, [seq.token_ids[-1], *proposals], len(seq.token_ids) - 1, table, False,
+                        num_spec=len(proposals))
+
+
+def test_a_speculative_row_attends_as_decode_rows_over_its_table() -> None:
+    runner = ModelRunner(None, [], [], BS, torch.device("cpu"))  # type: ignore[arg-type]
+    verified, decode, prompt = _seq(9), _seq(6), _seq(5)
+    items = [_spec_item(verified, [70, 71, 72], [4, 1, 8]), _item(decode, 5, 1, [2, 6]), _item(prompt, 0, 5, [3, 7])]
+    batch = runner.prepare(items)
+    assert batch.meta.num_prefills == 1 and batch.meta.num_prefill_tokens == 5  # the prompt only
+    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 8, 9, 10, 11, 5]
+    assert batch.meta.decode_context_lens.tolist() == [9, 10, 11, 12, 6]  # one row per verified position
+    tables = batch.meta.decode_block_tables[:, :3].tolist()
+    assert tables[:4] == [[4, 1, 8]] * 4 and tables[4][:2] == [2, 6]
+    assert batch.spec_rows is not None and batch.spec_rows.tolist() == [5, 6, 7, 8]
+    assert batch.sampling == [items[2], items[1]]
+    assert batch.sample_rows is not None and batch.sample_rows.tolist() == [4, 9]
+
+
+def test_verified_positions_attend_bit_for_bit_as_plain_decode_steps() -> None:
+    """Position j of a speculative row gets exactly the attention output the decode step at that
+    position gives (the prefill kernel's sums run in another order: near ties could flip)."""
+    from engine.model.attention import PagedAttention
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    key_cache, value_cache = (torch.randn(12, kv_heads, BS, dim, generator=gen) for _ in range(2))
+    attention = PagedAttention(heads, kv_heads, dim, dim**-0.5)
+    seq, table = _seq(23), [9, 2, 5, 11, 0, 7, 3]  # 22 cached tokens, 5 verified positions over 27 slots
+    proposals = [80, 81, 82, 83]
+    query = torch.randn(1 + len(proposals), heads, dim, generator=gen)
+    runner = ModelRunner(None, [], [], BS, torch.device("cpu"))  # type: ignore[arg-type]
+    meta = runner.prepare([_spec_item(seq, proposals, table)]).meta
+    verified = attention(query, query, query, (key_cache, value_cache), meta)
+    for j in range(len(proposals) + 1):
+        step = _seq(23 + j)
+        plain = runner.prepare([_item(step, 22 + j, 1, table)]).meta
+        alone = attention(query[j : j + 1], query, query, (key_cache, value_cache), plain)
+        assert torch.equal(verified[j : j + 1], alone), j

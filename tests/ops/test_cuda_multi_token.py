@@ -1,6 +1,6 @@
-"""Multi-token decode on CUDA (issue 25): a speculative row runs as a prefill chunk of 1 + k tokens
-over its cached context (engine/model/runner.py), so the CUDA prefill kernel must be exact there:
-against the reference, and row i of the chunk against the decode kernel at context
+"""Multi-token decode on CUDA (issue 25): a speculative row's 1 + k positions run as decode rows
+(engine/model/runner.py); a chunk of 1 + k tokens over a cached context through the prefill kernel
+must agree with them too: against the reference, and row i of the chunk against the decode kernel at context
 ``context_len - k + i`` (what plain decoding would have computed one token at a time). Float and
 int8 caches. Runs when a GPU is lent (gpu-marked)."""
 

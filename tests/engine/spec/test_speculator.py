@@ -6,7 +6,7 @@ from __future__ import annotations
 from common.sampling_params import SamplingParams
 from engine.sched.sequence import Request, Sequence
 from engine.spec.config import SpeculativeConfig
-from engine.spec.speculator import BASE_COOLDOWN, Speculator, eligible
+from engine.spec.speculator import BASE_COOLDOWN, MIN_SPEC_STEPS, RATE_WINDOW, Speculator, eligible
 
 
 def _seq(params: SamplingParams | None = None, outputs: int = 1) -> Sequence:
@@ -50,14 +50,35 @@ def test_low_acceptance_cools_a_sequence_down() -> None:
 def test_pauses_when_speculative_steps_are_slower() -> None:
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=3))
     spec.observe_step(0.1, 1, speculative=False)  # 10 tok/s plain
-    for _ in range(3):
+    for _ in range(MIN_SPEC_STEPS):
         spec.observe_step(0.1, 3, speculative=True)  # 30 tok/s: keeps going
     assert spec.allows_batch(1)
-    for _ in range(6):
+    for _ in range(RATE_WINDOW):
         spec.observe_step(1.0, 2, speculative=True)  # 2 tok/s: slower than plain
     assert spec.stats()["pauses"] == 1
     assert not any(spec.allows_batch(1) for _ in range(BASE_COOLDOWN))
     assert spec.allows_batch(1)
+
+
+def test_a_few_slow_steps_do_not_pause_and_a_faster_verdict_resets_the_escalation() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3))
+    for _ in range(RATE_WINDOW):
+        spec.observe_step(0.1, 1, speculative=False)  # 10 tok/s plain
+    for i in range(4 * RATE_WINDOW):  # 30 tok/s, but 3 steps in 8 slowed to 2 tok/s by other work
+        spec.observe_step(1.5 if i % RATE_WINDOW < 3 else 0.1, 3, speculative=True)
+    assert spec.stats()["pauses"] == 0
+    for _ in range(RATE_WINDOW):  # a slow stretch: one pause of BASE_COOLDOWN
+        if not spec.pause:
+            spec.observe_step(1.0, 2, speculative=True)
+    assert spec.stats()["pauses"] == 1 and spec.pause == BASE_COOLDOWN
+    while spec.pause:
+        spec.allows_batch(1)
+    for _ in range(MIN_SPEC_STEPS):  # faster again: the next slow verdict starts from BASE_COOLDOWN
+        spec.observe_step(0.1, 3, speculative=True)
+    for _ in range(RATE_WINDOW):
+        if not spec.pause:
+            spec.observe_step(1.0, 2, speculative=True)
+    assert spec.stats()["pauses"] == 2 and spec.pause == BASE_COOLDOWN  # not 2 x BASE_COOLDOWN
 
 
 def test_prometheus_counters_and_heartbeat_fields() -> None:
