@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: lint, CUDA and compose checks, machine setup (redis,
-# chromium, the default model, the CPU kernels), then pytest (the default suite, then the slow
-# fault-injection suite).
+# chromium, the default model, the CPU kernels), then pytest (the default suite and the slow
+# fault-injection suite, over two workers).
 #
 # The preparation steps do not depend on one another, and most of them wait on the network, the
 # package manager or one compiler process, so they run side by side (each into its own log,
@@ -47,8 +47,10 @@ if [ $# -gt 0 ]; then  # a selection (make test ARGS=..., make test-slow): just 
     exec python -m pytest "$@"
 fi
 
-echo "== pytest (default suite)"
-python -m pytest
-
-echo "== pytest -m slow (fault injection with real processes, GGUF loading)"
-python -m pytest -m slow
+# The default and the slow suite in one run over two workers (pytest-xdist, a test file per
+# worker at a time): most of the slow suite and the end-to-end tests wait on real processes
+# (heartbeat windows, failovers, engines starting), which the other worker's kernel tests fill.
+# PYTEST_WORKERS=0 runs them in this process, one after the other.
+WORKERS=${PYTEST_WORKERS:-2}
+echo "== pytest -m 'not long' -n $WORKERS (the default suite and the slow fault-injection suite)"
+python -m pytest -m "not long" -n "$WORKERS" --dist loadfile
