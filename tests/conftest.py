@@ -1,10 +1,19 @@
 """Shared pytest setup. Fixtures live in tests/fixtures/, one module per area.
 
-Under pytest-xdist (`-n N`, as scripts/test.sh runs the suite) worker k of N keeps to its share of
-the ports (common/ports.py), it and every process it starts, so two workers never
-start servers on the same port."""
+Under pytest-xdist (`-n N`, as scripts/test.sh runs the suite, a file per worker at a time):
+
+- worker k of N keeps to its share of the loopback ports (common/ports.py), it and every process
+  it starts, so two workers never start servers on the same port;
+- the files that take longest (the slow suite, the end-to-end tests, real SmolLM2 weights) are
+  collected first, so they start first and the many short kernel-test files fill in around them
+  (scripts/test.sh passes --no-loadscope-reorder, which keeps this order): otherwise a minute-long
+  end-to-end file can be the last thing left while the other worker idles."""
+
+from __future__ import annotations
 
 import os
+
+import pytest
 
 from common.ports import PARTITION_ENV
 
@@ -16,3 +25,30 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.redis",
 ]
+
+_LONG_FIXTURES = {"smollm2_dir", "sentinel_group"}
+_LONG_NAMES = ("smollm2", "gguf", "sentinel", "parallel", "greedy")
+
+
+def _expected_length(item: pytest.Item) -> int:
+    """0 for what takes longest, 3 for the rest (only an order: a wrong guess costs balance)."""
+    path = item.path.as_posix()
+    if item.get_closest_marker("slow") is not None:
+        return 0
+    if "/tests/e2e/" in path:
+        return 1
+    if _LONG_FIXTURES & set(getattr(item, "fixturenames", ())) or any(n in path for n in _LONG_NAMES):
+        return 2
+    return 3
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files whose tests take longest first; each file's tests stay together and in order."""
+    file_rank: dict[str, int] = {}
+    file_first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        key = item.path.as_posix()
+        file_rank[key] = min(file_rank.get(key, 3), _expected_length(item))
+        file_first.setdefault(key, index)
+    order = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda it: (file_rank[it.path.as_posix()], file_first[it.path.as_posix()], order[id(it)]))
