@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: ruff and the machine setup the tests need (redis, chromium,
-# the default model, the CPU kernels), then pytest (the default suite and the slow fault-injection
-# suite, over two workers) with mypy and the CUDA and compose checks running beside it.
+# The whole test suite, as CI runs it: lint, CUDA and compose checks, machine setup (redis,
+# chromium, the default model, the CPU kernels), then pytest (the default suite and the slow
+# fault-injection suite, over two workers).
 #
 # The preparation steps do not depend on one another, and most of them wait on the network, the
 # package manager or one compiler process, so they run side by side (each into its own log,
@@ -27,9 +27,9 @@ cuda_check() { echo "== nvcc compile check"; bash scripts/check_cuda.sh; }
 compose_check() { echo "== docker-compose.yml check"; bash scripts/check_compose.sh; }
 
 declare -A PIDS
-start_steps() {  # each step into its own log, in the background (niced when NICE is set)
+start_steps() {  # each step into its own log, in the background
     for step in "$@"; do
-        ${NICE:+nice -n "$NICE"} bash -c "set -euo pipefail; $(declare -f "$step"); $step" >"$LOGS/$step.log" 2>&1 &
+        bash -c "set -euo pipefail; $(declare -f "$step"); $step" >"$LOGS/$step.log" 2>&1 &
         PIDS[$step]=$!
     done
 }
@@ -43,30 +43,21 @@ wait_steps() {  # wait for each, print its log; fail when any failed
 }
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$LOGS"' EXIT
 
-NEEDED=(ruff_check system_packages default_model cpu_kernels)  # what the tests need, and ruff (seconds)
-CHECKS=(mypy_check cuda_check compose_check)  # what they do not: CPU-heavy, run beside pytest
-if [ $# -gt 0 ]; then  # a selection (make test ARGS=..., make test-slow): everything first, then just that
-    start_steps "${NEEDED[@]}" "${CHECKS[@]}"
-    wait_steps "${NEEDED[@]}" "${CHECKS[@]}"
+STEPS=(ruff_check mypy_check system_packages default_model cpu_kernels cuda_check compose_check)
+start_steps "${STEPS[@]}"
+wait_steps "${STEPS[@]}"
+rm -rf "$LOGS"
+
+if [ $# -gt 0 ]; then  # a selection (make test ARGS=..., make test-slow): just that
     echo "== pytest $*"
     exec python -m pytest "$@"
 fi
-start_steps "${NEEDED[@]}"
-wait_steps "${NEEDED[@]}"
-# mypy and the nvcc compile check (about 2.5 minutes of CPU) run niced beside the tests, which
-# leave CPU idle while they wait on real processes; their logs follow the tests'.
-NICE=10 start_steps "${CHECKS[@]}"
 
-# The default and the slow suite in one run over two workers (pytest-xdist, a test file per
-# worker at a time): most of the slow suite and the end-to-end tests wait on real processes
-# (heartbeat windows, failovers, engines starting), which the other worker's kernel tests fill.
-# tests/conftest.py collects the longest files first; --no-loadscope-reorder keeps that order
-# (xdist would otherwise send the files with the most tests first, the short kernel grids, and
-# end on a lone minute-long end-to-end file). PYTEST_WORKERS=0 runs them in this process.
+# The default and the slow suite in one run over two workers (pytest-xdist): the files that take
+# longest (the slow suite, end-to-end, real weights) run on one worker one after another, the
+# short files on the other a file at a time (tests/conftest.py sets the xdist groups); most of
+# the long ones wait on real processes (engines starting, heartbeat windows, failovers).
+# PYTEST_WORKERS=0 runs everything in this process.
 WORKERS=${PYTEST_WORKERS:-2}
 echo "== pytest -m 'not long' -n $WORKERS (the default suite and the slow fault-injection suite)"
-status=0
-python -m pytest -m "not long" -n "$WORKERS" --dist loadfile --no-loadscope-reorder || status=$?
-echo "== checks run beside the tests"
-wait_steps "${CHECKS[@]}" || status=1
-exit "$status"
+exec python -m pytest -m "not long" -n "$WORKERS" --dist loadgroup

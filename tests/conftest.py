@@ -4,10 +4,13 @@ Under pytest-xdist (`-n N`, as scripts/test.sh runs the suite, a file per worker
 
 - worker k of N keeps to its share of the loopback ports (common/ports.py), it and every process
   it starts, so two workers never start servers on the same port;
-- the files that take longest (the slow suite, the end-to-end tests, real SmolLM2 weights) are
-  collected first, so they start first and the many short kernel-test files fill in around them
-  (scripts/test.sh passes --no-loadscope-reorder, which keeps this order): otherwise a minute-long
-  end-to-end file can be the last thing left while the other worker idles."""
+- the files that take longest (the slow suite, the end-to-end tests, real SmolLM2 weights) form one
+  xdist group, run by one worker one after another, while the other worker takes the many short
+  files (kernel grids, the gateway against a scripted engine) a file at a time
+  (`--dist loadgroup`). Two long files side by side oversubscribe the two cores (each runs torch,
+  or engines, on both), and the kernels' OpenMP barriers wait for descheduled threads: measured,
+  that was slower than one long file at a time; and scheduling by file alone ended the run on a
+  lone end-to-end file while the other worker idled."""
 
 from __future__ import annotations
 
@@ -43,12 +46,11 @@ def _expected_length(item: pytest.Item) -> int:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files whose tests take longest first; each file's tests stay together and in order."""
+    """One xdist group for the files whose tests take longest, one group per file for the rest."""
     file_rank: dict[str, int] = {}
-    file_first: dict[str, int] = {}
-    for index, item in enumerate(items):
+    for item in items:
         key = item.path.as_posix()
         file_rank[key] = min(file_rank.get(key, 3), _expected_length(item))
-        file_first.setdefault(key, index)
-    order = {id(item): index for index, item in enumerate(items)}
-    items.sort(key=lambda it: (file_rank[it.path.as_posix()], file_first[it.path.as_posix()], order[id(it)]))
+    for item in items:
+        key = item.path.as_posix()
+        item.add_marker(pytest.mark.xdist_group("long-running" if file_rank[key] < 3 else key))
