@@ -247,7 +247,7 @@ class EngineWorker:
             return
         self.unsent = Outbox()
         if self.epoch.token is not None and reply.epoch != self.epoch.token:
-            await self._redis_lost(client, intake, guards)
+            await self._redis_lost(client, intake, reply.epoch)
             return
         guards.on_probe(reply.alive)
 
@@ -272,10 +272,20 @@ class EngineWorker:
         self.unsent = Outbox()
         self.checkpoints = CheckpointLog()
 
-    async def _redis_lost(self, client: aioredis.Redis, intake: Intake, guards: Guards) -> None:
+    async def _redis_lost(self, client: aioredis.Redis, intake: Intake, seen: str | None) -> None:
+        """Drop everything once, adopt the epoch the flush read (`seen`), then set one up when there
+        was none and recreate the consumer group. Redis has just come back and pooled connections
+        may still point at the old server: a failure here is logged, not raised (it stopped an
+        engine once: "Connection closed by server" out of the epoch check), since the next read
+        recreates the group on NOGROUP and the next flush reads the epoch again."""
         self._forget_everything(intake)
-        await self.epoch.check(client)
-        await intake.stream.ensure_group()
+        if seen is not None:
+            self.epoch.token = seen  # requests admitted from now on are not dropped again
+        try:
+            await self.epoch.check(client)
+            await intake.stream.ensure_group()
+        except (RedisError, OSError) as exc:
+            log.warning("after the data loss: epoch or consumer group not set up yet; will retry", error=str(exc))
 
     # ----- side tasks --------------------------------------------------------------------------
     async def _heartbeats(self, beat: Heartbeat, intake: Intake) -> None:
