@@ -9,8 +9,9 @@ shared `SuffixCache` of finished outputs for "suffix") when speculation can pay:
 - the sequence's recent acceptance rate is at least `min_acceptance_rate`; below it the
   sequence stops proposing for a cool-down that doubles on each relapse (16, 32 ... 256 steps);
 - speculative steps actually yield more tokens per second than plain decode steps on this
-  machine (`observe_step`: the medians of the last `RATE_WINDOW` steps of each kind, so a few
-  steps slowed by other work on the machine do not decide): when they do not (a CPU whose GEMM
+  machine (`observe_step`: tokens over seconds of the last `RATE_WINDOW` steps of each kind,
+  leaving out steps that took over twice the median step time, so a few steps slowed by other
+  work on the machine do not decide, while every step's yield counts): when they do not (a CPU whose GEMM
   is slow at a few rows), nobody proposes for a cool-down (16 ... 256 steps, doubling while the
   verdict repeats, back to 16 once speculation is found faster), during which the plain rate is
   measured again.
@@ -33,7 +34,8 @@ from engine.spec.suffix import SuffixCache
 EMA_WEIGHT = 0.3  # weight of the latest verified row in the acceptance average
 BASE_COOLDOWN = 16  # decode steps without proposals after the first time acceptance falls too low
 MAX_COOLDOWN = 256
-RATE_WINDOW = 8  # recent steps of each kind whose median tokens/s the pause rule compares
+RATE_WINDOW = 8  # recent steps of each kind whose tokens/s the pause rule compares
+OUTLIER_FACTOR = 2.0  # steps slower than this x the window's median step time are left out
 MIN_SPEC_STEPS = 4  # speculative steps between verdicts (the first waits for a full window)
 
 
@@ -64,6 +66,17 @@ class SpecCounters:
     accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted proposals per row -> rows
 
 
+def steady_rate(steps: deque[tuple[float, int]]) -> float:
+    """Tokens per second over `steps` (seconds, tokens), leaving out the steps that took more than
+    `OUTLIER_FACTOR` x the median step time (slowed by other work on the machine). Every kept
+    step's yield counts: the median of per-step rates, the rule before, sits on the rejected
+    rows' one token whenever more than half the window missed, and paused speculation that was
+    still faster on average (3 rows of 5 tokens and 5 of 1 beat plain decoding by 1.4x)."""
+    limit = OUTLIER_FACTOR * median(seconds for seconds, _ in steps)
+    kept = [(seconds, tokens) for seconds, tokens in steps if seconds <= limit]
+    return sum(tokens for _, tokens in kept) / sum(seconds for seconds, _ in kept)
+
+
 def eligible(seq: Sequence) -> bool:
     """True when verification reproduces this sequence's sampling exactly: one candidate, no beam
     search, no logprobs, no grammar, no penalties or logit bias, past `min_tokens`."""
@@ -81,8 +94,9 @@ class Speculator:
         self.suffix_cache = SuffixCache(config) if config.method == "suffix" else None
         self.states: dict[int, SeqSpecState] = {}
         self.counters = SpecCounters()
-        self.plain_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # tokens/s of decode steps without proposals
-        self.spec_rates: deque[float] = deque(maxlen=RATE_WINDOW)  # tokens/s of steps with proposals
+        # (seconds, tokens) of recent decode steps without proposals, and with
+        self.plain_steps: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
+        self.spec_window: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
         self.spec_steps = 0  # speculative steps since the last verdict
         self.pause = 0  # steps left without proposals for anyone
         self.pauses = 0  # verdicts "slower" in a row (the next pause is BASE_COOLDOWN << pauses)
@@ -99,22 +113,21 @@ class Speculator:
         `MIN_SPEC_STEPS` speculative steps, the verdict (pause or not)."""
         if seconds <= 0 or num_tokens <= 0:
             return
-        rate = num_tokens / seconds
         if not speculative:
-            self.plain_rates.append(rate)
+            self.plain_steps.append((seconds, num_tokens))
             return
-        self.spec_rates.append(rate)
+        self.spec_window.append((seconds, num_tokens))
         self.spec_steps += 1
-        if not self.plain_rates or len(self.spec_rates) < RATE_WINDOW or self.spec_steps < MIN_SPEC_STEPS:
+        if not self.plain_steps or len(self.spec_window) < RATE_WINDOW or self.spec_steps < MIN_SPEC_STEPS:
             return
         self.spec_steps = 0
-        if median(self.spec_rates) >= median(self.plain_rates):
+        if steady_rate(self.spec_window) >= steady_rate(self.plain_steps):
             self.pauses = 0
             return
         self.pause = min(MAX_COOLDOWN, BASE_COOLDOWN << self.pauses)
         self.pauses += 1
         self.counters.pauses += 1
-        self.spec_rates.clear()
+        self.spec_window.clear()
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
         """Up to min(K, limit) proposed tokens following `seq.token_ids`, or [] when this
