@@ -131,7 +131,9 @@ void fp32_rows(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_
 }
 
 // Output rows [begin, end) for every activation row, four activation rows per pass over the
-// chunk's weight rows (which stay in cache between passes).
+// chunk's weight rows (which stay in cache between passes), five when exactly five are left: a
+// speculative verify row of 1 + 4 then unpacks each weight block once (four linears of a SmolLM2
+// layer: 566 us against 862 for a pass of four and one of one; a row's bits do not change).
 template <int64_t F, int M>
 void int8_group(const at::Tensor& out, const ActPlanes& act, int64_t row0, const uint8_t* w, const float* bias,
                 int64_t begin, int64_t end) {
@@ -151,13 +153,17 @@ void fp32_group(const at::Tensor& out, const at::Tensor& x, int64_t row0, const 
 template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
                 int64_t begin, int64_t end) {
-  for (int64_t row0 = 0; row0 < m_len; row0 += 4) {
-    switch (std::min<int64_t>(4, m_len - row0)) {
+  for (int64_t row0 = 0; row0 < m_len;) {
+    const int64_t left = m_len - row0;
+    const int64_t rows = left == 5 ? 5 : std::min<int64_t>(4, left);  // five: a verify row of 1 + 4 in one pass
+    switch (rows) {
       case 1: int8_group<F, 1>(out, act, row0, w, bias, begin, end); break;
       case 2: int8_group<F, 2>(out, act, row0, w, bias, begin, end); break;
       case 3: int8_group<F, 3>(out, act, row0, w, bias, begin, end); break;
+      case 5: int8_group<F, 5>(out, act, row0, w, bias, begin, end); break;
       default: int8_group<F, 4>(out, act, row0, w, bias, begin, end); break;
     }
+    row0 += rows;
   }
 }
 

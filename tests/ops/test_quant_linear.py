@@ -143,7 +143,7 @@ TILE_ROWS = [*range(1, 10), 15, 16, 17, 31, 32, 33, QUANT_GEMV_MAX_ROWS, QUANT_G
 @pytest.mark.parametrize(("n", "k"), [(37, 160), (96, 32), (130, 1536)])
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
-    """Every row count the kernel splits into tiles (4 rows per pass), N and K off the tile and odd in
+    """Every row count the kernel splits into tiles (4 rows per pass, 5 when five are left), N and K off the tile and odd in
     blocks, bias on every other count: int8 activations equal the reference on the rounded
     activations, fp32 activations the reference itself, and a row's output is bit for bit the same
     in any batch (the last row, in the last partial tile, against that row alone)."""
@@ -163,6 +163,9 @@ def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
             got = ops.quant_linear(rows, qweight, fmt, b)
             torch.testing.assert_close(got, as_int8, rtol=1e-4, atol=1e-4)
             assert torch.equal(got[-1:], ops.quant_linear(rows[-1:], qweight, fmt, b))
+            if m <= 9:  # the small batches of a speculative verify row (1 + k rows): every row
+                for j in range(m - 1):
+                    assert torch.equal(got[j:j + 1], ops.quant_linear(rows[j:j + 1], qweight, fmt, b)), (m, j)
         fp32 = ops.quant_linear(rows, qweight, fmt, b, int8_activations=False)
         torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)
         if m <= QUANT_GEMV_MAX_ROWS:
