@@ -143,8 +143,8 @@ TILE_ROWS = [*range(1, 10), 15, 16, 17, 31, 32, 33, QUANT_GEMV_MAX_ROWS, QUANT_G
 @pytest.mark.parametrize(("n", "k"), [(37, 160), (96, 32), (130, 1536)])
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
-    """Every row count the kernel splits into tiles (4 rows per pass, 5 when five are left), N and K off the tile and odd in
-    blocks, bias on every other count: int8 activations equal the reference on the rounded
+    """Every row count the kernel splits into tiles (4 rows per pass, 5 when five are left), N and K
+    off the tile and odd in blocks, bias on every other count: int8 activations equal the reference on the rounded
     activations, fp32 activations the reference itself, and a row's output is bit for bit the same
     in any batch (the last row, in the last partial tile, against that row alone)."""
     fmt = FORMATS[name]
