@@ -1,0 +1,74 @@
+"""The quantized kernel at the row counts of decoding: SmolLM2's four linears per layer (qkv, o,
+gate_up, down) in Q4_1 with random weights, one `quant_linear` call per linear, interleaved.
+
+- `rows`: one layer's four linears at 1, 4 and 5 rows (a plain decode row, a K = 3 and a K = 4
+  verify row), 2 threads; the weights stay in cache, so this is the arithmetic's cost;
+- `one_row`: all 30 layers' linears at one row (66 MB, out of cache) at 1 and 2 threads: the
+  bandwidth a decode step gets and how it scales over the second thread.
+
+Prints one JSON object per line.
+
+    .venv/bin/python benchmarks/quant_rows_bench.py [--iters 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import ops.quant as oq
+from ops.reference import quant as rq
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
+LAYERS = 30
+
+
+def sample(fn: Callable[[], None], samples: list[float]) -> None:
+    """Time one call of `fn` into `samples`."""
+    start = time.perf_counter()
+    fn()
+    samples.append(time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=300)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    layer = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for n, k in SHAPES]
+    model = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for _ in range(LAYERS) for n, k in SHAPES]
+    xs = {k: torch.randn(5, k, generator=gen) for _, k in SHAPES}
+
+    def run(weights: list[tuple[torch.Tensor, int]], rows: int) -> Callable[[], None]:
+        def go() -> None:
+            for w, k in weights:
+                oq.quant_linear(xs[k][:rows], w, oq.Q4_1, checked=True)
+        return go
+
+    torch.set_num_threads(2)
+    per_rows: dict[int, list[float]] = {1: [], 4: [], 5: []}
+    for _ in range(args.iters):
+        for rows, samples in per_rows.items():
+            sample(run(layer, rows), samples)
+    us = {rows: 1e6 * statistics.median(s) for rows, s in per_rows.items()}
+    print(json.dumps({"bench": "rows", "threads": 2, "us_per_layer": {str(r): round(v, 1) for r, v in us.items()},
+                      "five_over_four": round(us[5] / us[4], 3), "four_over_one": round(us[4] / us[1], 3)}))
+    per_threads: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(max(10, args.iters // 8)):
+        for threads, samples in per_threads.items():
+            torch.set_num_threads(threads)
+            sample(run(model, 1), samples)
+    megabytes = sum(w.numel() for w, _ in model) / 1e6
+    for threads, samples in per_threads.items():
+        seconds = statistics.median(samples)
+        print(json.dumps({"bench": "one_row", "threads": threads, "layers": LAYERS, "ms": round(1e3 * seconds, 2),
+                          "megabytes": round(megabytes, 1), "gb_per_s": round(megabytes / 1e3 / seconds, 2)}))
+
+
+if __name__ == "__main__":
+    main()
