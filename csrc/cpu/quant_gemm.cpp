@@ -132,8 +132,9 @@ void fp32_rows(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_
 
 // Output rows [begin, end) for every activation row, four activation rows per pass over the
 // chunk's weight rows (which stay in cache between passes), five when exactly five are left: a
-// speculative verify row of 1 + 4 then unpacks each weight block once (four linears of a SmolLM2
-// layer: 566 us against 862 for a pass of four and one of one; a row's bits do not change).
+// speculative verify row of 1 + 4 then unpacks each weight block once (five rows cost 1.15-1.18x
+// of four, against 1.35x as a pass of four and one of one: benchmarks/quant_rows_bench.py; a row's
+// bits do not change).
 template <int64_t F, int M>
 void int8_group(const at::Tensor& out, const ActPlanes& act, int64_t row0, const uint8_t* w, const float* bias,
                 int64_t begin, int64_t end) {
