@@ -1,5 +1,6 @@
 """The quantized kernel at the row counts of decoding: SmolLM2's four linears per layer (qkv, o,
-gate_up, down) in Q4_1 with random weights, one `quant_linear` call per linear, interleaved.
+gate_up, down) in Q4_1 with random weights, one `quant_linear` call per linear, interleaved; each
+in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.interleave`).
 
 - `rows`: one layer's four linears at 1, 4 and 5 rows (a plain decode row, a K = 3 and a K = 4
   verify row), 2 threads; the weights stay in cache, so this is the arithmetic's cost;
@@ -40,35 +41,45 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=300)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    layer = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for n, k in SHAPES]
-    model = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for _ in range(LAYERS) for n, k in SHAPES]
+    raw_layer = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for n, k in SHAPES]
+    raw_model = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for _ in range(LAYERS) for n, k in SHAPES]
+    layouts = {"gguf": oq.Q4_1, "r8": oq.Q4_1R8}
+    layer = {name: [(_laid_out(w, fmt), k) for w, k in raw_layer] for name, fmt in layouts.items()}
+    model = {name: [(_laid_out(w, fmt), k) for w, k in raw_model] for name, fmt in layouts.items()}
     xs = {k: torch.randn(5, k, generator=gen) for _, k in SHAPES}
 
-    def run(weights: list[tuple[torch.Tensor, int]], rows: int) -> Callable[[], None]:
+    def run(weights: list[tuple[torch.Tensor, int]], fmt: oq.QuantFormat, rows: int) -> Callable[[], None]:
         def go() -> None:
             for w, k in weights:
-                oq.quant_linear(xs[k][:rows], w, oq.Q4_1, checked=True)
+                oq.quant_linear(xs[k][:rows], w, fmt, checked=True)
         return go
 
     torch.set_num_threads(2)
-    per_rows: dict[int, list[float]] = {1: [], 4: [], 5: []}
+    per_rows = {(name, rows): [] for name in layouts for rows in (1, 4, 5)}  # type: dict[tuple[str, int], list[float]]
     for _ in range(args.iters):
-        for rows, samples in per_rows.items():
-            sample(run(layer, rows), samples)
-    us = {rows: 1e6 * statistics.median(s) for rows, s in per_rows.items()}
-    print(json.dumps({"bench": "rows", "threads": 2, "us_per_layer": {str(r): round(v, 1) for r, v in us.items()},
-                      "five_over_four": round(us[5] / us[4], 3), "four_over_one": round(us[4] / us[1], 3)}))
-    per_threads: dict[int, list[float]] = {1: [], 2: []}
+        for (name, rows), samples in per_rows.items():
+            sample(run(layer[name], layouts[name], rows), samples)
+    for name in layouts:
+        us = {rows: 1e6 * statistics.median(per_rows[(name, rows)]) for rows in (1, 4, 5)}
+        print(json.dumps({"bench": "rows", "layout": name, "threads": 2,
+                          "us_per_layer": {str(r): round(v, 1) for r, v in us.items()},
+                          "five_over_four": round(us[5] / us[4], 3), "four_over_one": round(us[4] / us[1], 3)}))
+    per_threads = {(name, t): [] for name in layouts for t in (1, 2)}  # type: dict[tuple[str, int], list[float]]
     for _ in range(max(10, args.iters // 8)):
-        for threads, samples in per_threads.items():
+        for (name, threads), samples in per_threads.items():
             torch.set_num_threads(threads)
-            sample(run(model, 1), samples)
-    megabytes = sum(w.numel() for w, _ in model) / 1e6
-    for threads, samples in per_threads.items():
+            sample(run(model[name], layouts[name], 1), samples)
+    megabytes = sum(w.numel() for w, _ in raw_model) / 1e6
+    for (name, threads), samples in per_threads.items():
         seconds = statistics.median(samples)
-        print(json.dumps({"bench": "one_row", "threads": threads, "layers": LAYERS, "ms": round(1e3 * seconds, 2),
-                          "megabytes": round(megabytes, 1), "gb_per_s": round(megabytes / 1e3 / seconds, 2)}))
+        print(json.dumps({"bench": "one_row", "layout": name, "threads": threads, "layers": LAYERS,
+                          "ms": round(1e3 * seconds, 2), "megabytes": round(megabytes, 1),
+                          "gb_per_s": round(megabytes / 1e3 / seconds, 2)}))
 
+
+def _laid_out(qweight: torch.Tensor, fmt: oq.QuantFormat) -> torch.Tensor:
+    """A Q4_1 weight in `fmt`'s layout (GGUF order, or the kernel's eight-row one)."""
+    return qweight if fmt == oq.Q4_1 else oq.interleave(qweight, oq.Q4_1)[0]
 
 if __name__ == "__main__":
     main()

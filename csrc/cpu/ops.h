@@ -72,11 +72,16 @@ void screened_argmax(const at::Tensor& out, const at::Tensor& approx, const at::
 constexpr int64_t kQuantQ4_0 = 2;
 constexpr int64_t kQuantQ4_1 = 3;
 constexpr int64_t kQuantQ8_0 = 8;
+// Q4_0 / Q4_1 repacked eight rows at a time (csrc/cpu/quant_interleaved.cpp): 1000 + the GGUF id.
+constexpr int64_t kQuantInterleaved = 1000;
+constexpr int64_t kQuantQ4_0R8 = kQuantInterleaved + kQuantQ4_0;
+constexpr int64_t kQuantQ4_1R8 = kQuantInterleaved + kQuantQ4_1;
 
 // out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight uint8 [N, K / 32 * block_bytes])^T (+ bias [N]);
-// int8_activations quantizes x per 32-block to int8 first (integer dot products).
+// int8_activations quantizes x per 32-block to int8 first (integer dot products), except for the
+// first exact_rows rows (a step's prompt tokens), which keep fp32 activations.
 void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
-                  const c10::optional<at::Tensor>& bias, bool int8_activations);
+                  const c10::optional<at::Tensor>& bias, bool int8_activations, int64_t exact_rows);
 
 // out int64 [rows]: per row, the first token maximizing the fp32-activation logit of the quantized
 // lm_head qweight, searched among tokens whose int8-activation logit approx [rows, vocab] can reach
@@ -88,6 +93,20 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
 
 // out fp32 [N, K] = the weights of qweight uint8 [N, K / 32 * block_bytes] in `format`.
 void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format);
+
+// Every decoder layer of a Llama-family model on quantized linears (csrc/cpu/decoder.cpp): hidden
+// [T, H] holds the embeddings (it becomes layer 0's normed input), residual [T, H] receives the
+// residual stream; returns the last layer's MLP output (the final norm adds it to residual). Per
+// layer: norm_weights 2 (input, post-attention), qweights / biases (numel 0: none) / formats /
+// int8_activations 4 (qkv, o, gate_up, down). Attention as engine/model/attention.py runs it.
+at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
+                         const at::Tensor& cos_sin, const at::Tensor& slot_mapping, at::TensorList key_caches,
+                         at::TensorList value_caches, int64_t num_prefill_tokens,
+                         const at::Tensor& prefill_block_tables, const at::Tensor& prefill_query_start_loc,
+                         const at::Tensor& prefill_context_lens, const at::Tensor& decode_block_tables,
+                         const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
+                         at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
 // Kernels ignore their `openmp` hint (parallel.h) while on: for models with only quantized linears.
 
 }  // namespace pagedserve::cpu

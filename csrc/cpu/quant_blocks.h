@@ -5,6 +5,7 @@
 // with the same arithmetic.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -50,9 +52,9 @@ inline float half_to_float(uint16_t h) {
 inline int64_t block_bytes(int64_t format) {
   switch (format) {
     case kQuantQ8_0: return sizeof(BlockQ8_0);
-    case kQuantQ4_0: return sizeof(BlockQ4_0);
-    case kQuantQ4_1: return sizeof(BlockQ4_1);
-    default: TORCH_CHECK(false, "quant: unknown format ", format, " (Q4_0=2, Q4_1=3, Q8_0=8)");
+    case kQuantQ4_0: case kQuantQ4_0R8: return sizeof(BlockQ4_0);
+    case kQuantQ4_1: case kQuantQ4_1R8: return sizeof(BlockQ4_1);
+    default: TORCH_CHECK(false, "quant: unknown format ", format, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
@@ -102,6 +104,23 @@ inline void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, flo
     s[b] = scale * static_cast<float>(sum);
   }
 }
+
+// Activation rows quantized for the int8 path (quantize_row): quants [M][K], block scales and
+// scaled sums [M][nb].
+struct ActPlanes {
+  int64_t nb = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+
+  ActPlanes(const at::Tensor& x, int64_t k_len) : nb(k_len / kBlock) {
+    const int64_t m_len = x.size(0);
+    q.resize(m_len * k_len);
+    d.resize(m_len * nb);
+    s.resize(m_len * nb);
+    for (int64_t m = 0; m < m_len; ++m)
+      quantize_row(x.data_ptr<float>() + m * x.stride(0), k_len, &q[m * k_len], &d[m * nb], &s[m * nb]);
+  }
+};
 
 // Unsigned 32 weights of a Q4 block in element order (low nibbles 0..15, high 16..31).
 #if defined(__AVX2__)

@@ -19,28 +19,12 @@
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
+#include "quant_interleaved.h"
 
 namespace pagedserve::cpu {
 namespace {
 
 using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
-
-// Activation rows quantized for the int8 path (quantize_row): quants [M][K], block scales and
-// scaled sums [M][nb].
-struct ActPlanes {
-  int64_t nb = 0;
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-
-  ActPlanes(const at::Tensor& x, int64_t k_len) : nb(k_len / kBlock) {
-    const int64_t m_len = x.size(0);
-    q.resize(m_len * k_len);
-    d.resize(m_len * nb);
-    s.resize(m_len * nb);
-    for (int64_t m = 0; m < m_len; ++m)
-      quantize_row(x.data_ptr<float>() + m * x.stride(0), k_len, &q[m * k_len], &d[m * nb], &s[m * nb]);
-  }
-};
 
 // Integer dot of weight block `blk` with 32 activation quants, in scalar code.
 template <int64_t F>
@@ -181,20 +165,20 @@ void fp32_chunk(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, in
   }
 }
 
+// Rows [0, exact) of x with fp32 activations, the others with int8 ones (ops.h: quant_linear).
 template <int64_t F>
 void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n_len, int64_t k_len,
-                const float* bias, bool int8_act) {
+                const float* bias, int64_t exact) {
   const int64_t m_len = x.size(0), nb = k_len / kBlock;
+  const at::Tensor x_exact = x.narrow(0, 0, exact), out_exact = out.narrow(0, 0, exact);
+  const at::Tensor x_int8 = x.narrow(0, exact, m_len - exact), out_int8 = out.narrow(0, exact, m_len - exact);
   std::optional<ActPlanes> act;
-  if (int8_act) act.emplace(x, k_len);
+  if (exact < m_len) act.emplace(x_int8, k_len);
   // Chunks of at least ~64 KiB of packed weights, about eight per thread.
   const int64_t chunk = row_chunk(n_len, nb * block_bytes(F), 64 * 1024);
   parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
-    if (act) {
-      int8_chunk<F>(out, *act, m_len, w, bias, begin, end);
-    } else {
-      fp32_chunk<F>(out, x, w, k_len, bias, begin, end);
-    }
+    if (exact) fp32_chunk<F>(out_exact, x_exact, w, k_len, bias, begin, end);
+    if (act) int8_chunk<F>(out_int8, *act, m_len - exact, w, bias, begin, end);
   }, /*openmp=*/m_len >= openmp_rows());
 }
 
@@ -216,7 +200,7 @@ void check_packed(const at::Tensor& qweight, int64_t format, int64_t k_len) {
 }  // namespace
 
 void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
-                  const c10::optional<at::Tensor>& bias, bool int8_activations) {
+                  const c10::optional<at::Tensor>& bias, bool int8_activations, int64_t exact_rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear: fp32 x and out");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "quant_linear: rows must be contiguous");
   const int64_t k_len = x.size(1), n_len = qweight.size(0);
@@ -224,10 +208,12 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == n_len, "quant_linear: out must be [M, N]");
   const float* b = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const int64_t exact = int8_activations ? std::clamp<int64_t>(exact_rows, 0, x.size(0)) : x.size(0);
+  if (is_interleaved(format)) return interleaved_linear(out, x, w, format, n_len, k_len, b, exact);
   switch (format) {
-    case kQuantQ8_0: return run_format<kQuantQ8_0>(out, x, w, n_len, k_len, b, int8_activations);
-    case kQuantQ4_0: return run_format<kQuantQ4_0>(out, x, w, n_len, k_len, b, int8_activations);
-    case kQuantQ4_1: return run_format<kQuantQ4_1>(out, x, w, n_len, k_len, b, int8_activations);
+    case kQuantQ8_0: return run_format<kQuantQ8_0>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ4_0: return run_format<kQuantQ4_0>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ4_1: return run_format<kQuantQ4_1>(out, x, w, n_len, k_len, b, exact);
     default: TORCH_CHECK(false, "quant_linear: unknown format ", format);
   }
 }
@@ -239,6 +225,7 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
   TORCH_CHECK(qweight.size(0) == n_len, "dequantize: out has ", n_len, " rows, qweight ", qweight.size(0));
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
+  if (is_interleaved(format)) return interleaved_dequantize(op, w, format, n_len, k_len);
   const int64_t chunk = row_chunk(n_len, k_len, 64 * 1024);
   // Runs just before a oneDNN GEMM: share OpenMP's threads (parallel.h).
   parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {

@@ -104,6 +104,8 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous() &&
                   qweight.size(0) == vocab && qweight.size(1) == k_len / kBlock * block_bytes(format),
               "quant_screened_argmax: qweight must be contiguous uint8 [vocab, K / 32 * block_bytes]");
+  TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1,
+              "quant_screened_argmax: the lm_head must be in a GGUF block order (Q8_0, Q4_0, Q4_1); got ", format);
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == vocab,
               "quant_screened_argmax: norms must be fp32 [vocab]");
   TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows &&

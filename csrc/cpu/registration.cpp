@@ -32,11 +32,18 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "float error_scale, float output_slack) -> ()");
   m.def(
       "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias, "
-      "bool int8_activations) -> ()");
+      "bool int8_activations, int exact_rows=0) -> ()");
   m.def("dequantize_weight(Tensor(a!) out, Tensor qweight, int format) -> ()");
   m.def(
       "quant_screened_argmax(Tensor(a!) out, Tensor(b!) candidates, Tensor approx, Tensor hidden, "
       "Tensor qweight, int format, Tensor norms, float rounding, float norm_slack) -> ()");
+  m.def(
+      "llama_decoder(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor cos_sin, "
+      "Tensor slot_mapping, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, int num_prefill_tokens, "
+      "Tensor prefill_block_tables, Tensor prefill_query_start_loc, Tensor prefill_context_lens, "
+      "Tensor decode_block_tables, Tensor decode_context_lens, Tensor[] norm_weights, Tensor[] qweights, "
+      "Tensor[] biases, int[] formats, int[] int8_activations, int num_heads, int num_kv_heads, int head_dim, "
+      "float eps, float scale) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("set_openmp_rows(int rows) -> ()", [](int64_t rows) {
     pagedserve::cpu::openmp_rows_setting().store(rows, std::memory_order_relaxed);
@@ -61,4 +68,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("quant_linear", &pagedserve::cpu::quant_linear);
   m.impl("dequantize_weight", &pagedserve::cpu::dequantize_weight);
   m.impl("quant_screened_argmax", &pagedserve::cpu::quant_screened_argmax);
+  m.impl("llama_decoder", &pagedserve::cpu::llama_decoder);
 }

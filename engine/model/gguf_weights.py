@@ -3,7 +3,9 @@
 Tensors are read with `gguf.GGUFReader` (memory-mapped; nothing is dequantized wholesale):
 
 - quantized linear weights (Q8_0, Q4_0, Q4_1) become `QuantLinear` modules; q/k/v and gate/up are
-  stacked as packed row shards (one buffer when their formats agree);
+  stacked as packed row shards (one buffer when their formats agree); Q4_0 / Q4_1 decoder weights
+  are repacked eight rows at a time (`ops.quant.interleave`: the same bytes in the order the CPU
+  kernel reads fastest);
 - F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32;
 - the token embedding stays packed (`QuantEmbedding`), and a tied lm_head runs the quantized
   kernel on the same packed bytes (fewer bytes per decode step than the fp32 lm_head or its bf16
@@ -34,7 +36,7 @@ from torch import nn
 from engine.model.layers import VocabParallelLookup
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quant_linear import QuantEmbedding, QuantLinear
-from ops.quant import FORMATS, QuantFormat
+from ops.quant import FORMATS, QuantFormat, interleave
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # GGUF per-layer tensor -> (module path under model.layers.N, shard index)
@@ -98,6 +100,14 @@ def _shards(stored: list[Stored], in_features: int) -> list[tuple[QuantFormat | 
         if fmt is not None and in_features % 32:
             raise GGUFWeightError(f"in_features {in_features} is not a multiple of 32 for {fmt.name}")
     return [(fmt, torch.cat(parts) if len(parts) > 1 else parts[0]) for fmt, parts in merged]
+
+
+def _interleaved(fmt: QuantFormat | None, data: torch.Tensor) -> tuple[QuantFormat | None, torch.Tensor]:
+    """A shard in the CPU kernel's eight-row layout where its format has one."""
+    if fmt is None:
+        return fmt, data
+    packed, layout = interleave(data, fmt)
+    return layout, packed
 
 
 def _set_module(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -264,7 +274,10 @@ def _build_linears(model: LlamaForCausalLM, collector: _Collector, int8_activati
         # The lm_head keeps fp32 activations: its argmax is the greedy token, and int8 activations
         # flip near-ties (SmolLM2, "capital of France": logits 25.33 vs 25.24, int8 error up to 0.26).
         int8 = int8_activations and path != "lm_head"
-        _set_module(model, path, QuantLinear(module.in_features, _shards(stored, module.in_features), bias, int8))
+        packed = _shards(stored, module.in_features)
+        if path != "lm_head":  # the lm_head's logit screen reads GGUF-order rows
+            packed = [_interleaved(fmt, t) for fmt, t in packed]
+        _set_module(model, path, QuantLinear(module.in_features, packed, bias, int8))
     leftover = sorted([*collector.linears, *collector.biases])
     if leftover:
         raise GGUFWeightError(f"GGUF tensors with no place in the model: {leftover[:3]}")

@@ -14,9 +14,10 @@ from torch import Tensor, nn
 
 import ops
 from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.fused_decoder import FusedDecoder
 from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
-from engine.model.quant_linear import QuantLinear
+from engine.model.quant_linear import EXACT_ROWS, QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import SINGLE, TPShard
@@ -130,6 +131,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.use_logit_screen = True  # greedy rows through `LogitScreen` where it applies
         self.screen: LogitScreen | QuantLogitScreen | None = None
+        self.use_fused_decoder = True  # the layers in one C++ call where `FusedDecoder` applies
+        self.fused: FusedDecoder | None = None
+        self.fused_checked = False  # `fused` is made on the first forward, after the weights are loaded
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -137,10 +141,25 @@ class LlamaForCausalLM(nn.Module):
         """`input_ids [T]`, `positions [T]` → normed hidden states `[T, hidden]`."""
         hidden = self.model.embed_tokens(input_ids)
         rope = (positions, self.model.rotary_emb.table(positions))  # shared by every layer
+        fused = self.fused_decoder()
+        if fused is not None and fused.applies(hidden, kv_caches, meta):
+            last, stream = fused(hidden, rope, kv_caches, meta)
+            return self.model.norm(last, stream)[0]
         residual: Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        exact = EXACT_ROWS.set(meta.num_prefill_tokens)  # prompt rows keep fp32 activations
+        try:
+            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+                hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        finally:
+            EXACT_ROWS.reset(exact)
         return self.model.norm(hidden, residual)[0]
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """The layers' one-call form (`engine.model.fused_decoder`), made on first use; None where
+        it does not apply or `use_fused_decoder` is off."""
+        if not self.fused_checked:
+            self.fused, self.fused_checked = FusedDecoder.for_model(self), True
+        return self.fused if self.use_fused_decoder else None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:

@@ -8,11 +8,20 @@ the rows a step needs.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
 from torch import nn
 
 import ops
 from ops.quant import QuantFormat
+
+EXACT_ROWS: ContextVar[int] = ContextVar("exact_rows", default=0)
+"""Leading rows of the step's activations that keep fp32 precision under `int8_activations`: its
+prompt tokens, set by the model's forward (`LlamaForCausalLM.forward`). Prompt rows then compute
+exactly what the dequantized weights give, so a prompt's first token and its logprobs are the
+dequantized model's (int8 rounding flipped near-ties: SmolLM2's "capital of France" answer), and
+a prompt's numerics do not depend on whether its step is over `QUANT_GEMV_MAX_ROWS` (oneDNN, fp32)."""
 
 
 class QuantLinear(nn.Module):
@@ -56,7 +65,8 @@ class QuantLinear(nn.Module):
         assert t is not None
         if fmt is None:
             return ops.linear(x, t, bias)
-        return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True)  # checked in __init__
+        return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True,  # checked in __init__
+                                      exact_rows=EXACT_ROWS.get())
 
     def extra_repr(self) -> str:
         names = ",".join("F32" if f is None else f.name for f in self.formats)

@@ -9,6 +9,12 @@ output feature) is K / 32 blocks of 32 consecutive weights along K, in ggml's by
 
 Nibbles: byte j holds element j in its low four bits and element j + 16 in its high four bits.
 Format ids are ggml's type ids (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
+
+Q4_0r8 and Q4_1r8 (ids 1000 + the base id) are the same bytes repacked eight rows at a time for
+the CPU kernel (csrc/cpu/quant_interleaved.cpp): the tensor keeps its shape ``[N, row_bytes]``
+(N a multiple of 8), and rows 8g..8g+7 hold, per block b, one tile of the eight rows' fp16 d,
+then (Q4_1) their fp16 m, then four 32-byte chunks, chunk j holding row r's packed bytes
+4j..4j+3 at bytes 4r..4r+3 (``interleave``; ``deinterleave`` undoes it).
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import torch
 
 BLOCK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+INTERLEAVED = 1000  # + the base id: eight rows interleaved
+Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_0R8: 18, Q4_1R8: 20}
+ROWS_PER_GROUP = 8
 
 
 def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
@@ -33,8 +42,38 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([low, high], dim=-1).to(torch.int32)
 
 
+def _scale_bytes(base: int) -> int:
+    """Bytes of fp16 fields (d, and m for Q4_1) at the start of a ``base`` block."""
+    return 4 if base == Q4_1 else 2
+
+
+def interleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
+    """A Q4_0 / Q4_1 weight ``[N, row_bytes]`` (N a multiple of 8) in its r8 layout, same shape."""
+    if fmt not in (Q4_0, Q4_1) or qweight.shape[0] % ROWS_PER_GROUP:
+        raise ValueError(f"only Q4_0 / Q4_1 weights of a multiple of {ROWS_PER_GROUP} rows interleave")
+    rows, size, head = qweight.shape[0], BLOCK_BYTES[fmt], _scale_bytes(fmt)
+    tiles = qweight.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, -1, size).transpose(1, 2)  # [G, nb, 8, size]
+    fields = [tiles[..., i:i + 2].flatten(-2) for i in range(0, head, 2)]  # each [G, nb, 16]
+    quants = tiles[..., head:].reshape(*tiles.shape[:3], 4, 4).transpose(2, 3).flatten(-3)  # [G, nb, 128]
+    return torch.cat([*fields, quants], dim=-1).reshape(qweight.shape).contiguous()
+
+
+def deinterleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The GGUF-order weight of an r8 one (``interleave``'s inverse); other formats as they are."""
+    if fmt < INTERLEAVED:
+        return qweight
+    base = fmt - INTERLEAVED
+    rows, size, head = qweight.shape[0], BLOCK_BYTES[base], _scale_bytes(base)
+    tiles = qweight.reshape(rows // ROWS_PER_GROUP, -1, ROWS_PER_GROUP * size)  # [G, nb, 8 * size]
+    fields = [tiles[..., i * 8:(i + 2) * 8].reshape(*tiles.shape[:2], ROWS_PER_GROUP, 2) for i in range(0, head, 2)]
+    quants = tiles[..., head * 8:].reshape(*tiles.shape[:2], 4, ROWS_PER_GROUP, 4).transpose(2, 3).flatten(-2)
+    blocks = torch.cat([*fields, quants], dim=-1)  # [G, nb, 8, size]
+    return blocks.transpose(1, 2).reshape(qweight.shape).contiguous()
+
+
 def dequantize(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
     """fp32 ``[N, K]`` of a packed uint8 ``[N, K / 32 * block_bytes]`` weight in format ``fmt``."""
+    qweight, fmt = deinterleave(qweight, fmt), fmt % INTERLEAVED
     size = BLOCK_BYTES[fmt]
     rows = qweight.shape[0]
     blocks = qweight.reshape(rows, -1, size)

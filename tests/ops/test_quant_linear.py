@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ops
-from ops.quant import FORMATS, Q4_1, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.quant import FORMATS, INTERLEAVED, Q4_1, Q4_1R8, QUANT_GEMV_MAX_ROWS, QuantFormat, interleave
 from ops.reference import quant as ref
 
 gguf = pytest.importorskip("gguf")
@@ -16,6 +16,9 @@ GGML = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationTyp
         "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 SHAPES = [(576, 576), (192, 576), (576, 1536), (1536, 576), (32, 32), (96, 160)]  # (N, K)
 ROWS = [1, 2, 3, 4, 7, 16, 64, 130]
+# The kernel's layouts: GGUF order, and the Q4 formats repacked eight rows at a time.
+LAYOUTS = {**FORMATS, **{r8.name: r8 for r8 in INTERLEAVED.values()}}
+BASE = {r8.name: base for base, r8 in INTERLEAVED.items()}
 
 
 def _packed(fmt: QuantFormat, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -23,6 +26,35 @@ def _packed(fmt: QuantFormat, n: int, k: int, seed: int) -> tuple[torch.Tensor, 
     weight = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     data = gguf.quants.quantize(weight, GGML[fmt.name])
     return torch.from_numpy(np.ascontiguousarray(data)), data
+
+
+def _laid_out(name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, QuantFormat]:
+    """A gguf-quantized weight in layout `name` (an r8 one: its base format, interleaved)."""
+    if name not in BASE:
+        return _packed(FORMATS[name], n, k, seed)[0], FORMATS[name]
+    packed, fmt = interleave(_packed(BASE[name], n, k, seed)[0], BASE[name])
+    assert fmt.name == name
+    return packed, fmt
+
+
+@pytest.mark.parametrize("base", sorted(INTERLEAVED, key=lambda f: f.name))
+def test_interleaved_layout_keeps_every_byte(base: QuantFormat) -> None:
+    """The r8 layout is a permutation of the GGUF bytes: it dequantizes (kernel and reference) to
+    the same weights, undoes exactly, keeps the shape; other formats and row counts stay as given."""
+    packed, _ = _packed(base, 48, 96, 9)
+    r8, fmt = interleave(packed, base)
+    assert fmt == INTERLEAVED[base] and r8.shape == packed.shape and not torch.equal(r8, packed)
+    assert torch.equal(torch.sort(r8.flatten()).values, torch.sort(packed.flatten()).values)
+    assert torch.equal(ref.deinterleave(r8, fmt.type_id), packed)
+    weight = ref.dequantize(packed, base.type_id)
+    assert torch.equal(ref.dequantize(r8, fmt.type_id), weight)
+    assert torch.equal(ops.dequantize(r8, fmt), weight)
+    odd, _ = _packed(base, 44, 96, 9)
+    assert interleave(odd, base) == (odd, base)  # not a multiple of 8 rows: GGUF order
+    q8, _ = _packed(FORMATS["Q8_0"], 48, 96, 9)
+    assert interleave(q8, FORMATS["Q8_0"])[1] == FORMATS["Q8_0"]
+    with pytest.raises(ValueError, match="multiple of 8 rows"):
+        ops.quant_linear(torch.randn(1, 96), r8[:44], fmt)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -53,11 +85,10 @@ def test_reference_quantize_round_trips_like_gguf(name: str) -> None:
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("m", ROWS)
 def test_kernel_matches_reference(m: int, name: str, n: int, k: int, with_bias: bool) -> None:
-    fmt = FORMATS[name]
-    qweight, _ = _packed(fmt, n, k, m + n + k)
+    qweight, fmt = _laid_out(name, n, k, m + n + k)
     gen = torch.Generator().manual_seed(m * 7 + n)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen) if with_bias else None
@@ -122,14 +153,20 @@ def test_openmp_rows_change_threads_not_bits(m: int) -> None:
     from ops.parallel import openmp_rows, set_openmp_rows
 
     qweight, _ = _packed(Q4_1, 1536, 576, m)
+    r8, _ = interleave(qweight, Q4_1)
     x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
     threads, rows = torch.get_num_threads(), openmp_rows()
     torch.set_num_threads(2)
+
+    def outputs() -> list[torch.Tensor]:
+        return [ops.quant_linear(x, qweight, Q4_1), ops.dequantize(qweight, Q4_1), ops.quant_linear(x, r8, Q4_1R8),
+                ops.dequantize(r8, Q4_1R8)]
+
     try:
         set_openmp_rows(1)  # every kernel on OpenMP
-        expected = [ops.quant_linear(x, qweight, Q4_1), ops.dequantize(qweight, Q4_1)]
+        expected = outputs()
         set_openmp_rows(1 << 40)  # every kernel on the chunk pool
-        got = [ops.quant_linear(x, qweight, Q4_1), ops.dequantize(qweight, Q4_1)]
+        got = outputs()
     finally:
         set_openmp_rows(rows)
         torch.set_num_threads(threads)
@@ -140,15 +177,17 @@ def test_openmp_rows_change_threads_not_bits(m: int) -> None:
 TILE_ROWS = [*range(1, 10), 15, 16, 17, 31, 32, 33, QUANT_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS + 1]
 
 
-@pytest.mark.parametrize(("n", "k"), [(37, 160), (96, 32), (130, 1536)])
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize(("n", "k"), [(37, 160), (96, 32), (130, 1536), (136, 96)])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
     """Every row count the kernel splits into tiles (4 rows per pass, 5 when five are left), N and K
     off the tile and odd in blocks, bias on every other count: int8 activations equal the reference on the rounded
     activations, fp32 activations the reference itself, and a row's output is bit for bit the same
-    in any batch (the last row, in the last partial tile, against that row alone)."""
-    fmt = FORMATS[name]
-    qweight, _ = _packed(fmt, n, k, n * k)
+    in any batch (the last row, in the last partial tile, against that row alone). An r8 layout
+    takes weights of a multiple of 8 rows only (N = 37 and 130 stay in GGUF order)."""
+    if name in BASE and n % 8:
+        pytest.skip("an interleaved weight has a multiple of 8 rows")
+    qweight, fmt = _laid_out(name, n, k, n * k)
     weight = ref.dequantize(qweight, fmt.type_id)
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(max(TILE_ROWS), k, generator=gen)
@@ -170,3 +209,19 @@ def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
         torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)
         if m <= QUANT_GEMV_MAX_ROWS:
             assert torch.equal(fp32[-1:], ops.quant_linear(rows[-1:], qweight, fmt, b, int8_activations=False))
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(("m", "exact"), [(1, 1), (5, 2), (9, 8), (40, 37), (QUANT_GEMV_MAX_ROWS, 3)])
+def test_exact_rows_keep_fp32_activations(name: str, m: int, exact: int) -> None:
+    """`exact_rows` (a step's prompt tokens): those leading rows are bit for bit the fp32-activation
+    output, the others the int8-activation output, of the same rows computed alone."""
+    qweight, fmt = _laid_out(name, 64, 160, m)
+    gen = torch.Generator().manual_seed(m + exact)
+    x = torch.randn(m, 160, generator=gen)
+    bias = torch.randn(64, generator=gen)
+    got = ops.quant_linear(x, qweight, fmt, bias, exact_rows=exact)
+    assert torch.equal(got[:exact], ops.quant_linear(x[:exact], qweight, fmt, bias, int8_activations=False))
+    assert torch.equal(got[exact:], ops.quant_linear(x[exact:], qweight, fmt, bias))
+    assert torch.equal(ops.quant_linear(x, qweight, fmt, bias, False, exact_rows=exact),
+                       ops.quant_linear(x, qweight, fmt, bias, False))  # fp32 activations: every row already

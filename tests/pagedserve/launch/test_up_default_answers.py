@@ -2,14 +2,13 @@
 dtype) answers simple factual questions as the fp32 model does: greedy, chat-templated, the fact
 each fp32 answer states must be in the default's answer too.
 
-This is the gate for an int8 KV cache by default: Q4_1 weights (int8 activations) with an int8 cache
-answer "What is the capital of France?" with "L'Étoile, …", where fp32 (and each alone) says Paris.
-It is not a kernel bug (an fp32 cache holding the same quantized-then-dequantized rows gives the same
-logprobs): the answer's first token is a near-tie in fp32 ("The" -1.88 against "L" -1.97), and any
-8-bit KV rounding tried on top of int8 activations tips it. The int8 case is a strict xfail in the slow
-suite, so the day it passes (a better KV format or activation scheme) the default can change. Asked
-in one batch the five prompts prefill in one step of more than 128 rows, which runs on fp32 activations
-and answers right: so each is asked alone."""
+This was the gate for an int8 KV cache by default: Q4_1 weights with int8 activations everywhere
+and an int8 cache answered "What is the capital of France?" with "L'Étoile, …", where fp32 (and each
+alone) says Paris: the answer's first token is a near-tie in fp32 ("The" -1.88 against "L" -1.97),
+and int8 rounding of the prompt's activations, on top of any 8-bit KV rounding, tipped it. Prompt
+rows now keep fp32 activations (`engine.model.quant_linear.EXACT_ROWS`), so the first token is the
+dequantized model's and both configurations state every fact. Each question is asked alone, as one
+client asks it."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ def up_defaults() -> argparse.Namespace:
 
 
 def answers(model: str, tokenizer: str | None, **config: object) -> dict[str, str]:
-    """Each question alone, as one client asks it: a step of more than 128 rows would run the quantized
-    GEMV on fp32 activations (dequantize + oneDNN) instead of int8 ones."""
+    """Each question alone, as one client asks it."""
     llm = LLM(model, tokenizer=tokenizer, kv_cache_memory=32 << 20, **config)
     return {q: llm.chat([[{"role": "user", "content": q}]], GREEDY)[0].outputs[0].text for q in FACTS}
 
@@ -56,8 +54,7 @@ def test_fp32_model_states_each_fact(smollm2_dir: Path) -> None:
 
 @pytest.mark.parametrize("kv_cache_dtype", [
     pytest.param(None, id="up-default"),
-    pytest.param("int8", id="int8-kv", marks=[pytest.mark.slow, pytest.mark.xfail(
-        strict=True, reason="Q4_1 int8 activations + int8 KV tip France's near-tie first token to 'L'")]),
+    pytest.param("int8", id="int8-kv", marks=pytest.mark.slow),
 ])
 def test_up_default_configuration_states_each_fact(smollm2_dir: Path, kv_cache_dtype: str | None) -> None:
     args = up_defaults()

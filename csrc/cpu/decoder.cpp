@@ -1,0 +1,86 @@
+// The decoder layers of a Llama-family model on quantized weights in one call: for each layer the
+// same kernels, in the same order and on the same tensors, as the Python modules call them
+// (engine/model/llama.py: LlamaDecoderLayer), so the results are bit for bit those of the module
+// path (prompt rows on fp32 activations: exact_rows = the step's prefill tokens). What it removes is
+// the per-layer Python: a one-row decode step of SmolLM2 makes ~300
+// module calls and ~600 op calls, which took longer than its kernels (engine/model/fused_decoder.py).
+#include <ATen/ATen.h>
+
+#include "ops.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
+constexpr int64_t kNorms = 2;    // per layer: input, post-attention
+
+c10::optional<at::Tensor> bias_of(const at::Tensor& bias) {
+  return bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
+}
+
+}  // namespace
+
+at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
+                         const at::Tensor& cos_sin, const at::Tensor& slot_mapping, at::TensorList key_caches,
+                         at::TensorList value_caches, int64_t num_prefill_tokens,
+                         const at::Tensor& prefill_block_tables, const at::Tensor& prefill_query_start_loc,
+                         const at::Tensor& prefill_context_lens, const at::Tensor& decode_block_tables,
+                         const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
+                         at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == layers &&
+                  static_cast<int64_t>(norm_weights.size()) == kNorms * layers &&
+                  static_cast<int64_t>(qweights.size()) == kLinears * layers &&
+                  static_cast<int64_t>(biases.size()) == kLinears * layers &&
+                  static_cast<int64_t>(formats.size()) == kLinears * layers &&
+                  static_cast<int64_t>(int8_activations.size()) == kLinears * layers,
+              "llama_decoder: per layer 2 norm weights and 4 linears (qkv, o, gate_up, down)");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
+                  residual.sizes() == hidden.sizes() && residual.is_contiguous() &&
+                  residual.scalar_type() == at::kFloat,
+              "llama_decoder: hidden and residual must be contiguous fp32 [T, hidden]");
+  const int64_t tokens = hidden.size(0);
+  const int64_t num_decodes = decode_context_lens.size(0);
+  TORCH_CHECK(num_prefill_tokens >= 0 && num_prefill_tokens + num_decodes == tokens,
+              "llama_decoder: prefill tokens + decode rows must be the step's tokens");
+  const bool prefill = prefill_context_lens.size(0) > 0 && num_prefill_tokens > 0;
+  const int64_t q_heads = num_heads, kv_heads = num_kv_heads, heads = q_heads + 2 * kv_heads;
+  const auto linear = [&](int64_t index, const at::Tensor& x) {
+    const at::Tensor& w = qweights[index];
+    at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+    quant_linear(out, x, w, formats[index], bias_of(biases[index]), int8_activations[index] != 0, num_prefill_tokens);
+    return out;
+  };
+  at::Tensor h = hidden;  // the layer's normed input; the MLP output lands in a fresh tensor
+  residual.copy_(h);
+  rms_norm(h, residual, norm_weights[0], eps);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    if (layer > 0) fused_add_rms_norm(h, residual, norm_weights[kNorms * layer], eps);
+    const int64_t l4 = kLinears * layer;
+    const at::Tensor qkv = linear(l4, h).view({tokens, heads, head_dim});
+    const at::Tensor q = qkv.narrow(1, 0, q_heads), k = qkv.narrow(1, q_heads, kv_heads),
+                     v = qkv.narrow(1, q_heads + kv_heads, kv_heads);
+    const at::Tensor& key_cache = key_caches[layer];
+    const at::Tensor& value_cache = value_caches[layer];
+    rotary_embedding_and_cache(positions, q, k, v, cos_sin, key_cache, value_cache, slot_mapping);
+    const at::Tensor attn = at::empty({tokens, q_heads, head_dim}, h.options());
+    if (prefill) {
+      paged_prefill_attention(attn.narrow(0, 0, num_prefill_tokens), q.narrow(0, 0, num_prefill_tokens), key_cache,
+                              value_cache, prefill_block_tables, prefill_query_start_loc, prefill_context_lens, scale);
+    }
+    if (num_decodes) {
+      paged_attention(attn.narrow(0, num_prefill_tokens, num_decodes), q.narrow(0, num_prefill_tokens, num_decodes),
+                      key_cache, value_cache, decode_block_tables, decode_context_lens, scale);
+    }
+    const at::Tensor o = linear(l4 + 1, attn.view({tokens, q_heads * head_dim}));
+    fused_add_rms_norm(o, residual, norm_weights[kNorms * layer + 1], eps);
+    const at::Tensor gate_up = linear(l4 + 2, o);
+    const at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, h.options());
+    silu_and_mul(act, gate_up);
+    h = linear(l4 + 3, act);
+  }
+  return h;
+}
+
+}  // namespace pagedserve::cpu

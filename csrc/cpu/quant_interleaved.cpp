@@ -1,0 +1,350 @@
+// Linear layers on Q4_0 / Q4_1 weights repacked eight rows at a time ("r8" formats,
+// ops/reference/quant.py: interleave). Same bytes as the GGUF blocks, another order:
+//
+//   group g = weight rows 8g..8g+7; per 32-weight block b of the group one tile of
+//   d[8] (fp16, one per row), m[8] (fp16, Q4_1 only), then four 32-byte chunks: chunk j holds,
+//   for row r at bytes 4r..4r+3, that row's packed bytes 4j..4j+3 (low nibbles: weights
+//   4j..4j+3; high nibbles: weights 16+4j..16+4j+3).
+//
+// Why: in the GGUF order a one-row GEMV spends ~17 instructions per 32-weight block (two scalar
+// fp16 conversions, an unpack, a dot product, its reduction lanes, a broadcast scale, the min
+// term) and is bound by that arithmetic, not by memory. Here one chunk's nibbles, masked or
+// shifted, are eight rows times four weights: one u8 x s8 multiply-add against four activation
+// quants broadcast to every lane leaves each row's partial sum in its own lane, so a block of
+// eight rows needs no horizontal reduction, and its scales and mins are one fp16 vector each.
+//
+// Integer sums of a block stay in int16 lanes on AVX2 (maddubs): |sum| <= 8 * 2 * 15 * 127 =
+// 30480 < 32767, since activation quants lie in [-127, 127]. A row's result depends only on its
+// own weights and activation row (not on M or the row's place in the batch).
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+#include "parallel.h"
+#include "quant_blocks.h"
+#include "quant_interleaved.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
+
+constexpr int64_t kRows = 8;  // weight rows per group
+
+template <int64_t F>
+constexpr int64_t tile_bytes() {
+  return kRows * (F == kQuantQ4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
+}
+template <int64_t F>
+constexpr int64_t quants_offset() {
+  return F == kQuantQ4_1 ? 32 : 16;
+}
+
+// Packed byte i (0..15) of row r in a tile's quant chunks.
+inline uint8_t tile_byte(const uint8_t* quants, int r, int i) { return quants[(i / 4) * 32 + r * 4 + i % 4]; }
+
+template <int64_t F>
+inline void tile_affine(const uint8_t* tile, int r, float& d, float& m) {
+  uint16_t h;
+  std::memcpy(&h, tile + 2 * r, 2);
+  d = half_to_float(h);
+  if constexpr (F == kQuantQ4_1) {
+    std::memcpy(&h, tile + 16 + 2 * r, 2);
+    m = half_to_float(h);
+  } else {
+    m = -8.f * d;
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// acc + the u8 x s8 products of each 4-byte lane (int16 pairs on AVX2, int32 with VNNI).
+inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+inline __m256i lanes_to_int32(__m256i acc) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return acc;
+#else
+  return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// Groups [g_begin, g_end) of out[M][N] from M activation rows (quants q [M][nb * 32], block scales
+// ad and scaled sums as [M][nb]).
+template <int64_t F, int M>
+void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w,
+                 const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+  constexpr int64_t tb = tile_bytes<F>();
+  const int64_t k_len = nb * kBlock;
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const uint8_t* tiles = w + g * nb * tb;
+#if defined(__AVX2__)
+    __m256 acc[M], macc[M];
+    for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = tiles + b * tb;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+      const __m256 mw = F == kQuantQ4_1
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
+                            : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+      __m256i sums[M];
+      for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
+      const uint8_t* quants = tile + quants_offset<F>();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+        const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const int8_t* a = q + m * k_len + b * kBlock;
+          sums[m] = accumulate(sums[m], lo, broadcast4(a + 4 * j));
+          sums[m] = accumulate(sums[m], hi, broadcast4(a + kBlock / 2 + 4 * j));
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m]));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(ad[m * nb + b])), acc[m]);
+        macc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[m * nb + b]), macc[m]);
+      }
+    }
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + g * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_ps(out + m * ldo + g * kRows, _mm256_add_ps(_mm256_add_ps(acc[m], macc[m]), vb));
+#else
+    float acc[M][kRows] = {}, macc[M][kRows] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* tile = tiles + b * tb;
+      const uint8_t* quants = tile + quants_offset<F>();
+      for (int r = 0; r < kRows; ++r) {
+        float d, mn;
+        tile_affine<F>(tile, r, d, mn);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* a = q + m * k_len + b * kBlock;
+          int32_t sum = 0;
+          for (int i = 0; i < kBlock / 2; ++i) {
+            const uint8_t byte = tile_byte(quants, r, i);
+            sum += (byte & 0x0F) * a[i] + (byte >> 4) * a[i + kBlock / 2];
+          }
+          acc[m][r] += static_cast<float>(sum) * (d * ad[m * nb + b]);
+          macc[m][r] += mn * as[m * nb + b];
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRows; ++r)
+        out[m * ldo + g * kRows + r] = acc[m][r] + macc[m][r] + (bias != nullptr ? bias[g * kRows + r] : 0.f);
+#endif
+  }
+}
+
+// fp32 activations. Each group's tiles are widened once to fp32 (wide[b][half][j][pair][8]: rows
+// 2p and 2p + 1, four weights each, of chunk j's low (half 0: weights 4j..) or high nibbles (half
+// 1: 16 + 4j..)), then every activation row's four weights of each (half, j) are broadcast to both
+// 128-bit lanes and FMA'd with the four row pairs: the same multiply-adds for a row whatever M is.
+constexpr int64_t kWideBlock = kRows * kBlock;  // floats per widened tile
+
+template <int64_t F>
+void widen_group(const uint8_t* tiles, int64_t nb, float* wide) {
+  constexpr int64_t tb = tile_bytes<F>();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * tb;
+    float* dst = wide + b * kWideBlock;
+#if defined(__AVX2__)
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+    const __m256 mw = F == kQuantQ4_1
+                          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
+                          : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+    __m256 dpair[4], mpair[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+      dpair[p] = _mm256_permutevar8x32_ps(dw, idx);
+      mpair[p] = _mm256_permutevar8x32_ps(mw, idx);
+    }
+    const uint8_t* quants = tile + quants_offset<F>();
+    alignas(32) uint8_t nibbles[2][32];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nibbles[0]), _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(nibbles[1]),
+                         _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
+      for (int half = 0; half < 2; ++half)
+        for (int p = 0; p < 4; ++p) {
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(nibbles[half] + 8 * p));
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+          _mm256_storeu_ps(dst + ((half * 4 + j) * 4 + p) * 8, _mm256_fmadd_ps(q, dpair[p], mpair[p]));
+        }
+    }
+#else
+    const uint8_t* quants = tile + quants_offset<F>();
+    for (int r = 0; r < kRows; ++r) {
+      float d, m;
+      tile_affine<F>(tile, r, d, m);
+      for (int i = 0; i < kBlock / 2; ++i) {
+        const uint8_t byte = tile_byte(quants, r, i);
+        const int j = i / 4, p = r / 2, lane = (r % 2) * 4 + i % 4;
+        dst[((0 * 4 + j) * 4 + p) * 8 + lane] = d * static_cast<float>(byte & 0x0F) + m;
+        dst[((1 * 4 + j) * 4 + p) * 8 + lane] = d * static_cast<float>(byte >> 4) + m;
+      }
+    }
+#endif
+  }
+}
+
+// Rows [0, M) of x (stride ldx) against one widened group: out[m * ldo + r] for its 8 rows r.
+template <int M>
+void fp32_group_rows(const float* x, int64_t ldx, int64_t nb, const float* wide, const float* bias, float* out,
+                     int64_t ldo) {
+  using vec::Vec;
+  Vec acc[M][4] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* wb = wide + b * kWideBlock;
+    for (int half = 0; half < 2; ++half)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        Vec xq[M];
+        for (int m = 0; m < M; ++m) {
+          const float* xp = x + m * ldx + b * kBlock + half * (kBlock / 2) + 4 * j;
+          xq[m] = Vec{xp[0], xp[1], xp[2], xp[3], xp[0], xp[1], xp[2], xp[3]};
+        }
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) {
+          const Vec wv = vec::load(wb + ((half * 4 + j) * 4 + p) * 8);
+          for (int m = 0; m < M; ++m) acc[m][p] += wv * xq[m];
+        }
+      }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int p = 0; p < 4; ++p)
+      for (int s = 0; s < 2; ++s) {
+        const Vec& a = acc[m][p];
+        const int r = 2 * p + s;
+        out[m * ldo + r] = ((a[4 * s] + a[4 * s + 1]) + (a[4 * s + 2] + a[4 * s + 3])) +
+                           (bias != nullptr ? bias[r] : 0.f);
+      }
+}
+
+// Groups [g_begin, g_end) of out[M][N] with fp32 activations x[M][K], two rows per pass.
+template <int64_t F>
+void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t nb, const uint8_t* w, const float* bias,
+                 float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+  thread_local std::vector<float> wide;
+  wide.resize(nb * kWideBlock);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    widen_group<F>(w + g * nb * tile_bytes<F>(), nb, wide.data());
+    const float* gb = bias != nullptr ? bias + g * kRows : nullptr;
+    for (int64_t m = 0; m < m_len; m += 2) {
+      if (m + 1 < m_len) {
+        fp32_group_rows<2>(x + m * ldx, ldx, nb, wide.data(), gb, out + m * ldo + g * kRows, ldo);
+      } else {
+        fp32_group_rows<1>(x + m * ldx, ldx, nb, wide.data(), gb, out + m * ldo + g * kRows, ldo);
+      }
+    }
+  }
+}
+
+template <int64_t F, int M>
+void int8_pass(const at::Tensor& out, const ActPlanes& act, int64_t row0, const uint8_t* w, const float* bias,
+               int64_t g_begin, int64_t g_end) {
+  const int64_t nb = act.nb, ldo = out.stride(0);
+  int8_groups<F, M>(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nb,
+                    w, bias, out.data_ptr<float>() + row0 * ldo, ldo, g_begin, g_end);
+}
+
+// Every activation row over groups [g_begin, g_end), four rows per pass (the chunk's tiles stay
+// in cache between passes).
+template <int64_t F>
+void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
+                int64_t g_begin, int64_t g_end) {
+  for (int64_t row0 = 0; row0 < m_len;) {
+    const int64_t rows = std::min<int64_t>(4, m_len - row0);
+    switch (rows) {
+      case 1: int8_pass<F, 1>(out, act, row0, w, bias, g_begin, g_end); break;
+      case 2: int8_pass<F, 2>(out, act, row0, w, bias, g_begin, g_end); break;
+      case 3: int8_pass<F, 3>(out, act, row0, w, bias, g_begin, g_end); break;
+      default: int8_pass<F, 4>(out, act, row0, w, bias, g_begin, g_end); break;
+    }
+    row0 += rows;
+  }
+}
+
+// Rows [0, exact) of x with fp32 activations, the others with int8 ones.
+template <int64_t F>
+void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n_len, int64_t k_len,
+                     const float* bias, int64_t exact) {
+  const int64_t m_len = x.size(0), nb = k_len / kBlock, groups = n_len / kRows;
+  const at::Tensor out_int8 = out.narrow(0, exact, m_len - exact);
+  std::optional<ActPlanes> act;
+  if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
+  // Chunks of at least ~64 KiB of packed weights, about eight per thread.
+  const int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
+  parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
+    if (exact) {
+      fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
+                     g_begin, g_end);
+    }
+    if (act) int8_chunk<F>(out_int8, *act, m_len - exact, w, bias, g_begin, g_end);
+  }, /*openmp=*/m_len >= openmp_rows());
+}
+
+template <int64_t F>
+void dequant_groups(const uint8_t* w, int64_t nb, float* out, int64_t k_len, int64_t g_begin, int64_t g_end) {
+  thread_local std::vector<float> wide;
+  wide.resize(nb * kWideBlock);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    widen_group<F>(w + g * nb * tile_bytes<F>(), nb, wide.data());
+    for (int r = 0; r < kRows; ++r) {
+      float* row = out + (g * kRows + r) * k_len;
+      for (int64_t b = 0; b < nb; ++b)
+        for (int half = 0; half < 2; ++half)
+          for (int j = 0; j < 4; ++j)
+            std::memcpy(row + b * kBlock + half * (kBlock / 2) + 4 * j,
+                        wide.data() + b * kWideBlock + ((half * 4 + j) * 4 + r / 2) * 8 + (r % 2) * 4,
+                        4 * sizeof(float));
+    }
+  }
+}
+
+}  // namespace
+
+bool is_interleaved(int64_t format) { return format == kQuantQ4_0R8 || format == kQuantQ4_1R8; }
+
+int64_t interleaved_base(int64_t format) { return format - kQuantInterleaved; }
+
+void interleaved_linear(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t format,
+                        int64_t n_len, int64_t k_len, const float* bias, int64_t exact) {
+  TORCH_CHECK(n_len % kRows == 0, "quant_linear: an interleaved weight has a multiple of 8 rows; got ", n_len);
+  if (format == kQuantQ4_0R8) return run_interleaved<kQuantQ4_0>(out, x, w, n_len, k_len, bias, exact);
+  return run_interleaved<kQuantQ4_1>(out, x, w, n_len, k_len, bias, exact);
+}
+
+void interleaved_dequantize(float* out, const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len) {
+  TORCH_CHECK(n_len % kRows == 0, "dequantize: an interleaved weight has a multiple of 8 rows; got ", n_len);
+  const int64_t nb = k_len / kBlock, groups = n_len / kRows;
+  const int64_t chunk = row_chunk(groups, kRows * k_len, 64 * 1024);
+  // Runs just before a oneDNN GEMM: share OpenMP's threads (parallel.h).
+  parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
+    if (format == kQuantQ4_0R8) return dequant_groups<kQuantQ4_0>(w, nb, out, k_len, g_begin, g_end);
+    dequant_groups<kQuantQ4_1>(w, nb, out, k_len, g_begin, g_end);
+  }, /*openmp=*/true);
+}
+
+}  // namespace pagedserve::cpu

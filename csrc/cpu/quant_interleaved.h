@@ -1,0 +1,23 @@
+// Linear layers on Q4_0 / Q4_1 weights repacked eight rows at a time (quant_interleaved.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace pagedserve::cpu {
+
+// Whether `format` is an eight-row interleaved one (kQuantQ4_0R8, kQuantQ4_1R8), and its GGUF base.
+bool is_interleaved(int64_t format);
+int64_t interleaved_base(int64_t format);
+
+// out fp32 [M, N] = x fp32 [M, K] . W^T (+ bias [N]) for an interleaved weight `w` of N rows (a
+// multiple of 8) and K / 32 blocks per row, checked by the caller: rows [0, exact) of x with fp32
+// activations, the others with int8 ones.
+void interleaved_linear(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t format,
+                        int64_t n_len, int64_t k_len, const float* bias, int64_t exact);
+
+// out fp32 [N, K] (contiguous) = the weights of interleaved `w`.
+void interleaved_dequantize(float* out, const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len);
+
+}  // namespace pagedserve::cpu

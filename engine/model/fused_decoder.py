@@ -1,0 +1,101 @@
+"""The decoder layers in one C++ call where the model allows it (`ops.llama_decoder`).
+
+A one-row decode step of SmolLM2 on its Q4_1 weights makes ~300 module calls and ~600 op calls
+from Python, each a few microseconds: longer than the step's kernels once they read the eight-row
+layout (perf on `benchmarks/quant_bench.py --batches 1`: over half the step's CPU time in the
+interpreter). `FusedDecoder` hands the same kernels the same tensors in the same order from C++
+(csrc/cpu/decoder.cpp), so a step's hidden states are bit for bit those of the module path
+(tests/engine/model/test_fused_decoder.py compares them).
+
+It serves CPU models whose every decoder linear is a one-shard packed `QuantLinear` without
+tensor parallelism, for steps of at most `QUANT_GEMV_MAX_ROWS` tokens over a real KV cache (the
+kernel's range: longer prefills go through oneDNN, where Python's share is small); anything else
+runs the modules.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+import ops
+from engine.model.attention import AttentionMetadata
+from engine.model.quant_linear import QuantLinear
+from ops.build import cpu_ops
+from ops.quant import QUANT_GEMV_MAX_ROWS
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+_NONE = torch.empty(0)  # "no bias" in the op's tensor list
+
+
+def _layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
+    return list(model.model.layers)  # type: ignore[arg-type]  # a ModuleList of LlamaDecoderLayer
+
+
+class FusedDecoder:
+    """The decoder layers' weights as the flat lists `ops.llama_decoder` takes."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        layers = _layers(model)
+        attn = layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.attn.scale
+        self.eps = layers[0].input_layernorm.eps
+        self.linears: list[QuantLinear] = []
+        self.norm_weights: list[Tensor] = []
+        for layer in layers:
+            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                assert isinstance(module, QuantLinear)
+                self.linears.append(module)
+            self.norm_weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+        self.qweights = [m.shards()[0][1] for m in self.linears]
+        self.formats = [m.formats[0].type_id for m in self.linears]  # type: ignore[union-attr]
+        self.biases = [_NONE if m.bias is None else m.bias.detach() for m in self.linears]
+
+    @staticmethod
+    def for_model(model: LlamaForCausalLM) -> FusedDecoder | None:
+        """A fused decoder for `model`, or None where it does not apply (module docstring)."""
+        layers = _layers(model)
+        if model.shard.size != 1 or not layers:
+            return None
+        for layer in layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if not all(isinstance(m, QuantLinear) and len(m.formats) == 1 and m.formats[0] is not None
+                       and m.shards()[0][1].is_cpu for m in linears):
+                return None
+            eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            if eps != {layers[0].input_layernorm.eps}:
+                return None
+        return FusedDecoder(model)
+
+    @staticmethod
+    def applies(hidden: Tensor, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:
+        """Whether this step can run fused: CPU fp32 activations, at most `QUANT_GEMV_MAX_ROWS`
+        tokens, a real cache (a profiling pass has none), the compiled kernels selected."""
+        return (0 < hidden.shape[0] <= QUANT_GEMV_MAX_ROWS and hidden.is_cpu and hidden.dtype == torch.float32
+                and bool(kv_caches) and kv_caches[0][0].numel() > 0 and ops.get_backend() == "auto")
+
+    def __call__(self, hidden: Tensor, rope: tuple[Tensor, Tensor], kv_caches: list[tuple[Tensor, Tensor]],
+                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """`(last layer's MLP output, residual stream)` for the final norm; `hidden` (the
+        embeddings, owned by the caller) is overwritten."""
+        positions, cos_sin = rope
+        residual = torch.empty_like(hidden)
+        prefill = meta.num_prefills > 0
+        empty = _NONE.to(torch.int32)
+        out = cpu_ops().llama_decoder(
+            hidden.contiguous(), residual, positions.contiguous(), cos_sin, meta.slot_mapping.contiguous(),
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.num_prefill_tokens,
+            meta.prefill_block_tables.contiguous() if prefill else empty,
+            meta.prefill_query_start_loc if prefill else empty,
+            meta.prefill_context_lens_tensor if prefill else empty,
+            meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous(),
+            self.norm_weights, self.qweights, self.biases, self.formats,
+            [int(m.int8_activations) for m in self.linears],
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+        return out, residual

@@ -1,0 +1,127 @@
+"""The decoder layers in one C++ call (`FusedDecoder`) against the module path: bit for bit the
+same hidden states over prefill chunks, decode rows and mixed steps, for every quantized layout
+and an int8 KV cache; and it stays out of the way where it does not apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ops
+from engine.model.fused_decoder import FusedDecoder
+from engine.model.kv_cache import allocate_kv_caches
+from engine.model.llama import LlamaForCausalLM
+from engine.model.loader import load_model
+from engine.model.quant_linear import QuantLinear
+from ops.quant import Q4_0, Q4_1, Q8_0, QuantFormat, interleave
+from ops.reference import quant as ref
+from tests.fixtures.models import PagedHarness, Seq
+
+_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _quantized(model_dir: Path, formats: list[QuantFormat], repack: bool, bias: bool = False) -> LlamaForCausalLM:
+    """The tiny model with every decoder linear a one-shard `QuantLinear` (formats cycled; Q4 ones in
+    the eight-row layout with `repack`), with random fp32 biases when `bias`."""
+    model = load_model(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    i = 0
+    for layer in model.model.layers:
+        for path in _LINEARS:
+            linear = layer.get_submodule(path)
+            assert isinstance(linear, nn.Linear)
+            fmt = formats[i % len(formats)]
+            i += 1
+            packed = ref.quantize(linear.weight.detach(), fmt.type_id)
+            if repack:
+                packed, fmt = interleave(packed, fmt)
+            b = torch.randn(linear.out_features, generator=gen) if bias else None
+            parent, _, name = path.rpartition(".")
+            setattr(layer.get_submodule(parent), name, QuantLinear(linear.in_features, [(fmt, packed)], b))
+    return model
+
+
+def _run(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Logits of a fixed schedule: two prompts prefilled in chunks (one beside decode rows), then
+    decode steps of both."""
+    model.use_fused_decoder = fused
+    harness = PagedHarness(model, num_blocks=64, block_size=4, seed=3)
+    if kv_dtype != torch.float32:
+        harness.kv_caches = allocate_kv_caches(model, 64, 4, kv_dtype)
+    gen = torch.Generator().manual_seed(5)
+    a = Seq(torch.randint(0, 320, (40,), generator=gen).tolist())
+    b = Seq(torch.randint(0, 320, (40,), generator=gen).tolist())
+    out = [harness.step([(a, 11)], []), harness.step([(a, 7), (b, 9)], []), harness.step([(b, 5)], [a])]
+    out += [harness.step([], [a, b]) for _ in range(6)]
+    return out
+
+
+@pytest.mark.parametrize("formats,repack,bias", [
+    ([Q4_1], True, False), ([Q4_0, Q4_1, Q8_0], True, True), ([Q4_1, Q8_0], False, False),
+])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_fused_layers_equal_the_modules_bit_for_bit(tiny_llama_dir: Path, formats: list[QuantFormat],
+                                                    repack: bool, bias: bool, kv_dtype: torch.dtype) -> None:
+    model = _quantized(tiny_llama_dir, formats, repack, bias)
+    assert model.fused_decoder() is not None
+    fused, modules = _run(model, True, kv_dtype), _run(model, False, kv_dtype)
+    for step, (x, y) in enumerate(zip(fused, modules, strict=True)):
+        assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item()}"
+
+
+def test_fused_path_runs_only_where_it_applies(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _quantized(tiny_llama_dir, [Q4_1], True)
+    calls: list[int] = []
+    original = FusedDecoder.__call__
+
+    def counting(self: FusedDecoder, *args: object) -> object:
+        calls.append(1)
+        return original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counting)
+    harness = PagedHarness(model, num_blocks=64, block_size=4)
+    seq = Seq(list(range(25)))
+    harness.step([(seq, 20)], [])
+    assert len(calls) == 1
+    ops.set_backend("reference")
+    try:
+        harness.step([], [seq])
+    finally:
+        ops.set_backend("auto")
+    assert len(calls) == 1  # the reference backend runs the modules (the oracle of every op)
+    model.use_fused_decoder = False
+    harness.step([], [seq])
+    assert len(calls) == 1
+
+
+def test_fused_decoder_needs_one_packed_shard_per_linear(tiny_llama_dir: Path) -> None:
+    assert FusedDecoder.for_model(load_model(tiny_llama_dir)) is None  # fp32 linears
+    model = _quantized(tiny_llama_dir, [Q4_1], True)
+    assert FusedDecoder.for_model(model) is not None
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear)
+    weight = qkv.dequantized_weight()
+    half = weight.shape[0] // 2
+    model.model.layers[1].self_attn.qkv_proj = QuantLinear(
+        weight.shape[1], [(Q4_1, ref.quantize(weight[:half], Q4_1.type_id)), (None, weight[half:])])
+    assert FusedDecoder.for_model(model) is None  # an fp32 shard: the module path
+
+
+def test_prompt_rows_compute_what_fp32_activations_give(tiny_llama_dir: Path) -> None:
+    """A step's prefill rows keep fp32 activations (`EXACT_ROWS`): a prompt's logits are bit for bit
+    those of the same model with int8 activations off, on both paths; decode rows are not."""
+    model = _quantized(tiny_llama_dir, [Q4_1, Q8_0], True)
+    results = {}
+    for int8 in (True, False):
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.int8_activations = int8
+        for fused in (True, False):
+            results[int8, fused] = _run(model, fused, torch.float32)
+    for fused in (True, False):
+        prompt_steps = results[True, fused][:2]  # prefill chunks only
+        assert all(torch.equal(a, b) for a, b in zip(prompt_steps, results[False, fused][:2], strict=True))
+        assert not torch.equal(results[True, fused][-1], results[False, fused][-1])  # decode rows: int8
