@@ -4,6 +4,8 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
 
 - `rows`: one layer's four linears at 1, 4 and 5 rows (a plain decode row, a K = 3 and a K = 4
   verify row), 2 threads; the weights stay in cache, so this is the arithmetic's cost;
+- `prompt_rows`: one layer at 32 rows with int8 activations and with fp32 ones (`exact_rows`: a
+  step's prompt rows);
 - `one_row`: all 30 layers' linears at one row (66 MB, out of cache) at 1 and 2 threads: the
   bandwidth a decode step gets and how it scales over the second thread.
 
@@ -27,6 +29,7 @@ from ops.reference import quant as rq
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 LAYERS = 30
+PROMPT_ROWS = 32  # a prompt chunk: its rows keep fp32 activations (`exact_rows`)
 
 
 def sample(fn: Callable[[], None], samples: list[float]) -> None:
@@ -64,6 +67,21 @@ def main() -> None:
         print(json.dumps({"bench": "rows", "layout": name, "threads": 2,
                           "us_per_layer": {str(r): round(v, 1) for r, v in us.items()},
                           "five_over_four": round(us[5] / us[4], 3), "four_over_one": round(us[4] / us[1], 3)}))
+    prompt = {(name, exact): [] for name in layouts for exact in (False, True)}  # type: dict[tuple[str, bool], list[float]]
+    x32 = {k: torch.randn(PROMPT_ROWS, k, generator=gen) for _, k in SHAPES}
+
+    def prompt_pass(weights: list[tuple[torch.Tensor, int]], fmt: oq.QuantFormat, exact: bool) -> Callable[[], None]:
+        def go() -> None:
+            for w, k in weights:
+                oq.quant_linear(x32[k], w, fmt, checked=True, exact_rows=PROMPT_ROWS if exact else 0)
+        return go
+
+    for _ in range(max(10, args.iters // 8)):
+        for (name, exact), samples in prompt.items():
+            sample(prompt_pass(layer[name], layouts[name], exact), samples)
+    print(json.dumps({"bench": "prompt_rows", "rows": PROMPT_ROWS, "threads": 2, "ms_per_layer": {
+        f"{name}_{'fp32' if exact else 'int8'}": round(1e3 * statistics.median(s), 3)
+        for (name, exact), s in prompt.items()}}))
     per_threads = {(name, t): [] for name in layouts for t in (1, 2)}  # type: dict[tuple[str, int], list[float]]
     for _ in range(max(10, args.iters // 8)):
         for (name, threads), samples in per_threads.items():

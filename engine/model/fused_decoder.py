@@ -15,7 +15,8 @@ runs the modules.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,21 +27,14 @@ from engine.model.quant_linear import QuantLinear
 from ops.build import cpu_ops
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaDecoderLayer, LlamaForCausalLM
-
 _NONE = torch.empty(0)  # "no bias" in the op's tensor list
 
 
-def _layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
-    return list(model.model.layers)  # type: ignore[arg-type]  # a ModuleList of LlamaDecoderLayer
-
-
 class FusedDecoder:
-    """The decoder layers' weights as the flat lists `ops.llama_decoder` takes."""
+    """The decoder layers' weights as the flat lists `ops.llama_decoder` takes. `layers` are
+    `engine.model.llama.LlamaDecoderLayer`s (typed loosely: that module builds this one)."""
 
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        layers = _layers(model)
+    def __init__(self, layers: Sequence[Any]) -> None:
         attn = layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.attn.scale
@@ -58,10 +52,10 @@ class FusedDecoder:
         self.biases = [_NONE if m.bias is None else m.bias.detach() for m in self.linears]
 
     @staticmethod
-    def for_model(model: LlamaForCausalLM) -> FusedDecoder | None:
-        """A fused decoder for `model`, or None where it does not apply (module docstring)."""
-        layers = _layers(model)
-        if model.shard.size != 1 or not layers:
+    def for_layers(layers: Sequence[Any], tp_size: int) -> FusedDecoder | None:
+        """A fused decoder for a model's decoder `layers` (at tensor-parallel size `tp_size`), or None
+        where it does not apply (module docstring)."""
+        if tp_size != 1 or not layers:
             return None
         for layer in layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -71,7 +65,7 @@ class FusedDecoder:
             eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
             if eps != {layers[0].input_layernorm.eps}:
                 return None
-        return FusedDecoder(model)
+        return FusedDecoder(layers)
 
     @staticmethod
     def applies(hidden: Tensor, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:

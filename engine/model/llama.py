@@ -158,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         """The layers' one-call form (`engine.model.fused_decoder`), made on first use; None where
         it does not apply or `use_fused_decoder` is off."""
         if not self.fused_checked:
-            self.fused, self.fused_checked = FusedDecoder.for_model(self), True
+            self.fused, self.fused_checked = FusedDecoder.for_layers(list(self.model.layers), self.shard.size), True
         return self.fused if self.use_fused_decoder else None
 
     @torch.inference_mode()

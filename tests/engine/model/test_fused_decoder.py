@@ -98,16 +98,17 @@ def test_fused_path_runs_only_where_it_applies(tiny_llama_dir: Path, monkeypatch
 
 
 def test_fused_decoder_needs_one_packed_shard_per_linear(tiny_llama_dir: Path) -> None:
-    assert FusedDecoder.for_model(load_model(tiny_llama_dir)) is None  # fp32 linears
+    assert FusedDecoder.for_layers(list(load_model(tiny_llama_dir).model.layers), 1) is None  # fp32 linears
     model = _quantized(tiny_llama_dir, [Q4_1], True)
-    assert FusedDecoder.for_model(model) is not None
+    assert FusedDecoder.for_layers(list(model.model.layers), 1) is not None
+    assert FusedDecoder.for_layers(list(model.model.layers), 2) is None  # tensor parallel: the modules
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert isinstance(qkv, QuantLinear)
     weight = qkv.dequantized_weight()
     half = weight.shape[0] // 2
     model.model.layers[1].self_attn.qkv_proj = QuantLinear(
         weight.shape[1], [(Q4_1, ref.quantize(weight[:half], Q4_1.type_id)), (None, weight[half:])])
-    assert FusedDecoder.for_model(model) is None  # an fp32 shard: the module path
+    assert FusedDecoder.for_layers(list(model.model.layers), 1) is None  # an fp32 shard: the module path
 
 
 def test_prompt_rows_compute_what_fp32_activations_give(tiny_llama_dir: Path) -> None:
