@@ -39,6 +39,8 @@ class Workload:
     max_model_len: int = 2048
     kv_cache_gib: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
+    pagedserve_model: str | None = None  # what pagedserve loads instead of `model` (the same weights' GGUF)
+    vllm_dtype: str = "float32"
 
 
 def _generate(llm: Any, prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
@@ -58,7 +60,10 @@ def run_pagedserve(work: Workload) -> dict[str, Any]:
     from engine.llm import LLM
 
     start = time.perf_counter()
-    llm = LLM(work.model, dtype="float32", kv_cache_memory=work.kv_cache_gib << 30, max_model_len=work.max_model_len)
+    model = work.pagedserve_model or work.model
+    tokenizer = work.model if work.pagedserve_model else None
+    llm = LLM(model, tokenizer=tokenizer, dtype="float32", kv_cache_memory=work.kv_cache_gib << 30,
+              max_model_len=work.max_model_len)
     startup = time.perf_counter() - start
     try:
         _generate(llm, [work.warmup[0]], [work.warmup[1]])
@@ -80,7 +85,8 @@ def run_pagedserve(work: Workload) -> dict[str, Any]:
 
 def run_vllm(work: Workload, venv: Path, log_path: Path) -> dict[str, Any]:
     """The workload through vLLM's `LLM` in a subprocess (the venv's python); its output to `log_path`."""
-    job = {"model": work.model, "max_model_len": work.max_model_len, "warmup": list(work.warmup),
+    job = {"model": work.model, "dtype": work.vllm_dtype, "max_model_len": work.max_model_len,
+           "warmup": list(work.warmup),
            "runs": [asdict(r) for r in work.runs]}
     job_path, result_path = log_path.with_suffix(".job.json"), log_path.with_suffix(".result.json")
     job_path.write_text(json.dumps(job))

@@ -118,7 +118,9 @@ def offline(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Em
     prompts, lens = [p for p, _ in trace], [o for _, o in trace]
     runs = _repeated("offline", prompts, lens, args.repeats, _vocab(model), args.seed)
     work = Workload(model, runs, (prompts[0][:16], 4), args.max_model_len, args.kv_cache_gib,
-                    {"requests": len(trace), "prompt_tokens": sum(map(len, prompts)), "model": Path(model).name})
+                    {"requests": len(trace), "prompt_tokens": sum(map(len, prompts)), "model": Path(model).name,
+                     "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype},
+                    args.pagedserve_model, args.vllm_dtype)
     ours, theirs = _side_by_side("offline", work, venv, log_dir, emit, _throughput("offline"), "tokens_per_s")
     if theirs is not None:
         emit({"part": "offline", "greedy_agreement": agreement(ours["runs"]["offline0"]["token_ids"],
@@ -148,7 +150,9 @@ def single(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emi
         return {"decode_tokens": n, "first_token_s": round(first, 4), "decode_tok_s": round(n / (full - first), 2)}
 
     work = Workload(model, runs, (prompt[:16], 4), args.max_model_len, args.kv_cache_gib,
-                    {"prompt_len": len(prompt), "model": Path(model).name})
+                    {"prompt_len": len(prompt), "model": Path(model).name,
+                     "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype},
+                    args.pagedserve_model, args.vllm_dtype)
     _side_by_side("single", work, venv, log_dir, emit, figures, "decode_tok_s")
 
 

@@ -2,9 +2,10 @@
 
     VLLM_CPU_KVCACHE_SPACE=2 VENV/bin/python benchmarks/peer/vllm_offline.py JOB.json RESULT.json
 
-JOB: {"model", "max_model_len", "warmup": [[ids], out_len], "runs": [{"name", "prompts": [[ids]...],
-"output_lens": [...], "return_tokens": bool}]}. Each run is one `LLM.generate` call, greedy, every
-request exactly its output length (ignore_eos, min_tokens), timed around the call. RESULT:
+JOB: {"model", "dtype" (default float32), "max_model_len", "warmup": [[ids], out_len],
+"runs": [{"name", "prompts": [[ids]...], "output_lens": [...], "return_tokens": bool}]}. Each run is
+one `LLM.generate` call, greedy, every request exactly its output length (ignore_eos, min_tokens),
+timed around the call. RESULT:
 {"startup_s", "config", "runs": {name: {"seconds", "output_tokens", "token_ids"?}}}.
 Standalone on purpose: the vLLM venv has no pagedserve installed."""
 
@@ -23,7 +24,7 @@ def main(job_path: str, result_path: str) -> int:
 
     job: dict[str, Any] = json.loads(Path(job_path).read_text())
     start = time.perf_counter()
-    llm = LLM(model=job["model"], dtype="float32", max_model_len=job["max_model_len"], seed=0)
+    llm = LLM(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"], seed=0)
     startup = time.perf_counter() - start
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[float, list[list[int]]]:
