@@ -9,7 +9,7 @@ it all. Preemptions and running requests are read from the engine's Prometheus p
 (`--metrics-port`), sampled every 0.2 s while the burst runs.
 
     python benchmarks/kv_served_bench.py [--model DIR|FILE.gguf] [--kv-cache-memory 112MiB] \
-        [--num-prompts 32] [--prompt-len 128] [--output-len 128] [--kv-dtypes auto,int8]
+        [--num-prompts 32] [--prompt-len 128] [--output-len 128] [--kv-dtypes float32,int8]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--kv-dtypes", default="auto,int8", help="comma-separated `--kv-cache-dtype` values")
+    parser.add_argument("--kv-dtypes", default="float32,int8", help="comma-separated `--kv-cache-dtype` values")
     parser.add_argument("--engine-args", default="", help="more `pagedserve engine` flags for every server")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

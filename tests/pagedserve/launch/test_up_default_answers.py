@@ -1,13 +1,13 @@
-"""`pagedserve up`'s default configuration (the Q4_1 GGUF with int8 activations, its default KV cache
-dtype) answers simple factual questions as the fp32 model does: greedy, chat-templated, the fact
+"""`pagedserve up`'s default configuration (the Q4_1 GGUF with int8 activations, an int8 KV cache)
+answers simple factual questions as the fp32 model does: greedy, chat-templated, the fact
 each fp32 answer states must be in the default's answer too.
 
-This was the gate for an int8 KV cache by default: Q4_1 weights with int8 activations everywhere
+This was the gate for the int8 KV cache default: Q4_1 weights with int8 activations everywhere
 and an int8 cache answered "What is the capital of France?" with "L'Étoile, …", where fp32 (and each
 alone) says Paris: the answer's first token is a near-tie in fp32 ("The" -1.88 against "L" -1.97),
 and int8 rounding of the prompt's activations, on top of any 8-bit KV rounding, tipped it. Prompt
 rows now keep fp32 activations (`engine.model.quant_linear.EXACT_ROWS`), so the first token is the
-dequantized model's and both configurations state every fact. Each question is asked alone, as one
+dequantized model's and both configurations (int8 and fp32 KV) state every fact. Each question is asked alone, as one
 client asks it."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.worker.cli import resolve_model
-from pagedserve.launch.up import add_arguments
+from pagedserve.launch.up import add_arguments, up_kv_cache_dtype
 
 # question -> the fact fp32 SmolLM2 states in its greedy answer
 FACTS = {
@@ -54,12 +54,13 @@ def test_fp32_model_states_each_fact(smollm2_dir: Path) -> None:
 
 @pytest.mark.parametrize("kv_cache_dtype", [
     pytest.param(None, id="up-default"),
-    pytest.param("int8", id="int8-kv", marks=pytest.mark.slow),
+    pytest.param("float32", id="fp32-kv", marks=pytest.mark.slow),
 ])
 def test_up_default_configuration_states_each_fact(smollm2_dir: Path, kv_cache_dtype: str | None) -> None:
     args = up_defaults()
     model, tokenizer = resolve_model(args.model, args.tokenizer, args.quantization)
     assert model.endswith(".gguf"), "up serves the GGUF by default"
-    got = answers(model, tokenizer, kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype, dtype="auto",
-                  quantization=args.quantization)
+    kv = kv_cache_dtype or up_kv_cache_dtype(args.kv_cache_dtype, model, args.quantization)
+    assert kv_cache_dtype or kv == "int8", "up serves the GGUF with an int8 KV cache by default"
+    got = answers(model, tokenizer, kv_cache_dtype=kv, dtype="auto", quantization=args.quantization)
     assert all(fact in got[q] for q, fact in FACTS.items()), got
