@@ -25,7 +25,7 @@ CPU_SOURCES = (
     "cpu/quant_screen.cpp", "cpu/decoder.cpp", "cpu/registration.cpp",
 )
 CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h", "cpu/kv_quant.h", "cpu/quant_blocks.h",
-               "cpu/quant_interleaved.h")
+               "cpu/quant_interleaved.h", "cpu/row_passes.h")
 CUDA_SOURCES = (
     "bindings.cpp", "paged_attention.cu", "prefill_attention.cu", "cache_kernels.cu", "fused_kernels.cu",
 )

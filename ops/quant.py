@@ -5,7 +5,10 @@ A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / 32 * fmt.block_bytes]
 
 - up to ``QUANT_GEMV_MAX_ROWS`` rows (decode) the C++ kernel streams the packed blocks once, with
   the activations quantized per 32-block to int8 (integer dot products; ``int8_activations``);
-- more rows (prefill) the weight is dequantized into an fp32 scratch copy and multiplied by oneDNN.
+- more rows (prefill) the weight is dequantized into an fp32 scratch copy and multiplied by oneDNN,
+  except a step's int8 rows on the eight-row layouts, which stay on the kernel at any count (there
+  its int8 path beats oneDNN's fp32 GEMM 1.5-1.8x at 128-512 rows, and a decode row then gets the
+  same bits in a step of any size); their fp32 ``exact_rows`` go to oneDNN past the crossover.
 
 The reference backend (and non-CPU tensors) dequantize in torch and multiply.
 """
@@ -141,10 +144,18 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias:
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     rows = flat.shape[0]
-    if rows > QUANT_GEMV_MAX_ROWS:
+    exact = min(exact_rows, rows) if x.dim() == 2 else 0
+    if rows > QUANT_GEMV_MAX_ROWS and int8_activations and fmt in INTERLEAVED.values() and exact < rows:
+        out = flat.new_empty((rows, n))
+        if exact <= QUANT_GEMV_MAX_ROWS:
+            _kernel()(out, flat, qweight, fmt.type_id, bias, True, exact)
+        else:
+            out[:exact] = F.linear(flat[:exact], dequantize(qweight, fmt, k), bias)
+            _kernel()(out[exact:], flat[exact:], qweight, fmt.type_id, bias, True, 0)
+    elif rows > QUANT_GEMV_MAX_ROWS:
         out = F.linear(flat, dequantize(qweight, fmt, k), bias)
     else:
         out = flat.new_empty((rows, n))
         if rows:
-            _kernel()(out, flat, qweight, fmt.type_id, bias, int8_activations, exact_rows if x.dim() == 2 else 0)
+            _kernel()(out, flat, qweight, fmt.type_id, bias, int8_activations, exact)
     return out.view(*x.shape[:-1], n)

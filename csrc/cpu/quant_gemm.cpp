@@ -20,6 +20,7 @@
 #include "parallel.h"
 #include "quant_blocks.h"
 #include "quant_interleaved.h"
+#include "row_passes.h"
 
 namespace pagedserve::cpu {
 namespace {
@@ -138,31 +139,17 @@ void fp32_group(const at::Tensor& out, const at::Tensor& x, int64_t row0, const 
 template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
                 int64_t begin, int64_t end) {
-  for (int64_t row0 = 0; row0 < m_len;) {
-    const int64_t left = m_len - row0;
-    const int64_t rows = left == 5 ? 5 : std::min<int64_t>(4, left);  // five: a verify row of 1 + 4 in one pass
-    switch (rows) {
-      case 1: int8_group<F, 1>(out, act, row0, w, bias, begin, end); break;
-      case 2: int8_group<F, 2>(out, act, row0, w, bias, begin, end); break;
-      case 3: int8_group<F, 3>(out, act, row0, w, bias, begin, end); break;
-      case 5: int8_group<F, 5>(out, act, row0, w, bias, begin, end); break;
-      default: int8_group<F, 4>(out, act, row0, w, bias, begin, end); break;
-    }
-    row0 += rows;
-  }
+  for_row_passes<true>(m_len, [&](auto rows, int64_t row0) {
+    int8_group<F, decltype(rows)::value>(out, act, row0, w, bias, begin, end);
+  });
 }
 
 template <int64_t F>
 void fp32_chunk(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t k_len, const float* bias,
                 int64_t begin, int64_t end) {
-  for (int64_t row0 = 0; row0 < x.size(0); row0 += 4) {
-    switch (std::min<int64_t>(4, x.size(0) - row0)) {
-      case 1: fp32_group<F, 1>(out, x, row0, w, k_len, bias, begin, end); break;
-      case 2: fp32_group<F, 2>(out, x, row0, w, k_len, bias, begin, end); break;
-      case 3: fp32_group<F, 3>(out, x, row0, w, k_len, bias, begin, end); break;
-      default: fp32_group<F, 4>(out, x, row0, w, k_len, bias, begin, end); break;
-    }
-  }
+  for_row_passes<false>(x.size(0), [&](auto rows, int64_t row0) {
+    fp32_group<F, decltype(rows)::value>(out, x, row0, w, k_len, bias, begin, end);
+  });
 }
 
 // Rows [0, exact) of x with fp32 activations, the others with int8 ones (ops.h: quant_linear).

@@ -26,6 +26,7 @@
 #include "parallel.h"
 #include "quant_blocks.h"
 #include "quant_interleaved.h"
+#include "row_passes.h"
 
 namespace pagedserve::cpu {
 namespace {
@@ -270,20 +271,14 @@ void int8_pass(const at::Tensor& out, const ActPlanes& act, int64_t row0, const 
 }
 
 // Every activation row over groups [g_begin, g_end), four rows per pass (the chunk's tiles stay
-// in cache between passes).
+// in cache between passes). A pass of five for a verify row of 1 + 4 did not pay here: five rows
+// cost 1.15x four rows either way (benchmarks/quant_rows_bench.py; its registers spill).
 template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
                 int64_t g_begin, int64_t g_end) {
-  for (int64_t row0 = 0; row0 < m_len;) {
-    const int64_t rows = std::min<int64_t>(4, m_len - row0);
-    switch (rows) {
-      case 1: int8_pass<F, 1>(out, act, row0, w, bias, g_begin, g_end); break;
-      case 2: int8_pass<F, 2>(out, act, row0, w, bias, g_begin, g_end); break;
-      case 3: int8_pass<F, 3>(out, act, row0, w, bias, g_begin, g_end); break;
-      default: int8_pass<F, 4>(out, act, row0, w, bias, g_begin, g_end); break;
-    }
-    row0 += rows;
-  }
+  for_row_passes<false>(m_len, [&](auto rows, int64_t row0) {
+    int8_pass<F, decltype(rows)::value>(out, act, row0, w, bias, g_begin, g_end);
+  });
 }
 
 // Rows [0, exact) of x with fp32 activations, the others with int8 ones.
@@ -326,8 +321,6 @@ void dequant_groups(const uint8_t* w, int64_t nb, float* out, int64_t k_len, int
 }  // namespace
 
 bool is_interleaved(int64_t format) { return format == kQuantQ4_0R8 || format == kQuantQ4_1R8; }
-
-int64_t interleaved_base(int64_t format) { return format - kQuantInterleaved; }
 
 void interleaved_linear(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t format,
                         int64_t n_len, int64_t k_len, const float* bias, int64_t exact) {

@@ -7,9 +7,8 @@
 
 namespace pagedserve::cpu {
 
-// Whether `format` is an eight-row interleaved one (kQuantQ4_0R8, kQuantQ4_1R8), and its GGUF base.
+// Whether `format` is an eight-row interleaved one (kQuantQ4_0R8, kQuantQ4_1R8).
 bool is_interleaved(int64_t format);
-int64_t interleaved_base(int64_t format);
 
 // out fp32 [M, N] = x fp32 [M, K] . W^T (+ bias [N]) for an interleaved weight `w` of N rows (a
 // multiple of 8) and K / 32 blocks per row, checked by the caller: rows [0, exact) of x with fp32

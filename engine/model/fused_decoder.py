@@ -28,6 +28,7 @@ from ops.build import cpu_ops
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
 _NONE = torch.empty(0)  # "no bias" in the op's tensor list
+_NO_TABLES = torch.empty(0, dtype=torch.int32)  # a decode-only step's prefill tensors
 
 
 class FusedDecoder:
@@ -81,13 +82,12 @@ class FusedDecoder:
         positions, cos_sin = rope
         residual = torch.empty_like(hidden)
         prefill = meta.num_prefills > 0
-        empty = _NONE.to(torch.int32)
         out = cpu_ops().llama_decoder(
             hidden.contiguous(), residual, positions.contiguous(), cos_sin, meta.slot_mapping.contiguous(),
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.num_prefill_tokens,
-            meta.prefill_block_tables.contiguous() if prefill else empty,
-            meta.prefill_query_start_loc if prefill else empty,
-            meta.prefill_context_lens_tensor if prefill else empty,
+            meta.prefill_block_tables.contiguous() if prefill else _NO_TABLES,
+            meta.prefill_query_start_loc if prefill else _NO_TABLES,
+            meta.prefill_context_lens_tensor if prefill else _NO_TABLES,
             meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous(),
             self.norm_weights, self.qweights, self.biases, self.formats,
             [int(m.int8_activations) for m in self.linears],
