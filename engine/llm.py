@@ -96,6 +96,11 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes no running request holds (vLLM's `LLM.reset_prefix_cache`):
+        the next prompt is computed in full. The number of blocks dropped."""
+        return self.engine.reset_prefix_cache()
+
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))

@@ -162,6 +162,10 @@ class LLMEngine:
         self.counters["finished_abort"] += 1
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's free blocks (`BlockManager.reset_prefix_cache`); how many."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -255,6 +255,18 @@ class BlockManager:
                 block.hash, block.parent_hash, block.token_ids = key, parent, tokens
                 self.cached[key] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every prefix-cache entry of a free block (blocks in use keep theirs: their
+        sequences still reference them); the number of blocks dropped. What vLLM's
+        `reset_prefix_cache` does, e.g. so a benchmark times a prompt as a new one."""
+        dropped = [block for block in self.cached.values() if block.ref_count == 0]
+        for block in dropped:
+            del self.cached[block.hash]  # type: ignore[arg-type]  # cached blocks have a hash
+            block.forget_hash()
+            block.num_tokens = 0
+        self.num_cached_free_blocks -= len(dropped)
+        return len(dropped)
+
     # ----- swapping ------------------------------------------------------------------------
     def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
         return len(self._distinct_blocks(seq_ids)) <= len(self.free_cpu)

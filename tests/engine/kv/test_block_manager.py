@@ -337,6 +337,29 @@ def test_prefix_hits_only_after_mark_computed() -> None:
     manager.check_invariants()
 
 
+def test_reset_prefix_cache_drops_free_entries_only() -> None:
+    """Free cached blocks forget their prefix (the next same prompt is computed in full); blocks a
+    running sequence holds keep theirs, so a prompt sharing them still hits."""
+    manager = prefix_bm()
+    held, dropped = tokens(10), [t + 100 for t in tokens(10)]
+    manager.allocate(0, held)
+    manager.mark_computed(0, 10)
+    manager.allocate(1, dropped)
+    manager.mark_computed(1, 10)
+    manager.free(1)
+    assert manager.num_cached_free_blocks == 2
+    assert manager.reset_prefix_cache() == 2
+    manager.check_invariants()
+    assert manager.num_cached_free_blocks == 0
+    assert manager.allocate(2, dropped) == 0
+    assert manager.allocate(3, held) == 8  # sequence 0 still holds its two full blocks
+    assert manager.reset_prefix_cache() == 0
+    for seq_id in (0, 2, 3):
+        manager.free(seq_id)
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+
+
 def test_prefix_partial_mark_computed_hits_only_computed_blocks() -> None:
     manager = prefix_bm()
     manager.allocate(0, tokens(12))
