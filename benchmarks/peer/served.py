@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peer.counters import pagedserve_figures, vllm_figures
+from benchmarks.peer.vllm_env import vllm_env
 from common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +53,7 @@ def vllm_spec(venv: Path, model: str, kv_cache_gib: int, max_model_len: int) -> 
     port = free_port()
     cmd = [str(venv / "bin" / "vllm"), "serve", model, "--dtype", "float32", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len)]
-    return ServerSpec(cmd, port, vllm_figures, {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)})
+    return ServerSpec(cmd, port, vllm_figures, vllm_env(kv_cache_gib))
 
 
 def _idle_tokens(spec: ServerSpec, url: str, timeout: float = 1800.0) -> float:
