@@ -85,6 +85,7 @@ class LLMEngine:
         """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
         self.model = load_model(config.model, self.dtype, self.device, config.quantization, shard, spec)
         self.model.use_logit_screen = config.logit_screen
+        self.model.exact_prompt_rows = config.exact_prompt_rows
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
             set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model)))
         kv_spec = shard.kv_spec(self.model.spec)

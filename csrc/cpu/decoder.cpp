@@ -1,7 +1,7 @@
 // The decoder layers of a Llama-family model on quantized weights in one call: for each layer the
 // same kernels, in the same order and on the same tensors, as the Python modules call them
 // (engine/model/llama.py: LlamaDecoderLayer), so the results are bit for bit those of the module
-// path (prompt rows on fp32 activations: exact_rows = the step's prefill tokens). What it removes is
+// path (rows [0, exact_rows) on fp32 activations: the step's prefill tokens, or none). What it removes is
 // the per-layer Python: a one-row decode step of SmolLM2 makes ~300
 // module calls and ~600 op calls, which took longer than its kernels (engine/model/fused_decoder.py).
 #include <ATen/ATen.h>
@@ -22,7 +22,7 @@ c10::optional<at::Tensor> bias_of(const at::Tensor& bias) {
 
 at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
                          const at::Tensor& cos_sin, const at::Tensor& slot_mapping, at::TensorList key_caches,
-                         at::TensorList value_caches, int64_t num_prefill_tokens,
+                         at::TensorList value_caches, int64_t num_prefill_tokens, int64_t exact_rows,
                          const at::Tensor& prefill_block_tables, const at::Tensor& prefill_query_start_loc,
                          const at::Tensor& prefill_context_lens, const at::Tensor& decode_block_tables,
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
@@ -44,12 +44,13 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
   const int64_t num_decodes = decode_context_lens.size(0);
   TORCH_CHECK(num_prefill_tokens >= 0 && num_prefill_tokens + num_decodes == tokens,
               "llama_decoder: prefill tokens + decode rows must be the step's tokens");
+  TORCH_CHECK(exact_rows >= 0 && exact_rows <= tokens, "llama_decoder: exact_rows must be in [0, tokens]");
   const bool prefill = prefill_context_lens.size(0) > 0 && num_prefill_tokens > 0;
   const int64_t q_heads = num_heads, kv_heads = num_kv_heads, heads = q_heads + 2 * kv_heads;
   const auto linear = [&](int64_t index, const at::Tensor& x) {
     const at::Tensor& w = qweights[index];
     at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-    quant_linear(out, x, w, formats[index], bias_of(biases[index]), int8_activations[index] != 0, num_prefill_tokens);
+    quant_linear(out, x, w, formats[index], bias_of(biases[index]), int8_activations[index] != 0, exact_rows);
     return out;
   };
   at::Tensor h = hidden;  // the layer's normed input; the MLP output lands in a fresh tensor

@@ -98,10 +98,11 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
 // [T, H] holds the embeddings (it becomes layer 0's normed input), residual [T, H] receives the
 // residual stream; returns the last layer's MLP output (the final norm adds it to residual). Per
 // layer: norm_weights 2 (input, post-attention), qweights / biases (numel 0: none) / formats /
-// int8_activations 4 (qkv, o, gate_up, down). Attention as engine/model/attention.py runs it.
+// int8_activations 4 (qkv, o, gate_up, down); rows [0, exact_rows) keep fp32 activations
+// (quant_linear). Attention as engine/model/attention.py runs it.
 at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
                          const at::Tensor& cos_sin, const at::Tensor& slot_mapping, at::TensorList key_caches,
-                         at::TensorList value_caches, int64_t num_prefill_tokens,
+                         at::TensorList value_caches, int64_t num_prefill_tokens, int64_t exact_rows,
                          const at::Tensor& prefill_block_tables, const at::Tensor& prefill_query_start_loc,
                          const at::Tensor& prefill_context_lens, const at::Tensor& decode_block_tables,
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,

@@ -39,7 +39,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor qweight, int format, Tensor norms, float rounding, float norm_slack) -> ()");
   m.def(
       "llama_decoder(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor cos_sin, "
-      "Tensor slot_mapping, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, int num_prefill_tokens, "
+      "Tensor slot_mapping, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, int num_prefill_tokens, int exact_rows, "
       "Tensor prefill_block_tables, Tensor prefill_query_start_loc, Tensor prefill_context_lens, "
       "Tensor decode_block_tables, Tensor decode_context_lens, Tensor[] norm_weights, Tensor[] qweights, "
       "Tensor[] biases, int[] formats, int[] int8_activations, int num_heads, int num_kv_heads, int head_dim, "

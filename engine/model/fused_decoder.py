@@ -76,15 +76,16 @@ class FusedDecoder:
                 and bool(kv_caches) and kv_caches[0][0].numel() > 0 and ops.get_backend() == "auto")
 
     def __call__(self, hidden: Tensor, rope: tuple[Tensor, Tensor], kv_caches: list[tuple[Tensor, Tensor]],
-                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                 meta: AttentionMetadata, exact_rows: int) -> tuple[Tensor, Tensor]:
         """`(last layer's MLP output, residual stream)` for the final norm; `hidden` (the
-        embeddings, owned by the caller) is overwritten."""
+        embeddings, owned by the caller) is overwritten. Rows [0, exact_rows) keep fp32
+        activations (`EXACT_ROWS` on the module path)."""
         positions, cos_sin = rope
         residual = torch.empty_like(hidden)
         prefill = meta.num_prefills > 0
         out = cpu_ops().llama_decoder(
             hidden.contiguous(), residual, positions.contiguous(), cos_sin, meta.slot_mapping.contiguous(),
-            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.num_prefill_tokens,
+            [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.num_prefill_tokens, exact_rows,
             meta.prefill_block_tables.contiguous() if prefill else _NO_TABLES,
             meta.prefill_query_start_loc if prefill else _NO_TABLES,
             meta.prefill_context_lens_tensor if prefill else _NO_TABLES,

@@ -130,6 +130,10 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings and shard.owns_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.use_logit_screen = True  # greedy rows through `LogitScreen` where it applies
+        # Quantized linears with int8 activations: a step's prompt rows keep fp32 ones (the dequantized
+        # model's prompt logits and first token); False rounds them to int8 too (~2x faster prefill on
+        # the eight-row Q4 layouts; near-ties of the first token may then flip).
+        self.exact_prompt_rows = True
         self.screen: LogitScreen | QuantLogitScreen | None = None
         self.use_fused_decoder = True  # the layers in one C++ call where `FusedDecoder` applies
         self.fused: FusedDecoder | None = None
@@ -142,11 +146,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         rope = (positions, self.model.rotary_emb.table(positions))  # shared by every layer
         fused = self.fused_decoder()
+        exact_rows = meta.num_prefill_tokens if self.exact_prompt_rows else 0  # prompt rows on fp32 activations
         if fused is not None and fused.applies(hidden, kv_caches, meta):
-            last, stream = fused(hidden, rope, kv_caches, meta)
+            last, stream = fused(hidden, rope, kv_caches, meta, exact_rows)
             return self.model.norm(last, stream)[0]
         residual: Tensor | None = None
-        exact = EXACT_ROWS.set(meta.num_prefill_tokens)  # prompt rows keep fp32 activations
+        exact = EXACT_ROWS.set(exact_rows)
         try:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, meta)

@@ -86,6 +86,7 @@ def _serve(args: RankArgs) -> None:
     groups = join(args.rendezvous, args.rank)
     shard = TPShard(args.rank, groups.size, groups.compute)
     model = load_model(config.model, args.dtype, device, config.quantization, shard, args.spec)
+    model.exact_prompt_rows = config.exact_prompt_rows  # every rank rounds the same rows
     if device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share, as on rank 0
         from engine.model.quant_linear import all_linears_quantized
         from ops.parallel import openmp_rows_for, set_openmp_rows

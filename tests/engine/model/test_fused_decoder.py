@@ -44,10 +44,12 @@ def _quantized(model_dir: Path, formats: list[QuantFormat], repack: bool, bias: 
     return model
 
 
-def _run(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+def _run(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype, exact_prompt_rows: bool = True
+         ) -> list[torch.Tensor]:
     """Logits of a fixed schedule: two prompts prefilled in chunks (one beside decode rows), then
     decode steps of both."""
     model.use_fused_decoder = fused
+    model.exact_prompt_rows = exact_prompt_rows
     harness = PagedHarness(model, num_blocks=64, block_size=4, seed=3)
     if kv_dtype != torch.float32:
         harness.kv_caches = allocate_kv_caches(model, 64, 4, kv_dtype)
@@ -63,11 +65,14 @@ def _run(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype) -> list[to
     ([Q4_1], True, False), ([Q4_0, Q4_1, Q8_0], True, True), ([Q4_1, Q8_0], False, False),
 ])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("exact_prompt_rows", [True, False])
 def test_fused_layers_equal_the_modules_bit_for_bit(tiny_llama_dir: Path, formats: list[QuantFormat],
-                                                    repack: bool, bias: bool, kv_dtype: torch.dtype) -> None:
+                                                    repack: bool, bias: bool, kv_dtype: torch.dtype,
+                                                    exact_prompt_rows: bool) -> None:
     model = _quantized(tiny_llama_dir, formats, repack, bias)
     assert model.fused_decoder() is not None
-    fused, modules = _run(model, True, kv_dtype), _run(model, False, kv_dtype)
+    fused = _run(model, True, kv_dtype, exact_prompt_rows)
+    modules = _run(model, False, kv_dtype, exact_prompt_rows)
     for step, (x, y) in enumerate(zip(fused, modules, strict=True)):
         assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item()}"
 
@@ -126,3 +131,14 @@ def test_prompt_rows_compute_what_fp32_activations_give(tiny_llama_dir: Path) ->
         prompt_steps = results[True, fused][:2]  # prefill chunks only
         assert all(torch.equal(a, b) for a, b in zip(prompt_steps, results[False, fused][:2], strict=True))
         assert not torch.equal(results[True, fused][-1], results[False, fused][-1])  # decode rows: int8
+
+
+def test_int8_prompt_rows_round_the_prompt_like_decode_rows(tiny_llama_dir: Path) -> None:
+    """`exact_prompt_rows = False` (`--int8-prompt-activations`): prompt rows take int8 activations
+    too, on both paths (which agree bit for bit: the test above), so a prompt's logits differ from
+    the fp32-activation ones; decode steps over the same cache differ only through it."""
+    model = _quantized(tiny_llama_dir, [Q4_1, Q8_0], True)
+    for fused in (True, False):
+        exact, rounded = _run(model, fused, torch.float32), _run(model, fused, torch.float32, False)
+        assert not torch.equal(exact[0], rounded[0])  # the first prefill chunk: rows rounded to int8
+        assert (exact[0] - rounded[0]).abs().max() < 0.05 * exact[0].abs().max()  # ...by the int8 error only
