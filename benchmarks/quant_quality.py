@@ -1,6 +1,7 @@
 """Quality of the quantized GGUF path against the same weights dequantized to fp32, JSON lines.
 
-For each variant (quantized with int8 activations, the default; quantized with fp32 activations)
+For each variant (quantized with int8 activations for decode rows and fp32 ones for prompt rows, the
+default; int8 for prompt rows too, `--int8-prompt-activations`; fp32 activations everywhere)
 against the fp32 model of the same weights (the fetched directory, which is the GGUF dequantized
 by transformers): mean NLL per token on a fixed English passage (as one prefill, and teacher-forced one token
 per step through the decode kernels), and greedy agreement over
@@ -129,11 +130,13 @@ def main() -> None:
         fp32 = load_model(reference)
         fp32_runs = {"nll": mean_nll(fp32, passage), "greedy": [greedy(fp32, p, args.new_tokens) for p in prompts]}
         quant = load_model(gguf)
-        for int8 in (True, False):
+        variants = {"int8_activations": (True, True), "int8_activations_and_prompts": (True, False),
+                    "fp32_activations": (False, True)}
+        for variant, (int8, exact_prompt_rows) in variants.items():
             set_int8_activations(quant, int8)
+            quant.exact_prompt_rows = exact_prompt_rows
             line = compare(quant, fp32, passage, prompts, args.new_tokens, fp32_runs)
-            print(json.dumps({"variant": "int8_activations" if int8 else "fp32_activations",
-                              "passage_tokens": len(passage), **line}), flush=True)
+            print(json.dumps({"variant": variant, "passage_tokens": len(passage), **line}), flush=True)
 
 
 if __name__ == "__main__":

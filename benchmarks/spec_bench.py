@@ -16,6 +16,7 @@ JSON object per line on stdout.
   `disable_by_batch_size` running sequences); goal >= 0.97x.
 
     .venv/bin/python benchmarks/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2] [--k 4 | --k 3,4]
+        [--int8-prompt-activations]
 
 The default model is the Q4_1 GGUF that `pagedserve up` serves (its GEMM is pagedserve's C++
 kernel up to 128 rows); the fp32 directory runs its GEMMs in oneDNN.
@@ -191,6 +192,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--int8-prompt-activations", action="store_true",
+                        help="every engine rounds prompt rows to int8 too (exact_prompt_rows=False)")
     parser.add_argument("--dump-prompts", metavar="FILE",
                         help="write the grounded prompts' token ids for benchmarks/peer/llama_cpp_spec_bench.py, exit")
     args = parser.parse_args()
@@ -212,10 +215,11 @@ def main() -> None:
             mode = method if len(ks) == 1 else f"{method}_k{k}"
             configs[mode] = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max}
                              if method == "ngram" else {"method": method, "num_speculative_tokens": k})
-    engines = {mode: LLM(args.model, kv_cache_memory=512 << 20, speculative_config=config)
+    engines = {mode: LLM(args.model, kv_cache_memory=512 << 20, speculative_config=config,
+                         exact_prompt_rows=not args.int8_prompt_activations)
                for mode, config in configs.items()}
     emit(bench="setup", model=args.model, threads=torch.get_num_threads(), k=ks, rounds=args.rounds,
-         modes=list(engines))
+         modes=list(engines), exact_prompt_rows=not args.int8_prompt_activations)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     some = next(iter(engines.values())).tokenizer
     warm = [chat_ids(some, "Say hello.")]
