@@ -7,7 +7,9 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
 - `prompt_rows`: one layer at 32 rows with int8 activations and with fp32 ones (`exact_rows`: a
   step's prompt rows);
 - `one_row`: all 30 layers' linears at one row (66 MB, out of cache) at 1 and 2 threads: the
-  bandwidth a decode step gets and how it scales over the second thread.
+  bandwidth a decode step gets and how it scales over the second thread;
+- `lm_head`: SmolLM2's tied Q8_0 lm_head (49152 x 576, 30 MB, GGUF order) at 1, 2, 4 and 5 rows,
+  int8 activations (the logit screen's pass), 2 threads.
 
 Prints one JSON object per line.
 
@@ -93,6 +95,18 @@ def main() -> None:
         print(json.dumps({"bench": "one_row", "layout": name, "threads": threads, "layers": LAYERS,
                           "ms": round(1e3 * seconds, 2), "megabytes": round(megabytes, 1),
                           "gb_per_s": round(megabytes / 1e3 / seconds, 2)}))
+
+    torch.set_num_threads(2)
+    head = rq.quantize(torch.randn(49152, 576, generator=gen) * 0.05, rq.Q8_0)
+    head_rows = {rows: [] for rows in (1, 2, 4, 5)}  # type: dict[int, list[float]]
+    xh = torch.randn(5, 576, generator=gen)
+    for _ in range(max(10, args.iters // 8)):
+        for rows, samples in head_rows.items():
+            sample(lambda rows=rows: oq.quant_linear(xh[:rows], head, oq.Q8_0, checked=True), samples)
+    for rows, samples in head_rows.items():
+        seconds = statistics.median(samples)
+        print(json.dumps({"bench": "lm_head", "format": "Q8_0", "rows": rows, "threads": 2,
+                          "ms": round(1e3 * seconds, 3), "gb_per_s": round(head.numel() / 1e9 / seconds, 2)}))
 
 
 def _laid_out(qweight: torch.Tensor, fmt: oq.QuantFormat) -> torch.Tensor:
