@@ -213,16 +213,23 @@ def test_kernel_tiles_every_row_count(name: str, n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-@pytest.mark.parametrize(("m", "exact"), [(1, 1), (5, 2), (9, 8), (40, 37), (QUANT_GEMV_MAX_ROWS, 3),
-                                         (QUANT_GEMV_MAX_ROWS + 20, 3), (QUANT_GEMV_MAX_ROWS + 20, 0),
-                                         (QUANT_GEMV_MAX_ROWS + 20, QUANT_GEMV_MAX_ROWS + 5)])
+@pytest.mark.parametrize(("m", "exact"), [(1, 1), (5, 2), (9, 8), (40, 37), (QUANT_GEMV_MAX_ROWS, 3)])
 def test_exact_rows_keep_fp32_activations(name: str, m: int, exact: int) -> None:
     """`exact_rows` (a step's prompt tokens): those leading rows are bit for bit the fp32-activation
-    output, the others the int8-activation output, of the same rows computed alone. Past
-    `QUANT_GEMV_MAX_ROWS` rows that holds on the r8 layouts (their int8 rows stay on the kernel);
+    output, the others the int8-activation output, of the same rows computed alone."""
+    _check_exact_rows(name, m, exact)
+
+
+@pytest.mark.parametrize("name", sorted(BASE))
+@pytest.mark.parametrize("exact", [0, 3, QUANT_GEMV_MAX_ROWS + 5])
+def test_r8_int8_rows_stay_on_the_kernel_past_the_crossover(name: str, exact: int) -> None:
+    """Past `QUANT_GEMV_MAX_ROWS` rows the r8 layouts keep their int8 rows on the kernel (its fp32
+    rows go to oneDNN once there are more of them than that): the same split holds bit for bit.
     GGUF order runs such a step on oneDNN in fp32, every row."""
-    if m > QUANT_GEMV_MAX_ROWS and name not in BASE:
-        pytest.skip("GGUF order past the crossover: every row in fp32 on oneDNN")
+    _check_exact_rows(name, QUANT_GEMV_MAX_ROWS + 20, exact)
+
+
+def _check_exact_rows(name: str, m: int, exact: int) -> None:
     qweight, fmt = _laid_out(name, 64, 160, m)
     gen = torch.Generator().manual_seed(m + exact)
     x = torch.randn(m, 160, generator=gen)
@@ -230,5 +237,7 @@ def test_exact_rows_keep_fp32_activations(name: str, m: int, exact: int) -> None
     got = ops.quant_linear(x, qweight, fmt, bias, exact_rows=exact)
     assert torch.equal(got[:exact], ops.quant_linear(x[:exact], qweight, fmt, bias, int8_activations=False))
     assert torch.equal(got[exact:], ops.quant_linear(x[exact:], qweight, fmt, bias))
+    if exact < m:  # an int8 row is the same alone (one row: the kernel) as in a step of any size
+        assert torch.equal(got[-1:], ops.quant_linear(x[-1:], qweight, fmt, bias))
     assert torch.equal(ops.quant_linear(x, qweight, fmt, bias, False, exact_rows=exact),
                        ops.quant_linear(x, qweight, fmt, bias, False))  # fp32 activations: every row already
