@@ -9,6 +9,13 @@
 // chunks nobody claimed it runs itself. Helpers spin briefly between jobs (back-to-back layers
 // reuse them at once), then sleep on a condition variable.
 //
+// Spinning is `pause` with a yield every 64 rounds (`spin_wait`), not a yield each round: on these
+// 2-vCPU machines the two threads are SMT siblings of one core, and a sched_yield loop is a
+// syscall loop that competes with the sibling doing the work (perf: ~14% of a one-stream decode's
+// samples in __schedule and sched_yield). `benchmarks/quant_bench.py --parts engine`, Q4_1, the
+// two alternating: one stream 112-113 -> 124-125 tok/s, a batch of 32 363-375 -> 451-472; with
+// llama.cpp's rounds in between, 119 -> 142 and 421 -> 406 (the machine drifts ~20% in minutes).
+//
 // But a step of 4 or more rows runs its linear layers on oneDNN, that is on OpenMP's threads,
 // which spin for milliseconds after each GEMM. Waking this pool beside them puts three busy
 // threads on two cores: decode attention at batch 64 took 2.0 ms per layer right after a GEMM
@@ -17,6 +24,10 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -31,6 +42,18 @@
 #include <vector>
 
 namespace pagedserve::cpu {
+
+// One round of a spin-wait: a `pause` (the core's resources go to its SMT sibling), and every 64th
+// round a yield (another runnable thread gets the CPU).
+inline void spin_wait(uint32_t& spins) {
+#if defined(__x86_64__) || defined(__i386__)
+  if ((++spins & 63) != 0) {
+    _mm_pause();
+    return;
+  }
+#endif
+  std::this_thread::yield();
+}
 
 class ChunkPool {
  public:
@@ -62,7 +85,8 @@ class ChunkPool {
     wake_.notify_all();
     job->work();
     // Chunks a helper claimed are finished by that helper; nothing else is waited for.
-    while (job->finished.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
+    uint32_t spins = 0;
+    while (job->finished.load(std::memory_order_acquire) < num_chunks) spin_wait(spins);
     {
       std::lock_guard<std::mutex> lock(wake_mutex_);
       current_.reset();
@@ -111,11 +135,12 @@ class ChunkPool {
     uint64_t seen = 0;
     for (;;) {
       // Spin ~100 us for the next job (the next layer's op usually follows within tens of us),
-      // yielding the core to anyone else who wants it, then sleep until woken.
+      // yielding the core now and then to anyone else who wants it, then sleep until woken.
       const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
+      uint32_t spins = 0;
       while (generation_.load(std::memory_order_acquire) == seen &&
              std::chrono::steady_clock::now() < spin_until)
-        std::this_thread::yield();
+        spin_wait(spins);
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(wake_mutex_);
