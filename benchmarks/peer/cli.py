@@ -26,8 +26,8 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
     add("--model", help="HF model directory (default: SmolLM2-135M-Instruct, fetched)")
     add("--pagedserve-model", help="offline/single/tiny: what pagedserve loads instead (e.g. the same weights' "
         "GGUF, served quantized); vLLM keeps --model")
-    add("--vllm-dtype", default="float32", help="vLLM's dtype in the offline parts (bfloat16: what its CPU docs "
-        "recommend; default %(default)s, the same weights as pagedserve's fp32)")
+    add("--vllm-dtype", default="float32", help="vLLM's dtype in the offline, single and served parts "
+        "(bfloat16: what its CPU docs recommend; default %(default)s, the same weights as pagedserve's fp32)")
     add("--kv-cache-gib", type=int, default=2, help="KV pool of both systems, GiB (default %(default)s)")
     add("--max-model-len", type=int, default=2048)
     add("--seed", type=int, default=0, help="trace seed (default %(default)s, as engine_bench.py)")

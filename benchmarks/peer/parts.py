@@ -168,7 +168,7 @@ def served(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emi
     figures: dict[tuple[str, str], dict[str, Any]] = {}
     systems: dict[str, Callable[[], ServerSpec]] = {
         "pagedserve": lambda: pagedserve_spec(model, args.kv_cache_gib, args.pagedserve_args),
-        "vllm": lambda: vllm_spec(venv, model, args.kv_cache_gib, args.max_model_len),
+        "vllm": lambda: vllm_spec(venv, model, args.kv_cache_gib, args.max_model_len, args.vllm_dtype),
     }
     chosen = {s.strip() for s in args.served_systems.split(",")}
     systems = {name: make for name, make in systems.items() if name in chosen}

@@ -49,9 +49,9 @@ def pagedserve_spec(model: str, kv_cache_gib: int, extra: str = "") -> ServerSpe
     return ServerSpec(cmd, port, pagedserve_figures)
 
 
-def vllm_spec(venv: Path, model: str, kv_cache_gib: int, max_model_len: int) -> ServerSpec:
+def vllm_spec(venv: Path, model: str, kv_cache_gib: int, max_model_len: int, dtype: str = "float32") -> ServerSpec:
     port = free_port()
-    cmd = [str(venv / "bin" / "vllm"), "serve", model, "--dtype", "float32", "--host", "127.0.0.1",
+    cmd = [str(venv / "bin" / "vllm"), "serve", model, "--dtype", dtype, "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len)]
     return ServerSpec(cmd, port, vllm_figures, vllm_env(kv_cache_gib))
 
