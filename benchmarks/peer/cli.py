@@ -28,6 +28,10 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         "GGUF, served quantized); vLLM keeps --model")
     add("--vllm-dtype", default="float32", help="vLLM's dtype in the offline, single and served parts "
         "(bfloat16: what its CPU docs recommend; default %(default)s, the same weights as pagedserve's fp32)")
+    add("--pagedserve-dtype", default="float32", help="offline/single: pagedserve's dtype (default %(default)s; "
+        "auto: bf16 where the CPU computes bf16 natively; a GGUF served quantized computes in fp32 either way)")
+    add("--pagedserve-kv-cache-dtype", default="auto", help="offline/single: pagedserve's KV cache dtype (default "
+        "%(default)s = the model dtype; int8 is what `pagedserve up` serves a GGUF with)")
     add("--kv-cache-gib", type=int, default=2, help="KV pool of both systems, GiB (default %(default)s)")
     add("--max-model-len", type=int, default=2048)
     add("--seed", type=int, default=0, help="trace seed (default %(default)s, as engine_bench.py)")

@@ -43,6 +43,8 @@ class Workload:
     extra: dict[str, Any] = field(default_factory=dict)
     pagedserve_model: str | None = None  # what pagedserve loads instead of `model` (the same weights' GGUF)
     vllm_dtype: str = "float32"
+    pagedserve_dtype: str = "float32"
+    pagedserve_kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: `pagedserve up`'s default on a GGUF
 
 
 def _generate(llm: Any, prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
@@ -64,8 +66,8 @@ def run_pagedserve(work: Workload) -> dict[str, Any]:
     start = time.perf_counter()
     model = work.pagedserve_model or work.model
     tokenizer = work.model if work.pagedserve_model else None
-    llm = LLM(model, tokenizer=tokenizer, dtype="float32", kv_cache_memory=work.kv_cache_gib << 30,
-              max_model_len=work.max_model_len)
+    llm = LLM(model, tokenizer=tokenizer, dtype=work.pagedserve_dtype, kv_cache_dtype=work.pagedserve_kv_cache_dtype,
+              kv_cache_memory=work.kv_cache_gib << 30, max_model_len=work.max_model_len)
     startup = time.perf_counter() - start
     try:
         _generate(llm, [work.warmup[0]], [work.warmup[1]])
@@ -78,7 +80,8 @@ def run_pagedserve(work: Workload) -> dict[str, Any]:
                 runs[run.name]["token_ids"] = token_ids
         cfg = llm.engine.config
         config = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": llm.engine.token_budget,
-                  "threads": torch.get_num_threads()}
+                  "threads": torch.get_num_threads(), "dtype": work.pagedserve_dtype,
+                  "kv_cache_dtype": work.pagedserve_kv_cache_dtype}
         return {"startup_s": startup, "config": config, "runs": runs}
     finally:
         del llm

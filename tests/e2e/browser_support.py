@@ -52,7 +52,9 @@ class Stack:
         log_path = log_dir / "up.log"
         cmd = [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(model), "--port", str(port),
                "--served-model-name", "tiny", "--device", "cpu", "--kv-cache-memory", kv_cache_memory,
-               "--kv-cache-dtype", "auto",  # the pool sizes the pages are tested with
+               # fp32 weights and cache: the pool sizes the pages are tested with (1 MiB = 128 blocks of the
+               # tiny model), whatever dtype `auto` picks on this CPU (bf16 where it computes bf16 natively)
+               "--kv-cache-dtype", "auto", "--engine-args=--dtype float32",
                "--api-key", API_KEY]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

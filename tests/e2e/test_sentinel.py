@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,9 +145,29 @@ async def _kill_in_flight(cluster: SentinelCluster) -> tuple[list[Outcome], floa
 
 
 def _health(url: str) -> dict[str, object]:
-    with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
-        body: dict[str, object] = json.loads(resp.read())
+    """/health's body; a 503 (the gateway's reader or registry still catching up with the new
+    master: a reason, not a failure yet) comes back as {"status": 503, "error": ...}."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+            body: dict[str, object] = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        if exc.code != 503:
+            raise
+        return {"status": 503, "error": json.loads(exc.read()).get("error")}
     return body
+
+
+async def _wait_healthy_on(url: str, master: str, within_s: float = 30.0) -> dict[str, object]:
+    """Poll /health until it is 200 and names `master`, for up to `within_s`; the last body."""
+    deadline = time.monotonic() + within_s
+    while True:
+        body = await asyncio.to_thread(_health, url)
+        redis_state = body.get("redis")
+        if isinstance(redis_state, dict) and redis_state["master"] == master:
+            return body
+        if time.monotonic() > deadline:
+            return body
+        await asyncio.sleep(0.5)
 
 
 async def _round(cluster: SentinelCluster, reference: list[str], label: str) -> int:
@@ -157,13 +178,9 @@ async def _round(cluster: SentinelCluster, reference: list[str], label: str) -> 
     assert tally.identical == tally.requests, tally.notes  # no 5xx, no error event, no short text
     assert tally.duplicated == 0 and tally.lost == 0, tally.notes
     for gateway in cluster.gateways:  # /health names the new master and a replica acknowledges writes
-        deadline = time.monotonic() + 30
-        while True:
-            redis_state = _health(gateway.url)["redis"]
-            assert isinstance(redis_state, dict)
-            if redis_state["master"] == f"127.0.0.1:{new}" or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.5)
+        body = await _wait_healthy_on(gateway.url, f"127.0.0.1:{new}")
+        redis_state = body.get("redis")
+        assert isinstance(redis_state, dict), body
         assert redis_state["mode"] == "sentinel" and redis_state["master"] == f"127.0.0.1:{new}", redis_state
         assert redis_state["writes_acknowledged"] is True and redis_state["master_changes"] >= 1, redis_state
     again = await _run_plain(cluster)
