@@ -120,7 +120,8 @@ def offline(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Em
     work = Workload(model, runs, (prompts[0][:16], 4), args.max_model_len, args.kv_cache_gib,
                     {"requests": len(trace), "prompt_tokens": sum(map(len, prompts)), "model": Path(model).name,
                      "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype,
-                     "pagedserve_dtype": args.pagedserve_dtype, "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype},
+                     "pagedserve_dtype": args.pagedserve_dtype,
+                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype},
                     args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype)
     ours, theirs = _side_by_side("offline", work, venv, log_dir, emit, _throughput("offline"), "tokens_per_s")
     if theirs is not None:
@@ -153,7 +154,8 @@ def single(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emi
     work = Workload(model, runs, (prompt[:16], 4), args.max_model_len, args.kv_cache_gib,
                     {"prompt_len": len(prompt), "model": Path(model).name,
                      "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype,
-                     "pagedserve_dtype": args.pagedserve_dtype, "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype},
+                     "pagedserve_dtype": args.pagedserve_dtype,
+                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype},
                     args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype)
     _side_by_side("single", work, venv, log_dir, emit, figures, "decode_tok_s")
 

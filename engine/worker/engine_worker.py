@@ -88,6 +88,7 @@ class EngineWorker:
         self.metrics: EngineMetrics | None = None
         self.epoch = Epoch(self.keys.epoch)
         self.unsent = Outbox()  # outboxes whose flush failed (or was not confirmed by a replica), retried first
+        self.readopt_due = False  # Redis failed us since the last check of what we own (`Intake.readopt`)
         self.checkpoints = CheckpointLog()  # keeps each request's progress list bounded
         self.ack = ReplicaAck.of(config.redis_spec)
         self._drain_deadline: float | None = None
@@ -207,6 +208,7 @@ class EngineWorker:
             await intake.pull(count, self.config.idle_block_ms if block else None)
         except (RedisError, OSError) as exc:
             log.warning("cannot read the request stream", error=str(exc))
+            self.readopt_due = True
             await asyncio.sleep(0.5)
 
     def _collect(self, intake: Intake, result: StepResult, outbox: Outbox) -> None:
@@ -239,17 +241,30 @@ class EngineWorker:
                 return
         except NotReplicated as exc:  # written, but maybe lost with its master: send it again (repeats are dropped)
             log.warning("outputs not confirmed by a replica; will send them again", error=str(exc))
+            self.readopt_due = True
             await asyncio.sleep(0.2)
             return
         except (RedisError, OSError) as exc:
             log.warning("could not publish outputs; will retry", error=str(exc))
+            self.readopt_due = True
             await asyncio.sleep(0.2)
             return
         self.unsent = Outbox()
+        if self.readopt_due:  # writes the old master acknowledged may be missing from this one
+            await self._readopt(intake)
         if self.epoch.token is not None and reply.epoch != self.epoch.token:
             await self._redis_lost(client, intake, reply.epoch)
             return
         guards.on_probe(reply.alive)
+
+    async def _readopt(self, intake: Intake) -> None:
+        """`Intake.readopt` once Redis answers again (kept due while it fails)."""
+        try:
+            await intake.readopt()
+        except (RedisError, OSError) as exc:
+            log.warning("cannot check this engine's pending entries; will retry", error=str(exc))
+            return
+        self.readopt_due = False
 
     async def _check_ownership(self, intake: Intake, guards: Guards, beat: Heartbeat) -> None:
         """Our heartbeat may have expired: rewrite it (from now on nobody can take our entries),
@@ -298,6 +313,7 @@ class EngineWorker:
                 await self._beat(beat, intake)
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed", error=str(exc))
+                self.readopt_due = True
 
     async def _beat(self, beat: Heartbeat, intake: Intake) -> None:
         stats, pool = self.thread.snapshot_cache

@@ -6,6 +6,7 @@ lands on must not take the whole model down."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import OrderedDict
@@ -55,6 +56,8 @@ class Intake:
         self.bad_aborts = 0
         self._pending = Outbox()  # errors and acks produced between two steps
         self.dead_lettered = 0  # entries moved to the dead-letter stream (metric)
+        self.readopted = 0  # own entries found pending but untracked after Redis trouble (metric)
+        self._admitting = asyncio.Lock()  # pull, takeovers and re-adoption may see one entry at once
 
     # ----- the table and the pending outbox ----------------------------------------------------
     @property
@@ -148,6 +151,27 @@ class Intake:
         """Decode entries; claimed ones, handed-back ones (and this engine's own after a
         restart) resume from their checkpoints. An entry that does not decode is dead-lettered
         with its reason and raw bytes and acknowledged, before anything else can fail on it."""
+        async with self._admitting:
+            await self._admit(entries, claimed)
+
+    async def readopt(self) -> int:
+        """Resume (or just acknowledge) entries pending under this engine that it does not track:
+        after a failover the new master may lack the last writes the old one acknowledged (a
+        finished request's XACK/XDEL, an XREADGROUP's reply), which left them there for good.
+        Resuming goes by the request's checkpoint (one whose client got everything is only
+        acknowledged; the gateway drops repeated output). Returns how many were found."""
+        async with self._admitting:
+            known = {t.entry_id for t in self._tracked.values()}
+            known |= {entry_id for _, entry_id in self._pending.ended} | set(self._pending.ack_only)
+            orphans = await self.stream.own_pending_except(known)
+            if orphans:
+                log.warning("untracked entries pending under this engine: resuming them", count=len(orphans))
+                self.readopted += len(orphans)
+                self._pending.ack_only.extend(e.entry_id for e in orphans if e.payload is None)
+                await self._admit([e for e in orphans if e.payload is not None], claimed=True)
+            return len(orphans)
+
+    async def _admit(self, entries: list[StreamEntry], claimed: bool) -> None:
         for entry in entries:
             try:
                 request = EngineRequest.decode(entry.payload or b"")

@@ -114,6 +114,27 @@ class RequestStream:
         reply = await self.client.xreadgroup(self.keys.group, self.consumer, {self.key: "0"}, count=count)
         return self._flatten(reply)
 
+    async def own_pending_except(self, known: set[str]) -> list[StreamEntry]:
+        """Entries pending under this consumer other than `known` (ids), with their payloads, read
+        without counting a delivery (XPENDING, then XRANGE per entry): entries this engine holds in
+        Redis but no longer tracks, e.g. a request's XACK lost with a master that had acknowledged
+        it, or an XREADGROUP whose reply was lost. An entry deleted meanwhile comes back with
+        payload None."""
+        orphans: list[StreamEntry] = []
+        start = "-"
+        while True:
+            rows = await self.client.xpending_range(self.key, self.keys.group, min=start, max="+", count=1000,
+                                                    consumername=self.consumer)
+            for row in rows:
+                entry_id = _text(row["message_id"])
+                if entry_id not in known:
+                    found = parse_entries(await self.client.xrange(self.key, min=entry_id, max=entry_id))
+                    payload = found[0].payload if found else None
+                    orphans.append(StreamEntry(entry_id, payload, int(row["times_delivered"])))
+            if len(rows) < 1000:
+                return orphans
+            start = "(" + _text(rows[-1]["message_id"])
+
     async def claim_from(self, dead: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
         """Take over up to `count` idle entries of consumer `dead`, if its heartbeat is still gone."""
         reply = await self._claim(keys=[self.key, self.keys.engine(dead)],
