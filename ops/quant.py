@@ -98,18 +98,23 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None 
 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
-                    norms: torch.Tensor, rounding: float, norm_slack: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    norms: torch.Tensor, rounding: float, norm_slack: float,
+                    row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, candidates)`` int64 ``[rows]``: the greedy tokens of a quantized lm_head with fp32
     activations found through its int8-activation logits ``approx`` (engine/model/quant_screen.py
     has the bound), and how many tokens per row needed their fp32-activation logit; token -1 for a
-    row with a non-finite value (the caller computes that row in full)."""
+    row with a non-finite value (the caller computes that row in full). ``row_scales`` (fp32
+    ``[rows]``): ``approx`` came from another screen whose error is at most ``row_scales[r] *
+    norms[j]``, which then replaces the int8 bound."""
+    if row_scales is not None:
+        row_scales = row_scales.float().contiguous()
     if use_reference() or not hidden.is_cpu:
-        return ref.screened_argmax(approx, hidden, qweight, fmt.type_id, norms, rounding, norm_slack)
+        return ref.screened_argmax(approx, hidden, qweight, fmt.type_id, norms, rounding, norm_slack, row_scales)
     rows = hidden.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64)
     counts = torch.empty(rows, dtype=torch.int64)
     cpu_ops().quant_screened_argmax(tokens, counts, approx.contiguous(), hidden.contiguous(), qweight,
-                                    fmt.type_id, norms, rounding, norm_slack)
+                                    fmt.type_id, norms, rounding, norm_slack, row_scales)
     return tokens, counts
 
 

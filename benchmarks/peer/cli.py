@@ -32,6 +32,8 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         "auto: bf16 where the CPU computes bf16 natively; a GGUF served quantized computes in fp32 either way)")
     add("--pagedserve-kv-cache-dtype", default="auto", help="offline/single: pagedserve's KV cache dtype (default "
         "%(default)s = the model dtype; int8 is what `pagedserve up` serves a GGUF with)")
+    add("--pagedserve-int8-prompt-activations", action="store_true", help="offline/single: pagedserve's prompt "
+        "rows on int8 activations like decode rows (`pagedserve engine --int8-prompt-activations`)")
     add("--kv-cache-gib", type=int, default=2, help="KV pool of both systems, GiB (default %(default)s)")
     add("--max-model-len", type=int, default=2048)
     add("--seed", type=int, default=0, help="trace seed (default %(default)s, as engine_bench.py)")

@@ -121,8 +121,10 @@ def offline(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Em
                     {"requests": len(trace), "prompt_tokens": sum(map(len, prompts)), "model": Path(model).name,
                      "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype,
                      "pagedserve_dtype": args.pagedserve_dtype,
-                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype},
-                    args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype)
+                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype,
+                     "pagedserve_int8_prompt_activations": args.pagedserve_int8_prompt_activations},
+                    args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype,
+                    not args.pagedserve_int8_prompt_activations)
     ours, theirs = _side_by_side("offline", work, venv, log_dir, emit, _throughput("offline"), "tokens_per_s")
     if theirs is not None:
         emit({"part": "offline", "greedy_agreement": agreement(ours["runs"]["offline0"]["token_ids"],
@@ -155,8 +157,10 @@ def single(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emi
                     {"prompt_len": len(prompt), "model": Path(model).name,
                      "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype,
                      "pagedserve_dtype": args.pagedserve_dtype,
-                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype},
-                    args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype)
+                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype,
+                     "pagedserve_int8_prompt_activations": args.pagedserve_int8_prompt_activations},
+                    args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype,
+                    not args.pagedserve_int8_prompt_activations)
     _side_by_side("single", work, venv, log_dir, emit, figures, "decode_tok_s")
 
 

@@ -87,9 +87,12 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 // lm_head qweight, searched among tokens whose int8-activation logit approx [rows, vocab] can reach
 // the row's maximum (bound: (norm_slack |x_hat - x| + rounding |x|) norms[j]); -1 for a row with a
 // non-finite value. candidates int64 [rows]: how many tokens got their fp32-activation logit.
+// row_scales fp32 [rows], when given, replaces that bound's factor per row: approx came from
+// another screen (a bf16 GEMM) whose error the caller bounds by row_scales[r] norms[j].
 void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, const at::Tensor& approx,
                            const at::Tensor& hidden, const at::Tensor& qweight, int64_t format,
-                           const at::Tensor& norms, double rounding, double norm_slack);
+                           const at::Tensor& norms, double rounding, double norm_slack,
+                           const c10::optional<at::Tensor>& row_scales);
 
 // out fp32 [N, K] = the weights of qweight uint8 [N, K / 32 * block_bytes] in `format`.
 void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format);

@@ -78,12 +78,97 @@ inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+inline __m256i lanes_add(__m256i a, __m256i b) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return _mm256_add_epi32(a, b);
+#else
+  return _mm256_add_epi16(a, b);
+#endif
+}
+
 inline __m256i lanes_to_int32(__m256i acc) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
   return acc;
 #else
   return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
 #endif
+}
+#endif
+
+// Independent integer accumulators per activation row and block: a block's eight multiply-adds
+// into one register form a dependency chain (~5 cycles each with VNNI) that bounded the few-row
+// passes by latency, not throughput. Integer sums are exact, so splitting them changes no bit.
+// Chunk j's low nibbles go to chain (2j) % C, its high ones to (2j + 1) % C.
+template <int M>
+constexpr int chains() {
+  return M == 1 ? 4 : 2;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDSERVE_R8_ZMM 1
+inline __m512i load_pair(const uint8_t* lo_half, const uint8_t* hi_half) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_half))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_half)), 1);
+}
+inline __m512 halves_to_ps(const uint8_t* lo_half, const uint8_t* hi_half) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo_half))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi_half)), 1));
+}
+
+// Groups g and g + 1 (output rows 8g..8g+15) in 512-bit registers: lanes 0-7 hold group g's rows,
+// 8-15 group g + 1's, and every lane runs exactly the 256-bit pass's integer sums and fp32
+// operations in the same order, so a row's result is bit for bit the same on either path (half
+// the dot-product and unpack instructions per row here, where the one-row GEMV is bound by them).
+template <int64_t F, int M>
+void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w,
+                     const float* bias, float* out, int64_t ldo, int64_t g) {
+  constexpr int64_t tb = tile_bytes<F>();
+  const int64_t k_len = nb * kBlock;
+  const uint8_t* tiles0 = w + g * nb * tb;
+  const uint8_t* tiles1 = tiles0 + nb * tb;
+  __m512 acc[M], macc[M];
+  for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t0 = tiles0 + b * tb;
+    const uint8_t* t1 = tiles1 + b * tb;
+    const __m512 dw = halves_to_ps(t0, t1);
+    const __m512 mw = F == kQuantQ4_1 ? halves_to_ps(t0 + 16, t1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
+    constexpr int C = chains<M>();
+    __m512i sums[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) sums[m][c] = _mm512_setzero_si512();
+    const uint8_t* q0 = t0 + quants_offset<F>();
+    const uint8_t* q1 = t1 + quants_offset<F>();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = load_pair(q0 + 32 * j, q1 + 32 * j);
+      const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0F));
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const int8_t* a = q + m * k_len + b * kBlock;
+        int32_t lo4, hi4;
+        std::memcpy(&lo4, a + 4 * j, 4);
+        std::memcpy(&hi4, a + kBlock / 2 + 4 * j, 4);
+        __m512i& lo_sum = sums[m][(2 * j) % C];
+        __m512i& hi_sum = sums[m][(2 * j + 1) % C];
+        lo_sum = _mm512_dpbusd_epi32(lo_sum, lo, _mm512_set1_epi32(lo4));
+        hi_sum = _mm512_dpbusd_epi32(hi_sum, hi, _mm512_set1_epi32(hi4));
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      __m512i total = sums[m][0];
+      for (int c = 1; c < C; ++c) total = _mm512_add_epi32(total, sums[m][c]);
+      const __m512 dot = _mm512_cvtepi32_ps(total);
+      acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(ad[m * nb + b])), acc[m]);
+      macc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(as[m * nb + b]), macc[m]);
+    }
+  }
+  const __m512 vb = bias != nullptr ? _mm512_loadu_ps(bias + g * kRows) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m)
+    _mm512_storeu_ps(out + m * ldo + g * kRows, _mm512_add_ps(_mm512_add_ps(acc[m], macc[m]), vb));
 }
 #endif
 
@@ -94,6 +179,9 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
                  const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
   constexpr int64_t tb = tile_bytes<F>();
   const int64_t k_len = nb * kBlock;
+#if defined(PAGEDSERVE_R8_ZMM)
+  for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair<F, M>(q, ad, as, nb, w, bias, out, ldo, g_begin);
+#endif
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* tiles = w + g * nb * tb;
 #if defined(__AVX2__)
@@ -105,8 +193,10 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
       const __m256 mw = F == kQuantQ4_1
                             ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
                             : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
-      __m256i sums[M];
-      for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
+      constexpr int C = M <= 2 ? chains<M>() : 1;  // 16 ymm registers: no room for more at M > 2
+      __m256i sums[M][C];
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < C; ++c) sums[m][c] = _mm256_setzero_si256();
       const uint8_t* quants = tile + quants_offset<F>();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
@@ -116,13 +206,17 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
           const int8_t* a = q + m * k_len + b * kBlock;
-          sums[m] = accumulate(sums[m], lo, broadcast4(a + 4 * j));
-          sums[m] = accumulate(sums[m], hi, broadcast4(a + kBlock / 2 + 4 * j));
+          __m256i& lo_sum = sums[m][(2 * j) % C];
+          __m256i& hi_sum = sums[m][(2 * j + 1) % C];
+          lo_sum = accumulate(lo_sum, lo, broadcast4(a + 4 * j));
+          hi_sum = accumulate(hi_sum, hi, broadcast4(a + kBlock / 2 + 4 * j));
         }
       }
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m]));
+        __m256i total = sums[m][0];  // int16 pairs without VNNI: wrapping adds, exact as the block's sum fits
+        for (int c = 1; c < C; ++c) total = lanes_add(total, sums[m][c]);
+        const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(total));
         acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(ad[m * nb + b])), acc[m]);
         macc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[m * nb + b]), macc[m]);
       }

@@ -9,6 +9,8 @@
 // those few get their fp32-activation logit from the same row dot products as quant_linear's fp32
 // path, and the first maximum among them is the token. One fused pass per row, no [rows, vocab]
 // temporaries: the torch version of this screen cost ten full-vocabulary elementwise ops a step.
+// With row_scales the caller supplies each row's factor instead (approx from a bf16 GEMM on AMX,
+// engine/model/quant_screen.py); the candidates are decided the same way.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -93,7 +95,8 @@ int64_t row_token(const float* approx, int64_t vocab, const float* norms, const 
 
 void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, const at::Tensor& approx,
                            const at::Tensor& hidden, const at::Tensor& qweight, int64_t format,
-                           const at::Tensor& norms, double rounding, double norm_slack) {
+                           const at::Tensor& norms, double rounding, double norm_slack,
+                           const c10::optional<at::Tensor>& row_scales) {
   TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == at::kFloat && approx.is_contiguous(),
               "quant_screened_argmax: approx must be contiguous fp32 [rows, vocab]");
   const int64_t rows = approx.size(0), vocab = approx.size(1);
@@ -111,6 +114,12 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
   TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows &&
                   candidates.scalar_type() == at::kLong && candidates.is_contiguous() && candidates.numel() == rows,
               "quant_screened_argmax: out and candidates must be int64 [rows]");
+  const float* given = nullptr;
+  if (row_scales.has_value()) {
+    TORCH_CHECK(row_scales->scalar_type() == at::kFloat && row_scales->is_contiguous() && row_scales->numel() == rows,
+                "quant_screened_argmax: row_scales must be fp32 [rows]");
+    given = row_scales->data_ptr<float>();
+  }
   const float* ap = approx.data_ptr<float>();
   const float* hp = hidden.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
@@ -120,9 +129,14 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
   parallel_chunks(rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* x = hp + r * k_len;
-      double error, norm;
-      activation_error(x, k_len, error, norm);
-      const auto scale = static_cast<float>(norm_slack * error + rounding * norm);
+      float scale;
+      if (given != nullptr) {
+        scale = given[r];
+      } else {
+        double error, norm;
+        activation_error(x, k_len, error, norm);
+        scale = static_cast<float>(norm_slack * error + rounding * norm);
+      }
       const float* a = ap + r * vocab;
       switch (format) {
         case kQuantQ8_0: tokens[r] = row_token<kQuantQ8_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;

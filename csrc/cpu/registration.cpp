@@ -36,7 +36,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("dequantize_weight(Tensor(a!) out, Tensor qweight, int format) -> ()");
   m.def(
       "quant_screened_argmax(Tensor(a!) out, Tensor(b!) candidates, Tensor approx, Tensor hidden, "
-      "Tensor qweight, int format, Tensor norms, float rounding, float norm_slack) -> ()");
+      "Tensor qweight, int format, Tensor norms, float rounding, float norm_slack, Tensor? row_scales=None) -> ()");
   m.def(
       "llama_decoder(Tensor(a!) hidden, Tensor(b!) residual, Tensor positions, Tensor cos_sin, "
       "Tensor slot_mapping, Tensor(c!)[] key_caches, Tensor(d!)[] value_caches, int num_prefill_tokens, int exact_rows, "

@@ -134,14 +134,19 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.Tensor, fmt: int,
-                    norms: torch.Tensor, rounding: float, norm_slack: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    norms: torch.Tensor, rounding: float, norm_slack: float,
+                    row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, candidates)`` int64 ``[rows]`` of the int8-activation screen of a quantized lm_head:
     per row the first maximum of the fp32-activation logits among the tokens whose ``approx`` (the
     int8-activation logits) plus ``(norm_slack |x_hat - x| + rounding |x|) norms`` reaches the row's
-    largest ``approx - `` that bound; -1 where the row has a non-finite value."""
+    largest ``approx - `` that bound; -1 where the row has a non-finite value. ``row_scales [rows]``
+    replaces the factor before ``norms`` (another screen's bound)."""
     hidden = hidden.float()
-    error = (int8_activations(hidden).double() - hidden.double()).norm(dim=1, keepdim=True)
-    scale = (norm_slack * error + rounding * hidden.double().norm(dim=1, keepdim=True)).float()
+    if row_scales is not None:
+        scale = row_scales.float().reshape(-1, 1)
+    else:
+        error = (int8_activations(hidden).double() - hidden.double()).norm(dim=1, keepdim=True)
+        scale = (norm_slack * error + rounding * hidden.double().norm(dim=1, keepdim=True)).float()
     slack = scale * norms
     floor = (approx - slack).max(dim=1, keepdim=True).values
     mask = approx + slack >= floor

@@ -241,3 +241,22 @@ def _check_exact_rows(name: str, m: int, exact: int) -> None:
         assert torch.equal(got[-1:], ops.quant_linear(x[-1:], qweight, fmt, bias))
     assert torch.equal(ops.quant_linear(x, qweight, fmt, bias, False, exact_rows=exact),
                        ops.quant_linear(x, qweight, fmt, bias, False))  # fp32 activations: every row already
+
+
+@pytest.mark.parametrize("name", sorted(BASE))
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_r8_groups_in_pairs_equal_groups_alone(name: str, m: int, with_bias: bool) -> None:
+    """Where the CPU has AVX-512 VNNI, two eight-row groups share one 512-bit pass; a weight of one
+    group (8 rows) always takes the single-group pass. Every group of a wide weight (an odd count,
+    so one is left over) gives bit for bit what that group alone gives: the path never shows."""
+    n, k = 8 * 7, 576
+    packed, fmt = _laid_out(name, n, k, 23)
+    rows = packed.shape[1]
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n) if with_bias else None
+    whole = ops.quant_linear(x, packed, fmt, bias)
+    for g in range(n // 8):
+        group = packed.view(-1)[g * 8 * rows:(g + 1) * 8 * rows].view(8, rows)  # r8 groups are contiguous
+        alone = ops.quant_linear(x, group, fmt, None if bias is None else bias[8 * g:8 * g + 8])
+        assert torch.equal(whole[:, 8 * g:8 * g + 8], alone), g

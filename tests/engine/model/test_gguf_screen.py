@@ -9,9 +9,10 @@ import torch
 
 import ops
 from engine.model.quant_linear import QuantLinear
-from engine.model.quant_screen import NORM_SLACK, ROUNDING, QuantLogitScreen
+from engine.model.quant_screen import BF16_SCREEN_MIN_ROWS, NORM_SLACK, ROUNDING, QuantLogitScreen, bf16_row_scales
 from ops.quant import Q4_0, Q4_1, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import quant as ref
+from ops.screen import bf16_packing_available, native_bf16, screen_logits
 
 
 def _lm_head(fmt: QuantFormat, vocab: int, hidden: int, seed: int) -> QuantLinear:
@@ -76,6 +77,7 @@ def test_fused_screen_matches_its_torch_reference(fmt: QuantFormat) -> None:
     x[2, 3] = 25.0
     x[4] = lm_head.dequantized_weight()[7] * 80  # tokens 3, 7 and the last tie: the first wins
     x[9, 1] = float("nan")
+    screen.bf16_screen_available = lambda: False  # type: ignore[method-assign]  # the int8 screen at 11 rows too
     tokens, counts = screen.screen(x)
     approx = ops.quant_linear(x, screen.qweight, fmt, None, int8_activations=True)
     want, want_counts = ref.screened_argmax(approx, x, screen.qweight, fmt.type_id, screen.norms, ROUNDING,
@@ -85,3 +87,35 @@ def test_fused_screen_matches_its_torch_reference(fmt: QuantFormat) -> None:
     assert tokens[4] == 3
     assert (counts - want_counts).abs().max() <= 1
     assert counts[torch.arange(11) != 9].min() >= 1 and counts.max() < 0.05 * 3001
+
+
+@pytest.mark.skipif(not (native_bf16() and bf16_packing_available()), reason="no native bf16 GEMM on this CPU")
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1], ids=lambda f: f.name)
+def test_bf16_screen_of_many_rows_picks_the_fp32_activation_argmax(fmt: QuantFormat) -> None:
+    """Steps of BF16_SCREEN_MIN_ROWS rows or more screen with a bf16 GEMM: the same tokens as the
+    fp32-activation logits and as the int8 screen of each row alone, also where two tokens' logits
+    are closer than bf16 rounding (they both stay candidates), with few candidates per row."""
+    vocab, hidden = 4099, 576
+    lm_head = _lm_head(fmt, vocab, hidden, seed=11)
+    screen = QuantLogitScreen.for_lm_head(lm_head)
+    assert screen is not None and screen.bf16_screen_available()
+    gen = torch.Generator().manual_seed(12)
+    weight = lm_head.dequantized_weight()
+    x = torch.randn(BF16_SCREEN_MIN_ROWS + 5, hidden, generator=gen)
+    x[1, 5] = 40.0
+    d, v = weight[10] - weight[11], (weight[10] + weight[11]) * 40
+    x[2] = v - (v @ d) / (d @ d) * d  # tokens 10 and 11 tie up to rounding: both stay candidates
+    x[3] = weight[3] * 50  # tokens 3, 7 and the last tie exactly: the first wins
+    tokens, counts = screen.screen(x)
+    assert torch.equal(tokens, _exact_tokens(lm_head, x))
+    assert torch.equal(tokens, torch.cat([screen.screen(row[None])[0] for row in x]))  # one row: the int8 screen
+    assert tokens[3].item() == 3 and counts[2].item() >= 2
+    assert counts.float().mean() < 0.05 * vocab  # it does screen
+    scales = bf16_row_scales(x)
+    approx = screen_logits(x, screen._bf16_weight()).float()
+    dense = x @ weight.T
+    assert ((approx - dense).abs() <= scales[:, None] * screen.norms).all()  # the bound holds
+    assert torch.equal(ops.quant.screened_argmax(approx, x, screen.qweight, fmt, screen.norms, ROUNDING, NORM_SLACK,
+                                                 row_scales=scales)[0],
+                       ref.screened_argmax(approx, x, screen.qweight, fmt.type_id, screen.norms, ROUNDING, NORM_SLACK,
+                                           row_scales=scales)[0])
