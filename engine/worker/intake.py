@@ -73,7 +73,7 @@ class Intake:
     def counters(self) -> dict[str, float]:
         """What the intake refused so far (for metrics and heartbeats)."""
         return {"dead_lettered": float(self.dead_lettered), "bad_aborts": float(self.bad_aborts),
-                "in_flight": float(len(self._tracked))}
+                "readopted": float(self.readopted), "in_flight": float(len(self._tracked))}
 
     def take_pending(self) -> Outbox:
         """What was produced since the last call, to publish with the next step's outputs."""

@@ -54,7 +54,9 @@ class _StatsCollector(Collector):
                                 ("prompt_tokens", "prompt_tokens", "prompt tokens admitted"),
                                 ("generation_tokens", "generation_tokens", "tokens generated"),
                                 ("dead_lettered", "dead_lettered", "request entries moved to the dead-letter stream"),
-                                ("bad_abort_messages", "bad_aborts", "undecodable abort messages ignored")):
+                                ("bad_abort_messages", "bad_aborts", "undecodable abort messages ignored"),
+                                ("readopted_entries", "readopted",
+                                 "own pending entries found untracked after Redis trouble, resumed or acknowledged")):
             yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(s.get(key, 0)))
         spec = s.get("spec") or {}
         method = str(s.get("spec_method") or "none")
