@@ -112,19 +112,26 @@ def _throughput(name: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return figures
 
 
+def _model_workload(args: argparse.Namespace, model: str, runs: list[Run], warmup: tuple[list[int], int],
+                    extra: dict[str, Any]) -> Workload:
+    """A workload on the full model, each system in the configuration the command line names (its
+    settings listed in `extra` too, so every JSON line says what ran)."""
+    extra = extra | {"model": Path(model).name, "pagedserve_model": Path(args.pagedserve_model or model).name,
+                     "vllm_dtype": args.vllm_dtype, "pagedserve_dtype": args.pagedserve_dtype,
+                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype,
+                     "pagedserve_int8_prompt_activations": args.pagedserve_int8_prompt_activations}
+    return Workload(model, runs, warmup, args.max_model_len, args.kv_cache_gib, extra, args.pagedserve_model,
+                    args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype,
+                    not args.pagedserve_int8_prompt_activations)
+
+
 def offline(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emit) -> None:
     model = model_dir(args)
     trace = make_trace(args.num_requests, _vocab(model), args.seed, args.min_len, args.max_len)
     prompts, lens = [p for p, _ in trace], [o for _, o in trace]
     runs = _repeated("offline", prompts, lens, args.repeats, _vocab(model), args.seed)
-    work = Workload(model, runs, (prompts[0][:16], 4), args.max_model_len, args.kv_cache_gib,
-                    {"requests": len(trace), "prompt_tokens": sum(map(len, prompts)), "model": Path(model).name,
-                     "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype,
-                     "pagedserve_dtype": args.pagedserve_dtype,
-                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype,
-                     "pagedserve_int8_prompt_activations": args.pagedserve_int8_prompt_activations},
-                    args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype,
-                    not args.pagedserve_int8_prompt_activations)
+    work = _model_workload(args, model, runs, (prompts[0][:16], 4),
+                           {"requests": len(trace), "prompt_tokens": sum(map(len, prompts))})
     ours, theirs = _side_by_side("offline", work, venv, log_dir, emit, _throughput("offline"), "tokens_per_s")
     if theirs is not None:
         emit({"part": "offline", "greedy_agreement": agreement(ours["runs"]["offline0"]["token_ids"],
@@ -153,14 +160,7 @@ def single(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emi
         full = min(v["seconds"] for k, v in result["runs"].items() if k.startswith("full"))
         return {"decode_tokens": n, "first_token_s": round(first, 4), "decode_tok_s": round(n / (full - first), 2)}
 
-    work = Workload(model, runs, (prompt[:16], 4), args.max_model_len, args.kv_cache_gib,
-                    {"prompt_len": len(prompt), "model": Path(model).name,
-                     "pagedserve_model": Path(args.pagedserve_model or model).name, "vllm_dtype": args.vllm_dtype,
-                     "pagedserve_dtype": args.pagedserve_dtype,
-                     "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype,
-                     "pagedserve_int8_prompt_activations": args.pagedserve_int8_prompt_activations},
-                    args.pagedserve_model, args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype,
-                    not args.pagedserve_int8_prompt_activations)
+    work = _model_workload(args, model, runs, (prompt[:16], 4), {"prompt_len": len(prompt)})
     _side_by_side("single", work, venv, log_dir, emit, figures, "decode_tok_s")
 
 
