@@ -9,7 +9,10 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
 - `one_row`: all 30 layers' linears at one row (66 MB, out of cache) at 1 and 2 threads: the
   bandwidth a decode step gets and how it scales over the second thread;
 - `lm_head`: SmolLM2's tied Q8_0 lm_head (49152 x 576, 30 MB, GGUF order) at 1, 2, 4 and 5 rows,
-  int8 activations (the logit screen's pass), 2 threads.
+  int8 activations (the logit screen's pass), 2 threads;
+- `lm_head_bf16_screen` (CPUs with native bf16 only): the same lm_head at 8, 32 and 64 rows, the
+  int8 kernel against the bf16 screen's GEMM (`ops.screen.screen_logits` on its packed copy), which
+  `engine/model/quant_screen.py` uses from `BF16_SCREEN_MIN_ROWS` greedy rows on.
 
 Prints one JSON object per line.
 
@@ -28,6 +31,7 @@ import torch
 
 import ops.quant as oq
 from ops.reference import quant as rq
+from ops.screen import bf16_packing_available, native_bf16, pack_screen_weight, screen_logits
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 LAYERS = 30
@@ -107,6 +111,18 @@ def main() -> None:
         seconds = statistics.median(samples)
         print(json.dumps({"bench": "lm_head", "format": "Q8_0", "rows": rows, "threads": 2,
                           "ms": round(1e3 * seconds, 3), "gb_per_s": round(head.numel() / 1e9 / seconds, 2)}))
+    if native_bf16() and bf16_packing_available():
+        packed = pack_screen_weight(oq.dequantize(head, oq.Q8_0, 576))
+        xs64 = torch.randn(64, 576, generator=gen)
+        both = {(kind, rows): [] for kind in ("int8", "bf16") for rows in (8, 32, 64)}  # type: dict[tuple[str, int], list[float]]
+        for _ in range(max(10, args.iters // 16)):
+            for (kind, rows), samples in both.items():
+                if kind == "int8":
+                    sample(lambda rows=rows: oq.quant_linear(xs64[:rows], head, oq.Q8_0, checked=True), samples)
+                else:
+                    sample(lambda rows=rows: screen_logits(xs64[:rows], packed), samples)
+        print(json.dumps({"bench": "lm_head_bf16_screen", "format": "Q8_0", "threads": 2, "ms": {
+            f"{kind}_{rows}": round(1e3 * statistics.median(s), 2) for (kind, rows), s in both.items()}}))
 
 
 def _laid_out(qweight: torch.Tensor, fmt: oq.QuantFormat) -> torch.Tensor:
