@@ -308,6 +308,38 @@ void widen_group(const uint8_t* tiles, int64_t nb, float* wide) {
 template <int M>
 void fp32_group_rows(const float* x, int64_t ldx, int64_t nb, const float* wide, const float* bias, float* out,
                      int64_t ldo) {
+#if defined(__AVX512F__)
+  // Two row pairs per 512-bit register (the widened tile keeps pairs p and p + 1 side by side):
+  // every lane runs the 256-bit loop's multiply-adds in the same order, and each row is summed
+  // from its four lanes the same way, so the bits are the same with half the instructions.
+  __m512 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* wb = wide + b * kWideBlock;
+    for (int half = 0; half < 2; ++half)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m512 xq[M];
+        for (int m = 0; m < M; ++m)
+          xq[m] = _mm512_broadcast_f32x4(_mm_loadu_ps(x + m * ldx + b * kBlock + half * (kBlock / 2) + 4 * j));
+#pragma GCC unroll 2
+        for (int q = 0; q < 2; ++q) {
+          const __m512 wv = _mm512_loadu_ps(wb + ((half * 4 + j) * 4 + 2 * q) * 8);
+          for (int m = 0; m < M; ++m) acc[m][q] = _mm512_fmadd_ps(wv, xq[m], acc[m][q]);
+        }
+      }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int q = 0; q < 2; ++q) {
+      alignas(64) float a[16];
+      _mm512_store_ps(a, acc[m][q]);
+      for (int s = 0; s < 4; ++s) {
+        const int r = 4 * q + s;
+        out[m * ldo + r] = ((a[4 * s] + a[4 * s + 1]) + (a[4 * s + 2] + a[4 * s + 3])) +
+                           (bias != nullptr ? bias[r] : 0.f);
+      }
+    }
+#else
   using vec::Vec;
   Vec acc[M][4] = {};
   for (int64_t b = 0; b < nb; ++b) {
@@ -335,6 +367,7 @@ void fp32_group_rows(const float* x, int64_t ldx, int64_t nb, const float* wide,
         out[m * ldo + r] = ((a[4 * s] + a[4 * s + 1]) + (a[4 * s + 2] + a[4 * s + 3])) +
                            (bias != nullptr ? bias[r] : 0.f);
       }
+#endif
 }
 
 // Groups [g_begin, g_end) of out[M][N] with fp32 activations x[M][K], two rows per pass.
