@@ -244,7 +244,7 @@ def _check_exact_rows(name: str, m: int, exact: int) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(BASE))
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 16, 21, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_r8_groups_in_pairs_equal_groups_alone(name: str, m: int, with_bias: bool) -> None:
     """Where the CPU has AVX-512 VNNI, two eight-row groups share one 512-bit pass; a weight of one
