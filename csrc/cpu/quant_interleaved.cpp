@@ -78,14 +78,6 @@ inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-inline __m256i lanes_add(__m256i a, __m256i b) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return _mm256_add_epi32(a, b);
-#else
-  return _mm256_add_epi16(a, b);
-#endif
-}
-
 inline __m256i lanes_to_int32(__m256i acc) {
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
   return acc;
@@ -94,15 +86,6 @@ inline __m256i lanes_to_int32(__m256i acc) {
 #endif
 }
 #endif
-
-// Independent integer accumulators per activation row and block: a block's eight multiply-adds
-// into one register form a dependency chain (~5 cycles each with VNNI) that bounded the few-row
-// passes by latency, not throughput. Integer sums are exact, so splitting them changes no bit.
-// Chunk j's low nibbles go to chain (2j) % C, its high ones to (2j + 1) % C.
-template <int M>
-constexpr int chains() {
-  return M == 1 ? 4 : 2;
-}
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDSERVE_R8_ZMM 1
@@ -134,10 +117,8 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
     const uint8_t* t1 = tiles1 + b * tb;
     const __m512 dw = halves_to_ps(t0, t1);
     const __m512 mw = F == kQuantQ4_1 ? halves_to_ps(t0 + 16, t1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
-    constexpr int C = chains<M>();
-    __m512i sums[M][C];
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < C; ++c) sums[m][c] = _mm512_setzero_si512();
+    __m512i sums[M];
+    for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
     const uint8_t* q0 = t0 + quants_offset<F>();
     const uint8_t* q1 = t1 + quants_offset<F>();
 #pragma GCC unroll 4
@@ -151,17 +132,13 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
         int32_t lo4, hi4;
         std::memcpy(&lo4, a + 4 * j, 4);
         std::memcpy(&hi4, a + kBlock / 2 + 4 * j, 4);
-        __m512i& lo_sum = sums[m][(2 * j) % C];
-        __m512i& hi_sum = sums[m][(2 * j + 1) % C];
-        lo_sum = _mm512_dpbusd_epi32(lo_sum, lo, _mm512_set1_epi32(lo4));
-        hi_sum = _mm512_dpbusd_epi32(hi_sum, hi, _mm512_set1_epi32(hi4));
+        sums[m] = _mm512_dpbusd_epi32(sums[m], lo, _mm512_set1_epi32(lo4));
+        sums[m] = _mm512_dpbusd_epi32(sums[m], hi, _mm512_set1_epi32(hi4));
       }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      __m512i total = sums[m][0];
-      for (int c = 1; c < C; ++c) total = _mm512_add_epi32(total, sums[m][c]);
-      const __m512 dot = _mm512_cvtepi32_ps(total);
+      const __m512 dot = _mm512_cvtepi32_ps(sums[m]);
       acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(ad[m * nb + b])), acc[m]);
       macc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(as[m * nb + b]), macc[m]);
     }
@@ -193,10 +170,8 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
       const __m256 mw = F == kQuantQ4_1
                             ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
                             : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
-      constexpr int C = M <= 2 ? chains<M>() : 1;  // 16 ymm registers: no room for more at M > 2
-      __m256i sums[M][C];
-      for (int m = 0; m < M; ++m)
-        for (int c = 0; c < C; ++c) sums[m][c] = _mm256_setzero_si256();
+      __m256i sums[M];
+      for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
       const uint8_t* quants = tile + quants_offset<F>();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
@@ -206,17 +181,13 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
 #pragma GCC unroll 8
         for (int m = 0; m < M; ++m) {
           const int8_t* a = q + m * k_len + b * kBlock;
-          __m256i& lo_sum = sums[m][(2 * j) % C];
-          __m256i& hi_sum = sums[m][(2 * j + 1) % C];
-          lo_sum = accumulate(lo_sum, lo, broadcast4(a + 4 * j));
-          hi_sum = accumulate(hi_sum, hi, broadcast4(a + kBlock / 2 + 4 * j));
+          sums[m] = accumulate(sums[m], lo, broadcast4(a + 4 * j));
+          sums[m] = accumulate(sums[m], hi, broadcast4(a + kBlock / 2 + 4 * j));
         }
       }
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        __m256i total = sums[m][0];  // int16 pairs without VNNI: wrapping adds, exact as the block's sum fits
-        for (int c = 1; c < C; ++c) total = lanes_add(total, sums[m][c]);
-        const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(total));
+        const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m]));
         acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(ad[m * nb + b])), acc[m]);
         macc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(as[m * nb + b]), macc[m]);
       }
