@@ -3,34 +3,21 @@ request's XACK/XDEL (its entry then stays pending under the engine for good, and
 stays), or an XREADGROUP's reply (an entry delivered to the engine that never saw it). Found by
 the Sentinel suite on a fast machine: 30-35 of 50 entries left behind after a kill -9 of the
 master. `Intake.readopt` finds the entries pending under its name that it does not track, on a
-real redis-server, without counting a delivery, and resumes or acknowledges each by its checkpoint."""
+real redis-server (6.2 and 7.x: the `client` fixture), without counting a delivery, and resumes or
+acknowledges each by its checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-import pytest
 import redis.asyncio as aioredis
 
 from common.protocol import REQUEST_FIELD, EngineRequest, Keys, OutputMessage, SeqOutput
 from common.sampling_params import SamplingParams
 from engine.worker.intake import Intake
 from engine.worker.request_stream import RequestStream
-from pagedserve.launch.redis_server import RedisServer
 
 KEYS = Keys("t")
 MODEL = "m"
 STREAM = KEYS.requests(MODEL)
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[aioredis.Redis]:
-    with RedisServer() as server:
-        redis = aioredis.Redis.from_url(server.url)
-        try:
-            yield redis
-        finally:
-            await redis.aclose()
 
 
 def _request(request_id: str) -> EngineRequest:

