@@ -22,11 +22,11 @@ from engine.model.capacity import (
     num_device_blocks,
     num_host_blocks,
     profile_peak,
+    resolve_compute,
     resolve_device,
-    resolve_model_dtype,
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
-from engine.model.loader import load_hf_config, load_model, resolve_dtype, tokenizer_dir
+from engine.model.loader import load_hf_config, load_model, tokenizer_dir
 from engine.model.quant_linear import all_linears_quantized
 from engine.model.runner import ModelRunner, sampling_rows, spec_order
 from engine.model.sharding import SINGLE, TPShard
@@ -59,8 +59,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if config.attention_backend == "auto":
             prepare_kernels(self.device)  # at start-up, not on the first request
-        self.dtype = resolve_dtype(resolve_model_dtype(config.dtype, self.device,
-                                                       quantized_weights=config.serves_quantized_weights))
+        self.dtype, self.bf16_linears = resolve_compute(config, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.tokenizer_dir = tokenizer_dir(config.model, config.tokenizer)
         self.hf_config = load_hf_config(config.model)
@@ -86,6 +85,7 @@ class LLMEngine:
         self.model = load_model(config.model, self.dtype, self.device, config.quantization, shard, spec)
         self.model.use_logit_screen = config.logit_screen
         self.model.exact_prompt_rows = config.exact_prompt_rows
+        self.model.bf16_linears = self.bf16_linears
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
             set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model)))
         kv_spec = shard.kv_spec(self.model.spec)

@@ -5,6 +5,9 @@ A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / 32 * fmt.block_bytes]
 
 - up to ``QUANT_GEMV_MAX_ROWS`` rows (decode) the C++ kernel streams the packed blocks once, with
   the activations quantized per 32-block to int8 (integer dot products; ``int8_activations``);
+- with bf16 linears (``quant_linear_bf16``, a model in ``dtype`` bfloat16 on a CPU with AMX-BF16),
+  any number of rows: the weight is dequantized to bf16 one 32-row panel at a time and multiplied
+  on AMX tiles (no copy of the weight kept); a step takes this path from ``BF16_MIN_ROWS`` rows;
 - more rows (prefill) the weight is dequantized into an fp32 scratch copy and multiplied by oneDNN,
   except a step's int8 rows on the eight-row layouts, which stay on the kernel at any count (there
   its int8 path beats oneDNN's fp32 GEMM 1.5-1.8x at 128-512 rows, and a decode row then gets the
@@ -26,6 +29,9 @@ from ops.backend import use_reference
 from ops.build import cpu_ops
 from ops.reference import quant as ref
 
+BF16_MIN_ROWS = 32  # a step's linears run on bf16 AMX tiles (`quant_linear_bf16`) from this many rows,
+BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows: one-threaded crossovers on SmolLM2's Q4_1 layers,
+# 0.59 ms int8 kernel vs 0.60 AMX at 32 rows; fp32 prompt rows 0.60 vs 0.52 at 8 (benchmarks/quant_rows_bench.py)
 QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, measured one-threaded on SmolLM2 Q4_1 layers:
 # 64 rows 7.9 ms (kernel) vs 8.5 ms; 256 rows 32.3 vs 26.9 ms (benchmarks/quant_bench.py)
 
@@ -116,6 +122,39 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.T
     cpu_ops().quant_screened_argmax(tokens, counts, approx.contiguous(), hidden.contiguous(), qweight,
                                     fmt.type_id, norms, rounding, norm_slack, row_scales)
     return tokens, counts
+
+
+def bf16_step(rows: int, prompt_rows: int) -> bool:
+    """Whether a step of ``rows`` tokens, ``prompt_rows`` of them prompt tokens, runs its linears on
+    ``quant_linear_bf16`` in a model whose quantized linears compute in bf16 (the crossovers above)."""
+    return rows >= BF16_MIN_ROWS or prompt_rows >= BF16_MIN_PROMPT_ROWS
+
+
+@cache
+def amx_bf16() -> bool:
+    """Whether ``quant_linear_bf16`` runs on the compiled AMX-BF16 kernel here (built for a CPU
+    with AMX-BF16, and the OS granted the tile state); elsewhere it runs in torch (same rounding)."""
+    return cpu_ops().amx_bf16_available()
+
+
+def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x [..., K] @ W.T + bias`` → ``[..., N]`` with ``x`` and the dequantized weights ``W``
+    rounded to bf16 (nearest even) and the products summed in fp32: on AMX tiles where
+    ``amx_bf16()``, else dequantized and multiplied by torch in bf16 (the reference backend too)."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be fp32; got {x.dtype}")
+    k = x.shape[-1]
+    check_qweight(qweight, fmt, k)
+    n = qweight.shape[0]
+    flat = x.reshape(-1, k)
+    if use_reference() or not x.is_cpu or not amx_bf16():
+        return ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], n)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = flat.new_empty((flat.shape[0], n))
+    cpu_ops().quant_linear_bf16(out, flat, qweight, fmt.type_id, bias)
+    return out.view(*x.shape[:-1], n)
 
 
 @cache

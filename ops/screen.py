@@ -60,6 +60,15 @@ def cpuinfo_native_bf16(cpuinfo: str) -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
+AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512_vbmi")  # what csrc/cpu/quant_amx.cpp compiles for
+
+
+def cpuinfo_amx_bf16(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo text lists every flag the AMX-BF16 quantized kernel needs on its first CPU."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return all(flag in flags for flag in AMX_BF16_FLAGS)
+
+
 @cache
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (read from /proc/cpuinfo; False elsewhere):

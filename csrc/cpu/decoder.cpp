@@ -1,7 +1,8 @@
 // The decoder layers of a Llama-family model on quantized weights in one call: for each layer the
 // same kernels, in the same order and on the same tensors, as the Python modules call them
 // (engine/model/llama.py: LlamaDecoderLayer), so the results are bit for bit those of the module
-// path (rows [0, exact_rows) on fp32 activations: the step's prefill tokens, or none). What it removes is
+// path (rows [0, exact_rows) on fp32 activations: the step's prefill tokens, or none; with
+// bf16_linears every linear runs quant_linear_bf16 instead, on all rows). What it removes is
 // the per-layer Python: a one-row decode step of SmolLM2 makes ~300
 // module calls and ~600 op calls, which took longer than its kernels (engine/model/fused_decoder.py).
 #include <ATen/ATen.h>
@@ -27,7 +28,8 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          const at::Tensor& prefill_context_lens, const at::Tensor& decode_block_tables,
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         bool bf16_linears) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == layers &&
                   static_cast<int64_t>(norm_weights.size()) == kNorms * layers &&
@@ -50,7 +52,11 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
   const auto linear = [&](int64_t index, const at::Tensor& x) {
     const at::Tensor& w = qweights[index];
     at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-    quant_linear(out, x, w, formats[index], bias_of(biases[index]), int8_activations[index] != 0, exact_rows);
+    if (bf16_linears) {
+      quant_linear_bf16(out, x, w, formats[index], bias_of(biases[index]));
+    } else {
+      quant_linear(out, x, w, formats[index], bias_of(biases[index]), int8_activations[index] != 0, exact_rows);
+    }
     return out;
   };
   at::Tensor h = hidden;  // the layer's normed input; the MLP output lands in a fresh tensor

@@ -94,6 +94,15 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
                            const at::Tensor& norms, double rounding, double norm_slack,
                            const c10::optional<at::Tensor>& row_scales);
 
+// out fp32 [M, N] = x fp32 [M, K] . W^T (+ bias) with W the packed weight rounded to bf16 and x
+// rounded to bf16, fp32 accumulation, on AMX-BF16 tiles (quant_amx.cpp); any format quant_linear
+// takes. An error where the build's CPU has no AMX-BF16 (amx_bf16_available).
+void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
+                       const c10::optional<at::Tensor>& bias);
+
+// Whether quant_linear_bf16 runs here: built for AMX-BF16 and the OS granted the tile state.
+bool amx_bf16_available();
+
 // out fp32 [N, K] = the weights of qweight uint8 [N, K / 32 * block_bytes] in `format`.
 void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format);
 
@@ -110,7 +119,8 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          const at::Tensor& prefill_context_lens, const at::Tensor& decode_block_tables,
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale);
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                         bool bf16_linears);
 // Kernels ignore their `openmp` hint (parallel.h) while on: for models with only quantized linears.
 
 }  // namespace pagedserve::cpu

@@ -33,6 +33,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "quant_linear(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias, "
       "bool int8_activations, int exact_rows=0) -> ()");
+  m.def("quant_linear_bf16(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias) -> ()");
   m.def("dequantize_weight(Tensor(a!) out, Tensor qweight, int format) -> ()");
   m.def(
       "quant_screened_argmax(Tensor(a!) out, Tensor(b!) candidates, Tensor approx, Tensor hidden, "
@@ -43,11 +44,12 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor prefill_block_tables, Tensor prefill_query_start_loc, Tensor prefill_context_lens, "
       "Tensor decode_block_tables, Tensor decode_context_lens, Tensor[] norm_weights, Tensor[] qweights, "
       "Tensor[] biases, int[] formats, int[] int8_activations, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale) -> Tensor");
+      "float eps, float scale, bool bf16_linears=False) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("set_openmp_rows(int rows) -> ()", [](int64_t rows) {
     pagedserve::cpu::openmp_rows_setting().store(rows, std::memory_order_relaxed);
   });
+  m.def("amx_bf16_available() -> bool", []() { return pagedserve::cpu::amx_bf16_available(); });
   m.def("openmp_rows() -> int", []() { return pagedserve::cpu::openmp_rows(); });
 }
 
@@ -66,6 +68,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("sample_filtered", &pagedserve::cpu::sample_filtered);
   m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);
   m.impl("quant_linear", &pagedserve::cpu::quant_linear);
+  m.impl("quant_linear_bf16", &pagedserve::cpu::quant_linear_bf16);
   m.impl("dequantize_weight", &pagedserve::cpu::dequantize_weight);
   m.impl("quant_screened_argmax", &pagedserve::cpu::quant_screened_argmax);
   m.impl("llama_decoder", &pagedserve::cpu::llama_decoder);

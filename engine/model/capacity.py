@@ -10,6 +10,7 @@ from common.log import get_logger
 from engine.config import EngineConfig
 from engine.model.attention import AttentionMetadata
 from engine.model.kv_cache import allocate_kv_caches
+from engine.model.loader import resolve_dtype
 
 log = get_logger("capacity")
 
@@ -24,14 +25,19 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_model_dtype(dtype: str, device: torch.device, cpuinfo: str | None = None,
                         quantized_weights: bool = False) -> str:
-    """auto: fp32 for quantized GGUF weights (their kernels take fp32 activations and round them to
-    int8 per 32-block themselves); bf16 on CUDA; on the CPU bf16 where it computes bf16 natively
-    (avx512_bf16 or amx_bf16 in ``cpuinfo``, default /proc/cpuinfo), else fp32 (an emulated bf16
-    GEMM is no faster). Logs the choice and why."""
+    """auto: for quantized GGUF weights bf16 where the CPU has AMX-BF16 (their linears then compute
+    in bf16 on tiles for steps of many rows: `resolve_compute`), else fp32; bf16 on CUDA; on the
+    CPU bf16 where it computes bf16 natively (avx512_bf16 or amx_bf16 in ``cpuinfo``, default
+    /proc/cpuinfo), else fp32 (an emulated bf16 GEMM is no faster). Logs the choice and why."""
     if dtype != "auto":
         return dtype
     if quantized_weights:
-        choice, reason = "float32", "quantized weights take fp32 activations (the kernel rounds them to int8)"
+        from ops.screen import cpuinfo_amx_bf16
+
+        amx = cpuinfo_amx_bf16(cpuinfo if cpuinfo is not None else _cpuinfo())
+        choice = "bfloat16" if amx else "float32"
+        reason = ("quantized weights: many-row steps on AMX-BF16 tiles" if amx
+                  else "quantized weights: no AMX-BF16 (the kernels round fp32 activations to int8)")
     elif device.type == "cuda":
         choice, reason = "bfloat16", "cuda device"
     else:
@@ -42,6 +48,29 @@ def resolve_model_dtype(dtype: str, device: torch.device, cpuinfo: str | None = 
         reason = "cpu computes bf16 natively (avx512_bf16/amx_bf16)" if native else "cpu has no native bf16"
     log.info("dtype auto", dtype=choice, reason=reason)
     return choice
+
+
+def resolve_compute(config: EngineConfig, device: torch.device) -> tuple[torch.dtype, bool]:
+    """`(dtype, bf16_linears)`: the model's activation and KV dtype, and whether its quantized
+    linears compute in bf16 (`LlamaForCausalLM.bf16_linears`). A quantized GGUF model keeps fp32
+    activations and gets bf16 linears for dtype bfloat16 (auto picks it where the CPU has
+    AMX-BF16); float16 is refused for it. Other models run in the resolved dtype."""
+    quantized = config.serves_quantized_weights
+    choice = resolve_model_dtype(config.dtype, device, quantized_weights=quantized)
+    if not quantized:
+        return resolve_dtype(choice), False
+    if choice == "float16":
+        raise ValueError("quantized GGUF weights compute in float32 or bfloat16; got dtype float16 "
+                         "(pass quantization='dequantize' to convert the weights instead)")
+    return torch.float32, choice == "bfloat16"
+
+
+def _cpuinfo() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def num_device_blocks(config: EngineConfig, block_bytes: int, device: torch.device,

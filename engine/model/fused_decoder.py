@@ -69,17 +69,23 @@ class FusedDecoder:
         return FusedDecoder(layers)
 
     @staticmethod
-    def applies(hidden: Tensor, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata) -> bool:
+    def applies(hidden: Tensor, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata,
+                bf16_linears: bool = False) -> bool:
         """Whether this step can run fused: CPU fp32 activations, at most `QUANT_GEMV_MAX_ROWS`
-        tokens, a real cache (a profiling pass has none), the compiled kernels selected."""
-        return (0 < hidden.shape[0] <= QUANT_GEMV_MAX_ROWS and hidden.is_cpu and hidden.dtype == torch.float32
+        tokens (any number with `bf16_linears` on the AMX kernel), a real cache (a profiling pass
+        has none), the compiled kernels selected."""
+        rows = hidden.shape[0]
+        if not (0 < rows <= QUANT_GEMV_MAX_ROWS or (rows > 0 and bf16_linears and ops.quant.amx_bf16())):
+            return False
+        return (hidden.is_cpu and hidden.dtype == torch.float32
                 and bool(kv_caches) and kv_caches[0][0].numel() > 0 and ops.get_backend() == "auto")
 
     def __call__(self, hidden: Tensor, rope: tuple[Tensor, Tensor], kv_caches: list[tuple[Tensor, Tensor]],
-                 meta: AttentionMetadata, exact_rows: int) -> tuple[Tensor, Tensor]:
+                 meta: AttentionMetadata, exact_rows: int, bf16_linears: bool = False) -> tuple[Tensor, Tensor]:
         """`(last layer's MLP output, residual stream)` for the final norm; `hidden` (the
         embeddings, owned by the caller) is overwritten. Rows [0, exact_rows) keep fp32
-        activations (`EXACT_ROWS` on the module path)."""
+        activations (`EXACT_ROWS` on the module path); with `bf16_linears` every linear computes in
+        bf16 (`BF16_LINEARS`)."""
         positions, cos_sin = rope
         residual = torch.empty_like(hidden)
         prefill = meta.num_prefills > 0
@@ -92,5 +98,5 @@ class FusedDecoder:
             meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous(),
             self.norm_weights, self.qweights, self.biases, self.formats,
             [int(m.int8_activations) for m in self.linears],
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale)
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, bf16_linears)
         return out, residual

@@ -17,7 +17,7 @@ from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.fused_decoder import FusedDecoder
 from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
-from engine.model.quant_linear import EXACT_ROWS, QuantLinear
+from engine.model.quant_linear import BF16_LINEARS, EXACT_ROWS, QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import SINGLE, TPShard
@@ -134,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
         # model's prompt logits and first token); False rounds them to int8 too (1.4-1.6x faster prefill on
         # the eight-row Q4 layouts; near-ties of the first token may then flip).
         self.exact_prompt_rows = True
+        # Quantized linears in bf16 (the model's compute dtype is bf16): steps of many rows run every
+        # linear on AMX tiles (`ops.quant.bf16_step`); smaller ones keep the int8 / fp32 kernels.
+        self.bf16_linears = False
         self.screen: LogitScreen | QuantLogitScreen | None = None
         self.use_fused_decoder = True  # the layers in one C++ call where `FusedDecoder` applies
         self.fused: FusedDecoder | None = None
@@ -147,16 +150,18 @@ class LlamaForCausalLM(nn.Module):
         rope = (positions, self.model.rotary_emb.table(positions))  # shared by every layer
         fused = self.fused_decoder()
         exact_rows = meta.num_prefill_tokens if self.exact_prompt_rows else 0  # prompt rows on fp32 activations
-        if fused is not None and fused.applies(hidden, kv_caches, meta):
-            last, stream = fused(hidden, rope, kv_caches, meta, exact_rows)
+        bf16 = self.bf16_linears and ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens)
+        if fused is not None and fused.applies(hidden, kv_caches, meta, bf16):
+            last, stream = fused(hidden, rope, kv_caches, meta, exact_rows, bf16)
             return self.model.norm(last, stream)[0]
         residual: Tensor | None = None
-        exact = EXACT_ROWS.set(exact_rows)
+        exact, bf16_token = EXACT_ROWS.set(exact_rows), BF16_LINEARS.set(bf16)
         try:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         finally:
             EXACT_ROWS.reset(exact)
+            BF16_LINEARS.reset(bf16_token)
         return self.model.norm(hidden, residual)[0]
 
     def fused_decoder(self) -> FusedDecoder | None:
@@ -168,8 +173,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Logits `[N, vocab]` in fp32 for the selected hidden rows."""
-        return self.lm_head(hidden).float()
+        """Logits `[N, vocab]` in fp32 for the selected hidden rows (a quantized lm_head computes in
+        bf16 for many rows where the model's linears do: `bf16_linears`)."""
+        bf16 = BF16_LINEARS.set(self.bf16_linears and hidden.shape[0] >= ops.quant.BF16_MIN_ROWS)
+        try:
+            return self.lm_head(hidden).float()
+        finally:
+            BF16_LINEARS.reset(bf16)
 
     @torch.inference_mode()
     def pick_tokens(self, hidden: Tensor, pick: TokenPicker) -> Tensor:

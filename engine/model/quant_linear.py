@@ -24,6 +24,12 @@ dequantized model's (int8 rounding flipped near-ties: SmolLM2's "capital of Fran
 a prompt's numerics do not depend on whether its step is over `QUANT_GEMV_MAX_ROWS` (oneDNN, fp32)."""
 
 
+BF16_LINEARS: ContextVar[bool] = ContextVar("bf16_linears", default=False)
+"""Whether this step's packed linears compute in bf16 (`ops.quant.quant_linear_bf16`: activations and
+weights rounded to bf16, fp32 sums, on AMX tiles), every row of it: set by the model's forward for
+steps of many rows when the model's compute dtype is bf16 (`LlamaForCausalLM.bf16_linears`)."""
+
+
 class QuantLinear(nn.Module):
     """`y = x @ W.T + b` with W the row-wise concatenation of `shards`: `(format, packed uint8)` or
     `(None, fp32 [rows, in_features])`. One shard (the common case) is one kernel call."""
@@ -65,6 +71,8 @@ class QuantLinear(nn.Module):
         assert t is not None
         if fmt is None:
             return ops.linear(x, t, bias)
+        if BF16_LINEARS.get():
+            return ops.quant.quant_linear_bf16(x, t, fmt, bias)
         return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True,  # checked in __init__
                                       exact_rows=EXACT_ROWS.get())
 

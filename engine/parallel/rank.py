@@ -69,7 +69,7 @@ def rank_main(args: RankArgs) -> None:
 
 def _serve(args: RankArgs) -> None:
     import ops
-    from engine.model.capacity import num_device_blocks, num_host_blocks, profile_peak
+    from engine.model.capacity import num_device_blocks, num_host_blocks, profile_peak, resolve_compute
     from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
     from engine.model.loader import load_model
     from engine.model.runner import ModelRunner
@@ -87,6 +87,7 @@ def _serve(args: RankArgs) -> None:
     shard = TPShard(args.rank, groups.size, groups.compute)
     model = load_model(config.model, args.dtype, device, config.quantization, shard, args.spec)
     model.exact_prompt_rows = config.exact_prompt_rows  # every rank rounds the same rows
+    model.bf16_linears = resolve_compute(config, device)[1]
     if device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share, as on rank 0
         from engine.model.quant_linear import all_linears_quantized
         from ops.parallel import openmp_rows_for, set_openmp_rows

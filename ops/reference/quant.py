@@ -94,6 +94,14 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: int, bias: torch.T
     return out if bias is None else out + bias.float()
 
 
+def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: int,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` with ``x`` and the dequantized weights rounded to bf16 (nearest
+    even) and the products summed in fp32: what the AMX kernel computes, up to summation order."""
+    out = x.bfloat16().float() @ dequantize(qweight, fmt).bfloat16().float().T
+    return out if bias is None else out + bias.float()
+
+
 def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
     """Pack fp32 ``[N, K]`` (K a multiple of 32) into ``fmt`` blocks, rounding to nearest (for tests
     and tools; gguf's own quantizer is what the model files use)."""

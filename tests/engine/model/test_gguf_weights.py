@@ -177,7 +177,7 @@ def test_smollm2_q4_1_engine_batch_decodes_like_single_streams() -> None:
     from common.sampling_params import SamplingParams
     from engine.llm import LLM
 
-    engine = LLM(str(_smollm2_gguf()), kv_cache_memory=1 << 27).engine
+    engine = LLM(str(_smollm2_gguf()), kv_cache_memory=1 << 27, dtype="float32").engine  # bf16 steps batch rows
     from ops.parallel import openmp_rows
     from ops.quant import QUANT_GEMV_MAX_ROWS
 

@@ -1,0 +1,316 @@
+// Linear layers on GGUF-quantized weights for many rows at once, on AMX-BF16 tiles.
+//
+// The int8 row passes (quant_gemm.cpp, quant_interleaved.cpp) run ~50 GMAC/s a thread: right for
+// a few rows, where a step is bound by reading the weights, far from what a CPU with AMX does for
+// a prefill or a large decode batch. Here, per panel of 32 output rows, the packed blocks are
+// dequantized once into bf16 (each value as the fp32 dequantization gives it, rounded to nearest
+// even: what `dequantize(w).bfloat16()` holds) and multiplied by every activation row on the tiles,
+// with fp32 accumulation: no per-32-block epilogue (the AMX-INT8 pass tried before paid one, and
+// lost to the VNNI pass), and no fp32 or bf16 copy of the weight kept anywhere.
+//
+// Tiles (2 x 2 blocking, eight tile registers): C[n][m] += W[n][k] . X[m][k] with the panel's
+// weights as A (16 rows x 32 bf16, row-major as dequantized), the activations as B in the VNNI
+// pair layout (packed once per call: [m tile][k block][16 k pairs][16 m][2]), C tiles 16 n x 16 m
+// fp32, transposed in registers on the way out (with the bias). Activation rows are taken in
+// blocks whose packed copy stays in L2, so a panel is dequantized once per block.
+#include "ops.h"
+#include "parallel.h"
+#include "quant_blocks.h"
+#include "quant_interleaved.h"
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define PAGEDSERVE_AMX_BF16 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace pagedserve::cpu {
+
+#if defined(PAGEDSERVE_AMX_BF16)
+namespace {
+
+using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
+
+constexpr int64_t kTile = 16;         // rows of a tile; fp32 columns of a C tile
+constexpr int64_t kPanel = 2 * kTile;  // weight rows per panel (two A tiles)
+constexpr int64_t kPackedBlock = kTile * kBlock;  // bf16 values of one packed B tile
+
+// Linux hands a process the AMX tile state only on request (arch_prctl); once per process.
+bool request_amx() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile used here is 16 rows of 64 bytes: C (0-3) 16 x 16 fp32, A (4, 5) 16 x 32 bf16, B (6,
+// 7) 16 pairs x 16 columns x 2 bf16.
+const TileConfig& tile_config() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kTile;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  return config;
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit values (r[i] is row i on entry, column i on exit).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4a + c], 128-bit lane L: column 4L + c of rows 4a..4a+3
+  for (int a = 0; a < 16; a += 4) {
+    u[a] = _mm512_unpacklo_epi64(t[a], t[a + 2]);
+    u[a + 1] = _mm512_unpackhi_epi64(t[a], t[a + 2]);
+    u[a + 2] = _mm512_unpacklo_epi64(t[a + 1], t[a + 3]);
+    u[a + 3] = _mm512_unpackhi_epi64(t[a + 1], t[a + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i s0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// 32 fp32 (lo = values 0..15, hi = 16..31) as 32 bf16, round to nearest even.
+inline void store_bf16(c10::BFloat16* dst, __m512 lo, __m512 hi) {
+  _mm512_storeu_si512(dst, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+
+// Rows [m0, m0 + rows) of x (fp32, row stride ldx) into B tiles: packed[t][b] is the VNNI pair
+// layout of m tile t, k block b; rows past `rows` (to a multiple of kPanel) are zeros.
+void pack_activations(const float* x, int64_t ldx, int64_t rows, int64_t nb, c10::BFloat16* packed) {
+  const int64_t tiles = (rows + kPanel - 1) / kPanel * (kPanel / kTile);
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t b = 0; b < nb; ++b) {
+      __m512i r[16];  // row i: the 16 k pairs of activation row 16t + i
+      for (int i = 0; i < kTile; ++i) {
+        const int64_t m = t * kTile + i;
+        if (m < rows) {
+          const float* src = x + m * ldx + b * kBlock;
+          r[i] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+        } else {
+          r[i] = _mm512_setzero_si512();
+        }
+      }
+      transpose16(r);  // row p: pair p of every activation row
+      c10::BFloat16* dst = packed + (t * nb + b) * kPackedBlock;
+      for (int p = 0; p < kTile; ++p) _mm512_storeu_si512(dst + p * 2 * kTile, r[p]);
+    }
+  }
+}
+
+// Weight row n of a GGUF-order weight (F = Q8_0, Q4_0, Q4_1) as K bf16.
+template <int64_t F>
+void dequant_row_bf16(const uint8_t* row, int64_t nb, c10::BFloat16* dst) {
+  alignas(64) float wide[kBlock];
+  for (int64_t b = 0; b < nb; ++b) {
+    dequant_block<F>(row + b * block_bytes(F), wide);
+    store_bf16(dst + b * kBlock, _mm512_load_ps(wide), _mm512_load_ps(wide + 16));
+  }
+}
+
+// The eight rows of an r8 group (quant_interleaved.cpp has the layout) as K bf16 each, row r at
+// dst + r * ld. A tile's 128 quant bytes are permuted so each row's 16 packed bytes are contiguous
+// (packed byte i of row r sits at chunk i / 4, bytes 4r + i % 4), then widened like dequant_block.
+template <int64_t F>
+void dequant_group_bf16(const uint8_t* tiles, int64_t nb, c10::BFloat16* dst, int64_t ld) {
+  constexpr int64_t tile_len = 8 * (F == kQuantQ4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
+  constexpr int64_t quants_at = F == kQuantQ4_1 ? 32 : 16;
+  alignas(64) uint8_t index[2][64];
+  for (int half = 0; half < 2; ++half)
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < 16; ++i) index[half][r * 16 + i] = static_cast<uint8_t>((i / 4) * 32 + 4 * (r + 4 * half) + i % 4);
+  const __m512i idx0 = _mm512_load_si512(index[0]), idx1 = _mm512_load_si512(index[1]);
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* tile = tiles + b * tile_len;
+    const __m512i q0 = _mm512_loadu_si512(tile + quants_at), q1 = _mm512_loadu_si512(tile + quants_at + 64);
+    const __m512i rows[2] = {_mm512_permutex2var_epi8(q0, idx0, q1), _mm512_permutex2var_epi8(q0, idx1, q1)};
+    for (int r = 0; r < 8; ++r) {
+      uint16_t h;
+      std::memcpy(&h, tile + 2 * r, 2);
+      const float d = half_to_float(h);
+      float m = -8.f * d;
+      if constexpr (F == kQuantQ4_1) {
+        std::memcpy(&h, tile + 16 + 2 * r, 2);
+        m = half_to_float(h);
+      }
+      __m128i bytes;
+      switch (r % 4) {  // the lane index of extracti32x4 must be a constant
+        case 0: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 0); break;
+        case 1: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 1); break;
+        case 2: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 2); break;
+        default: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 3); break;
+      }
+      const __m512i wide = _mm512_cvtepu8_epi32(bytes);
+      const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(wide, low)), vd, vm);
+      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4)), vd, vm);
+      store_bf16(dst + r * ld + b * kBlock, lo, hi);
+    }
+  }
+}
+
+// Weight rows [n0, n0 + kPanel) as bf16 [kPanel][K]; rows past n_len are zeros.
+void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, int64_t k_len, c10::BFloat16* panel) {
+  const int64_t nb = k_len / kBlock, row_bytes = nb * block_bytes(format);
+  const int64_t rows = std::min(kPanel, n_len - n0);
+  if (is_interleaved(format)) {  // n0 and n_len are multiples of 8
+    for (int64_t g = 0; g < rows / 8; ++g) {
+      const uint8_t* tiles = w + (n0 + 8 * g) * row_bytes;
+      if (format == kQuantQ4_0R8) {
+        dequant_group_bf16<kQuantQ4_0>(tiles, nb, panel + 8 * g * k_len, k_len);
+      } else {
+        dequant_group_bf16<kQuantQ4_1>(tiles, nb, panel + 8 * g * k_len, k_len);
+      }
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = w + (n0 + r) * row_bytes;
+      switch (format) {
+        case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel + r * k_len); break;
+        case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel + r * k_len); break;
+        default: dequant_row_bf16<kQuantQ4_1>(row, nb, panel + r * k_len); break;
+      }
+    }
+  }
+  std::fill(panel + rows * k_len, panel + kPanel * k_len, c10::BFloat16(0.f));
+}
+
+// C tile (16 n x 16 m, fp32, row stride 16) into out rows [m0, m0 + m_rows) (m_rows <= 16),
+// columns [n0, n0 + n_cols) (n_cols <= 16), plus the bias.
+void store_transposed(const float* c, float* out, int64_t ldo, int64_t m_rows, int64_t n0, int64_t n_cols,
+                      const float* bias) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(c + 16 * i);
+  transpose16(r);
+  const __mmask16 mask = n_cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n_cols) - 1);
+  const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < m_rows; ++m)
+    _mm512_mask_storeu_ps(out + m * ldo + n0, mask, _mm512_add_ps(reinterpret_cast<__m512>(r[m]), b));
+}
+
+// Output columns of panels [p_begin, p_end) for activation rows [0, rows) of a packed block.
+void panels(const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len, const c10::BFloat16* packed,
+            int64_t rows, const float* bias, float* out, int64_t ldo, int64_t p_begin, int64_t p_end) {
+  const int64_t nb = k_len / kBlock, pairs = (rows + kPanel - 1) / kPanel;
+  thread_local std::vector<c10::BFloat16> panel_buf;
+  panel_buf.resize(kPanel * k_len);
+  c10::BFloat16* panel = panel_buf.data();
+  alignas(64) float c[4][kTile * kTile];
+  const int64_t lda = k_len * static_cast<int64_t>(sizeof(c10::BFloat16));
+  _tile_loadconfig(&tile_config());
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const int64_t n0 = p * kPanel;
+    dequant_panel(w, format, n0, n_len, k_len, panel);
+    for (int64_t mp = 0; mp < pairs; ++mp) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const c10::BFloat16* b0 = packed + (2 * mp) * nb * kPackedBlock;
+      const c10::BFloat16* b1 = b0 + nb * kPackedBlock;
+      for (int64_t b = 0; b < nb; ++b) {
+        _tile_loadd(4, panel + b * kBlock, lda);
+        _tile_loadd(5, panel + kTile * k_len + b * kBlock, lda);
+        _tile_loadd(6, b0 + b * kPackedBlock, 64);
+        _tile_loadd(7, b1 + b * kPackedBlock, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int nt = 0; nt < 2; ++nt) {
+        const int64_t n_cols = std::min<int64_t>(kTile, n_len - n0 - nt * kTile);
+        if (n_cols <= 0) continue;
+        for (int mt = 0; mt < 2; ++mt) {
+          const int64_t m0 = mp * kPanel + mt * kTile, m_rows = std::min<int64_t>(kTile, rows - m0);
+          if (m_rows > 0)
+            store_transposed(c[2 * nt + mt], out + m0 * ldo, ldo, m_rows, n0 + nt * kTile, n_cols, bias);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+bool amx_bf16_available() { return request_amx(); }
+
+void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(request_amx(), "quant_linear_bf16: the kernel could not get AMX tile state from the OS");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_linear_bf16: fp32 x and out");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
+              "quant_linear_bf16: rows must be contiguous");
+  const int64_t m_len = x.size(0), k_len = x.size(1), n_len = qweight.size(0);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "quant_linear_bf16: qweight must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(k_len % kBlock == 0 && qweight.size(1) == k_len / kBlock * block_bytes(format),
+              "quant_linear_bf16: qweight has ", qweight.size(1), " bytes per row; K=", k_len, " needs ",
+              k_len / kBlock * block_bytes(format));
+  TORCH_CHECK(!is_interleaved(format) || n_len % 8 == 0, "quant_linear_bf16: an r8 weight has a multiple of 8 rows");
+  TORCH_CHECK(out.size(0) == m_len && out.size(1) == n_len, "quant_linear_bf16: out must be [M, N]");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_len,
+                "quant_linear_bf16: bias must be contiguous fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  if (m_len == 0 || n_len == 0) return;
+  const int64_t nb = k_len / kBlock;
+  // Activation rows per block: a packed copy of ~1 MiB (stays in L2 beside a panel), whole pairs of tiles.
+  const int64_t block_rows = std::clamp<int64_t>((1 << 20) / (k_len * 2) / kPanel * kPanel, kPanel, 1024);
+  const int64_t num_panels = (n_len + kPanel - 1) / kPanel;
+  std::vector<c10::BFloat16> packed((std::min(block_rows, m_len) + kPanel - 1) / kPanel * kPanel * k_len);
+  const uint8_t* w = qweight.data_ptr<uint8_t>();
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < m_len; m0 += block_rows) {
+    const int64_t rows = std::min(block_rows, m_len - m0);
+    pack_activations(xp + m0 * x.stride(0), x.stride(0), rows, nb, packed.data());
+    parallel_chunks(num_panels, 1, [&](int64_t begin, int64_t end) {
+      panels(w, format, n_len, k_len, packed.data(), rows, b, op + m0 * out.stride(0), out.stride(0), begin, end);
+    }, /*openmp=*/m_len >= openmp_rows());
+  }
+}
+
+#else  // no AMX-BF16 in this build's target
+
+bool amx_bf16_available() { return false; }
+
+void quant_linear_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                       const c10::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "quant_linear_bf16: this CPU (or build) has no AMX-BF16; use quant_linear");
+}
+
+#endif
+
+}  // namespace pagedserve::cpu
