@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -170,6 +171,114 @@ inline void prefetch_start(const C* key_cache, const C* value_cache, const int32
   }
 }
 
+#if defined(__AVX512F__)
+// Sixteen 16-lane vectors v[0..15] -> one vector whose lane t is the sum of v[t]'s lanes: a
+// transposing tree of adds (~3 operations per vector) instead of a horizontal sum per vector.
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d x = _mm512_castps_pd(b[2 * j]), y = _mm512_castps_pd(b[2 * j + 1]);
+    c[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // c[j], 128-bit lane L: the sums of lane L of v[4j], ..., v[4j+3], in that order.
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// 16 int8 cache values as fp32.
+inline __m512 widen16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// One block (n <= 16 tokens) of an int8 cache for a GQA group of G heads, head size 16 * NV, in
+// 512-bit registers: each K and V row is widened once for all G heads (the generic loop widens
+// it per head), the G x n dot products are reduced by one transposing tree per head, and the G
+// output accumulators stay in registers across the block's V rows. Fills logits[h * 16 + t]
+// (scaled by the rows' fp16 scales) and runs the online softmax like the generic loop.
+template <int NV, int G>
+void block_i8_avx512(const float* q, const int8_t* k_rows, const int8_t* v_rows, int64_t n, int64_t rs,
+                     const int8_t* next_k, const int8_t* next_v, float* logits, float* maxes, float* sums,
+                     float* acc) {
+  constexpr int64_t dim = 16 * NV;
+  __m512 qv[G][NV];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < NV; ++j) qv[h][j] = _mm512_loadu_ps(q + h * dim + 16 * j);
+  __m512 part[G][16];
+  alignas(64) uint16_t scale_bits[16] = {};
+  for (int64_t t = 0; t < 16; ++t) {
+    if (t >= n) {
+      for (int h = 0; h < G; ++h) part[h][t] = _mm512_setzero_ps();
+      continue;
+    }
+    const int8_t* k = k_rows + t * rs;
+    std::memcpy(&scale_bits[t], k + dim, sizeof(uint16_t));
+    __m512 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = widen16(k + 16 * j);
+    for (int h = 0; h < G; ++h) {
+      __m512 a = _mm512_mul_ps(qv[h][0], kv[0]);
+      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[h][j], kv[j], a);
+      part[h][t] = a;
+    }
+    if (next_k) prefetch_rows(next_k + t * rs, rs);
+  }
+  const __m512 k_scales = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(scale_bits)));
+  for (int h = 0; h < G; ++h) {
+    _mm512_storeu_ps(logits + h * 16, _mm512_mul_ps(sum_lanes16(part[h]), k_scales));
+    online_softmax_step(logits + h * 16, n, maxes[h], sums[h], acc + h * dim, dim);
+  }
+  __m512 av[G][NV];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < NV; ++j) av[h][j] = _mm512_loadu_ps(acc + h * dim + 16 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const int8_t* v = v_rows + t * rs;
+    const float v_scale = kvq::row_scale(v, dim);
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = widen16(v + 16 * j);
+    for (int h = 0; h < G; ++h) {
+      const __m512 w = _mm512_set1_ps(logits[h * 16 + t] * v_scale);
+      for (int j = 0; j < NV; ++j) av[h][j] = _mm512_fmadd_ps(vv[j], w, av[h][j]);
+    }
+    if (next_v) prefetch_rows(next_v + t * rs, rs);
+  }
+  if (next_v)
+    for (int64_t t = n; t < 16; ++t) prefetch_rows(next_v + t * rs, rs);
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + h * dim + 16 * j, av[h][j]);
+}
+
+using BlockI8 = void (*)(const float*, const int8_t*, const int8_t*, int64_t, int64_t, const int8_t*,
+                         const int8_t*, float*, float*, float*, float*);
+
+// The register-blocked int8 block for this shape, or null (then the generic loop): blocks of 16
+// tokens, head size 64 or 128, a GQA group small enough for its accumulators to stay in registers.
+inline BlockI8 block_i8_kernel(int64_t dim, int64_t group, int64_t block_size) {
+  if (block_size != 16) return nullptr;
+  if (dim == 64) {
+    switch (group) {
+      case 1: return &block_i8_avx512<4, 1>;
+      case 2: return &block_i8_avx512<4, 2>;
+      case 3: return &block_i8_avx512<4, 3>;
+      case 4: return &block_i8_avx512<4, 4>;
+      case 5: return &block_i8_avx512<4, 5>;
+      case 6: return &block_i8_avx512<4, 6>;
+      default: return nullptr;
+    }
+  }
+  if (dim == 128) {
+    switch (group) {
+      case 1: return &block_i8_avx512<8, 1>;
+      case 2: return &block_i8_avx512<8, 2>;
+      case 3: return &block_i8_avx512<8, 3>;
+      default: return nullptr;
+    }
+  }
+  return nullptr;
+}
+#endif
+
 // T: the query/out dtype; C: the cache element (T, or int8_t for a quantized cache).
 template <typename T, typename C>
 void attend_group(T* out, const T* query, const C* key_cache, const C* value_cache, const int32_t* table,
@@ -188,6 +297,10 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
     maxes[h] = -std::numeric_limits<float>::infinity();
   }
   const int64_t num_used = std::min(s.max_blocks, (context_len + bs - 1) / bs);
+#if defined(__AVX512F__)
+  [[maybe_unused]] BlockI8 fast = nullptr;
+  if constexpr (std::is_same_v<C, int8_t>) fast = block_i8_kernel(dim, group, bs);
+#endif
   for (int64_t b = 1; b < std::min(num_used, kPrefetchAhead); ++b) {
     const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * bs * rs;
     if (table[b] >= 0 && table[b] < s.num_blocks) prefetch_block(key_cache + first, value_cache + first, bs * rs);
@@ -207,6 +320,14 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
       const int64_t next = (ahead * s.num_kv_heads + kv_head) * bs * rs;
       if (ahead >= 0 && ahead < s.num_blocks) next_k = key_cache + next, next_v = value_cache + next;
     }
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<C, int8_t>) {
+      if (fast) {
+        fast(q, key_cache + base, value_cache + base, n, rs, next_k, next_v, logits, maxes, sums, acc);
+        continue;
+      }
+    }
+#endif
     for (int64_t t = 0; t < n; ++t) {
       if constexpr (std::is_same_v<C, int8_t>) {
         const int8_t* k = key_cache + base + t * rs;
