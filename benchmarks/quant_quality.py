@@ -1,7 +1,9 @@
 """Quality of the quantized GGUF path against the same weights dequantized to fp32, JSON lines.
 
 For each variant (quantized with int8 activations for decode rows and fp32 ones for prompt rows, the
-default; int8 for prompt rows too, `--int8-prompt-activations`; fp32 activations everywhere)
+float32 default; int8 for prompt rows too, `--int8-prompt-activations`; fp32 activations everywhere;
+bf16 linears, `dtype bfloat16` (auto on a CPU with AMX-BF16): steps of 32+ rows or 8+ prompt rows
+on bf16 AMX tiles, the passage's prefill among them)
 against the fp32 model of the same weights (the fetched directory, which is the GGUF dequantized
 by transformers): mean NLL per token on a fixed English passage (as one prefill, and teacher-forced one token
 per step through the decode kernels), and greedy agreement over
@@ -130,11 +132,12 @@ def main() -> None:
         fp32 = load_model(reference)
         fp32_runs = {"nll": mean_nll(fp32, passage), "greedy": [greedy(fp32, p, args.new_tokens) for p in prompts]}
         quant = load_model(gguf)
-        variants = {"int8_activations": (True, True), "int8_activations_and_prompts": (True, False),
-                    "fp32_activations": (False, True)}
-        for variant, (int8, exact_prompt_rows) in variants.items():
+        variants = {"int8_activations": (True, True, False), "int8_activations_and_prompts": (True, False, False),
+                    "fp32_activations": (False, True, False), "bf16_linears": (True, True, True)}
+        for variant, (int8, exact_prompt_rows, bf16) in variants.items():
             set_int8_activations(quant, int8)
             quant.exact_prompt_rows = exact_prompt_rows
+            quant.bf16_linears = bf16
             line = compare(quant, fp32, passage, prompts, args.new_tokens, fp32_runs)
             print(json.dumps({"variant": variant, "passage_tokens": len(passage), **line}), flush=True)
 

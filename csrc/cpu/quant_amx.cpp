@@ -132,8 +132,11 @@ void dequant_row_bf16(const uint8_t* row, int64_t nb, c10::BFloat16* dst) {
 }
 
 // The eight rows of an r8 group (quant_interleaved.cpp has the layout) as K bf16 each, row r at
-// dst + r * ld. A tile's 128 quant bytes are permuted so each row's 16 packed bytes are contiguous
-// (packed byte i of row r sits at chunk i / 4, bytes 4r + i % 4), then widened like dequant_block.
+// dst + r * ld. Per tile: the 128 quant bytes are permuted so each row's 16 packed bytes are
+// contiguous (packed byte i of row r sits at chunk i / 4, bytes 4r + i % 4) and split into low
+// and high nibbles; per row a 16-entry table holds fma(q, d, m) for q = 0..15 (the fp32
+// dequantization, as dequant_block computes it) rounded to bf16, and one word permute looks the
+// row's 32 nibbles up in it.
 template <int64_t F>
 void dequant_group_bf16(const uint8_t* tiles, int64_t nb, c10::BFloat16* dst, int64_t ld) {
   constexpr int64_t tile_len = 8 * (F == kQuantQ4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
@@ -143,32 +146,33 @@ void dequant_group_bf16(const uint8_t* tiles, int64_t nb, c10::BFloat16* dst, in
     for (int r = 0; r < 4; ++r)
       for (int i = 0; i < 16; ++i) index[half][r * 16 + i] = static_cast<uint8_t>((i / 4) * 32 + 4 * (r + 4 * half) + i % 4);
   const __m512i idx0 = _mm512_load_si512(index[0]), idx1 = _mm512_load_si512(index[1]);
-  const __m512i low = _mm512_set1_epi32(0x0F);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // 64-bit lanes of (lo, hi) giving [low nibbles of rows 2p', high of 2p', low of 2p'+1, high of
+  // 2p'+1] for the first (0) or second (1) pair of rows in a 512-bit register of four rows.
+  const __m512i pair_lanes[2] = {_mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15)};
+  alignas(32) float d[8], m[8];
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * tile_len;
+    const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+    _mm256_store_ps(d, vd);
+    _mm256_store_ps(m, F == kQuantQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
+                                       : _mm256_mul_ps(vd, _mm256_set1_ps(-8.f)));
     const __m512i q0 = _mm512_loadu_si512(tile + quants_at), q1 = _mm512_loadu_si512(tile + quants_at + 64);
-    const __m512i rows[2] = {_mm512_permutex2var_epi8(q0, idx0, q1), _mm512_permutex2var_epi8(q0, idx1, q1)};
-    for (int r = 0; r < 8; ++r) {
-      uint16_t h;
-      std::memcpy(&h, tile + 2 * r, 2);
-      const float d = half_to_float(h);
-      float m = -8.f * d;
-      if constexpr (F == kQuantQ4_1) {
-        std::memcpy(&h, tile + 16 + 2 * r, 2);
-        m = half_to_float(h);
+    for (int k = 0; k < 2; ++k) {  // rows 4k..4k+3
+      const __m512i rows = _mm512_permutex2var_epi8(q0, k == 0 ? idx0 : idx1, q1);
+      const __m512i lo = _mm512_and_si512(rows, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(rows, 4), nibble);
+      for (int p = 0; p < 2; ++p) {
+        const __m512i pair = _mm512_permutex2var_epi64(lo, pair_lanes[p], hi);
+        const __m256i halves[2] = {_mm512_castsi512_si256(pair), _mm512_extracti64x4_epi64(pair, 1)};
+        for (int e = 0; e < 2; ++e) {
+          const int r = 4 * k + 2 * p + e;
+          const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[r]), _mm512_set1_ps(m[r]));
+          const __m512i words = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(table)));
+          const __m512i values = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(halves[e]), words);
+          _mm512_storeu_si512(dst + r * ld + b * kBlock, values);
+        }
       }
-      __m128i bytes;
-      switch (r % 4) {  // the lane index of extracti32x4 must be a constant
-        case 0: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 0); break;
-        case 1: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 1); break;
-        case 2: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 2); break;
-        default: bytes = _mm512_extracti32x4_epi32(rows[r / 4], 3); break;
-      }
-      const __m512i wide = _mm512_cvtepu8_epi32(bytes);
-      const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
-      const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(wide, low)), vd, vm);
-      const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4)), vd, vm);
-      store_bf16(dst + r * ld + b * kBlock, lo, hi);
     }
   }
 }
@@ -286,8 +290,8 @@ void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Ten
   }
   if (m_len == 0 || n_len == 0) return;
   const int64_t nb = k_len / kBlock;
-  // Activation rows per block: a packed copy of ~1 MiB (stays in L2 beside a panel), whole pairs of tiles.
-  const int64_t block_rows = std::clamp<int64_t>((1 << 20) / (k_len * 2) / kPanel * kPanel, kPanel, 1024);
+  // Activation rows per block: a packed copy of ~1.5 MiB (stays in L2 beside a panel), whole pairs of tiles.
+  const int64_t block_rows = std::clamp<int64_t>((3 << 19) / (k_len * 2) / kPanel * kPanel, kPanel, 1024);
   const int64_t num_panels = (n_len + kPanel - 1) / kPanel;
   std::vector<c10::BFloat16> packed((std::min(block_rows, m_len) + kPanel - 1) / kPanel * kPanel * k_len);
   const uint8_t* w = qweight.data_ptr<uint8_t>();

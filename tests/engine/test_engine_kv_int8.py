@@ -73,6 +73,28 @@ def test_dtype_auto_is_bf16_only_where_computed_natively(flags: str, device: str
     assert resolve_model_dtype("float32", torch.device(device), cpuinfo) == "float32"
 
 
+@pytest.mark.parametrize(("flags", "want"), [
+    ("fpu avx512f avx512_bf16", "float32"),  # bf16 dot products, no AMX: the int8 kernels are faster
+    ("fpu avx512f avx512_bf16 avx512_vbmi amx_bf16 amx_tile", "bfloat16"),
+])
+def test_dtype_auto_for_quantized_weights_is_bf16_only_with_amx(flags: str, want: str) -> None:
+    cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n"
+    assert resolve_model_dtype("auto", torch.device("cpu"), cpuinfo, quantized_weights=True) == want
+
+
+def test_quantized_weights_keep_fp32_activations_and_refuse_fp16() -> None:
+    from engine.config import EngineConfig
+    from engine.model.capacity import resolve_compute
+
+    cpu = torch.device("cpu")
+    assert resolve_compute(EngineConfig(model="m.gguf", dtype="bfloat16"), cpu) == (torch.float32, True)
+    assert resolve_compute(EngineConfig(model="m.gguf", dtype="float32"), cpu) == (torch.float32, False)
+    assert resolve_compute(EngineConfig(model="m.gguf", dtype="bfloat16", quantization="dequantize"),
+                           cpu) == (torch.bfloat16, False)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        resolve_compute(EngineConfig(model="m.gguf", dtype="float16"), cpu)
+
+
 def test_config_validates_kv_cache_dtype() -> None:
     from engine.config import EngineConfig
 

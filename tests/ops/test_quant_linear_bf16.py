@@ -1,0 +1,108 @@
+"""ops.quant.quant_linear_bf16: the AMX-BF16 tile kernel (csrc/cpu/quant_amx.cpp) against the torch
+reference (weights dequantized and rounded to bf16, activations rounded to bf16, fp32 sums) over a
+grid of formats, shapes and row counts; its rows do not depend on the batch they run in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ops
+from ops.quant import FORMATS, INTERLEAVED, QuantFormat, amx_bf16, interleave, quant_linear_bf16
+from ops.reference import quant as ref
+
+LAYOUTS = {**FORMATS, **{r8.name: r8 for r8 in INTERLEAVED.values()}}
+BASE = {r8.name: base for base, r8 in INTERLEAVED.items()}
+needs_amx = pytest.mark.skipif(not amx_bf16(), reason="this CPU (or build) has no AMX-BF16 kernel")
+
+
+def _weight(name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, QuantFormat]:
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(n, k, generator=gen) * 0.05
+    base = BASE.get(name, FORMATS.get(name))
+    assert base is not None
+    packed = ref.quantize(dense, base.type_id)
+    return interleave(packed, base) if name in BASE else (packed, base)
+
+
+def _expected(x: torch.Tensor, packed: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None) -> torch.Tensor:
+    return ref.quant_linear_bf16(x, packed, fmt.type_id, bias)
+
+
+@needs_amx
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(8, 32), (40, 96), (576, 576), (136, 1536), (960, 64)])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 64, 130])
+def test_kernel_matches_reference(m: int, name: str, n: int, k: int, with_bias: bool) -> None:
+    packed, fmt = _weight(name, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n) if with_bias else None
+    got = quant_linear_bf16(x, packed, fmt, bias)
+    want = _expected(x, packed, fmt, bias)
+    # Same products, other summation order: fp32 rounding over k terms.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_amx
+def test_activation_blocks_past_l2_size() -> None:
+    """Rows are taken in blocks whose packed copy fits L2 (~1.5 MiB: 512 rows at K=1536); more rows
+    than a block, and a partial last block."""
+    packed, fmt = _weight("Q4_1r8", 72, 1536, seed=1)
+    x = torch.randn(1100, 1536)
+    torch.testing.assert_close(quant_linear_bf16(x, packed, fmt), _expected(x, packed, fmt, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_amx
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_row_does_not_depend_on_its_batch(name: str) -> None:
+    """Each output is its own row's sum in a fixed order: bit for bit the same alone, at any place in
+    any batch (padding rows are zeros that never reach another row)."""
+    packed, fmt = _weight(name, 96, 576, seed=2)
+    x = torch.randn(70, 576)
+    batch = quant_linear_bf16(x, packed, fmt)
+    for i in (0, 15, 16, 31, 32, 69):
+        assert torch.equal(quant_linear_bf16(x[i:i + 1], packed, fmt)[0], batch[i])
+    assert torch.equal(quant_linear_bf16(x[5:40], packed, fmt), batch[5:40])
+
+
+def test_reference_backend_and_fallback_round_the_same_way() -> None:
+    """The torch path (reference backend, or a CPU without AMX-BF16) rounds like the kernel."""
+    packed, fmt = _weight("Q4_1r8", 64, 128, seed=3)
+    x = torch.randn(20, 128)
+    with _reference():
+        got = quant_linear_bf16(x, packed, fmt)
+    torch.testing.assert_close(got, _expected(x, packed, fmt, None), rtol=0, atol=0)
+    if amx_bf16():
+        torch.testing.assert_close(quant_linear_bf16(x, packed, fmt), got, rtol=1e-5, atol=1e-5)
+
+
+class _reference:
+    """The reference backend for the block (restores the previous one)."""
+
+    def __enter__(self) -> None:
+        self.previous = ops.get_backend()
+        ops.set_backend("reference")
+
+    def __exit__(self, *exc: object) -> None:
+        ops.set_backend(self.previous)
+
+
+def test_bad_arguments_raise() -> None:
+    packed, fmt = _weight("Q8_0", 32, 64, seed=4)
+    with pytest.raises(ValueError, match="fp32"):
+        quant_linear_bf16(torch.randn(2, 64).bfloat16(), packed, fmt)
+    with pytest.raises(ValueError, match="bytes"):
+        quant_linear_bf16(torch.randn(2, 96), packed, fmt)
+
+
+@needs_amx
+def test_kernel_checks_its_inputs() -> None:
+    from ops.build import cpu_ops
+
+    packed, fmt = _weight("Q4_1r8", 32, 64, seed=5)
+    with pytest.raises(RuntimeError, match="out must be"):
+        cpu_ops().quant_linear_bf16(torch.empty(3, 31), torch.randn(3, 64), packed, fmt.type_id, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        cpu_ops().quant_linear_bf16(torch.empty(3, 32), torch.randn(3, 64), packed, fmt.type_id, torch.randn(31))
