@@ -60,7 +60,7 @@ def cpuinfo_native_bf16(cpuinfo: str) -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
-AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512_vbmi")  # what csrc/cpu/quant_amx.cpp compiles for
+AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi")  # what csrc/cpu/quant_amx.cpp compiles for
 
 
 def cpuinfo_amx_bf16(cpuinfo: str) -> bool:

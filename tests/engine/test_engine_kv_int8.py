@@ -75,7 +75,7 @@ def test_dtype_auto_is_bf16_only_where_computed_natively(flags: str, device: str
 
 @pytest.mark.parametrize(("flags", "want"), [
     ("fpu avx512f avx512_bf16", "float32"),  # bf16 dot products, no AMX: the int8 kernels are faster
-    ("fpu avx512f avx512_bf16 avx512_vbmi amx_bf16 amx_tile", "bfloat16"),
+    ("fpu avx512f avx512_bf16 avx512vbmi amx_bf16 amx_tile", "bfloat16"),
 ])
 def test_dtype_auto_for_quantized_weights_is_bf16_only_with_amx(flags: str, want: str) -> None:
     cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n"
