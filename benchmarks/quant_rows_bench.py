@@ -12,7 +12,10 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
   int8 activations (the logit screen's pass), 2 threads;
 - `lm_head_bf16_screen` (CPUs with native bf16 only): the same lm_head at 8, 32 and 64 rows, the
   int8 kernel against the bf16 screen's GEMM (`ops.screen.screen_logits` on its packed copy), which
-  `engine/model/quant_screen.py` uses from `BF16_SCREEN_MIN_ROWS` greedy rows on.
+  `engine/model/quant_screen.py` uses from `BF16_SCREEN_MIN_ROWS` greedy rows on;
+- `amx_bf16` (CPUs with the AMX-BF16 kernel only): one layer's four r8 linears at 8 to 1024 rows,
+  the int8 kernel, `quant_linear_bf16` (bf16 AMX tiles, `dtype bfloat16`), oneDNN's bf16 GEMM on
+  cached bf16 weights (what a bf16 checkpoint runs) and the fp32 prompt-row path (`exact_rows`).
 
 Prints one JSON object per line.
 
@@ -123,6 +126,32 @@ def main() -> None:
                     sample(lambda rows=rows: screen_logits(xs64[:rows], packed), samples)
         print(json.dumps({"bench": "lm_head_bf16_screen", "format": "Q8_0", "threads": 2, "ms": {
             f"{kind}_{rows}": round(1e3 * statistics.median(s), 2) for (kind, rows), s in both.items()}}))
+    if oq.amx_bf16():
+        amx_rows(layer["r8"], gen, max(5, args.iters // 30))
+
+
+def amx_rows(weights: list[tuple[torch.Tensor, int]], gen: torch.Generator, iters: int) -> None:
+    """One layer's four r8 linears per implementation and row count, interleaved, 2 threads."""
+    cached = [(oq.dequantize(w, oq.Q4_1R8, k).bfloat16(), k) for w, k in weights]
+    impls: dict[str, Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], object]] = {
+        "int8": lambda x, w, k, wb: oq.quant_linear(x, w, oq.Q4_1R8, checked=True),
+        "amx_bf16": lambda x, w, k, wb: oq.quant_linear_bf16(x, w, oq.Q4_1R8),
+        "onednn_bf16_cached": lambda x, w, k, wb: torch.nn.functional.linear(x.bfloat16(), wb).float(),
+        "fp32_exact": lambda x, w, k, wb: oq.quant_linear(x, w, oq.Q4_1R8, checked=True, exact_rows=x.shape[0]),
+    }
+    for rows in (8, 32, 128, 1024):
+        xs = {k: torch.randn(rows, k, generator=gen) for _, k in SHAPES}
+        times = {name: [] for name in impls}  # type: dict[str, list[float]]
+        for _ in range(iters if rows < 1024 else max(3, iters // 4)):
+            for name, impl in impls.items():
+                start = time.perf_counter()
+                for (w, k), (wb, _) in zip(weights, cached, strict=True):
+                    impl(xs[k], w, k, wb)
+                times[name].append(time.perf_counter() - start)
+        macs = rows * sum(n * k for n, k in SHAPES)
+        print(json.dumps({"bench": "amx_bf16", "rows": rows, "threads": 2,
+                          "ms_per_layer": {name: round(1e3 * statistics.median(t), 3) for name, t in times.items()},
+                          "amx_gmac_s": round(macs / statistics.median(times["amx_bf16"]) / 1e9, 1)}))
 
 
 def _laid_out(qweight: torch.Tensor, fmt: oq.QuantFormat) -> torch.Tensor:
