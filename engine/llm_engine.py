@@ -37,11 +37,11 @@ from engine.parallel import TensorParallelGroup, start_group
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sample_step import SampleStage
 from engine.sched.admission import RequestRejected, check_request
-from engine.sched.output import StepSamples
+from engine.sched.output import ScheduledSeq, StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 from engine.spec.speculator import Speculator
-from engine.spec.verify import accept, verify_plan
+from engine.spec.verify import accept, draw_with_logprobs, logit_ranges, verify_plan
 from ops.build import prepare as prepare_kernels
 from ops.parallel import openmp_rows_for, set_openmp_rows
 
@@ -237,11 +237,13 @@ class LLMEngine:
         if not sched.is_empty:
             pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
             spec = spec_order(sched.scheduled)
-            result = self.runner.execute(sched, pick, verify_plan(spec) if spec else None)
+            ranges = logit_ranges(spec)
+            result = self.runner.execute(sched, pick, verify_plan(spec) if spec else None, list(ranges.values()))
             samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens,
                                    result.logit_rows)
             if spec and result.spec_tokens is not None:
-                samples.spec = accept(spec, result.spec_tokens)
+                samples.spec = accept(spec, *self._spec_logprobs(spec, ranges, result.spec_tokens,
+                                                                 result.spec_logits))
             if self.speculator is not None and all(len(s.token_ids) == 1 or s.num_spec for s in sched.scheduled):
                 tokens = len(samples.seqs) + sum(len(r.tokens) for r in samples.spec)
                 self.speculator.observe_step(time.perf_counter() - start, tokens, bool(spec))
@@ -254,6 +256,16 @@ class LLMEngine:
                 self.requests.pop(out.request_id, None)
         self.counters["generation_tokens"] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
         return outputs
+
+    def _spec_logprobs(self, spec: list[ScheduledSeq], ranges: dict[int, tuple[int, int]], tokens: torch.Tensor,
+                       logits: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Any]]:
+        """The speculative positions' tokens, those of requests asking for logprobs drawn from
+        their logits (`draw_with_logprobs`), and those requests' logprobs by item index."""
+        chosen: dict[int, Any] = {}
+        for (i, (lo, hi)), item_logits in zip(ranges.items(), logits, strict=True):
+            drawn, chosen[i] = draw_with_logprobs(spec[i], item_logits, self.sampler.sampler)
+            tokens[lo:hi] = drawn
+        return tokens, chosen
 
     def stats(self) -> dict[str, Any]:
         """Block-pool figures, queue lengths and counters, as plain values."""

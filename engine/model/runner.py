@@ -59,6 +59,7 @@ class ModelOutput:
     tokens: Tensor | None = None
     logit_rows: list[int] = field(default_factory=list)
     spec_tokens: Tensor | None = None  # the target's token at each speculative position (`spec_order`)
+    spec_logits: list[Tensor] = field(default_factory=list)  # fp32 logits of each `spec_logit_rows` range
 
 
 def is_prefill(s: ScheduledSeq) -> bool:
@@ -140,10 +141,13 @@ class ModelRunner:
                           inputs.metadata(self.device))
 
     def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None,
-                spec_pick: TokenPicker | None = None) -> ModelOutput:
+                spec_pick: TokenPicker | None = None,
+                spec_logit_rows: list[tuple[int, int]] | None = None) -> ModelOutput:
         """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows), or
         with `pick` their tokens instead, except for `pick.logit_rows` (rows in `sampling_rows`
-        order); the speculative positions' tokens by `spec_pick` (greedy without one)."""
+        order); the speculative positions' tokens by `spec_pick` (greedy without one), and the
+        fp32 logits of the speculative position ranges `spec_logit_rows` (one lm_head call per
+        range: a sequence's 1 + k positions, as many rows as plain decoding gives its lm_head)."""
         batch = self.prepare(sched.scheduled, sched)
         if self.publish is not None:
             sent = time.perf_counter()
@@ -165,17 +169,18 @@ class ModelRunner:
                 tokens = self.model.pick_tokens(rows, pick)
             else:
                 logits = self.model.compute_logits(rows)
-        spec_tokens = None
+        spec_tokens, spec_logits = None, []
         if batch.spec_rows is not None:
             spec_hidden = hidden.index_select(0, batch.spec_rows)
             spec_tokens = (self.model.pick_tokens(spec_hidden, spec_pick) if spec_pick is not None
                            else self.model.compute_logits(spec_hidden).argmax(dim=-1))
+            spec_logits = [self.model.compute_logits(spec_hidden[lo:hi]) for lo, hi in spec_logit_rows or []]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
         prompt = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
         return ModelOutput(logits, batch.sampling, prompt, tokens, pick.logit_rows if pick is not None else [],
-                           spec_tokens)
+                           spec_tokens, spec_logits)
 
     def move_blocks(self, inputs: StepInputs) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""

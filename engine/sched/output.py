@@ -81,12 +81,16 @@ class BeamChoice:
 @dataclass(slots=True)
 class SpecResult:
     """A verified speculative row: `tokens` (accepted proposals, then the target's token) go to
-    `seq`; `num_accepted` of its `num_proposed` proposals were right."""
+    `seq`; `num_accepted` of its `num_proposed` proposals were right; with their logprobs when the
+    request asks for them."""
 
     seq: Sequence
     tokens: list[int]
     num_accepted: int
     num_proposed: int
+    # per token of `tokens`, for a request that asks for logprobs: its logprob and top alternatives
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(slots=True)

@@ -104,8 +104,9 @@ class Postprocessor:
             touched[request.request_id] = request
             if request.first_token_time is None:
                 request.first_token_time = now
-            for token in result.tokens:
-                self.append_token(seq, token)
+            for j, token in enumerate(result.tokens):
+                self.append_token(seq, token, result.logprobs[j] if result.logprobs is not None else 0.0,
+                                  result.top_logprobs[j] if result.top_logprobs is not None else None)
                 if seq.is_finished:
                     break
 

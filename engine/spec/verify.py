@@ -13,13 +13,18 @@ uniform decides each index. The verified positions attend as decode rows (one pe
 the sequence's block table, `engine.model.runner`), so their attention sums are plain decoding's,
 bit for bit; what may still differ is a linear layer's arithmetic at 1 + k rows against 1 (where a
 kernel's rows depend on the batch, as a different batch can make a near tie break the other way
-without speculation)."""
+without speculation).
+
+A request that asks for logprobs takes its positions' tokens from their logits instead
+(`draw_with_logprobs`: `SampleStage`'s draw for a plain row, position by position, keyed by the
+output-token index the position will have), with each token's logprob and top alternatives from
+the same raw logits; the accepted tokens keep theirs."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.sample.sampler import TokenPlan, is_filtered, uniform
+from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, is_filtered, uniform
 from engine.sched.output import ScheduledSeq, SpecResult
 
 
@@ -47,12 +52,40 @@ def verify_plan(items: list[ScheduledSeq]) -> TokenPlan:
     return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None)
 
 
-def accept(items: list[ScheduledSeq], tokens: torch.Tensor) -> list[SpecResult]:
-    """Per speculative row: the accepted proposals plus the target's next token."""
+def logit_ranges(items: list[ScheduledSeq]) -> dict[int, tuple[int, int]]:
+    """Item index -> its positions' range among the speculative rows, for the rows whose requests
+    ask for logprobs (they need their logits, `draw_with_logprobs`)."""
+    ranges: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for i, item in enumerate(items):
+        if item.seq.request.params.logprobs is not None:
+            ranges[i] = (offset, offset + item.num_spec + 1)
+        offset += item.num_spec + 1
+    return ranges
+
+
+def draw_with_logprobs(item: ScheduledSeq, logits: torch.Tensor,
+                       sampler: Sampler) -> tuple[torch.Tensor, tuple[list[float], list[list[tuple[int, float]]]]]:
+    """The target's token at each of `item`'s 1 + k positions drawn from their `logits` as a plain
+    row is (greedy argmax, or the seeded draw at the output-token index the position would have),
+    and each token's logprob and top alternatives from the raw logits."""
+    seq, positions = item.seq, item.num_spec + 1
+    params = seq.request.params
+    batch = SamplingBatch([params] * positions, [seq.stream] * positions,
+                          [seq.num_output_tokens + j for j in range(positions)], logits.device)
+    logprobs = Logprobs(logits, batch)
+    tokens = sampler(logits, batch)
+    return tokens, logprobs.gather(tokens)
+
+
+def accept(items: list[ScheduledSeq], tokens: torch.Tensor,
+           logprobs: dict[int, tuple[list[float], list[list[tuple[int, float]]]]] | None = None) -> list[SpecResult]:
+    """Per speculative row: the accepted proposals plus the target's next token (with their
+    logprobs for the item indices in `logprobs`: each position's, as `draw_with_logprobs` gave)."""
     flat = tokens.tolist()
     results = []
     offset = 0
-    for item in items:
+    for i, item in enumerate(items):
         k = item.num_spec
         proposals = item.token_ids[len(item.token_ids) - k :]
         targets = flat[offset : offset + k + 1]
@@ -60,5 +93,9 @@ def accept(items: list[ScheduledSeq], tokens: torch.Tensor) -> list[SpecResult]:
         accepted = 0
         while accepted < k and targets[accepted] == proposals[accepted]:
             accepted += 1
-        results.append(SpecResult(item.seq, [*proposals[:accepted], targets[accepted]], accepted, k))
+        result = SpecResult(item.seq, [*proposals[:accepted], targets[accepted]], accepted, k)
+        if logprobs is not None and i in logprobs:
+            values, tops = logprobs[i]
+            result.logprobs, result.top_logprobs = values[: accepted + 1], tops[: accepted + 1]
+        results.append(result)
     return results

@@ -111,12 +111,36 @@ def test_off_for_large_batches_and_ineligible_requests(looping_llama_dir: Path, 
     llm = _llm(looping_llama_dir, {**spec, "disable_by_batch_size": 3})
     assert generated(llm.generate(PROMPTS, GREEDY)) == reference  # four sequences: never proposes
     assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
-    logprobs = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
     penalty = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, repetition_penalty=1.2)
     two = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
-    for params in (logprobs, penalty, two):
+    for params in (penalty, two):
         llm.generate(PROMPTS[:1], params)
         assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_of_accepted_tokens_equal_plain_decoding(markov_llama_dir: Path, cycle_prompt: list[int],
+                                                          spec: dict[str, Any], temperature: float) -> None:
+    """A request asking for logprobs speculates: its tokens, each token's logprob and its top
+    alternatives are plain decoding's (the positions' logits come from a 1 + k row, whose linear
+    layers may round differently from one row's: the logprobs agree to float rounding)."""
+    prompts = [cycle_prompt] * 3 + PROMPTS[:2]
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=40, ignore_eos=True, logprobs=3)
+              for s in range(len(prompts))]
+    plain = _llm(markov_llama_dir, None).generate(prompts, params)
+    llm = _llm(markov_llama_dir, {**spec, "disable_by_batch_size": 16})
+    fast = llm.generate(prompts, params)
+    assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
+    for ours, theirs in zip(fast, plain, strict=True):
+        a, b = ours.outputs[0], theirs.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None and len(a.logprobs) == len(b.logprobs) == 40
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x["token_id"] == y["token_id"]
+            assert x["logprob"] == pytest.approx(y["logprob"], abs=2e-3)
+            assert [v for _, v in x["top_logprobs"]] == pytest.approx([v for _, v in y["top_logprobs"]], abs=2e-3)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=2e-2)
     assert_no_leaks(llm)
 
 

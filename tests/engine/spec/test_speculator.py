@@ -26,7 +26,8 @@ def test_batch_gate_and_proposals() -> None:
 
 
 def test_ineligible_requests_never_propose() -> None:
-    for params in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(n=2, temperature=1.0),
+    assert eligible(_seq(SamplingParams(temperature=0.0, logprobs=2)))  # drawn from each position's logits
+    for params in (SamplingParams(n=2, temperature=1.0),
                    SamplingParams(temperature=0.0, frequency_penalty=0.5), SamplingParams(temperature=0.0,
                                                                                           min_tokens=5)):
         seq = _seq(params)
