@@ -41,7 +41,7 @@ from engine.sched.output import ScheduledSeq, StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 from engine.spec.speculator import Speculator
-from engine.spec.verify import accept, draw_with_logprobs, logit_ranges, verify_plan
+from engine.spec.verify import accept, draw_from_logits, logit_ranges, verify_plan
 from ops.build import prepare as prepare_kernels
 from ops.parallel import openmp_rows_for, set_openmp_rows
 
@@ -237,7 +237,7 @@ class LLMEngine:
         if not sched.is_empty:
             pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
             spec = spec_order(sched.scheduled)
-            ranges = logit_ranges(spec)
+            ranges = logit_ranges(spec, self.sampler.eos_list)
             result = self.runner.execute(sched, pick, verify_plan(spec) if spec else None, list(ranges.values()))
             samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens,
                                    result.logit_rows)
@@ -259,11 +259,11 @@ class LLMEngine:
 
     def _spec_logprobs(self, spec: list[ScheduledSeq], ranges: dict[int, tuple[int, int]], tokens: torch.Tensor,
                        logits: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Any]]:
-        """The speculative positions' tokens, those of requests asking for logprobs drawn from
-        their logits (`draw_with_logprobs`), and those requests' logprobs by item index."""
+        """The speculative positions' tokens, those of the `ranges` rows drawn from their logits
+        (`draw_from_logits`), and those rows' logprobs by item index."""
         chosen: dict[int, Any] = {}
         for (i, (lo, hi)), item_logits in zip(ranges.items(), logits, strict=True):
-            drawn, chosen[i] = draw_with_logprobs(spec[i], item_logits, self.sampler.sampler)
+            drawn, chosen[i] = draw_from_logits(spec[i], item_logits, self.sampler.sampler, self.sampler.eos_list)
             tokens[lo:hi] = drawn
         return tokens, chosen
 

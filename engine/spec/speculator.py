@@ -79,12 +79,10 @@ def steady_rate(steps: deque[tuple[float, int]]) -> float:
 
 def eligible(seq: Sequence) -> bool:
     """True when verification reproduces this sequence's sampling exactly: one candidate, no beam
-    search, no grammar, no penalties or logit bias, past `min_tokens` (logprobs come from each
-    position's logits: `engine.spec.verify.draw_with_logprobs`)."""
+    search, no grammar. Logprobs, penalties, logit bias and min_tokens take each position's
+    logits (`engine.spec.verify.draw_from_logits`)."""
     p = seq.request.params
-    return (p.num_candidates == 1 and not p.use_beam_search and seq.grammar is None
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-            and not p.logit_bias and seq.num_output_tokens >= p.min_tokens)
+    return p.num_candidates == 1 and not p.use_beam_search and seq.grammar is None
 
 
 class Speculator:

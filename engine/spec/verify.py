@@ -15,17 +15,21 @@ bit for bit; what may still differ is a linear layer's arithmetic at 1 + k rows 
 kernel's rows depend on the batch, as a different batch can make a near tie break the other way
 without speculation).
 
-A request that asks for logprobs takes its positions' tokens from their logits instead
-(`draw_with_logprobs`: `SampleStage`'s draw for a plain row, position by position, keyed by the
-output-token index the position will have), with each token's logprob and top alternatives from
-the same raw logits; the accepted tokens keep theirs."""
+A request that asks for logprobs, or whose logits a processor changes (penalties, logit bias,
+min_tokens), takes its positions' tokens from their logits instead (`draw_from_logits`:
+`SampleStage`'s path for a plain row, position by position: logprobs from the raw logits, the
+processors as if the proposals before the position had been sampled, then the draw keyed by the
+output-token index the position will have); the accepted tokens keep their logprobs."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.sample.penalty_counts import PenaltyCounts
+from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, is_filtered, uniform
 from engine.sched.output import ScheduledSeq, SpecResult
+from engine.sched.sequence import Sequence
 
 
 def verify_plan(items: list[ScheduledSeq]) -> TokenPlan:
@@ -52,28 +56,34 @@ def verify_plan(items: list[ScheduledSeq]) -> TokenPlan:
     return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None)
 
 
-def logit_ranges(items: list[ScheduledSeq]) -> dict[int, tuple[int, int]]:
-    """Item index -> its positions' range among the speculative rows, for the rows whose requests
-    ask for logprobs (they need their logits, `draw_with_logprobs`)."""
+def logit_ranges(items: list[ScheduledSeq], eos_token_ids: list[int]) -> dict[int, tuple[int, int]]:
+    """Item index -> its positions' range among the speculative rows, for the rows that need their
+    logits (`draw_from_logits`): logprobs asked for, or a processor changing the logits."""
     ranges: dict[int, tuple[int, int]] = {}
     offset = 0
     for i, item in enumerate(items):
-        if item.seq.request.params.logprobs is not None:
+        if item.seq.request.params.logprobs is not None or changes_logits(item.seq, eos_token_ids):
             ranges[i] = (offset, offset + item.num_spec + 1)
         offset += item.num_spec + 1
     return ranges
 
 
-def draw_with_logprobs(item: ScheduledSeq, logits: torch.Tensor,
-                       sampler: Sampler) -> tuple[torch.Tensor, tuple[list[float], list[list[tuple[int, float]]]]]:
-    """The target's token at each of `item`'s 1 + k positions drawn from their `logits` as a plain
-    row is (greedy argmax, or the seeded draw at the output-token index the position would have),
-    and each token's logprob and top alternatives from the raw logits."""
+def draw_from_logits(item: ScheduledSeq, logits: torch.Tensor, sampler: Sampler, eos_token_ids: list[int],
+                     ) -> tuple[torch.Tensor, tuple[list[float], list[list[tuple[int, float]]]]]:
+    """The target's token at each of `item`'s 1 + k positions from their `logits` (changed in
+    place), as a plain row takes it: logprobs and top alternatives from the raw logits, then the
+    penalties, logit bias and min_tokens of a sequence that had sampled the proposals before the
+    position, then the greedy argmax or the seeded draw at the position's output-token index."""
     seq, positions = item.seq, item.num_spec + 1
+    proposals = item.token_ids[len(item.token_ids) - item.num_spec :]
     params = seq.request.params
     batch = SamplingBatch([params] * positions, [seq.stream] * positions,
                           [seq.num_output_tokens + j for j in range(positions)], logits.device)
     logprobs = Logprobs(logits, batch)
+    if changes_logits(seq, eos_token_ids):
+        views = [Sequence(request=seq.request, index=seq.index, token_ids=seq.token_ids + proposals[:j],
+                          num_prompt_tokens=seq.num_prompt_tokens) for j in range(positions)]
+        apply_processors(logits, views, eos_token_ids, PenaltyCounts())
     tokens = sampler(logits, batch)
     return tokens, logprobs.gather(tokens)
 
@@ -81,7 +91,7 @@ def draw_with_logprobs(item: ScheduledSeq, logits: torch.Tensor,
 def accept(items: list[ScheduledSeq], tokens: torch.Tensor,
            logprobs: dict[int, tuple[list[float], list[list[tuple[int, float]]]]] | None = None) -> list[SpecResult]:
     """Per speculative row: the accepted proposals plus the target's next token (with their
-    logprobs for the item indices in `logprobs`: each position's, as `draw_with_logprobs` gave)."""
+    logprobs for the item indices in `logprobs`: each position's, as `draw_from_logits` gave)."""
     flat = tokens.tolist()
     results = []
     offset = 0
@@ -94,8 +104,8 @@ def accept(items: list[ScheduledSeq], tokens: torch.Tensor,
         while accepted < k and targets[accepted] == proposals[accepted]:
             accepted += 1
         result = SpecResult(item.seq, [*proposals[:accepted], targets[accepted]], accepted, k)
-        if logprobs is not None and i in logprobs:
-            values, tops = logprobs[i]
+        if logprobs is not None and i in logprobs and item.seq.request.params.logprobs is not None:
+            values, tops = logprobs[i]  # one per position (`draw_from_logits`)
             result.logprobs, result.top_logprobs = values[: accepted + 1], tops[: accepted + 1]
         results.append(result)
     return results

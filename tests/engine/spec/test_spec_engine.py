@@ -111,9 +111,8 @@ def test_off_for_large_batches_and_ineligible_requests(looping_llama_dir: Path, 
     llm = _llm(looping_llama_dir, {**spec, "disable_by_batch_size": 3})
     assert generated(llm.generate(PROMPTS, GREEDY)) == reference  # four sequences: never proposes
     assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
-    penalty = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, repetition_penalty=1.2)
     two = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
-    for params in (penalty, two):
+    for params in (two,):
         llm.generate(PROMPTS[:1], params)
         assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
     assert_no_leaks(llm)
@@ -141,6 +140,27 @@ def test_logprobs_of_accepted_tokens_equal_plain_decoding(markov_llama_dir: Path
             assert x["logprob"] == pytest.approx(y["logprob"], abs=2e-3)
             assert [v for _, v in x["top_logprobs"]] == pytest.approx([v for _, v in y["top_logprobs"]], abs=2e-3)
         assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=2e-2)
+    assert_no_leaks(llm)
+
+
+PROCESSED = [
+    {"repetition_penalty": 1.3}, {"presence_penalty": 0.8}, {"frequency_penalty": 0.6},
+    {"logit_bias": {11: 2.0, 12: -1.5}}, {"min_tokens": 30, "ignore_eos": False, "stop_token_ids": [9, 10]},
+]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_penalties_bias_and_min_tokens_give_plain_decodings_tokens(markov_llama_dir: Path, cycle_prompt: list[int],
+                                                                   spec: dict[str, Any], temperature: float) -> None:
+    """Processors run on each position's logits as if the proposals before it had been sampled:
+    the tokens are plain decoding's, greedy and seeded, and proposals are still accepted."""
+    prompts = [cycle_prompt] * len(PROCESSED)
+    params = [SamplingParams(**({"temperature": temperature, "seed": i, "max_tokens": 40, "ignore_eos": True} | extra))
+              for i, extra in enumerate(PROCESSED)]
+    plain = generated(_llm(markov_llama_dir, None).generate(prompts, params))
+    llm = _llm(markov_llama_dir, {**spec, "disable_by_batch_size": 16})
+    assert generated(llm.generate(prompts, params)) == plain
+    assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
     assert_no_leaks(llm)
 
 
