@@ -263,7 +263,8 @@ class LLMEngine:
         (`draw_from_logits`), and those rows' logprobs by item index."""
         chosen: dict[int, Any] = {}
         for (i, (lo, hi)), item_logits in zip(ranges.items(), logits, strict=True):
-            drawn, chosen[i] = draw_from_logits(spec[i], item_logits, self.sampler.sampler, self.sampler.eos_list)
+            drawn, chosen[i] = draw_from_logits(spec[i], item_logits, self.sampler.sampler, self.sampler.eos_list,
+                                                self.grammars)
             tokens[lo:hi] = drawn
         return tokens, chosen
 

@@ -78,11 +78,10 @@ def steady_rate(steps: deque[tuple[float, int]]) -> float:
 
 
 def eligible(seq: Sequence) -> bool:
-    """True when verification reproduces this sequence's sampling exactly: one candidate, no beam
-    search, no grammar. Logprobs, penalties, logit bias and min_tokens take each position's
-    logits (`engine.spec.verify.draw_from_logits`)."""
-    p = seq.request.params
-    return p.num_candidates == 1 and not p.use_beam_search and seq.grammar is None
+    """True when verification reproduces this sequence's sampling exactly: anything but beam
+    search. Logprobs, n > 1 / best_of, grammars, penalties, logit bias and min_tokens take each
+    position's logits (`engine.spec.verify.draw_from_logits`)."""
+    return not seq.request.params.use_beam_search
 
 
 class Speculator:

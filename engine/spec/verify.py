@@ -15,21 +15,23 @@ bit for bit; what may still differ is a linear layer's arithmetic at 1 + k rows 
 kernel's rows depend on the batch, as a different batch can make a near tie break the other way
 without speculation).
 
-A request that asks for logprobs, or whose logits a processor changes (penalties, logit bias,
-min_tokens), takes its positions' tokens from their logits instead (`draw_from_logits`:
-`SampleStage`'s path for a plain row, position by position: logprobs from the raw logits, the
-processors as if the proposals before the position had been sampled, then the draw keyed by the
-output-token index the position will have); the accepted tokens keep their logprobs."""
+A request that asks for logprobs, ranks candidates by them (best_of), has a grammar, or whose
+logits a processor changes (penalties, logit bias, min_tokens), takes its positions' tokens from
+their logits instead (`draw_from_logits`: `SampleStage`'s path for a plain row, position by
+position: logprobs from the raw logits, the processors and the grammar mask as if the proposals
+before the position had been sampled, then the draw keyed by the output-token index the position
+will have); the accepted tokens keep their logprobs."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.penalty_counts import PenaltyCounts
 from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, is_filtered, uniform
 from engine.sched.output import ScheduledSeq, SpecResult
-from engine.sched.sequence import Sequence
+from engine.sched.sequence import Sequence, TokenConstraint
 
 
 def verify_plan(items: list[ScheduledSeq]) -> TokenPlan:
@@ -56,24 +58,45 @@ def verify_plan(items: list[ScheduledSeq]) -> TokenPlan:
     return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None)
 
 
+def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
+    """Whether a speculative row's tokens must come from its positions' logits (`draw_from_logits`)."""
+    p = seq.request.params
+    return (p.logprobs is not None or p.num_candidates != 1 or seq.grammar is not None
+            or changes_logits(seq, eos_token_ids))
+
+
 def logit_ranges(items: list[ScheduledSeq], eos_token_ids: list[int]) -> dict[int, tuple[int, int]]:
     """Item index -> its positions' range among the speculative rows, for the rows that need their
-    logits (`draw_from_logits`): logprobs asked for, or a processor changing the logits."""
+    logits (`needs_logits`)."""
     ranges: dict[int, tuple[int, int]] = {}
     offset = 0
     for i, item in enumerate(items):
-        if item.seq.request.params.logprobs is not None or changes_logits(item.seq, eos_token_ids):
+        if needs_logits(item.seq, eos_token_ids):
             ranges[i] = (offset, offset + item.num_spec + 1)
         offset += item.num_spec + 1
     return ranges
 
 
+def position_grammars(grammar: TokenConstraint, proposals: list[int]) -> list[TokenConstraint]:
+    """The grammar state before each of the 1 + k positions: copies advanced over the proposals
+    before it (the sequence's own state is advanced only by the tokens it keeps). Past a proposal
+    the grammar refuses, that copy stays refused: the position before it rejects the proposal."""
+    states = [grammar.fork()]
+    for token in proposals:
+        state = states[-1].fork()
+        state.consume(token)
+        states.append(state)
+    return states
+
+
 def draw_from_logits(item: ScheduledSeq, logits: torch.Tensor, sampler: Sampler, eos_token_ids: list[int],
+                     grammars: GrammarCompiler | None = None,
                      ) -> tuple[torch.Tensor, tuple[list[float], list[list[tuple[int, float]]]]]:
     """The target's token at each of `item`'s 1 + k positions from their `logits` (changed in
     place), as a plain row takes it: logprobs and top alternatives from the raw logits, then the
-    penalties, logit bias and min_tokens of a sequence that had sampled the proposals before the
-    position, then the greedy argmax or the seeded draw at the position's output-token index."""
+    penalties, logit bias, min_tokens and grammar of a sequence that had sampled the proposals
+    before the position, then the greedy argmax or the seeded draw at the position's output-token
+    index (keyed by the sequence's own stream: a forked candidate of n > 1 keeps its own)."""
     seq, positions = item.seq, item.num_spec + 1
     proposals = item.token_ids[len(item.token_ids) - item.num_spec :]
     params = seq.request.params
@@ -82,8 +105,11 @@ def draw_from_logits(item: ScheduledSeq, logits: torch.Tensor, sampler: Sampler,
     logprobs = Logprobs(logits, batch)
     if changes_logits(seq, eos_token_ids):
         views = [Sequence(request=seq.request, index=seq.index, token_ids=seq.token_ids + proposals[:j],
-                          num_prompt_tokens=seq.num_prompt_tokens) for j in range(positions)]
+                          num_prompt_tokens=seq.num_prompt_tokens, grammar=seq.grammar) for j in range(positions)]
         apply_processors(logits, views, eos_token_ids, PenaltyCounts())
+    if seq.grammar is not None and grammars is not None:
+        states = position_grammars(seq.grammar, proposals)
+        grammars.apply(logits, list(range(positions)), [g for g in states if isinstance(g, Grammar)])
     tokens = sampler(logits, batch)
     return tokens, logprobs.gather(tokens)
 
@@ -104,8 +130,8 @@ def accept(items: list[ScheduledSeq], tokens: torch.Tensor,
         while accepted < k and targets[accepted] == proposals[accepted]:
             accepted += 1
         result = SpecResult(item.seq, [*proposals[:accepted], targets[accepted]], accepted, k)
-        if logprobs is not None and i in logprobs and item.seq.request.params.logprobs is not None:
-            values, tops = logprobs[i]  # one per position (`draw_from_logits`)
+        values, tops = logprobs.get(i, ([], [])) if logprobs is not None else ([], [])
+        if values:  # one per position (`draw_from_logits`), when the request asks or ranks by them
             result.logprobs, result.top_logprobs = values[: accepted + 1], tops[: accepted + 1]
         results.append(result)
     return results

@@ -111,10 +111,9 @@ def test_off_for_large_batches_and_ineligible_requests(looping_llama_dir: Path, 
     llm = _llm(looping_llama_dir, {**spec, "disable_by_batch_size": 3})
     assert generated(llm.generate(PROMPTS, GREEDY)) == reference  # four sequences: never proposes
     assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
-    two = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=16, ignore_eos=True)
-    for params in (two,):
-        llm.generate(PROMPTS[:1], params)
-        assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
+    beams = SamplingParams(n=2, temperature=0.0, max_tokens=16, ignore_eos=True, use_beam_search=True)
+    llm.generate(PROMPTS[:1], beams)
+    assert llm.engine.stats()["spec"]["proposed_tokens"] == 0
     assert_no_leaks(llm)
 
 
@@ -159,6 +158,48 @@ def test_penalties_bias_and_min_tokens_give_plain_decodings_tokens(markov_llama_
               for i, extra in enumerate(PROCESSED)]
     plain = generated(_llm(markov_llama_dir, None).generate(prompts, params))
     llm = _llm(markov_llama_dir, {**spec, "disable_by_batch_size": 16})
+    assert generated(llm.generate(prompts, params)) == plain
+    assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
+    assert_no_leaks(llm)
+
+
+def test_parallel_samples_and_best_of_give_plain_decodings_outputs(markov_llama_dir: Path, cycle_prompt: list[int],
+                                                                  spec: dict[str, Any]) -> None:
+    """n > 1 and best_of: each forked candidate speculates on its own stream; every candidate's
+    tokens, and best_of's choice (by cumulative logprob), are plain decoding's."""
+    params = [SamplingParams(n=3, temperature=0.8, seed=4, max_tokens=32, ignore_eos=True),
+              SamplingParams(n=1, best_of=3, temperature=1.0, seed=5, max_tokens=32, ignore_eos=True),
+              SamplingParams(n=2, temperature=0.0, max_tokens=32, ignore_eos=True)]
+    prompts = [cycle_prompt] * len(params)
+
+    def outputs(llm: LLM) -> list[list[tuple[list[int], float]]]:
+        return [[(c.token_ids, c.cumulative_logprob) for c in o.outputs] for o in llm.generate(prompts, params)]
+
+    plain = outputs(_llm(markov_llama_dir, None))
+    llm = _llm(markov_llama_dir, {**spec, "disable_by_batch_size": 16})
+    ours = outputs(llm)
+    assert [[tokens for tokens, _ in o] for o in ours] == [[tokens for tokens, _ in o] for o in plain]
+    for o, p in zip(ours, plain, strict=True):  # logprobs of a 1 + k row: float rounding apart
+        assert [c for _, c in o] == pytest.approx([c for _, c in p], abs=2e-2)
+    assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
+    assert_no_leaks(llm)
+
+
+REPEAT = {"kind": "regex", "spec": "(one two three ){12}"}
+
+
+def test_structured_output_gives_plain_decodings_tokens(tiny_llama_dir: Path, spec: dict[str, Any]) -> None:
+    """A grammar: each position is masked by the grammar advanced over the proposals before it (a
+    copy; the sequence's own state moves only with kept tokens). A repeating pattern is proposed
+    and accepted; a JSON schema over seeds gives the same answers with and without speculation."""
+    from tests.engine.test_engine_structured import JSON_SCHEMA
+
+    prompts = [list(range(60, 80))] * 4
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=80, structured_output=REPEAT)
+              for s, t in enumerate((0.0, 1.0))]
+    params += [SamplingParams(temperature=1.0, seed=s, max_tokens=80, structured_output=JSON_SCHEMA) for s in (2, 3)]
+    plain = generated(_llm(tiny_llama_dir, None).generate(prompts, params))
+    llm = _llm(tiny_llama_dir, {**spec, "disable_by_batch_size": 16})
     assert generated(llm.generate(prompts, params)) == plain
     assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
     assert_no_leaks(llm)
