@@ -185,6 +185,24 @@ def test_parallel_samples_and_best_of_give_plain_decodings_outputs(markov_llama_
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_resumed_request_speculates_and_continues_the_same_tokens(markov_llama_dir: Path, cycle_prompt: list[int],
+                                                                    spec: dict[str, Any], temperature: float) -> None:
+    """Failover resume: a request handed the tokens its client already got continues, speculating,
+    with the tokens plain decoding gives after them (seeded draws keyed by output-token index)."""
+    params = SamplingParams(temperature=temperature, seed=9, max_tokens=40, ignore_eos=True)
+    full = generated(_llm(markov_llama_dir, None).generate([cycle_prompt], params))[0]
+    engine = _llm(markov_llama_dir, spec).engine
+    engine.add_request("resumed", cycle_prompt, params, generated=full[:11])
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    assert tokens == full[11:]
+    assert engine.stats()["spec"]["accepted_tokens"] > 0, engine.stats()["spec"]
+    assert engine.block_manager.num_used_blocks == 0
+
+
 REPEAT = {"kind": "regex", "spec": "(one two three ){12}"}
 
 
