@@ -142,9 +142,9 @@ def _picked_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     runner = llm.engine.runner
     execute = runner.execute
 
-    def spy(sched: Any, pick: Any = None, spec_pick: Any = None) -> Any:
+    def spy(sched: Any, pick: Any = None, *args: Any) -> Any:
         seen.append(pick is not None)
-        return execute(sched, pick, spec_pick)
+        return execute(sched, pick, *args)
 
     monkeypatch.setattr(runner, "execute", spy)
     return seen
