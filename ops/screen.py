@@ -54,10 +54,14 @@ def weight_norms(weight: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(norms.float(), torch.tensor(math.inf, device=weight.device))
 
 
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The flags of the first CPU in /proc/cpuinfo text (empty without a flags line)."""
+    return set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+
+
 def cpuinfo_native_bf16(cpuinfo: str) -> bool:
     """Whether /proc/cpuinfo text lists a bf16 dot-product flag (NATIVE_BF16_FLAGS) on its first CPU."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+    return bool(cpu_flags(cpuinfo) & set(NATIVE_BF16_FLAGS))
 
 
 AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi")  # what csrc/cpu/quant_amx.cpp compiles for
@@ -65,19 +69,28 @@ AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi")  # what c
 
 def cpuinfo_amx_bf16(cpuinfo: str) -> bool:
     """Whether /proc/cpuinfo text lists every flag the AMX-BF16 quantized kernel needs on its first CPU."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return all(flag in flags for flag in AMX_BF16_FLAGS)
+    return set(AMX_BF16_FLAGS) <= cpu_flags(cpuinfo)
+
+
+def _proc_cpuinfo() -> str:
+    """/proc/cpuinfo ("" where there is none)."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 @cache
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (read from /proc/cpuinfo; False elsewhere):
     without them a bf16 GEMM is emulated and no faster than fp32."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return cpuinfo_native_bf16(text)
+    return cpuinfo_native_bf16(_proc_cpuinfo())
+
+
+@cache
+def amx_bf16_cpu() -> bool:
+    """Whether this CPU has what the AMX-BF16 quantized kernel needs (read from /proc/cpuinfo)."""
+    return cpuinfo_amx_bf16(_proc_cpuinfo())
 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,

@@ -32,9 +32,9 @@ def resolve_model_dtype(dtype: str, device: torch.device, cpuinfo: str | None = 
     if dtype != "auto":
         return dtype
     if quantized_weights:
-        from ops.screen import cpuinfo_amx_bf16
+        from ops.screen import amx_bf16_cpu, cpuinfo_amx_bf16
 
-        amx = cpuinfo_amx_bf16(cpuinfo if cpuinfo is not None else _cpuinfo())
+        amx = amx_bf16_cpu() if cpuinfo is None else cpuinfo_amx_bf16(cpuinfo)
         choice = "bfloat16" if amx else "float32"
         reason = ("quantized weights: many-row steps on AMX-BF16 tiles" if amx
                   else "quantized weights: no AMX-BF16 (the kernels round fp32 activations to int8)")
@@ -63,14 +63,6 @@ def resolve_compute(config: EngineConfig, device: torch.device) -> tuple[torch.d
         raise ValueError("quantized GGUF weights compute in float32 or bfloat16; got dtype float16 "
                          "(pass quantization='dequantize' to convert the weights instead)")
     return torch.float32, choice == "bfloat16"
-
-
-def _cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def num_device_blocks(config: EngineConfig, block_bytes: int, device: torch.device,
