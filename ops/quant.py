@@ -111,11 +111,13 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.T
     has the bound), and how many tokens per row needed their fp32-activation logit; token -1 for a
     row with a non-finite value (the caller computes that row in full). ``row_scales`` (fp32
     ``[rows]``): ``approx`` came from another screen whose error is at most ``row_scales[r] *
-    norms[j]``, which then replaces the int8 bound."""
+    norms[j]``, which then replaces the int8 bound. ``approx`` may be bf16 (the bf16 screen's
+    output as the GEMM gives it: each row is widened inside the kernel)."""
     if row_scales is not None:
         row_scales = row_scales.float().contiguous()
     if use_reference() or not hidden.is_cpu:
-        return ref.screened_argmax(approx, hidden, qweight, fmt.type_id, norms, rounding, norm_slack, row_scales)
+        return ref.screened_argmax(approx.float(), hidden, qweight, fmt.type_id, norms, rounding, norm_slack,
+                                   row_scales)
     rows = hidden.shape[0]
     tokens = torch.empty(rows, dtype=torch.int64)
     counts = torch.empty(rows, dtype=torch.int64)

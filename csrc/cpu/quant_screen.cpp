@@ -10,7 +10,7 @@
 // path, and the first maximum among them is the token. One fused pass per row, no [rows, vocab]
 // temporaries: the torch version of this screen cost ten full-vocabulary elementwise ops a step.
 // With row_scales the caller supplies each row's factor instead (approx from a bf16 GEMM on AMX,
-// engine/model/quant_screen.py); the candidates are decided the same way.
+// engine/model/quant_screen.py, taken as the GEMM's bf16 output); the candidates are decided the same way.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
@@ -97,8 +97,9 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
                            const at::Tensor& hidden, const at::Tensor& qweight, int64_t format,
                            const at::Tensor& norms, double rounding, double norm_slack,
                            const c10::optional<at::Tensor>& row_scales) {
-  TORCH_CHECK(approx.dim() == 2 && approx.scalar_type() == at::kFloat && approx.is_contiguous(),
-              "quant_screened_argmax: approx must be contiguous fp32 [rows, vocab]");
+  const bool bf16_approx = approx.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(approx.dim() == 2 && (approx.scalar_type() == at::kFloat || bf16_approx) && approx.is_contiguous(),
+              "quant_screened_argmax: approx must be contiguous fp32 or bf16 [rows, vocab]");
   const int64_t rows = approx.size(0), vocab = approx.size(1);
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
                   hidden.size(0) == rows && hidden.size(1) % kBlock == 0,
@@ -120,7 +121,8 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
                 "quant_screened_argmax: row_scales must be fp32 [rows]");
     given = row_scales->data_ptr<float>();
   }
-  const float* ap = approx.data_ptr<float>();
+  const float* ap = bf16_approx ? nullptr : approx.data_ptr<float>();
+  const c10::BFloat16* bp = bf16_approx ? approx.data_ptr<c10::BFloat16>() : nullptr;
   const float* hp = hidden.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
   const uint8_t* w = qweight.data_ptr<uint8_t>();
@@ -137,7 +139,15 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
         activation_error(x, k_len, error, norm);
         scale = static_cast<float>(norm_slack * error + rounding * norm);
       }
-      const float* a = ap + r * vocab;
+      const float* a = nullptr;
+      if (!bf16_approx) {
+        a = ap + r * vocab;
+      } else {  // a bf16 screen's row, widened where it stays in cache (no [rows, vocab] fp32 copy)
+        thread_local std::vector<float> wide;
+        wide.resize(vocab);
+        vec::widen(wide.data(), bp + r * vocab, vocab);
+        a = wide.data();
+      }
       switch (format) {
         case kQuantQ8_0: tokens[r] = row_token<kQuantQ8_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ4_0: tokens[r] = row_token<kQuantQ4_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;

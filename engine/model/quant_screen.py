@@ -111,7 +111,7 @@ class QuantLogitScreen:
         token (-1 for a row with a non-finite value) and how many tokens the screen left in (one
         fused pass per row: `ops.quant.screened_argmax`)."""
         if hidden.shape[0] >= BF16_SCREEN_MIN_ROWS and self.bf16_screen_available():
-            approx = screen_logits(hidden, self._bf16_weight()).float()
+            approx = screen_logits(hidden, self._bf16_weight())  # bf16: widened per row in the kernel
             return screened_argmax(approx, hidden, self.qweight, self.fmt, self.norms, ROUNDING, NORM_SLACK,
                                    row_scales=bf16_row_scales(hidden))
         approx = ops.quant_linear(hidden, self.qweight, self.fmt, None, int8_activations=True)

@@ -119,3 +119,11 @@ def test_bf16_screen_of_many_rows_picks_the_fp32_activation_argmax(fmt: QuantFor
                                                  row_scales=scales)[0],
                        ref.screened_argmax(approx, x, screen.qweight, fmt.type_id, screen.norms, ROUNDING, NORM_SLACK,
                                            row_scales=scales)[0])
+    # the GEMM's bf16 output as it comes (widened per row in the kernel): the fp32 copy's tokens and counts
+    raw = screen_logits(x, screen._bf16_weight())
+    assert raw.dtype == torch.bfloat16
+    from_bf16 = ops.quant.screened_argmax(raw, x, screen.qweight, fmt, screen.norms, ROUNDING, NORM_SLACK,
+                                          row_scales=scales)
+    from_fp32 = ops.quant.screened_argmax(approx, x, screen.qweight, fmt, screen.norms, ROUNDING, NORM_SLACK,
+                                          row_scales=scales)
+    assert all(torch.equal(a, b) for a, b in zip(from_bf16, from_fp32, strict=True))
