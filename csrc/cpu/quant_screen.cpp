@@ -77,7 +77,7 @@ int64_t row_token(const float* approx, int64_t vocab, const float* norms, const 
   for (int64_t j = 0; j < vocab; ++j) {
     if (j % W == 0 && j + W <= vocab) {  // skip eight tokens at once unless one reaches the floor
       const Vec highs = vec::load(approx + j) + vs * vec::load(norms + j);
-      if (vec::hmax(highs - vfloor) < 0.f) {
+      if (!vec::any(highs >= vfloor)) {  // one vector test, not a horizontal max per eight tokens
         j += W - 1;
         continue;
       }

@@ -38,6 +38,13 @@ inline float hsum(Vec v) {
   return t[0];
 }
 
+// Whether any lane of a comparison's result (0 or -1 per lane) is set.
+inline bool any(IVec mask) {
+  uint64_t words[4];
+  std::memcpy(words, &mask, sizeof words);
+  return (words[0] | words[1] | words[2] | words[3]) != 0;
+}
+
 inline float hmax(Vec v) {
   float m = v[0];
   for (int64_t i = 1; i < kWidth; ++i) m = v[i] > m ? v[i] : m;
