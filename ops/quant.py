@@ -30,8 +30,9 @@ from ops.build import cpu_ops
 from ops.reference import quant as ref
 
 BF16_MIN_ROWS = 32  # a step's linears run on bf16 AMX tiles (`quant_linear_bf16`) from this many rows,
-BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows: one-threaded crossovers on SmolLM2's Q4_1 layers,
-# 0.59 ms int8 kernel vs 0.60 AMX at 32 rows; fp32 prompt rows 0.60 vs 0.52 at 8 (benchmarks/quant_rows_bench.py)
+BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows. SmolLM2's Q4_1 layers (benchmarks/quant_rows_bench.py):
+# one thread, 0.84 ms int8 kernel vs 0.90 AMX at 32 rows, fp32 prompt rows 1.06 vs 0.77 at 8; two threads
+# the crossovers are lower (~22 rows, ~2 prompt rows), kept here so fewer steps change arithmetic
 QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, measured one-threaded on SmolLM2 Q4_1 layers:
 # 64 rows 7.9 ms (kernel) vs 8.5 ms; 256 rows 32.3 vs 26.9 ms (benchmarks/quant_bench.py)
 

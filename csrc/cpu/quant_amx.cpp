@@ -142,48 +142,58 @@ void dequant_row_bf16(const uint8_t* row, int64_t nb, c10::BFloat16* dst) {
   }
 }
 
-// The eight rows of an r8 group (quant_interleaved.cpp has the layout) as K bf16 each, row r's
-// block b at dst + r * kBlock + b * kPackedBlock (the panel's tile order). Per tile: the 128 quant bytes are permuted so each row's 16 packed bytes are
-// contiguous (packed byte i of row r sits at chunk i / 4, bytes 4r + i % 4) and split into low
-// and high nibbles; per row a 16-entry table holds fma(q, d, m) for q = 0..15 (the fp32
-// dequantization, as dequant_block computes it) rounded to bf16, and one word permute looks the
-// row's 32 nibbles up in it.
+// Sixteen rows of an r8 weight (groups g0 and g1 of eight; quant_interleaved.cpp has the layout;
+// g1 null: those rows are zeros) straight into B tiles: block b's pair p at dst + b * kPackedBlock
+// + p * 32, word 2n + e = weight (n, 2p + e). Each value is the fp32 dequantization, fma(q, d, m)
+// as dequant_block computes it, rounded to bf16 (nearest even). Per tile the bytes of both k of a
+// pair are gathered for all eight rows with one byte permute (the pair's k sit side by side in a
+// row's packed bytes: low nibbles for pairs 0-7, high for 8-15), so no transpose is needed.
 template <int64_t F>
-void dequant_group_bf16(const uint8_t* tiles, int64_t nb, c10::BFloat16* dst) {
+void dequant_tile_vnni(const uint8_t* g0, const uint8_t* g1, int64_t nb, c10::BFloat16* dst) {
   constexpr int64_t tile_len = 8 * (F == kQuantQ4_1 ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
   constexpr int64_t quants_at = F == kQuantQ4_1 ? 32 : 16;
+  // Output byte 16 p' + 2 r + e (pair p' of the low nibbles, row r, k 2p' + e) <- packed byte i =
+  // 2p' + e of row r, at chunk i / 4, byte 4r + i % 4; p' = 0..3 in the first half, 4..7 the second.
   alignas(64) uint8_t index[2][64];
   for (int half = 0; half < 2; ++half)
-    for (int r = 0; r < 4; ++r)
-      for (int i = 0; i < 16; ++i) index[half][r * 16 + i] = static_cast<uint8_t>((i / 4) * 32 + 4 * (r + 4 * half) + i % 4);
-  const __m512i idx0 = _mm512_load_si512(index[0]), idx1 = _mm512_load_si512(index[1]);
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  // 64-bit lanes of (lo, hi) giving [low nibbles of rows 2p', high of 2p', low of 2p'+1, high of
-  // 2p'+1] for the first (0) or second (1) pair of rows in a 512-bit register of four rows.
-  const __m512i pair_lanes[2] = {_mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15)};
-  alignas(32) float d[8], m[8];
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* tile = tiles + b * tile_len;
-    const __m256 vd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
-    _mm256_store_ps(d, vd);
-    _mm256_store_ps(m, F == kQuantQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
-                                       : _mm256_mul_ps(vd, _mm256_set1_ps(-8.f)));
-    const __m512i q0 = _mm512_loadu_si512(tile + quants_at), q1 = _mm512_loadu_si512(tile + quants_at + 64);
-    for (int k = 0; k < 2; ++k) {  // rows 4k..4k+3
-      const __m512i rows = _mm512_permutex2var_epi8(q0, k == 0 ? idx0 : idx1, q1);
-      const __m512i lo = _mm512_and_si512(rows, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(rows, 4), nibble);
-      for (int p = 0; p < 2; ++p) {
-        const __m512i pair = _mm512_permutex2var_epi64(lo, pair_lanes[p], hi);
-        const __m256i halves[2] = {_mm512_castsi512_si256(pair), _mm512_extracti64x4_epi64(pair, 1)};
+    for (int pp = 0; pp < 4; ++pp)
+      for (int r = 0; r < 8; ++r)
         for (int e = 0; e < 2; ++e) {
-          const int r = 4 * k + 2 * p + e;
-          const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[r]), _mm512_set1_ps(m[r]));
-          const __m512i words = _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(table)));
-          const __m512i values = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(halves[e]), words);
-          _mm512_storeu_si512(dst + r * kBlock + b * kPackedBlock, values);
+          const int i = 2 * (pp + 4 * half) + e;
+          index[half][16 * pp + 2 * r + e] = static_cast<uint8_t>((i / 4) * 32 + 4 * r + i % 4);
         }
+  const __m512i idx[2] = {_mm512_load_si512(index[0]), _mm512_load_si512(index[1])};
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);  // row n of lane 2n + e
+  alignas(64) uint8_t q[2][2][128] = {};  // [group][low, high nibbles][p' * 16 + 2r + e]
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 d[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, m[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int g = 0; g < 2; ++g) {
+      const uint8_t* group = g == 0 ? g0 : g1;
+      if (group == nullptr) continue;
+      const uint8_t* tile = group + b * tile_len;
+      const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+      const __m256 m8 = F == kQuantQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
+                                        : _mm256_mul_ps(d8, _mm256_set1_ps(-8.f));
+      d[g] = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(d8));
+      m[g] = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(m8));
+      const __m512i q0 = _mm512_loadu_si512(tile + quants_at), q1 = _mm512_loadu_si512(tile + quants_at + 64);
+      for (int half = 0; half < 2; ++half) {
+        const __m512i bytes = _mm512_permutex2var_epi8(q0, idx[half], q1);
+        _mm512_store_si512(q[g][0] + 64 * half, _mm512_and_si512(bytes, nibble));
+        _mm512_store_si512(q[g][1] + 64 * half, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
       }
+    }
+    c10::BFloat16* out = dst + b * kPackedBlock;
+    for (int p = 0; p < kTile; ++p) {
+      const int at = 16 * (p % 8), high = p / 8;
+      const __m512 lo = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q[0][high] + at)))),
+          d[0], m[0]);
+      const __m512 hi = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q[1][high] + at)))),
+          d[1], m[1]);
+      store_bf16(out + p * 2 * kTile, lo, hi);
     }
   }
 }
@@ -197,23 +207,29 @@ inline c10::BFloat16* panel_at(c10::BFloat16* panel, int64_t nb, int64_t r) {
 void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, int64_t k_len, c10::BFloat16* panel) {
   const int64_t nb = k_len / kBlock, row_bytes = nb * block_bytes(format);
   const int64_t rows = std::min(kPanel, n_len - n0);
-  if (is_interleaved(format)) {  // n0 and n_len are multiples of 8
-    for (int64_t g = 0; g < rows / 8; ++g) {
-      const uint8_t* tiles = w + (n0 + 8 * g) * row_bytes;
+  if (is_interleaved(format)) {  // n0 and n_len are multiples of 8: whole groups, B tiles directly
+    for (int64_t t = 0; t < 2; ++t) {
+      c10::BFloat16* dst = panel + t * nb * kPackedBlock;
+      if (kTile * t >= rows) {
+        std::fill_n(dst, nb * kPackedBlock, c10::BFloat16(0.f));
+        continue;
+      }
+      const uint8_t* g0 = w + (n0 + kTile * t) * row_bytes;
+      const uint8_t* g1 = kTile * t + 8 < rows ? g0 + 8 * row_bytes : nullptr;
       if (format == kQuantQ4_0R8) {
-        dequant_group_bf16<kQuantQ4_0>(tiles, nb, panel_at(panel, nb, 8 * g));
+        dequant_tile_vnni<kQuantQ4_0>(g0, g1, nb, dst);
       } else {
-        dequant_group_bf16<kQuantQ4_1>(tiles, nb, panel_at(panel, nb, 8 * g));
+        dequant_tile_vnni<kQuantQ4_1>(g0, g1, nb, dst);
       }
     }
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* row = w + (n0 + r) * row_bytes;
-      switch (format) {
-        case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel_at(panel, nb, r)); break;
-        case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel_at(panel, nb, r)); break;
-        default: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
-      }
+    return;
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // GGUF order: rows dequantized, then each 16 x 16 block transposed
+    const uint8_t* row = w + (n0 + r) * row_bytes;
+    switch (format) {
+      case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel_at(panel, nb, r)); break;
+      default: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
     }
   }
   for (int64_t r = rows; r < kPanel; ++r)
