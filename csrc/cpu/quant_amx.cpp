@@ -11,10 +11,12 @@
 // Tiles (2 x 2 blocking, eight tile registers): C[m][n] += X[m][k] . W[n][k] with the activations
 // as A (16 rows x 32 bf16; packed once per call into one contiguous KiB per tile: [m tile][k
 // block][16 m][32 k]) and the panel's weights as B in the VNNI pair layout ([n tile][k block][16
-// k pairs][16 n][2], a 16 x 16 transpose of each dequantized 16-row block), so a full C tile is
-// the output itself: stored straight into it, no transpose, no staging copy (a transposed C
-// epilogue cost ~40% of the kernel). Activation rows are taken in blocks whose packed copy stays
-// in L2, so a panel is dequantized once per block.
+// k pairs][16 n][2]; the r8 layouts are dequantized straight into it, GGUF-order rows transposed
+// per 16 x 16 block), so a full C tile is the output itself: stored straight into it, no
+// transpose, no staging copy (a transposed C epilogue cost ~40% of the kernel). Each thread
+// dequantizes a chunk of panels once per block of activation rows (up to 1,024) and sweeps them
+// 128 rows at a time. A 16-row tile load costs ~3 products here and straddling cache lines doubles
+// it: every tile buffer is 64-byte aligned.
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
@@ -265,69 +267,73 @@ void panels(const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len, cons
   thread_local std::vector<c10::BFloat16> panel_buf;
   c10::BFloat16* const panel_base = aligned_buffer(panel_buf, (p_end - p_begin) * panel_len);
   alignas(64) float c[kTile * kTile];
-  for (int64_t p = p_begin; p < p_end; ++p) dequant_panel(w, format, p * kPanel, n_len, k_len, panel_base + (p - p_begin) * panel_len);
+  for (int64_t p = p_begin; p < p_end; ++p)
+    dequant_panel(w, format, p * kPanel, n_len, k_len, panel_base + (p - p_begin) * panel_len);
   _tile_loadconfig(&tile_config());
-  for (int64_t rb = 0; rb < pairs; rb += kRowBlockPairs)
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    const int64_t n0 = p * kPanel;
-    const c10::BFloat16* w0 = panel_base + (p - p_begin) * panel_len;
-    const c10::BFloat16* w1 = w0 + nb * kPackedBlock;
-    for (int64_t mp = rb; mp < std::min(pairs, rb + kRowBlockPairs); ++mp) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const c10::BFloat16* a0 = packed + (2 * mp) * nb * kPackedBlock;
-      const c10::BFloat16* a1 = a0 + nb * kPackedBlock;
-      // Tile loads, not the dot products, bound this loop (a 16-row load costs ~3x a tdpbf16ps
-      // here): each load is issued right before the first product that needs it, and a pair
-      // whose second m tile is all padding skips that tile.
-      const bool second = rows - mp * kPanel > kTile;
-      if (second) {
-        for (int64_t b = 0; b < nb; ++b) {
-          _tile_loadd(4, a0 + b * kPackedBlock, 64);
-          _tile_loadd(6, w0 + b * kPackedBlock, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, w1 + b * kPackedBlock, 64);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_loadd(5, a1 + b * kPackedBlock, 64);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+  for (int64_t rb = 0; rb < pairs; rb += kRowBlockPairs) {
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t n0 = p * kPanel;
+      const c10::BFloat16* w0 = panel_base + (p - p_begin) * panel_len;
+      const c10::BFloat16* w1 = w0 + nb * kPackedBlock;
+      for (int64_t mp = rb; mp < std::min(pairs, rb + kRowBlockPairs); ++mp) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const c10::BFloat16* a0 = packed + (2 * mp) * nb * kPackedBlock;
+        const c10::BFloat16* a1 = a0 + nb * kPackedBlock;
+        // Tile loads, not the dot products, bound this loop (a 16-row load costs ~3x a tdpbf16ps
+        // here): each load is issued right before the first product that needs it, and a pair
+        // whose second m tile is all padding skips that tile.
+        const bool second = rows - mp * kPanel > kTile;
+        if (second) {
+          for (int64_t b = 0; b < nb; ++b) {
+            _tile_loadd(4, a0 + b * kPackedBlock, 64);
+            _tile_loadd(6, w0 + b * kPackedBlock, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w1 + b * kPackedBlock, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a1 + b * kPackedBlock, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        } else {
+          for (int64_t b = 0; b < nb; ++b) {
+            _tile_loadd(4, a0 + b * kPackedBlock, 64);
+            _tile_loadd(6, w0 + b * kPackedBlock, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w1 + b * kPackedBlock, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
         }
-      } else {
-        for (int64_t b = 0; b < nb; ++b) {
-          _tile_loadd(4, a0 + b * kPackedBlock, 64);
-          _tile_loadd(6, w0 + b * kPackedBlock, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_loadd(7, w1 + b * kPackedBlock, 64);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-      }
-      // C tile 2 * mt + nt: rows mp * 32 + mt * 16, columns n0 + nt * 16. Full tiles of an
-      // unbiased layer go straight to the output; the rest through `c`.
-      const int64_t m_base = mp * kPanel;
-      const int64_t rows0 = std::min<int64_t>(kTile, rows - m_base), rows1 = std::min<int64_t>(kTile, rows - m_base - kTile);
-      const int64_t cols0 = std::min<int64_t>(kTile, n_len - n0), cols1 = std::min<int64_t>(kTile, n_len - n0 - kTile);
-      const bool direct0 = bias == nullptr && rows0 == kTile, direct1 = bias == nullptr && rows1 == kTile;
-      const int64_t ldo_bytes = ldo * static_cast<int64_t>(sizeof(float));
-      float* o0 = out + m_base * ldo + n0;
-      float* o1 = o0 + kTile * ldo;
-#define PAGEDSERVE_STORE_C(T, O, ROWS, COLS, COL0, DIRECT)                      \
-  if ((ROWS) > 0 && (COLS) > 0) {                                               \
-    if ((DIRECT) && (COLS) == kTile) {                                          \
-      _tile_stored(T, (O) + (COL0), ldo_bytes);                                 \
-    } else {                                                                    \
-      _tile_stored(T, c, 64);                                                   \
-      store_partial(c, (O) - n0, ldo, ROWS, n0 + (COL0), COLS, bias);           \
-    }                                                                           \
+        // C tile 2 * mt + nt: rows mp * 32 + mt * 16, columns n0 + nt * 16. Full tiles of an
+        // unbiased layer go straight to the output; the rest through `c`.
+        const int64_t m_base = mp * kPanel;
+        const int64_t rows0 = std::min<int64_t>(kTile, rows - m_base);
+        const int64_t rows1 = std::min<int64_t>(kTile, rows - m_base - kTile);
+        const int64_t cols0 = std::min<int64_t>(kTile, n_len - n0);
+        const int64_t cols1 = std::min<int64_t>(kTile, n_len - n0 - kTile);
+        const bool direct0 = bias == nullptr && rows0 == kTile, direct1 = bias == nullptr && rows1 == kTile;
+        const int64_t ldo_bytes = ldo * static_cast<int64_t>(sizeof(float));
+        float* o0 = out + m_base * ldo + n0;
+        float* o1 = o0 + kTile * ldo;
+#define PAGEDSERVE_STORE_C(T, O, ROWS, COLS, COL0, DIRECT)                    \
+  if ((ROWS) > 0 && (COLS) > 0) {                                             \
+    if ((DIRECT) && (COLS) == kTile) {                                        \
+      _tile_stored(T, (O) + (COL0), ldo_bytes);                               \
+    } else {                                                                  \
+      _tile_stored(T, c, 64);                                                 \
+      store_partial(c, (O) - n0, ldo, ROWS, n0 + (COL0), COLS, bias);         \
+    }                                                                         \
   }
-      PAGEDSERVE_STORE_C(0, o0, rows0, cols0, 0, direct0)
-      PAGEDSERVE_STORE_C(1, o0, rows0, cols1, kTile, direct0)
-      if (second) {
-        PAGEDSERVE_STORE_C(2, o1, rows1, cols0, 0, direct1)
-        PAGEDSERVE_STORE_C(3, o1, rows1, cols1, kTile, direct1)
-      }
+        PAGEDSERVE_STORE_C(0, o0, rows0, cols0, 0, direct0)
+        PAGEDSERVE_STORE_C(1, o0, rows0, cols1, kTile, direct0)
+        if (second) {
+          PAGEDSERVE_STORE_C(2, o1, rows1, cols0, 0, direct1)
+          PAGEDSERVE_STORE_C(3, o1, rows1, cols1, kTile, direct1)
+        }
 #undef PAGEDSERVE_STORE_C
+      }
     }
   }
   _tile_release();
@@ -372,7 +378,8 @@ void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Ten
   // Kept per calling thread: a fresh buffer each call paid its page faults (~0.1 ms at 1,024 rows).
   thread_local std::vector<c10::BFloat16> packed;
   // The caller's buffer (a thread_local named in the lambda would be each thread's own).
-  c10::BFloat16* const pk = aligned_buffer(packed, (std::min(block_rows, m_len) + kPanel - 1) / kPanel * kPanel * k_len);
+  c10::BFloat16* const pk =
+      aligned_buffer(packed, (std::min(block_rows, m_len) + kPanel - 1) / kPanel * kPanel * k_len);
   const uint8_t* w = qweight.data_ptr<uint8_t>();
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
