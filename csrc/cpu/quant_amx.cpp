@@ -286,24 +286,16 @@ void panels(const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len, cons
         // here): each load is issued right before the first product that needs it, and a pair
         // whose second m tile is all padding skips that tile.
         const bool second = rows - mp * kPanel > kTile;
-        if (second) {
-          for (int64_t b = 0; b < nb; ++b) {
-            _tile_loadd(4, a0 + b * kPackedBlock, 64);
-            _tile_loadd(6, w0 + b * kPackedBlock, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, w1 + b * kPackedBlock, 64);
-            _tile_dpbf16ps(1, 4, 7);
+        for (int64_t b = 0; b < nb; ++b) {
+          _tile_loadd(4, a0 + b * kPackedBlock, 64);
+          _tile_loadd(6, w0 + b * kPackedBlock, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(7, w1 + b * kPackedBlock, 64);
+          _tile_dpbf16ps(1, 4, 7);
+          if (second) {  // the same every iteration: predicted
             _tile_loadd(5, a1 + b * kPackedBlock, 64);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
-          }
-        } else {
-          for (int64_t b = 0; b < nb; ++b) {
-            _tile_loadd(4, a0 + b * kPackedBlock, 64);
-            _tile_loadd(6, w0 + b * kPackedBlock, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, w1 + b * kPackedBlock, 64);
-            _tile_dpbf16ps(1, 4, 7);
           }
         }
         // C tile 2 * mt + nt: rows mp * 32 + mt * 16, columns n0 + nt * 16. Full tiles of an
