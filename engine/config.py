@@ -46,6 +46,10 @@ class EngineConfig:
     # Quantized weights: prompt rows on fp32 activations (exact prompt logits and first token); False:
     # int8 activations like decode rows, 1.4-1.6x faster prefill on the eight-row Q4 layouts
     exact_prompt_rows: bool = True
+    # Batch-invariant CPU arithmetic (ops.backend.set_fixed_order): every fp32 linear row through one
+    # reduction order and prefill attention with decode's per-row arithmetic, so a request's tokens
+    # and logprobs do not depend on its step (batch, chunking, recompute). False: fastest kernel per size.
+    deterministic: bool = True
     # vLLM's form, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}; parsed here
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     # Tensor parallelism (`engine.parallel`): N ranks on one machine, each with its share of the heads.

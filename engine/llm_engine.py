@@ -71,6 +71,7 @@ class LLMEngine:
         self.config = config
         ops.set_backend(config.attention_backend)
         self.device = resolve_device(config.device)
+        ops.set_fixed_order(config.deterministic and self.device.type == "cpu")
         if config.attention_backend == "auto":
             prepare_kernels(self.device)  # at start-up, not on the first request
         self.dtype, self.bf16_linears = resolve_compute(config, self.device)
@@ -101,7 +102,7 @@ class LLMEngine:
         self.model.exact_prompt_rows = config.exact_prompt_rows
         self.model.bf16_linears = self.bf16_linears
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
-            set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model)))
+            set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model), ops.fixed_order()))
         kv_spec = shard.kv_spec(self.model.spec)
         block_bytes = kv_bytes_per_block(kv_spec, config.block_size, self.kv_dtype)
         peak = (profile_peak(self.model, profile_tokens, config.max_num_seqs, kv_spec, config.block_size,

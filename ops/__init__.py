@@ -6,14 +6,14 @@ build, dispatch, checks and the torch reference.
 ``"auto"`` (the default) uses the compiled kernels: C++ for CPU tensors, CUDA for CUDA tensors.
 """
 
-from ops import reference
+from ops import backend, reference
 from ops.attention import paged_attention, paged_prefill_attention
-from ops.backend import get_backend, set_backend
+from ops.backend import fixed_order, get_backend, set_backend, set_fixed_order
 from ops.build import KernelBuildError
 from ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ops.device_errors import DeviceIndexError, raise_device_errors
 from ops.fused import fused_add_rms_norm, rms_norm, rotary_embedding_and_cache, silu_and_mul
-from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_weight
+from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_fixed, pack_weight
 from ops.quant import QuantFormat, dequantize, quant_format, quant_linear
 from ops.sampling import sample_filtered, sample_from_logits
 from ops.screen import native_bf16, pack_screen_weight, screen_logits, screened_argmax, weight_norms
@@ -23,13 +23,16 @@ __all__ = [
     "DeviceIndexError",
     "KernelBuildError",
     "QuantFormat",
+    "backend",
     "can_pack",
     "copy_blocks",
     "dequantize",
+    "fixed_order",
     "fused_add_rms_norm",
     "get_backend",
     "linear",
     "native_bf16",
+    "pack_fixed",
     "pack_screen_weight",
     "pack_weight",
     "paged_attention",
@@ -46,6 +49,7 @@ __all__ = [
     "screen_logits",
     "screened_argmax",
     "set_backend",
+    "set_fixed_order",
     "silu_and_mul",
     "swap_blocks",
     "weight_norms",

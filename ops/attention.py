@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from ops import reference
-from ops.backend import use_reference
+from ops.attention_rows import prefill_as_decode
+from ops.backend import fixed_order, use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks import check_attention, check_decode_lengths, check_prefill_attention, check_prefill_lengths
 from ops.checks_cuda import optin_smem_bytes, prefill_rows_per_warp
@@ -76,6 +77,10 @@ def paged_prefill_attention(
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out)
         return reference.paged_prefill_attention(*args)
     index_args = (block_tables.contiguous(), query_start_loc.contiguous(), context_lens.contiguous(), float(scale))
+    if not query.is_cuda and fixed_order():  # decode's per-row arithmetic (ops/attention_rows.py); pass
+        # the decode op the same options (window, sinks) as this call
+        return prefill_as_decode(paged_attention, query, key_cache, value_cache, block_tables, query_start_loc,
+                                 context_lens, scale, out)
     if not query.is_cuda:
         cpu_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args)
         return out

@@ -6,7 +6,7 @@ from typing import Literal
 
 Backend = Literal["auto", "reference"]
 _BACKENDS: tuple[str, ...] = ("auto", "reference")
-_state: dict[str, str] = {"backend": "auto"}
+_state: dict[str, str] = {"backend": "auto", "fixed_order": ""}
 
 
 def set_backend(name: str) -> None:
@@ -24,3 +24,15 @@ def get_backend() -> str:
 def use_reference() -> bool:
     """True when the plain-torch reference was asked for."""
     return _state["backend"] == "reference"
+
+
+def set_fixed_order(on: bool) -> None:
+    """Batch-invariant arithmetic for the ops that have a choice (``ops.linear``: every fp32 CPU row
+    through ``fixed_gemm``, one reduction order whatever the step's row count), or the fastest
+    kernel for each row count (the default). The engine sets it from its ``deterministic`` option."""
+    _state["fixed_order"] = "1" if on else ""
+
+
+def fixed_order() -> bool:
+    """Whether ``set_fixed_order(True)`` is in force."""
+    return bool(_state["fixed_order"])

@@ -21,7 +21,8 @@ CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # Sources, then headers: everything whose change must trigger a rebuild.
 CPU_SOURCES = (
     "cpu/attention.cpp", "cpu/prefill_attention.cpp", "cpu/cache.cpp", "cpu/fused.cpp", "cpu/gemv.cpp",
-    "cpu/sampling.cpp", "cpu/screen.cpp", "cpu/quant_gemm.cpp", "cpu/quant_interleaved.cpp", "cpu/quant_amx.cpp",
+    "cpu/sampling.cpp", "cpu/screen.cpp", "cpu/fixed_gemm.cpp", "cpu/quant_gemm.cpp", "cpu/quant_interleaved.cpp",
+    "cpu/quant_amx.cpp",
     "cpu/quant_screen.cpp", "cpu/decoder.cpp", "cpu/registration.cpp",
 )
 CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h", "cpu/kv_quant.h", "cpu/quant_blocks.h",

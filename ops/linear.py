@@ -7,6 +7,11 @@
 - More rows: oneDNN's GEMM on a weight reordered once into its blocked layout (``pack_weight``),
   measured 15-50% faster than MKL from 4 to 1024 rows, and ahead of ``small_gemm`` from 4 rows.
 - Anything else (CUDA, bf16/fp16, no packed copy) is ``F.linear``.
+
+Those choices give a row different bits at different row counts. With ``fixed`` (a
+``pack_fixed`` copy, used under ``ops.backend.set_fixed_order``) every fp32 CPU row goes through
+``fixed_gemm``: one fma chain per output over k in order, so a row's result does not depend on its
+step (csrc/cpu/fixed_gemm.cpp).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from ops.build import cpu_ops
 from ops.checks_fused import check_linear
 
 SMALL_GEMM_MAX_ROWS = 3  # csrc/cpu/ops.h kSmallGemmMaxRows
+FIXED_LANES, FIXED_PANEL_GROUP = 16, 4  # csrc/cpu/ops.h kFixedGemmPanelGroup: panels of 16 columns
 PACK_BATCH_HINT = 64  # rows oneDNN picks the blocked layout for; one layout serves every batch size
 
 
@@ -37,15 +43,45 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
+def pack_fixed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (fp32, CPU) as ``fixed_gemm`` reads it: ``[P, K, 16]``, panel p holding rows
+    16p..16p+15 column by column, P rounded up to a multiple of ``FIXED_PANEL_GROUP`` (zero rows)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"only 2-D fp32 CPU weights pack for fixed_gemm; got {tuple(weight.shape)} {weight.dtype} "
+                         f"on {weight.device}")
+    rows, cols = weight.shape
+    panels = -(-max(rows, 1) // FIXED_LANES)
+    panels = -(-panels // FIXED_PANEL_GROUP) * FIXED_PANEL_GROUP
+    padded = weight.new_zeros((panels * FIXED_LANES, cols))
+    padded[:rows] = weight.detach()
+    return padded.view(panels, FIXED_LANES, cols).transpose(1, 2).contiguous()
+
+
+def fixed_linear(x: torch.Tensor, fixed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T + bias`` through ``fixed_gemm`` on ``fixed = pack_fixed(W)``: every row the
+    same bits at any ``M``."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = x.new_empty((flat.shape[0], out_features))
+    cpu_ops().fixed_gemm(out, flat, fixed, out_features, None if bias is None else bias.contiguous())
+    return out.view(*x.shape[:-1], out_features)
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+    fixed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x [..., K]``, ``weight [N, K]``; ``packed`` is ``pack_weight(weight)``."""
+    """``x @ weight.T + bias`` for ``x [..., K]``, ``weight [N, K]``; ``packed`` is ``pack_weight(weight)``,
+    ``fixed`` is ``pack_fixed(weight)`` (when given, every fp32 CPU row goes through ``fixed_gemm``)."""
     check_linear(x, weight, bias)
     if use_reference():
         return reference.linear(x, weight, bias)
     if x.is_cuda or x.dtype != torch.float32:
         return F.linear(x, weight, bias)
+    if fixed is not None:
+        return fixed_linear(x, fixed, weight.shape[0], bias)
     two_d = x.dim() == 2 and x.stride(1) == 1  # what the model passes: no reshape needed
     rows = x.shape[0] if two_d else x.numel() // max(1, x.shape[-1])
     if rows == 0:

@@ -11,9 +11,13 @@ from ops.build import cpu_ops
 from ops.linear import SMALL_GEMM_MAX_ROWS
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
+NEVER = 1 << 40  # no step runs its fp32 linears on oneDNN (fixed order: every row on fixed_gemm)
 
-def openmp_rows_for(quantized_weights: bool) -> int:
+
+def openmp_rows_for(quantized_weights: bool, fixed_order: bool = False) -> int:
     """The first row count whose linear layers run on oneDNN for these weights."""
+    if fixed_order and not quantized_weights:
+        return NEVER
     return (QUANT_GEMV_MAX_ROWS if quantized_weights else SMALL_GEMM_MAX_ROWS) + 1
 
 

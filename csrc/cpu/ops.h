@@ -48,6 +48,12 @@ constexpr int64_t kSmallGemmMaxRows = 3;
 void small_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                 const c10::optional<at::Tensor>& bias);
 
+// out [M, N] = x [M, K] . W^T (+ bias [N]), fp32, each element one fma chain over k in order (csrc/cpu/
+// fixed_gemm.cpp): W packed as [P, K, 16] (P a multiple of kFixedGemmPanelGroup; ops/linear.py pack_fixed).
+constexpr int64_t kFixedGemmPanelGroup = 4;
+void fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                const c10::optional<at::Tensor>& bias);
+
 // out int64 [rows]: per row, the first token whose running sum of softmax(logits * inv_temperature)
 // exceeds uniforms[row] times the total (inverse CDF in token-id order); logits fp32 [rows, vocab].
 void sample_from_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,

@@ -23,6 +23,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
   m.def("small_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("fixed_gemm(Tensor(a!) out, Tensor x, Tensor packed, int n, Tensor? bias) -> ()");
   m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) -> ()");
   m.def(
       "sample_filtered(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor top_k, Tensor top_p, "
@@ -64,6 +65,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &pagedserve::cpu::silu_and_mul);
   m.impl("rotary_embedding_and_cache", &pagedserve::cpu::rotary_embedding_and_cache);
   m.impl("small_gemm", &pagedserve::cpu::small_gemm);
+  m.impl("fixed_gemm", &pagedserve::cpu::fixed_gemm);
   m.impl("sample_from_logits", &pagedserve::cpu::sample_from_logits);
   m.impl("sample_filtered", &pagedserve::cpu::sample_filtered);
   m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);

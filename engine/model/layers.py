@@ -16,11 +16,18 @@ from engine.model.sharding import SINGLE, TPShard
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and checkpoint names) computed by `ops.linear`: on the CPU in fp32
     a C++ kernel streams the weight at small batch, and larger batches use a oneDNN-packed copy of
-    it, made on first use (after the checkpoint is loaded) and kept alongside."""
+    it, made on first use (after the checkpoint is loaded) and kept alongside. Under
+    `ops.backend.fixed_order()` every row goes through `fixed_gemm` on its own packed copy instead
+    (one arithmetic per row at any batch size)."""
 
     packed: torch.Tensor | None = None
+    fixed: torch.Tensor | None = None  # `ops.pack_fixed(weight)` under `ops.backend.fixed_order()`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ops.backend.fixed_order() and x.device.type == "cpu" and x.dtype == torch.float32 and self.out_features:
+            if self.fixed is None or self.fixed.shape[1] != self.in_features:
+                self.fixed = ops.pack_fixed(self.weight)
+            return ops.linear(x, self.weight, self.bias, fixed=self.fixed)
         if (self.packed is None and x.shape[0] > ops.SMALL_GEMM_MAX_ROWS and ops.get_backend() == "auto"
                 and ops.can_pack(self.weight)):
             self.packed = ops.pack_weight(self.weight)

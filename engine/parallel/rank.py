@@ -79,6 +79,7 @@ def _serve(args: RankArgs) -> None:
     config = args.config
     ops.set_backend(config.attention_backend)
     device = rank_device(args.device, args.rank)
+    ops.set_fixed_order(config.deterministic and device.type == "cpu")  # every rank rounds as rank 0
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if config.attention_backend == "auto":
@@ -91,7 +92,7 @@ def _serve(args: RankArgs) -> None:
     if device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share, as on rank 0
         from engine.model.quant_linear import all_linears_quantized
         from ops.parallel import openmp_rows_for, set_openmp_rows
-        set_openmp_rows(openmp_rows_for(all_linears_quantized(model)))
+        set_openmp_rows(openmp_rows_for(all_linears_quantized(model), ops.fixed_order()))
     kv_dtype = getattr(torch, args.kv_dtype)
     kv_spec = shard.kv_spec(model.spec)
     block_bytes = kv_bytes_per_block(kv_spec, config.block_size, kv_dtype)

@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-logit-screen", action="store_true",
                         help="greedy rows use the full fp32 lm_head even where the CPU has bf16 dot products "
                              "(the tokens are the same; the screen is faster)")
+    parser.add_argument("--no-deterministic", action="store_true",
+                        help="fastest CPU kernel per step size instead of one arithmetic per row (a request's "
+                             "tokens and logprobs may then depend on its batch, chunking and preemption)")
     parser.add_argument("--int8-prompt-activations", action="store_true",
                         help="quantized weights: prompt rows on int8 activations like decode rows (1.4-1.6x "
                              "faster prefill on Q4 weights; the first token and prompt logprobs may then differ "
@@ -110,6 +113,7 @@ def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = 
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         attention_backend=args.attention_backend, debug_blocks=args.debug_blocks,
         logit_screen=not args.no_logit_screen, exact_prompt_rows=not args.int8_prompt_activations,
+        deterministic=not args.no_deterministic,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_timeout=args.tensor_parallel_timeout,
         tensor_parallel_threads=args.tensor_parallel_threads, master_addr=args.master_addr,

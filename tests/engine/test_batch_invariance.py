@@ -1,0 +1,70 @@
+"""A request's answer does not depend on its step (deterministic mode, the CPU default): one
+request alone, beside up to 31 others, prefilled whole or in chunks of 16 to 512 tokens, and
+preempted by swap or by recompute gets the same tokens and the same logprobs, bit for bit, with
+fp32 and int8 KV caches. Shapes off the kernels' tile sizes (hidden 96, intermediate 200)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+from tests.engine.helpers import assert_no_leaks
+from tests.fixtures.models import make_tiny_model_dir
+
+NEW = 24
+PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("invariance"), hidden_size=96, intermediate_size=200,
+                               num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3, seed=3)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(5, 300))] for _ in range(count)]
+
+
+TARGET = _prompts(1, seed=7)[0][:200] + list(range(40, 100))  # 260 tokens: several blocks and chunks
+OTHERS = _prompts(31, seed=8)
+
+
+def _answer(out: Any) -> tuple[Any, ...]:
+    choice = out.outputs[0]
+    return choice.token_ids, choice.logprobs, choice.cumulative_logprob, out.prompt_logprobs
+
+
+def _run(model_dir: Path, batch: list[list[int]], **config: Any) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
+    """Every request's answer, and the engine's preemption counts."""
+    llm = LLM(str(model_dir), dtype="float32", **config)
+    outs = llm.generate(batch, PARAMS)
+    assert_no_leaks(llm)
+    return [_answer(out) for out in outs], dict(llm.stats().get("preemptions", {}))
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_one_request_gets_the_same_bits_in_any_step(model_dir: Path, kv: str) -> None:
+    roomy = {"kv_cache_dtype": kv, "kv_cache_memory": 32 << 20}
+    alone = _run(model_dir, [TARGET], **roomy)[0][0]
+    for others in (1, 7, 31):
+        assert _run(model_dir, [TARGET, *OTHERS[:others]], **roomy)[0][0] == alone, f"beside {others} others"
+    for chunk in (16, 48, 512):
+        assert _run(model_dir, [TARGET, *OTHERS[:3]], max_num_batched_tokens=chunk, **roomy)[0][0] == alone, \
+            f"chunks of {chunk}"
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_changes_no_bit(model_dir: Path, kv: str, mode: str) -> None:
+    batch = [TARGET, *OTHERS[:5]]
+    roomy, _ = _run(model_dir, batch, kv_cache_dtype=kv, kv_cache_memory=32 << 20)
+    tight, preemptions = _run(model_dir, batch, kv_cache_dtype=kv, num_gpu_blocks=24, num_cpu_blocks=200,
+                              preemption_mode=mode)
+    assert preemptions.get(mode, 0) > 0, "the small pool was meant to force preemption"
+    assert tight == roomy
