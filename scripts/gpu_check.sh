@@ -10,9 +10,9 @@
 # lack (structlog, pytest-asyncio, pytest-timeout) are installed from $PAGEDSERVE_WHEELS (default
 # shared/wheels) when missing; make that folder where a network is available with
 #   pip download --no-deps --only-binary=:all: -d shared/wheels structlog pytest-asyncio pytest-timeout
-# Nothing is downloaded here: the checks use seeded random-weight Llamas (benchmarks/random_model.py),
+# Nothing is downloaded here: the checks use seeded random-weight Llamas (benchmarks/helpers/random_model.py),
 # the engine benchmark one of SmolLM2-135M's exact shape. With two or more GPUs, the tensor-parallel
-# check (TP=2 greedy == TP=1 over NCCL, step times: benchmarks/tp_bench.py). Exit status: 0 when the build, the gpu
+# check (TP=2 greedy == TP=1 over NCCL, step times: benchmarks/engine/tp_bench.py). Exit status: 0 when the build, the gpu
 # tests and fp32 greedy equality all pass.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,27 +47,27 @@ if [ "$DEVICE" = cuda ]; then
   # strided indices, >65,535 rows, the small prefill tile), test_cuda_kv_int8.py, test_cuda_multi_token.py
   step gpu_tests 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning \
     --junitxml="$LOG/gpu_tests.xml" tests/ops tests/engine/model
-  step kernel_bench 150 "$PY" benchmarks/kernel_bench.py --device cuda --budget 0.3
+  step kernel_bench 150 "$PY" benchmarks/kernels/kernel_bench.py --device cuda --budget 0.3
 else  # dry run: the CPU build and a quick benchmark; the gpu tests only skip here
   step build 300 "$PY" -c "import ops.build as b; b.cpu_ops()"
-  step kernel_bench 300 "$PY" benchmarks/kernel_bench.py --device cpu --budget 0.05 --kernels prefill,fused
+  step kernel_bench 300 "$PY" benchmarks/kernels/kernel_bench.py --device cpu --budget 0.05 --kernels prefill,fused
 fi
 small=()  # the CPU dry run checks fewer, shorter sequences
 [ "$DEVICE" = cuda ] || small=(--num-prompts 4 --new-tokens 16)
-step greedy_fp32 180 "$PY" benchmarks/greedy_check.py --device "$DEVICE" --dtype float32 ${small[@]+"${small[@]}"}
-step greedy_bf16 180 "$PY" benchmarks/greedy_check.py --device "$DEVICE" --dtype bfloat16 ${small[@]+"${small[@]}"}
-step random_model 120 "$PY" benchmarks/random_model.py --shape smollm2 --out "$LOG/smollm2-random"
+step greedy_fp32 180 "$PY" benchmarks/quality/greedy_check.py --device "$DEVICE" --dtype float32 ${small[@]+"${small[@]}"}
+step greedy_bf16 180 "$PY" benchmarks/quality/greedy_check.py --device "$DEVICE" --dtype bfloat16 ${small[@]+"${small[@]}"}
+step random_model 120 "$PY" benchmarks/helpers/random_model.py --shape smollm2 --out "$LOG/smollm2-random"
 if [ "$DEVICE" = cuda ]; then
-  step engine_bench 300 "$PY" benchmarks/engine_bench.py --model "$LOG/smollm2-random" --device cuda \
+  step engine_bench 300 "$PY" benchmarks/engine/engine_bench.py --model "$LOG/smollm2-random" --device cuda \
     --dtype bfloat16 --num-requests 128
 else
-  step engine_bench 600 "$PY" benchmarks/engine_bench.py --model "$LOG/smollm2-random" --device cpu \
+  step engine_bench 600 "$PY" benchmarks/engine/engine_bench.py --model "$LOG/smollm2-random" --device cpu \
     --dtype float32 --num-requests 8 --hf-batch-sizes 8
 fi
 gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "$DEVICE" = cuda ] && [ "$gpus" -ge 2 ]; then  # tensor parallelism over NCCL: greedy TP=2 == TP=1, step times
-  step random_decisive 120 "$PY" benchmarks/random_model.py --shape decisive --out "$LOG/decisive-random"
-  step tp2 300 "$PY" benchmarks/tp_bench.py --parts check,step --device cuda --sizes 1,2 \
+  step random_decisive 120 "$PY" benchmarks/helpers/random_model.py --shape decisive --out "$LOG/decisive-random"
+  step tp2 300 "$PY" benchmarks/engine/tp_bench.py --parts check,step --device cuda --sizes 1,2 \
     --model "$LOG/decisive-random" --batch 32 --tokens 32  # 8 heads / 2 KV heads: SmolLM2's 9 do not split in 2
 else
   echo "[tp2] skipped: $gpus CUDA device(s) here; the TP=2 check needs 2" >&2

@@ -1,7 +1,7 @@
 """Block manager benchmark: block operations per second, and the block work of one decode step
 for a full batch. Prints one JSON object per line on stdout.
 
-    .venv/bin/python benchmarks/block_manager_bench.py [--seqs 256] [--prompt-len 512]
+    .venv/bin/python benchmarks/engine/block_manager_bench.py [--seqs 256] [--prompt-len 512]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ load from other processes hits both alike; the best round counts. Figures per tr
 - ``matmul_gbps`` (this tree only): the model's linear layers at one row, all layers in order as a
   decode step runs them, through ``ops.linear`` and through plain ``F.linear``.
 
-    python benchmarks/decode_bench.py --baseline /path/to/other/checkout
+    python benchmarks/engine/decode_bench.py --baseline /path/to/other/checkout
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_engine(model: str, kv_cache_memory: int) -> Any:

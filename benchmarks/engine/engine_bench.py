@@ -5,7 +5,7 @@ the same for every system: HF's padded static batches waste the positions past e
 own length. Prints JSON lines: tokens/s per system, the ratio to HF's best, the peak KV memory
 against a contiguous cache, preemptions, block utilization and the step overhead share.
 
-    python benchmarks/engine_bench.py --num-requests 128
+    python benchmarks/engine/engine_bench.py --num-requests 128
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Parts (JSON lines each):
               step's worth of Python host work alone (the scheduler's update and deltas), and
               both at once (host work on a second thread, as async scheduling would run it)
 
-    python benchmarks/engine_overhead_bench.py --parts decode,structured
+    python benchmarks/engine/engine_overhead_bench.py --parts decode,structured
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The pool is sized so the float cache must preempt (a burst of `--requests` x (`-
 SmolLM2's head size 64, so it runs more sequences at once and preempts less. In-process (`LLM`),
 SmolLM2, greedy, fixed lengths (ignore_eos).
 
-    python benchmarks/kv_capacity_bench.py [--model DIR] [--kv-cache-memory 48MiB] [--requests 48]
+    python benchmarks/engine/kv_capacity_bench.py [--model DIR] [--kv-cache-memory 48MiB] [--requests 48]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common.sampling_params import SamplingParams
 from common.sizes import parse_size

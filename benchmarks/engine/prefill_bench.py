@@ -3,7 +3,7 @@ ones (`--int8-prompt-activations`, `LLM(exact_prompt_rows=False)`), on spec_benc
 (132, 159 and 300 tokens). Each sample is `generate(max_tokens=1)` right after
 `LLM.reset_prefix_cache()`, the two engines alternating; the median per prompt. JSON lines.
 
-    .venv/bin/python benchmarks/prefill_bench.py [--model FILE.gguf] [--threads 2] [--samples 5]
+    .venv/bin/python benchmarks/engine/prefill_bench.py [--model FILE.gguf] [--threads 2] [--samples 5]
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-from spec_bench import GROUNDED, chat_ids  # a sibling script (benchmarks/ is on sys.path when run)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
+from benchmarks.engine.spec_bench import GROUNDED, chat_ids
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 

@@ -15,7 +15,8 @@ JSON object per line on stdout.
 - batch: 32 unrepetitive prompts at once (speculation switches itself off above
   `disable_by_batch_size` running sequences); goal >= 0.97x.
 
-    .venv/bin/python benchmarks/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2] [--k 4 | --k 3,4]
+    .venv/bin/python benchmarks/engine/spec_bench.py [--model FILE.gguf|DIR] [--threads 2] [--rounds 2]
+        [--k 4 | --k 3,4]
         [--int8-prompt-activations]
 
 The default model is the Q4_1 GGUF that `pagedserve up` serves (its GEMM is pagedserve's C++

@@ -10,7 +10,7 @@
   broadcast's share of it (publish_seconds) at TP = 1, 2, ..., the same total torch threads
   split over the ranks, greedy decode of B prompts; tok/s alongside.
 
-    python benchmarks/tp_bench.py [--parts broadcast,step,check] [--model DIR] [--sizes 1,3] [--threads 3]
+    python benchmarks/engine/tp_bench.py [--parts broadcast,step,check] [--model DIR] [--sizes 1,3] [--threads 3]
                                   [--batch 16] [--tokens 32] [--rounds 200] [--device cpu|cuda]
 """
 

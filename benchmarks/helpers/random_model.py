@@ -5,7 +5,7 @@ tied embeddings): the same work per token as the real model, for speed figures. 
 small Llama (4 layers, hidden 512, 8/2 heads of 64) with large initial weights, so greedy
 decoding has clear winners and a token-for-token comparison is meaningful.
 
-    python benchmarks/random_model.py --shape smollm2 --out /tmp/smollm2-random
+    python benchmarks/helpers/random_model.py --shape smollm2 --out /tmp/smollm2-random
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Prints one JSON line per batch size: step time and the top operators' share of C
 (``aten::mm``/``addmm`` are torch's GEMM, ``pagedserve_cpu::small_gemm`` and
 ``mkldnn::_linear_pointwise`` ours, ``paged_attention`` the decode attention).
 
-    python benchmarks/decode_profile.py --batches 1,32,64
-    python benchmarks/decode_profile.py --gguf --by-shape --batches 32,1 --threads 2
+    python benchmarks/investigations/decode_profile.py --batches 1,32,64
+    python benchmarks/investigations/decode_profile.py --gguf --by-shape --batches 32,1 --threads 2
 
 ``--gguf`` profiles the default Q4_1 GGUF (quantized kernels) instead of the fp32 directory;
 ``--by-shape`` keys operators by their input shapes too (one ``quant_linear`` per layer kind:
@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-from decode_bench import add_requests, drain, make_engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.engine.decode_bench import add_requests, drain, make_engine
 
 
 def profile_batch(engine: Any, batch: int, steps: int, top: int, by_shape: bool = False) -> dict[str, Any]:

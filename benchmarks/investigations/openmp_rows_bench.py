@@ -4,7 +4,7 @@ layer's four linears (quant_linear) at 1 and 5 rows (a speculative row of 1 + 4 
 chunk pool below 129 rows: what the engine sets for quantized weights), 1 and 2 threads,
 interleaved so load from other work hits every setting alike. One JSON line per setting.
 
-    .venv/bin/python benchmarks/openmp_rows_bench.py [--reps 60] [--gguf FILE]
+    .venv/bin/python benchmarks/investigations/openmp_rows_bench.py [--reps 60] [--gguf FILE]
 """
 
 from __future__ import annotations

@@ -3,20 +3,22 @@ spec_bench's grounded prompts, a plain and an ngram engine (in one process, alte
 step (the prompt's prefill; a prefix-cache hit from the second round on), the number of steps and
 the mean time of the rest. Prints one JSON object per line.
 
-    .venv/bin/python benchmarks/spec_steps.py [--k 4] [--rounds 2] [--threads 2] [--max-tokens 96]
+    .venv/bin/python benchmarks/investigations/spec_steps.py [--k 4] [--rounds 2] [--threads 2] [--max-tokens 96]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from spec_bench import GROUNDED, chat_ids  # a sibling script (benchmarks/ is on sys.path when run)
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
+from benchmarks.engine.spec_bench import GROUNDED, chat_ids
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 

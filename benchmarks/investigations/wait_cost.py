@@ -3,7 +3,7 @@ MULTI/EXEC with an output entry per gateway, checkpoints, acks and probes) to a 
 replica on loopback, without WAIT and with `WAIT 1` on the same connection, and the gateway's
 submit with and without it. Prints one JSON line per case (milliseconds).
 
-    PYTHONPATH=$PWD python benchmarks/wait_cost.py [--steps 400] [--batch 32]
+    PYTHONPATH=$PWD python benchmarks/investigations/wait_cost.py [--steps 400] [--batch 32]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 
 On CUDA every bandwidth figure also reads as a share of --peak-gbps (H200: 4800).
 
-    python benchmarks/kernel_bench.py --device cpu [--kernels decode,prefill,fused] [--budget 1]
+    python benchmarks/kernels/kernel_bench.py --device cpu [--kernels decode,prefill,fused] [--budget 1]
 """
 
 from __future__ import annotations
@@ -18,17 +18,20 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kernel_bench_fused import CPU_SHAPE, CUDA_SHAPE, bench_fused
-from kernel_bench_prefill import CPU_POINTS as CPU_PREFILL
-from kernel_bench_prefill import CUDA_POINTS as CUDA_PREFILL
-from kernel_bench_prefill import bench_prefill
-from timing import bandwidth_fields, best_seconds
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 from tqdm import tqdm
 
 import ops
+from benchmarks.helpers.timing import bandwidth_fields, best_seconds
+from benchmarks.kernels.kernel_bench_fused import CPU_SHAPE, CUDA_SHAPE, bench_fused
+from benchmarks.kernels.kernel_bench_prefill import CPU_POINTS as CPU_PREFILL
+from benchmarks.kernels.kernel_bench_prefill import CUDA_POINTS as CUDA_PREFILL
+from benchmarks.kernels.kernel_bench_prefill import bench_prefill
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,15 @@ also its reference): residual add + RMSNorm, SiLU-and-mul, RoPE + K/V cache writ
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from timing import bandwidth_fields, best_seconds
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 import ops
+from benchmarks.helpers.timing import bandwidth_fields, best_seconds
 from engine.model.rope import RotaryEmbedding, apply_rotary
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64; on CUDA a Llama-8B layer.

@@ -3,14 +3,17 @@ SDPA per sequence, the cached context gathered into a contiguous tensor first) a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from timing import best_seconds
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 import ops
+from benchmarks.helpers.timing import best_seconds
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@
   interleaved round by round in one run (``--peer-python``, the venv of
   ``benchmarks/peer/setup_llama_cpp.sh``; ``benchmarks/peer/llama_cpp_bench.py``).
 
-    python benchmarks/quant_bench.py [--parts kernel,engine] [--budget 0.5] [--rows 1,4,32,256]
-    python benchmarks/quant_bench.py --parts engine --batches 1,32 \\
+    python benchmarks/kernels/quant_bench.py [--parts kernel,engine] [--budget 0.5] [--rows 1,4,32,256]
+    python benchmarks/kernels/quant_bench.py --parts engine --batches 1,32 \\
         --peer-python ~/.cache/pagedserve/peer/llama-cpp-venv/bin/python
 """
 
@@ -22,6 +22,7 @@ import json
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,9 +31,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timing import best_seconds
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 import ops
+from benchmarks.helpers.timing import best_seconds
 from ops.build import cpu_ops
 from ops.quant import FORMATS, QuantFormat
 from ops.reference.quant import quantize
@@ -121,7 +123,7 @@ def engine_round(engine: Any, prompts: list[list[int]], steps: int) -> tuple[flo
 
 def peer_round(python: str, gguf: str, prompts_file: str, batch: int, steps: int, threads: int) -> float:
     """One llama.cpp round (benchmarks/peer/llama_cpp_bench.py in its own venv): step seconds."""
-    script = Path(__file__).resolve().parent / "peer" / "llama_cpp_bench.py"
+    script = Path(__file__).resolve().parents[1] / "peer" / "llama_cpp_bench.py"
     out = subprocess.run([python, str(script), "--gguf", gguf, "--prompts", prompts_file, "--batches", str(batch),
                           "--rounds", "1", "--steps", str(steps), "--threads", str(threads)],
                          check=True, capture_output=True, text=True).stdout

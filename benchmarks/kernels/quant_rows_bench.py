@@ -19,7 +19,7 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
 
 Prints one JSON object per line.
 
-    .venv/bin/python benchmarks/quant_rows_bench.py [--iters 300]
+    .venv/bin/python benchmarks/kernels/quant_rows_bench.py [--iters 300]
 """
 
 from __future__ import annotations

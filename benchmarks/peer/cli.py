@@ -1,4 +1,4 @@
-"""Command-line options of benchmarks/peer_bench.py; `--quick` scales every part down for a smoke run."""
+"""Command-line options of benchmarks/peer/peer_bench.py; `--quick` scales every part down for a smoke run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Greedy decode speed of llama.cpp (llama-cpp-python's low-level batch API) on a GGUF, JSON lines:
-the peer of ``benchmarks/quant_bench.py --parts engine``, which runs it interleaved with its own
+the peer of ``benchmarks/kernels/quant_bench.py --parts engine``, which runs it interleaved with its own
 rounds (``--peer-python``). Run alone with the venv of ``setup_llama_cpp.sh``:
 
     ~/.cache/pagedserve/peer/llama-cpp-venv/bin/python benchmarks/peer/llama_cpp_bench.py \\

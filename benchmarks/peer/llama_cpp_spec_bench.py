@@ -1,10 +1,10 @@
 """llama.cpp's prompt-lookup speculation (llama-cpp-python's `LlamaPromptLookupDecoding`) against
-its plain decoding, on the prompts of ``benchmarks/spec_bench.py`` (token ids it writes with
+its plain decoding, on the prompts of ``benchmarks/engine/spec_bench.py`` (token ids it writes with
 ``--dump-prompts FILE``, so both sides decode the very same chat-templated tokens), greedy, one
 stream, the same token limit, stopping at EOS; rounds interleaved, ratios from one run. Run it
 with the venv of ``setup_llama_cpp.sh``:
 
-    .venv/bin/python benchmarks/spec_bench.py --dump-prompts /tmp/spec_prompts.json
+    .venv/bin/python benchmarks/engine/spec_bench.py --dump-prompts /tmp/spec_prompts.json
     ~/.cache/pagedserve/peer/llama-cpp-venv/bin/python benchmarks/peer/llama_cpp_spec_bench.py \\
         --gguf ~/.cache/pagedserve/models/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --prompts /tmp/spec_prompts.json

@@ -1,4 +1,4 @@
-"""The offline parts of benchmarks/peer_bench.py: one workload, run by pagedserve in-process and by
+"""The offline parts of benchmarks/peer/peer_bench.py: one workload, run by pagedserve in-process and by
 vLLM in a subprocess of its own venv, each timed around one generate call for the whole workload.
 
 A workload is `Run`s (named lists of prompt token ids with exact output lengths); both systems

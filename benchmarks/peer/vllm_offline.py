@@ -1,4 +1,4 @@
-"""vLLM's side of the offline parts of benchmarks/peer_bench.py, run with the vLLM venv's python.
+"""vLLM's side of the offline parts of benchmarks/peer/peer_bench.py, run with the vLLM venv's python.
 
     VLLM_CPU_KVCACHE_SPACE=2 VENV/bin/python benchmarks/peer/vllm_offline.py JOB.json RESULT.json
 

@@ -6,19 +6,21 @@ divergence at a near-tie is expected and reported rather than failed. For those 
 also holds each side's logit error against fp32 HF (teacher-forced prompts): ours should be no
 worse than HF's own in that dtype.
 
-    python benchmarks/greedy_check.py --device cuda --dtype bfloat16 [--model DIR]
+    python benchmarks/quality/greedy_check.py --device cuda --dtype bfloat16 [--model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from random_model import make_random_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
+from benchmarks.helpers.random_model import make_random_model
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 

@@ -12,7 +12,7 @@ One JSON line per configuration, then a summary line.
 - decode: paged decode attention at SmolLM2's shape (9 heads, 3 KV heads, head 64, block 16),
   batch 32 x 512 tokens of context, fp32 cache against int8 cache (best of timed rounds).
 
-    python benchmarks/kv_quality.py [--model DIR] [--budget 1] [--weights fp32,q4_1]
+    python benchmarks/quality/kv_quality.py [--model DIR] [--budget 1] [--weights fp32,q4_1]
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from timing import best_seconds
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ops
+from benchmarks.helpers.timing import best_seconds
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model.fetch import GGUF_NAME, default_model_dir

@@ -9,7 +9,7 @@ by transformers): mean NLL per token on a fixed English passage (as one prefill,
 per step through the decode kernels), and greedy agreement over
 ``--new-tokens`` tokens from a few chat prompts (identical sequences, first divergence).
 
-    python benchmarks/quant_quality.py [--gguf FILE --reference DIR] [--new-tokens 32]
+    python benchmarks/quality/quant_quality.py [--gguf FILE --reference DIR] [--new-tokens 32]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ connection limit, every request released by one barrier). Prints one JSON line p
 pool variant: completed, 429s, 5xx, other failures, latency p50/p99, tokens/s, gateway RSS
 and the pool's longest wait.
 
-    python benchmarks/burst_bench.py --model DIR --requests 1000 --max-tokens 8 --pools blocking,plain
+    python benchmarks/serving/burst_bench.py --model DIR --requests 1000 --max-tokens 8 --pools blocking,plain
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from common.ports import free_port
 from gateway.clients.sse_reader import SSE_DONE, sse_payloads
 from pagedserve.launch.redis_server import RedisServer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:

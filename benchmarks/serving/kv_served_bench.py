@@ -8,7 +8,7 @@ CPU computes it) cannot hold the burst and preempts, while the int8 cache of the
 it all. Preemptions and running requests are read from the engine's Prometheus page
 (`--metrics-port`), sampled every 0.2 s while the burst runs.
 
-    python benchmarks/kv_served_bench.py [--model DIR|FILE.gguf] [--kv-cache-memory 112MiB] \
+    python benchmarks/serving/kv_served_bench.py [--model DIR|FILE.gguf] [--kv-cache-memory 112MiB] \
         [--num-prompts 32] [--prompt-len 128] [--output-len 128] [--kv-dtypes float32,int8]
 """
 
@@ -19,11 +19,12 @@ import json
 import sys
 import threading
 import urllib.request
+from pathlib import Path
 from typing import Any
 
-from peer.counters import metric_value
-from serving_bench import bench_client, pagedserve_up
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
+from benchmarks.peer.counters import metric_value
+from benchmarks.serving.serving_bench import bench_client, pagedserve_up
 from common.ports import free_port
 
 

@@ -5,13 +5,13 @@ Two phases per path: `burst` (every request at once: throughput) and `latency` (
 at a time, short outputs: TTFT without queueing). Prints JSON lines, one per phase and path,
 then the ratios: served / in-process output throughput, and the TTFT the serving path adds.
 
-    python benchmarks/serving_bench.py --num-prompts 32 --prompt-len 64 --output-len 64
+    python benchmarks/serving/serving_bench.py --num-prompts 32 --prompt-len 64 --output-len 64
 
 `--gateway-pools blocking,plain` serves the burst once per gateway Redis pool: the blocking
 pool (the default) and redis-py's plain pool, which fails a burst with "Too many
 connections" once more requests than connections are in flight. With 256 prompts:
 
-    python benchmarks/serving_bench.py --model TINY_DIR --num-prompts 256 --prompt-len 128 \
+    python benchmarks/serving/serving_bench.py --model TINY_DIR --num-prompts 256 --prompt-len 128 \
         --output-len 64 --gateway-pools blocking,plain
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 from common.ports import free_port
 from gateway.clients.bench_trace import BenchRequest, synthetic
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args: str) -> list[str]:

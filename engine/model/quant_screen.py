@@ -19,7 +19,7 @@ The screen runs as one fused pass per row (`ops.quant.screened_argmax`, csrc/cpu
 Steps of `BF16_SCREEN_MIN_ROWS` greedy rows or more, on a CPU with native bf16 dot products (AMX,
 AVX512-BF16), screen with a bf16 GEMM instead (oneDNN on a packed bf16 copy of the dequantized
 lm_head, 2 bytes a weight, built with the screen): SmolLM2's lm_head at 64 rows 30 ms on the int8
-kernel (four rows per sweep of the 30 MB weight) against 3.6 ms on AMX (benchmarks/quant_rows_bench.py).
+kernel (four rows per sweep of the 30 MB weight) against 3.6 ms on AMX (benchmarks/kernels/quant_rows_bench.py).
 Its bound is `ops.screen`'s (bf16 rounding of both inputs, fp32 accumulation, a bf16 output),
 folded into one factor per row:
 `|approx_j| <= (1 + 2u)(1 + u)^2 (1 + g) |h| |w_j|`, so the output term is a multiple of `|h| |w_j|`

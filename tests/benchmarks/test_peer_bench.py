@@ -1,4 +1,4 @@
-"""benchmarks/peer_bench.py's own logic, without vLLM: option parsing, the figures read from a
+"""benchmarks/peer/peer_bench.py's own logic, without vLLM: option parsing, the figures read from a
 `vllm bench serve` report and a Prometheus page, greedy agreement, and that stopping a server
 kills descendants that left its process group."""
 

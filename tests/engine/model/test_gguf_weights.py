@@ -102,7 +102,7 @@ def test_smollm2_q4_1_matches_its_dequantized_weights() -> None:
     directory), Q/K rows included; greedy decoding agrees and the passage NLL is within 1%."""
     from safetensors.torch import load_file
 
-    from benchmarks.quant_quality import PASSAGE, greedy, mean_nll, mean_nll_decode
+    from benchmarks.quality.quant_quality import PASSAGE, greedy, mean_nll, mean_nll_decode
 
     gguf_file = _smollm2_gguf()
     quant = load_model(gguf_file)
@@ -175,7 +175,7 @@ def test_smollm2_q4_1_bf16_linears_stay_within_1_percent() -> None:
     1% of the fp32 model's; steps under both thresholds keep the int8 / fp32 kernels bit for bit."""
     from transformers import AutoTokenizer
 
-    from benchmarks.quant_quality import PASSAGE, Paged, mean_nll
+    from benchmarks.quality.quant_quality import PASSAGE, Paged, mean_nll
 
     gguf_file = _smollm2_gguf()
     passage = AutoTokenizer.from_pretrained(str(gguf_file.parent))(PASSAGE)["input_ids"]

@@ -1,0 +1,83 @@
+"""Time one `SparseMoE` block (random Qwen3-MoE proportions) per step size, and where its time goes.
+
+Prints one JSON line per step size: the block's median milliseconds per step, and the split into
+router (GEMM, softmax, top-k), grouping (sort, counts), expert GEMMs (gate_up, activation, down,
+timed alone over the same rows) and the rest (gathers, scaling, index_add, the Python loop).
+The engine-level decode benchmark needs the model families wired into the loader (not yet).
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernels/moe_bench.py --experts 32 --top-k 4 --hidden 1024 \
+        --intermediate 768 --tokens 1 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.model.moe import SparseMoE, group_by_expert
+from engine.model.moe_spec import MoESpec
+from ops.linear import fixed_linear
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    spec = MoESpec(args.experts, args.top_k, args.intermediate, (0,), norm_topk_prob=True)
+    moe = SparseMoE(spec, args.hidden).eval()
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.02)
+    for tokens in args.tokens:
+        x = torch.randn(tokens, args.hidden)
+        with torch.inference_mode():
+            total = _median_ms(lambda: moe(x), args.repeats)  # noqa: B023
+            weights, experts = moe.route(x)
+            route = _median_ms(lambda: moe.route(x), args.repeats)  # noqa: B023
+            group = _median_ms(lambda: group_by_expert(experts, weights, spec.num_experts),  # noqa: B023
+                               args.repeats)
+            ids, _, counts = group_by_expert(experts, weights, spec.num_experts)
+            w13, w2 = moe.experts.fixed_weights()
+            rows = [(e, x.index_select(0, ids[sum(counts[:e]):sum(counts[:e + 1])]))
+                    for e, n in enumerate(counts) if n]
+
+            def gemms() -> None:
+                for e, xe in rows:  # noqa: B023
+                    h = fixed_linear(xe, w13[e], 2 * spec.intermediate_size)  # noqa: B023
+                    fixed_linear(moe.experts._activate(h), w2[e], args.hidden)  # noqa: B023
+
+            gemm = _median_ms(gemms, args.repeats)
+        weight_mb = len(rows) * 3 * spec.intermediate_size * args.hidden * 4 / 1e6
+        print(json.dumps({
+            "bench": "moe_block", "tokens": tokens, "experts": spec.num_experts, "top_k": spec.top_k,
+            "hidden": args.hidden, "intermediate": spec.intermediate_size, "threads": torch.get_num_threads(),
+            "active_experts": len(rows), "block_ms": round(total, 3), "router_ms": round(route, 3),
+            "group_ms": round(group, 3), "expert_gemm_ms": round(gemm, 3),
+            "rest_ms": round(total - route - group - gemm, 3),
+            "expert_weight_gb_per_s": round(weight_mb / gemm, 1),
+        }))
+
+
+if __name__ == "__main__":
+    main()
