@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from common.log import get_logger
 from engine.spec.config import SpeculativeConfig
+
+log = get_logger("config")
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # Tokens per step when max_num_batched_tokens is not given. On the CPU a 2,048-token step of
@@ -102,6 +105,26 @@ class EngineConfig:
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative-decoding settings, None when off."""
         return self.speculative_config if isinstance(self.speculative_config, SpeculativeConfig) else None
+
+    def resolve_max_model_len(self, max_position_embeddings: int, sliding_window: int | None) -> int:
+        """The served context: `max_model_len` if given, else the model's `max_position_embeddings`
+        (never past it). The paged kernels attend to every cached token, so a model with a sliding
+        window is exact only while each sequence fits in the window (a query at position p attends
+        positions > p - window, the whole sequence when it is no longer than the window): without a
+        `max_model_len` the context is clamped to the window (logged); a longer `max_model_len`
+        is refused with ValueError."""
+        length = min(self.max_model_len or max_position_embeddings, max_position_embeddings)
+        if sliding_window is None or sliding_window >= length:
+            return length
+        if self.max_model_len is not None:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's sliding window of {sliding_window} tokens; "
+                "sliding-window attention is not implemented, so only contexts within the window are exact: "
+                f"pass max_model_len <= {sliding_window} (or leave it unset)")
+        log.info("max_model_len clamped to the sliding window: full attention equals windowed attention "
+                 "while every sequence fits in the window", max_model_len=sliding_window,
+                 max_position_embeddings=max_position_embeddings, sliding_window=sliding_window)
+        return sliding_window
 
     def token_budget(self, device_type: str) -> int:
         """Tokens one step may run: the configured budget, else the device's default."""

@@ -81,10 +81,9 @@ class LLMEngine:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)
-        limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
-        self.max_model_len = min(config.max_model_len or limit, limit)
-        profile_tokens = min(config.token_budget(self.device.type), self.max_model_len)
         spec = ModelSpec.from_hf_config(self.hf_config)
+        self.max_model_len = config.resolve_max_model_len(spec.max_position_embeddings, spec.sliding_window)
+        profile_tokens = min(config.token_budget(self.device.type), self.max_model_len)
         self.parallel: TensorParallelGroup | None = start_group(config, spec, self.device, self.dtype,
                                                                 self.kv_dtype, profile_tokens)
         try:

@@ -182,8 +182,9 @@ def load_model(
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
     spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
-        log.warning("sliding window attention is not implemented; attention is exact only up to the window",
-                    sliding_window=spec.sliding_window)
+        # the engine bounds its context to the window (EngineConfig.resolve_max_model_len)
+        log.info("sliding window attention is not implemented; attention is exact only within the window",
+                 sliding_window=spec.sliding_window)
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
         model = LlamaForCausalLM(spec, shard).to(dtype=torch_dtype)
     model.to_empty(device=device)

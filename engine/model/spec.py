@@ -116,7 +116,22 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+# Families whose sliding window is switched by `use_sliding_window` and applies to the layers
+# `layer_types` marks "sliding_attention" (transformers' modeling code); the others (Mistral)
+# apply `sliding_window`, when set, to every layer.
+_LAYER_TYPED_WINDOW = ("qwen2", "qwen3", "smollm3")
+
+
 def _sliding_window(config: Any) -> int | None:
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+    """The window (tokens a query sees, itself included) of the model's sliding layers; None
+    when no layer slides."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
         return None
-    return getattr(config, "sliding_window", None)
+    if config.model_type in _LAYER_TYPED_WINDOW:
+        if not getattr(config, "use_sliding_window", False):
+            return None
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+    return int(window)
