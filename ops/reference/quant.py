@@ -8,7 +8,7 @@ output feature) is K / 32 blocks of 32 consecutive weights along K, in ggml's by
 - Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m.
 
 Nibbles: byte j holds element j in its low four bits and element j + 16 in its high four bits.
-Format ids are ggml's type ids (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8).
+Format ids, block sizes and the blocks' dequantization are the format table's (ops/reference/formats.py).
 
 Q4_0r8 and Q4_1r8 (ids 1000 + the base id) are the same bytes repacked eight rows at a time for
 the CPU kernel (csrc/cpu/quant_interleaved.cpp): the tensor keeps its shape ``[N, row_bytes]``
@@ -21,25 +21,14 @@ from __future__ import annotations
 
 import torch
 
+from ops.reference import formats
+
 BLOCK = 32
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
+Q4_0, Q4_1, Q8_0 = (formats.by_name(name).type_id for name in ("Q4_0", "Q4_1", "Q8_0"))
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_0R8: 18, Q4_1R8: 20}
+BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes for f in (Q4_0, Q4_1, Q8_0, Q4_0R8, Q4_1R8)}
 ROWS_PER_GROUP = 8
-
-
-def _fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """fp32 of the little-endian fp16 at byte ``offset`` of each block ``[..., bytes]``."""
-    pair = blocks[..., offset:offset + 2].contiguous()
-    return pair.view(torch.float16).to(torch.float32)
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[..., 32]`` element values from 16 packed bytes per block."""
-    low = packed & 0x0F
-    high = packed >> 4
-    return torch.cat([low, high], dim=-1).to(torch.int32)
 
 
 def _scale_bytes(base: int) -> int:
@@ -73,19 +62,9 @@ def deinterleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
 
 def dequantize(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
     """fp32 ``[N, K]`` of a packed uint8 ``[N, K / 32 * block_bytes]`` weight in format ``fmt``."""
-    qweight, fmt = deinterleave(qweight, fmt), fmt % INTERLEAVED
-    size = BLOCK_BYTES[fmt]
-    rows = qweight.shape[0]
-    blocks = qweight.reshape(rows, -1, size)
-    d = _fp16(blocks, 0)
-    if fmt == Q8_0:
-        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.float32)
-        w = d * q
-    elif fmt == Q4_0:
-        w = d * (_nibbles(blocks[..., 2:]) - 8).to(torch.float32)
-    else:
-        w = d * _nibbles(blocks[..., 4:]).to(torch.float32) + _fp16(blocks, 2)
-    return w.reshape(rows, -1)
+    if fmt not in BLOCK_BYTES:
+        raise formats.UnsupportedFormatError(f"no packed layout with id {fmt} (ids: {sorted(BLOCK_BYTES)})")
+    return formats.packed(fmt % INTERLEAVED).dequantize(deinterleave(qweight, fmt))
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,7 +99,7 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         inv = torch.where(d == 0, 0.0, 1.0 / d.float())
         q = (w * inv + 8).round().clamp(0, 15).to(torch.uint8)
         body = [d.view(torch.uint8).reshape(rows, -1, 2), q[..., :16] | (q[..., 16:] << 4)]
-    else:
+    elif fmt == Q4_1:
         lo = w.amin(-1, keepdim=True)
         hi = w.amax(-1, keepdim=True)
         d = ((hi - lo) / 15).to(torch.float16)
@@ -129,6 +108,9 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         q = ((w - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2),
                 q[..., :16] | (q[..., 16:] << 4)]
+    else:
+        raise formats.UnsupportedFormatError(f"quantize packs Q8_0, Q4_0 and Q4_1 (ids {Q8_0}, {Q4_0}, {Q4_1}); "
+                                             f"got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)
 
 
