@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) on the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM; Qwen3, Granite, OLMo 2, SmolLM3 through
+`ModelSpec`'s options) on the paged KV cache.
 
 Parameter names follow the HF checkpoints except for the fused `qkv_proj` and `gate_up_proj`,
 whose shards are stacked at load time by `load_weights`.
@@ -21,7 +22,7 @@ from engine.model.quant_linear import BF16_LINEARS, EXACT_ROWS, QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
 from engine.model.rope import RotaryEmbedding
 from engine.model.sharding import SINGLE, TPShard
-from engine.model.spec import ModelSpec
+from engine.model.spec import ModelSpec, UnsupportedModelError
 
 LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 MiB L3 with room to spare
 
@@ -53,45 +54,95 @@ _STACKED = {
 class LlamaAttention(nn.Module):
     """Fused QKV projection, RoPE fused with the K/V cache write, paged attention, output projection;
     GQA when kv heads < heads. Under tensor parallelism this rank's heads only (`TPShard`), the
-    output projection's partial sums all-reduced."""
+    output projection's partial sums all-reduced. Options of `ModelSpec`: q/k RMSNorm before
+    rotary (`qk_norm`), the softmax scale (`attention_multiplier`), no rotary in a NoPE layer
+    (`use_rope` False: k and v go to the cache as they are)."""
 
-    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, use_rope: bool = True) -> None:
         super().__init__()
         local = shard.kv_spec(spec)
         self.head_dim, self.num_heads, self.num_kv_heads = spec.head_dim, local.num_heads, local.num_kv_heads
         q_size, kv_size = local.num_heads * spec.head_dim, local.num_kv_heads * spec.head_dim
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias and shard.rank == 0)
-        self.attn = PagedAttention(local.num_heads, local.num_kv_heads, spec.head_dim, spec.head_dim**-0.5)
+        scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
+        self.attn = PagedAttention(local.num_heads, local.num_kv_heads, spec.head_dim, scale)
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm is not None:  # "head": weights [head_dim]; "projection": [q_size] and [kv_size]
+            per_head = spec.qk_norm == "head"
+            self.q_norm = RMSNorm(spec.head_dim if per_head else q_size, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim if per_head else kv_size, spec.rms_norm_eps)
+        self.use_rope = use_rope
         self.shard = shard
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata) -> Tensor:
         """`rope` is `(positions [T], cos/sin table)`; q and k are rotated in place inside the qkv
         output, and k, v land in the cache in the same pass."""
-        qkv = self.qkv_proj(hidden).view(hidden.shape[0], -1, self.head_dim)  # [T, H + 2 KVH, D]
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k, v = self._qkv(self.qkv_proj(hidden))
         positions, cos_sin = rope
-        ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
+        if self.use_rope:
+            ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
+        elif kv_cache[0].numel():  # an empty cache (a profiling pass) is not written
+            ops.reshape_and_cache(k, v, *kv_cache, meta.slot_mapping)
         return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta)))
+
+    def _qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q `[T, H, D]`, k and v `[T, KVH, D]` of the projection `[T, (H + 2 KVH) D]`, q and k normed
+        where `qk_norm` says (new tensors then; views into `qkv` otherwise)."""
+        tokens, d = qkv.shape[0], self.head_dim
+        if self.qk_norm == "projection":
+            q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+            flat_q, flat_k, flat_v = qkv.split([q_size, kv_size, kv_size], dim=1)
+            q = self.q_norm(flat_q.contiguous())[0].view(tokens, self.num_heads, d)
+            k = self.k_norm(flat_k.contiguous())[0].view(tokens, self.num_kv_heads, d)
+            return q, k, flat_v.view(tokens, self.num_kv_heads, d)
+        q, k, v = qkv.view(tokens, -1, d).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(-1, d))[0].view(tokens, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d))[0].view(tokens, self.num_kv_heads, d)
+        return q, k, v
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm SwiGLU block, residual stream carried alongside."""
+    """Pre-norm attention block then pre-norm SwiGLU block, residual stream carried alongside;
+    each block's output scaled by `residual_multiplier` (Granite) before it joins the stream."""
 
-    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, shard)
+        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
         self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.residual_multiplier = spec.residual_multiplier
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
-                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor | None]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden = self._scaled(self.self_attn(rope, hidden, kv_cache, meta))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self._scaled(self.mlp(hidden)), residual
+
+    def _scaled(self, out: Tensor) -> Tensor:
+        return out if self.residual_multiplier == 1.0 else out.mul_(self.residual_multiplier)
+
+
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's layer: `h + norm(attn(h))` then `h + norm(mlp(h))`, no pre-norms. It returns the
+    stream itself (no separate residual), which the backbone's final norm takes as it is."""
+
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
+        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor | None]:
+        stream = hidden if residual is None else hidden + residual
+        stream = stream + self.post_attention_layernorm(self.self_attn(rope, stream, kv_cache, meta))[0]
+        return stream + self.post_feedforward_layernorm(self.mlp(stream))[0], None
 
 
 class LlamaBackbone(nn.Module):
@@ -100,7 +151,8 @@ class LlamaBackbone(nn.Module):
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = _embedding(spec, shard)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, shard) for _ in range(spec.num_layers))
+        layer_cls = PostNormDecoderLayer if spec.post_norms else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_cls(spec, shard, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings)
 
@@ -123,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
         super().__init__()
         shard.check(spec)
+        if shard.size > 1 and spec.qk_norm == "projection":
+            raise UnsupportedModelError(
+                f"{spec.model_type}: tensor parallelism is not supported with q/k RMSNorm over the whole "
+                "projection (its mean of squares spans every rank's heads); use tensor_parallel_size 1")
         self.spec = spec
         self.shard = shard
         self.model = LlamaBackbone(spec, shard)
@@ -147,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> Tensor:
         """`input_ids [T]`, `positions [T]` → normed hidden states `[T, hidden]`."""
         hidden = self.model.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            hidden = hidden * self.spec.embedding_multiplier
         rope = (positions, self.model.rotary_emb.table(positions))  # shared by every layer
         fused = self.fused_decoder()
         exact_rows = meta.num_prefill_tokens if self.exact_prompt_rows else 0  # prompt rows on fp32 activations
@@ -167,8 +225,10 @@ class LlamaForCausalLM(nn.Module):
     def fused_decoder(self) -> FusedDecoder | None:
         """The layers' one-call form (`engine.model.fused_decoder`), made on first use; None where
         it does not apply or `use_fused_decoder` is off."""
-        if not self.fused_checked:
-            self.fused, self.fused_checked = FusedDecoder.for_layers(list(self.model.layers), self.shard.size), True
+        if not self.fused_checked:  # the C++ decoder implements Llama's layer and no option beyond it
+            self.fused = (FusedDecoder.for_layers(list(self.model.layers), self.shard.size)
+                          if self.spec.llama_layout else None)
+            self.fused_checked = True
         return self.fused if self.use_fused_decoder else None
 
     @torch.inference_mode()
@@ -177,7 +237,8 @@ class LlamaForCausalLM(nn.Module):
         bf16 for many rows where the model's linears do: `bf16_linears`)."""
         bf16 = BF16_LINEARS.set(self.bf16_linears and hidden.shape[0] >= ops.quant.BF16_MIN_ROWS)
         try:
-            return self.lm_head(hidden).float()
+            logits = self.lm_head(hidden).float()
+            return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling
         finally:
             BF16_LINEARS.reset(bf16)
 
@@ -205,6 +266,8 @@ class LlamaForCausalLM(nn.Module):
         """The lm_head's bf16 screen (a quantized lm_head's int8-activation one), made on first use
         (after the checkpoint is loaded), or None where it does not apply (`LogitScreen.usable`,
         `QuantLogitScreen.for_lm_head`) or `use_logit_screen` is off."""
+        if self.spec.logits_scaling != 1.0:  # a screen's argmax is of the unscaled logits, whose
+            return None  # rounding after the division can tie where theirs does not
         if self.use_logit_screen and isinstance(self.lm_head, QuantLinear):
             if not (isinstance(self.screen, QuantLogitScreen) and self.screen.serves(self.lm_head)):
                 self.screen = QuantLogitScreen.for_lm_head(self.lm_head)

@@ -147,6 +147,7 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
 
 
 QUANTIZATIONS = ("auto", "dequantize")
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # the families convert.py and gguf_weights.py map
 
 
 def _load_quantized(model: LlamaForCausalLM, path: Path) -> None:
@@ -181,6 +182,10 @@ def load_model(
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
     spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
+    if p.is_file() and spec.model_type not in GGUF_MODEL_TYPES:
+        raise ModelLoadError(f"{str(p)!r}: GGUF files of model type {spec.model_type!r} are not supported (their "
+                             f"metadata and tensor names are mapped for {', '.join(GGUF_MODEL_TYPES)}); "
+                             "pass the Hugging Face safetensors directory instead")
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         # the engine bounds its context to the window (EngineConfig.resolve_max_model_len)
         log.info("sliding window attention is not implemented; attention is exact only within the window",

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3")
+QK_NORMS = ("head", "projection")
 
 
 class UnsupportedModelError(ValueError):
@@ -47,7 +48,8 @@ def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """Shapes and options of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+    """Shapes and options of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM; Qwen3, Granite,
+    OLMo 2 and SmolLM3 through the fields after `sliding_window`, whose defaults are Llama's)."""
 
     model_type: str
     vocab_size: int
@@ -65,6 +67,15 @@ class ModelSpec:
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # RMSNorm of q and k before rotary: "head" over each head's head_dim (Qwen3), "projection" over
+    # the whole q / k projection before the head split (OLMo 2); None: none (Llama)
+    qk_norm: str | None = None
+    post_norms: bool = False  # OLMo 2: RMSNorm of the attention and MLP outputs, no pre-norms
+    embedding_multiplier: float = 1.0  # Granite: embeddings scaled by it
+    attention_multiplier: float | None = None  # Granite: the softmax scale; None: head_dim ** -0.5
+    residual_multiplier: float = 1.0  # Granite: each block's output scaled by it before the residual add
+    logits_scaling: float = 1.0  # Granite: logits divided by it
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: per layer, whether rotary applies; None: every layer
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -72,6 +83,24 @@ class ModelSpec:
                 f"num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
+        if self.qk_norm not in (None, *QK_NORMS):
+            raise UnsupportedModelError(f"unknown qk_norm {self.qk_norm!r}; known: {', '.join(QK_NORMS)}")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
+            raise UnsupportedModelError(f"{len(self.rope_layers)} per-layer rope flags for {self.num_layers} layers")
+        if self.logits_scaling <= 0:
+            raise UnsupportedModelError(f"logits_scaling must be > 0, got {self.logits_scaling}")
+
+    @property
+    def llama_layout(self) -> bool:
+        """No option beyond Llama/Mistral/Qwen2's: the layout the fused CPU decoder and the GGUF
+        loader implement."""
+        return (self.qk_norm is None and not self.post_norms and self.embedding_multiplier == 1.0
+                and self.attention_multiplier is None and self.residual_multiplier == 1.0
+                and self.logits_scaling == 1.0 and (self.rope_layers is None or all(self.rope_layers)))
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether rotary embedding applies in decoder layer `layer` (False: a NoPE layer)."""
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelSpec:
@@ -104,7 +133,26 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(config),
+            **_family_options(config),
         )
+
+
+def _family_options(config: Any) -> dict[str, Any]:
+    """The ModelSpec fields past Llama's that `config.model_type` sets, read as transformers'
+    modeling code of that family uses them."""
+    model_type = config.model_type
+    if model_type == "qwen3":
+        return {"qk_norm": "head"}
+    if model_type == "olmo2":
+        return {"qk_norm": "projection", "post_norms": True}
+    if model_type == "granite":
+        return {"embedding_multiplier": float(config.embedding_multiplier),
+                "attention_multiplier": float(config.attention_multiplier),
+                "residual_multiplier": float(config.residual_multiplier),
+                "logits_scaling": float(config.logits_scaling)}
+    if model_type == "smollm3":  # no_rope_layers[i]: 1 = layer i applies rotary, 0 = a NoPE layer
+        return {"rope_layers": tuple(bool(flag) for flag in config.no_rope_layers)}
+    return {}
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:

@@ -4,12 +4,14 @@ is not given, a longer max_model_len refused at start-up), and there it equals H
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+import ops
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -23,18 +25,25 @@ TINY: dict[str, Any] = {
     "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
     "rms_norm_eps": 1e-5, "initializer_range": 0.2, "tie_word_embeddings": False,
-    "bos_token_id": 256, "eos_token_id": 259,
+    "bos_token_id": 256, "eos_token_id": 259, "pad_token_id": 257,
 }
 
 
 def make_family_dir(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
     """A seeded random fp32 HF checkpoint of `model_type` (tiny sizes, `overrides` on top) with the
-    byte-level tokenizer of tests.fixtures.models."""
+    byte-level tokenizer of tests.fixtures.models. Norm weights (HF: ones) and biases (zeros) are
+    drawn at random too, so a norm or bias read into the wrong place shows in the logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     model.save_pretrained(str(path))
     _byte_tokenizer().save_pretrained(str(path))
     return path
@@ -42,6 +51,15 @@ def make_family_dir(path: Path, model_type: str, seed: int = 0, **overrides: Any
 
 def prompt_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(autouse=True)
+def _restore_fixed_order() -> Iterator[None]:
+    """An engine sets the process-wide deterministic mode (`ops.set_fixed_order`); later modules'
+    tests expect the default back."""
+    before = ops.fixed_order()
+    yield
+    ops.set_fixed_order(before)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,134 @@
+"""Qwen3, Granite, OLMo 2 and SmolLM3 on the shared Llama layers: small random fp32 models of each
+family give HF's teacher-forced logits through the paged cache (chunked prefill, then decode) and
+the engine's greedy tokens equal HF generate's (chunked prefill, a prefix hit); paths that do not
+implement a family's options (GGUF, the fused CPU decoder, tensor parallelism for OLMo 2) refuse."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ops
+from common.sampling_params import SamplingParams
+from engine.llm import LLM
+from engine.model import LlamaForCausalLM, ModelLoadError, ModelSpec, UnsupportedModelError, load_model
+from engine.model.sharding import TPShard
+from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
+from tests.engine.model.test_sliding_window import make_family_dir, prompt_ids
+from tests.fixtures.models import PagedHarness, Seq
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    # head_dim 24 while hidden / heads is 16: the projections are wider than the hidden size
+    "qwen3": ("qwen3", {"head_dim": 24}),
+    "qwen3-bias": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+    "granite": ("granite", {"embedding_multiplier": 4.0, "attention_multiplier": 0.11,
+                            "residual_multiplier": 0.35, "logits_scaling": 2.5}),
+    "olmo2": ("olmo2", {}),
+    # transformers' default no_rope_layers for 4 layers: [1, 1, 1, 0] (every 4th layer without rotary)
+    "smollm3": ("smollm3", {"num_hidden_layers": 4}),
+    "smollm3-nope-first": ("smollm3", {"num_hidden_layers": 3, "no_rope_layers": [0, 1, 0]}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _restore_fixed_order() -> Iterator[None]:
+    """An engine sets the process-wide deterministic mode (`ops.set_fixed_order`); later modules'
+    tests expect the default back."""
+    before = ops.fixed_order()
+    yield
+    ops.set_fixed_order(before)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model_type, overrides = FAMILIES[request.param]
+    return make_family_dir(tmp_path_factory.mktemp(request.param), model_type, seed=11, **overrides)
+
+
+def _hf_logits(directory: Path, tokens: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+def test_spec_reads_each_family() -> None:
+    from transformers import AutoConfig
+
+    def spec(model_type: str, **kw: Any) -> ModelSpec:
+        return ModelSpec.from_hf_config(AutoConfig.for_model(model_type, num_hidden_layers=4, **kw))
+
+    qwen3 = spec("qwen3", head_dim=24)
+    assert (qwen3.qk_norm, qwen3.head_dim, qwen3.qkv_bias) == ("head", 24, False)
+    olmo2 = spec("olmo2")
+    assert (olmo2.qk_norm, olmo2.post_norms) == ("projection", True)
+    granite = spec("granite", embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+                   logits_scaling=8.0)
+    assert (granite.embedding_multiplier, granite.attention_multiplier, granite.residual_multiplier,
+            granite.logits_scaling) == (12.0, 0.0078125, 0.22, 8.0)
+    assert spec("smollm3").rope_layers == (True, True, True, False)
+    assert all(not s.llama_layout for s in (qwen3, olmo2, granite, spec("smollm3")))
+    assert spec("llama").llama_layout and spec("smollm3", no_rope_layers=[1, 1, 1, 1]).llama_layout
+    # Qwen3's window routes through EngineConfig.resolve_max_model_len like Mistral's
+    assert spec("qwen3", sliding_window=24).sliding_window is None  # use_sliding_window off
+    assert spec("qwen3", sliding_window=24, use_sliding_window=True, max_window_layers=0).sliding_window == 24
+
+
+def test_teacher_forced_logits_match_hf(family_dir: Path) -> None:
+    tokens = prompt_ids(24, 5)
+    reference = _hf_logits(family_dir, tokens)
+    model = load_model(family_dir)
+    harness, seq = PagedHarness(model, seed=2), Seq(tokens)
+    logits = [harness.step([(seq, 10)], []), harness.step([(seq, 6)], [])]
+    logits += [harness.step([], [seq]) for _ in range(8)]
+    torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
+    assert model.fused_decoder() is None  # the C++ decoder implements none of these options
+
+
+def test_engine_greedy_matches_hf(family_dir: Path) -> None:
+    prompts = [prompt_ids(n, seed) for seed, n in enumerate((7, 19, 12))]
+    new = 12
+    expected = hf_greedy(family_dir, prompts, new)
+    params = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new)
+    llm = LLM(str(family_dir), dtype="float32", kv_cache_memory=16 << 20, block_size=8, max_num_batched_tokens=16)
+    assert generated(llm.generate(prompts, params)) == expected
+    assert generated(llm.generate(prompts, params)) == expected
+    assert llm.stats()["prefix_hits"] > 0
+    assert_no_leaks(llm)
+
+
+def test_qwen3_sliding_window_is_served_within_it(tmp_path: Path) -> None:
+    directory = make_family_dir(tmp_path, "qwen3", seed=4, sliding_window=24, use_sliding_window=True,
+                                max_window_layers=0)
+    prompts = [prompt_ids(n, seed) for seed, n in enumerate((6, 15))]
+    expected = [hf_greedy(directory, [p], 24 - len(p))[0] for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=24 - len(p), min_tokens=24 - len(p)) for p in prompts]
+    llm = LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20)
+    assert llm.engine.max_model_len == 24
+    assert generated(llm.generate(prompts, params)) == expected
+    with pytest.raises(ValueError, match="sliding window of 24 tokens"):
+        LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, max_model_len=48)
+
+
+def test_gguf_of_a_new_family_is_refused(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    spec = ModelSpec.from_hf_config(AutoConfig.for_model("qwen3", num_hidden_layers=2))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="GGUF files of model type 'qwen3' are not supported"):
+        load_model(gguf, spec=spec)
+
+
+def test_tensor_parallel_olmo2_is_refused() -> None:
+    from transformers import AutoConfig
+
+    spec = ModelSpec.from_hf_config(AutoConfig.for_model("olmo2", num_hidden_layers=2, hidden_size=64,
+                                                         num_attention_heads=4, intermediate_size=128))
+    with torch.device("meta"), pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported"):
+        LlamaForCausalLM(spec, TPShard(rank=0, size=2))
