@@ -1,12 +1,19 @@
-"""Fill a paged Llama model from a GGUF file with its quantized weights kept packed.
+"""Fill a paged Llama model from a GGUF file with its quantized weights kept packed where a kernel reads them.
 
-Tensors are read with `gguf.GGUFReader` (memory-mapped; nothing is dequantized wholesale):
+Tensors are read with `gguf.GGUFReader` (memory-mapped); what each format becomes is the format
+table's (`ops.reference.formats`: `runs`), and a format not in it is refused by name:
 
-- quantized linear weights (Q8_0, Q4_0, Q4_1) become `QuantLinear` modules; q/k/v and gate/up are
+- weights in a packed format (Q8_0, Q4_0, Q4_1) become `QuantLinear` modules; q/k/v and gate/up are
   stacked as packed row shards (one buffer when their formats agree); Q4_0 / Q4_1 decoder weights
   are repacked eight rows at a time (`ops.quant.interleave`: the same bytes in the order the CPU
   kernel reads fastest);
-- F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32;
+- F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32, and tensors in a
+  format without a kernel (Q5_0, Q5_1, the K-quants, IQ4_NL/IQ4_XS) are dequantized to fp32 at load
+  with the table's reference dequantization (the `gguf` package's bits);
+- a linear layer whose shards are not all packed (e.g. Q4_K q beside Q8_0 v) stays the model's fp32
+  `Linear` with every shard dequantized, so one module runs one path (the deterministic mode's
+  `fixed_gemm`, the bf16 logit screen of an fp32 lm_head, the fused decoder's refusal of such layers);
+  a dequantized token embedding is a plain `nn.Embedding`;
 - the token embedding stays packed (`QuantEmbedding`), and a tied lm_head runs the quantized
   kernel on the same packed bytes (fewer bytes per decode step than the fp32 lm_head or its bf16
   logit screen), with fp32 activations (the greedy argmax of the stored weights); greedy rows
@@ -14,7 +21,8 @@ Tensors are read with `gguf.GGUFReader` (memory-mapped; nothing is dequantized w
 - llama.cpp's converter permutes the rows of Q and K within each head (RoPE's interleaved pairs);
   whole rows are moved back here, which is possible in packed form because blocks run along K.
 
-Any other tensor type raises `ModelLoadError` naming the tensor and its type.
+Any other tensor type raises `ModelLoadError` naming the tensor and its type. One log line lists
+the formats found and the path each took ("Q4_K: 16 tensors, dequantized at load to float32").
 
 Under tensor parallelism (`model.shard`) each rank keeps its slices only (`_rank_slices`): packed
 rows are whole 32-weight blocks along the input dimension, so column-parallel cuts (q/k/v,
@@ -25,6 +33,7 @@ boundary; a rank share that is not a multiple of 32 input features is refused.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +42,18 @@ import numpy as np
 import torch
 from torch import nn
 
+import ops
+from common.log import get_logger
 from engine.model.layers import VocabParallelLookup
 from engine.model.llama import LlamaForCausalLM
 from engine.model.quant_linear import QuantEmbedding, QuantLinear
 from ops.quant import FORMATS, QuantFormat, interleave
+from ops.reference import formats
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
+log = get_logger("gguf")
+PACKED_PATH = "packed (quantized kernels)"
+DEQUANTIZED_PATH = "dequantized at load to float32"
+FLOAT_PATH = "float32"
 # GGUF per-layer tensor -> (module path under model.layers.N, shard index)
 _LAYER_LINEARS = {
     "attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1), "attn_v": ("self_attn.qkv_proj", 2),
@@ -56,30 +71,34 @@ class GGUFWeightError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Stored:
-    """One GGUF tensor as stored: its format (None for float types) and data (packed uint8 or fp32)."""
+    """One GGUF tensor: its packed format (None once it is fp32), data (packed uint8 or fp32) and
+    the format the file stores it in (a table name: "Q4_K", "F16", ...)."""
 
     fmt: QuantFormat | None
     data: torch.Tensor
+    source: str = "F32"
 
 
 def read_tensor(tensor: Any) -> Stored:
-    """A reader tensor as `Stored`, copied out of the memory map; GGUFWeightError for other types."""
+    """A reader tensor as `Stored`, copied out of the memory map: packed formats kept in their blocks,
+    the others in fp32 (dequantized by the format table); GGUFWeightError for a format not in it."""
     kind = tensor.tensor_type.name
-    array = np.array(tensor.data)
-    if kind in FORMATS:
-        return Stored(FORMATS[kind], torch.from_numpy(array).reshape(array.shape[0], -1) if array.ndim > 1
-                      else torch.from_numpy(array).reshape(1, -1))
-    if kind in FLOAT_TYPES:
-        shape = [int(s) for s in reversed(tensor.shape.tolist())]
-        if kind == "BF16":
-            raw = torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
-        else:
-            raw = torch.from_numpy(array)
-        return Stored(None, raw.float().reshape(shape))
-    raise GGUFWeightError(
-        f"tensor {tensor.name!r} is {kind}, which the quantized path does not support (supported: "
-        f"{', '.join(sorted(FORMATS))}, {', '.join(FLOAT_TYPES)}); load with quantization='dequantize'"
-    )
+    try:
+        fmt = formats.by_name(kind)
+    except formats.UnsupportedFormatError:
+        raise GGUFWeightError(
+            f"tensor {tensor.name!r} is {kind}, which pagedserve does not read (supported: "
+            f"{', '.join(formats.BY_NAME)}); load with quantization='dequantize'") from None
+    array = np.ascontiguousarray(tensor.data)
+    if fmt.runs == formats.PACKED:
+        if kind not in FORMATS:
+            raise GGUFWeightError(f"tensor {tensor.name!r}: {kind} is packed in the format table but ops.quant has "
+                                  f"no kernel format for it ({sorted(FORMATS)})")
+        rows = array.shape[0] if array.ndim > 1 else 1
+        return Stored(FORMATS[kind], torch.from_numpy(array).reshape(rows, -1), kind)
+    shape = [int(s) for s in reversed(tensor.shape.tolist())]
+    raw = torch.from_numpy(array.view(np.uint8).reshape(-1, fmt.row_bytes(shape[-1])))
+    return Stored(None, fmt.dequantize(raw).reshape(shape), kind)
 
 
 def unpermute_rope_rows(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -123,6 +142,17 @@ class _Collector:
         self.linears: dict[str, dict[int, Stored]] = {}
         self.biases: dict[str, dict[int, Stored]] = {}
         self.params: dict[str, Stored] = {}
+        self.paths: Counter[tuple[str, str]] = Counter()  # (file format, path taken) -> tensors
+        self.tied_lm_head = False  # the lm_head is the token embedding (counted there)
+
+    def count(self, stored: Stored, packed: bool) -> None:
+        """Tally one tensor under its file format and the path it takes."""
+        float_source = formats.by_name(stored.source).runs == formats.FLOAT
+        self.paths[stored.source, PACKED_PATH if packed else FLOAT_PATH if float_source else DEQUANTIZED_PATH] += 1
+
+    def summary(self) -> str:
+        """One line: "Q4_K: 16 tensors, dequantized at load to float32; Q8_0: 15 tensors, packed ..."."""
+        return "; ".join(f"{source}: {n} tensors, {path}" for (source, path), n in sorted(self.paths.items()))
 
     def add(self, name: str, stored: Stored) -> None:
         if name == "token_embd.weight":
@@ -148,7 +178,7 @@ class _Collector:
             heads = self.spec.num_heads if kind == "attn_q" else self.spec.num_kv_heads
             data = stored.data if what == "weight" else stored.data.reshape(-1, 1)
             data = unpermute_rope_rows(data, heads)
-            stored = Stored(stored.fmt, data if what == "weight" else data.reshape(-1))
+            stored = Stored(stored.fmt, data if what == "weight" else data.reshape(-1), stored.source)
         target = self.linears if what == "weight" else self.biases
         target.setdefault(prefix + module, {})[shard] = stored
 
@@ -168,6 +198,7 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
         _rank_slices(model, collector)
     _fill_params(model, collector)
     _build_linears(model, collector, int8_activations)
+    log.info("GGUF tensor formats", file=str(path), formats=collector.summary())
     return model
 
 
@@ -201,7 +232,7 @@ def cut_stored(model: LlamaForCausalLM, name: str, stored: Stored) -> Stored | N
                                   f"{model.shard.size} cannot split this {fmt.name} matrix (pass "
                                   "quantization='dequantize')")
         start, length = start // 32 * fmt.block_bytes, length // 32 * fmt.block_bytes
-    return Stored(fmt, data.narrow(dim, start, length).contiguous())
+    return Stored(fmt, data.narrow(dim, start, length).contiguous(), stored.source)
 
 
 def _rank_slices(model: LlamaForCausalLM, collector: _Collector) -> None:
@@ -220,6 +251,7 @@ def _rank_slices(model: LlamaForCausalLM, collector: _Collector) -> None:
     if embed is not None:
         if model.spec.tie_word_embeddings and model.shard.owns_lm_head and "lm_head" not in collector.linears:
             collector.linears["lm_head"] = {0: embed}  # rank 0's full tied lm_head, before the cut
+            collector.tied_lm_head = True
         part = cut_stored(model, "model.embed_tokens.weight", embed)
         assert part is not None  # every rank holds embedding rows
         collector.params["model.embed_tokens.weight"] = part
@@ -234,6 +266,8 @@ def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:
         if not spec.tie_word_embeddings:
             raise GGUFWeightError("GGUF file has no output.weight and the config does not tie embeddings")
         collector.linears["lm_head"] = {0: embed}
+        collector.tied_lm_head = True
+    collector.count(embed, packed=embed.fmt is not None)
     lookup: nn.Module = (nn.Embedding.from_pretrained(embed.data, freeze=True) if embed.fmt is None
                          else QuantEmbedding(embed.fmt, embed.data, spec.hidden_size))
     if model.shard.size > 1:  # this rank's vocabulary rows: ids outside look up zeros, summed over the ranks
@@ -247,6 +281,7 @@ def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:
                                   f"expects {None if dest is None else tuple(dest.shape)}")
         with torch.no_grad():
             dest.copy_(stored.data)
+        collector.count(stored, packed=False)
     expected = {f"model.layers.{i}.{p}" for i in range(spec.num_layers) for p in _LAYER_NORMS.values()}
     missing = sorted((expected | {"model.norm.weight"}) - collector.params.keys())
     if missing:
@@ -271,6 +306,16 @@ def _build_linears(model: LlamaForCausalLM, collector: _Collector, int8_activati
             if sorted(parts) != list(range(count)):
                 raise GGUFWeightError(f"GGUF file lacks the bias of {path!r}")
             bias = torch.cat([parts[i].data.reshape(-1) for i in range(count)])
+            for part in parts.values():
+                collector.count(part, packed=False)
+        packed_module = all(s.fmt is not None for s in stored)
+        if path != "lm_head" or not collector.tied_lm_head:
+            for s in stored:
+                collector.count(s, packed=packed_module)
+        if not packed_module:  # one path per module: every shard in fp32, the model's own Linear
+            _fill_linear(module, [s.data if s.fmt is None else ops.quant.dequantize(s.data, s.fmt, module.in_features)
+                                  for s in stored], bias)
+            continue
         # The lm_head keeps fp32 activations: its argmax is the greedy token, and int8 activations
         # flip near-ties (SmolLM2, "capital of France": logits 25.33 vs 25.24, int8 error up to 0.26).
         int8 = int8_activations and path != "lm_head"
@@ -281,3 +326,17 @@ def _build_linears(model: LlamaForCausalLM, collector: _Collector, int8_activati
     leftover = sorted([*collector.linears, *collector.biases])
     if leftover:
         raise GGUFWeightError(f"GGUF tensors with no place in the model: {leftover[:3]}")
+
+
+def _fill_linear(module: nn.Linear, shards: list[torch.Tensor], bias: torch.Tensor | None) -> None:
+    """`module`'s weight set to the fp32 row shards stacked (the tensor itself when there is one: a
+    tied lm_head shares the embedding's), its bias to `bias`."""
+    weight = torch.cat(shards) if len(shards) > 1 else shards[0]
+    if weight.shape != module.weight.shape:
+        raise GGUFWeightError(f"GGUF weights have shape {tuple(weight.shape)}; the layer expects "
+                              f"{tuple(module.weight.shape)}")
+    module.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        assert module.bias is not None
+        with torch.no_grad():
+            module.bias.copy_(bias)

@@ -1,0 +1,231 @@
+"""GGUF files in the formats without kernels (Q5_0, Q5_1, K-quants, IQ4) and in mixes of them with
+packed ones, written here from a tiny random Llama (hidden 256: K-quant rows are 256-weight
+blocks) with gguf's quantizers and ours (ops/reference/quantizers.py): the loaded weights are
+exactly transformers' dequantized load of the same file (gguf.quants.dequantize), modules mixing
+formats run in fp32, the log names each format's path, and greedy decoding equals transformers'."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import ops
+from engine.model import load_model
+from engine.model.quant_linear import QuantEmbedding, QuantLinear
+from engine.model.quant_screen import QuantLogitScreen
+from ops.reference import formats, quantizers
+from tests.fixtures.models import make_tiny_model_dir
+
+gguf = pytest.importorskip("gguf")
+T = gguf.GGMLQuantizationType
+HEADS, KV_HEADS, LAYERS = 4, 2, 2
+_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+       "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+       "ffn_down": "mlp.down_proj"}
+DEQUANTIZED = [f.name for f in formats.TABLE if f.runs == formats.DEQUANTIZED]
+# A Q4_K_M-like mix: layer 0 mixes formats inside q/k/v (so that module runs in fp32), keeps gate/up
+# packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); a Q6_K embedding, a Q8_0 lm_head.
+MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_K", "ffn_gate": "Q8_0",
+       "ffn_up": "Q8_0", "ffn_down": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-256"), hidden_size=256, intermediate_size=512,
+                               num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS)
+
+
+def _encode(weight: torch.Tensor, name: str) -> tuple[np.ndarray, object]:
+    if name == "F32":
+        return weight.numpy(), T.F32
+    if name in quantizers.QUANTIZERS:
+        return quantizers.quantize(weight, name).numpy(), T[name]
+    return gguf.quants.quantize(weight.numpy(), T[name]), T[name]  # gguf quantizes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0
+
+
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's HF -> GGUF row order for Q and K."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir: Path, name: str, fmt_of: Callable[[str, int], str]) -> Path:
+    """`model_dir`'s checkpoint as `name`.gguf beside it (the tokenizer next to it), each tensor in
+    `fmt_of(gguf kind, layer)` (layer -1: token_embd / output); norms in F32."""
+    from safetensors.torch import load_file
+
+    hf = load_file(str(model_dir / "model.safetensors"))
+    path = model_dir / f"{name}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(512)
+    writer.add_embedding_length(256)
+    writer.add_block_count(LAYERS)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(256 // HEADS)
+    writer.add_vocab_size(320)
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(259)
+
+    def add(tensor: str, weight: torch.Tensor, fmt: str) -> None:
+        data, qtype = _encode(weight.float().contiguous(), fmt)
+        writer.add_tensor(tensor, data, raw_dtype=qtype)
+
+    add("token_embd.weight", hf["model.embed_tokens.weight"], fmt_of("token_embd", -1))
+    add("output_norm.weight", hf["model.norm.weight"], "F32")
+    add("output.weight", hf["lm_head.weight"], fmt_of("output", -1))
+    for i in range(LAYERS):
+        prefix = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", hf[prefix + "input_layernorm.weight"], "F32")
+        add(f"blk.{i}.ffn_norm.weight", hf[prefix + "post_attention_layernorm.weight"], "F32")
+        for kind, hf_name in _HF.items():
+            weight = hf[prefix + hf_name + ".weight"]
+            if kind in ("attn_q", "attn_k"):
+                weight = _llama_cpp_permute(weight, HEADS if kind == "attn_q" else KV_HEADS)
+            add(f"blk.{i}.{kind}.weight", weight, fmt_of(kind, i))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _mix(kind: str, layer: int) -> str:
+    return {"token_embd": "Q6_K", "output": "Q8_0"}[kind] if layer < 0 else MIX[kind] if layer == 0 else "Q4_1"
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    if isinstance(module, QuantLinear):
+        return module.dequantized_weight()
+    if isinstance(module, QuantEmbedding):
+        return ops.dequantize(module.qweight, module.fmt, module.embedding_dim)
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.detach()
+
+
+def _transformers_model(model_dir: Path, file: Path) -> nn.Module:
+    """transformers' load of the GGUF: every tensor dequantized by gguf.quants, Q/K rows un-permuted."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), gguf_file=file.name, dtype=torch.float32).eval()
+
+
+def _assert_weights_equal(ours: nn.Module, hf: nn.Module) -> None:
+    state = hf.state_dict()
+    assert torch.equal(_weight(ours.model.embed_tokens), state["model.embed_tokens.weight"])
+    assert torch.equal(_weight(ours.lm_head), state["lm_head.weight"])
+    assert torch.equal(ours.model.norm.weight, state["model.norm.weight"])
+    for i, layer in enumerate(ours.model.layers):
+        prefix = f"model.layers.{i}."
+        stacked = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
+        for path, parts in stacked.items():
+            group = path.split(".")[0]
+            expected = torch.cat([state[f"{prefix}{group}.{p}_proj.weight"] for p in parts])
+            assert torch.equal(_weight(layer.get_submodule(path)), expected), (i, path)
+        for path in ("self_attn.o_proj", "mlp.down_proj"):
+            assert torch.equal(_weight(layer.get_submodule(path)), state[f"{prefix}{path}.weight"]), (i, path)
+        assert torch.equal(layer.input_layernorm.weight, state[prefix + "input_layernorm.weight"])
+
+
+@pytest.mark.parametrize("fmt", DEQUANTIZED)
+def test_each_format_loads_the_reference_dequantization(model_dir: Path, fmt: str) -> None:
+    """Every tensor (embedding and lm_head included) in one format without a kernel: fp32 modules
+    holding exactly gguf's dequantization; the quantized paths (fused decoder, int8 screen) stand aside."""
+    file = write_gguf(model_dir, f"all-{fmt}", lambda kind, layer: fmt)
+    ours = load_model(file)
+    _assert_weights_equal(ours, _transformers_model(model_dir, file))
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in ours.modules())
+    assert isinstance(ours.model.embed_tokens, nn.Embedding)
+    assert ours.fused_decoder() is None and not isinstance(ours.logit_screen(), QuantLogitScreen)
+
+
+def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path) -> None:
+    from structlog.testing import capture_logs
+
+    file = write_gguf(model_dir, "mix", _mix)
+    with capture_logs() as logs:
+        ours = load_model(file)
+    _assert_weights_equal(ours, _transformers_model(model_dir, file))
+    layer0, layer1 = ours.model.layers
+    for module in (layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.down_proj):
+        assert type(module).__name__ == "Linear"  # mixed or unpacked: the model's fp32 layer
+    assert isinstance(layer0.mlp.gate_up_proj, QuantLinear) and layer0.mlp.gate_up_proj.formats == [ops.quant.Q8_0]
+    assert all(isinstance(m, QuantLinear) for m in (layer1.self_attn.qkv_proj, layer1.mlp.down_proj))
+    assert layer1.self_attn.qkv_proj.formats == [ops.quant.Q4_1R8]
+    assert isinstance(ours.model.embed_tokens, nn.Embedding)  # Q6_K: dequantized
+    assert isinstance(ours.logit_screen(), QuantLogitScreen)  # the Q8_0 lm_head keeps its int8 screen
+    assert ours.fused_decoder() is None  # layer 0 is not all packed
+    [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
+    assert line["formats"] == ("F32: 5 tensors, float32; Q4_1: 7 tensors, packed (quantized kernels); "
+                               "Q4_K: 1 tensors, dequantized at load to float32; "
+                               "Q5_0: 1 tensors, dequantized at load to float32; "
+                               "Q5_K: 1 tensors, dequantized at load to float32; "
+                               "Q6_K: 2 tensors, dequantized at load to float32; "
+                               "Q8_0: 1 tensors, dequantized at load to float32; "
+                               "Q8_0: 3 tensors, packed (quantized kernels)")
+
+
+def test_unsupported_format_is_refused_by_name(model_dir: Path) -> None:
+    from engine.model.loader import ModelLoadError
+
+    bad = write_gguf(model_dir, "bad", lambda kind, layer: "MXFP4" if (kind, layer) == ("ffn_up", 1) else "Q8_0")
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_up\.weight' is MXFP4, which pagedserve does not read"):
+        load_model(bad)
+
+
+def _hf_greedy(model: nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from common.sampling_params import SamplingParams
+    from engine.llm import LLM
+
+    engine = LLM(str(file), kv_cache_memory=1 << 24, dtype="float32").engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    engine.close()
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0"])
+def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, fmt: str) -> None:
+    """All weights dequantized at load (fp32 everywhere): the engine's greedy tokens (a batch of
+    three) are transformers' on the same file."""
+    file = write_gguf(model_dir, f"greedy-{fmt}", lambda kind, layer: fmt)
+    hf = _transformers_model(model_dir, file)
+    assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+def test_mix_greedy_equals_transformers_with_fp32_activations(model_dir: Path) -> None:
+    """The mix with its packed layers on fp32 activations (int8 activations round a decode row's
+    inputs: not transformers' arithmetic): the paged model's greedy tokens are transformers'."""
+    from benchmarks.quality.quant_quality import greedy, set_int8_activations
+
+    file = write_gguf(model_dir, "mix-greedy", _mix)
+    ours = load_model(file)
+    set_int8_activations(ours, False)
+    hf = _transformers_model(model_dir, file)
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            assert greedy(ours, prompt, 10) == _hf_greedy(hf, prompt, 10)
