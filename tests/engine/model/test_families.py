@@ -132,3 +132,17 @@ def test_tensor_parallel_olmo2_is_refused() -> None:
                                                          num_attention_heads=4, intermediate_size=128))
     with torch.device("meta"), pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported"):
         LlamaForCausalLM(spec, TPShard(rank=0, size=2))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "granite", "smollm3-nope-first"])
+def test_tensor_parallel_greedy_matches_hf(family: str, tmp_path: Path) -> None:
+    """Two ranks (gloo, spawned): q/k norms over head_dim, multipliers and rope flags replicate,
+    the projections split as Llama's."""
+    model_type, overrides = FAMILIES[family]
+    directory = make_family_dir(tmp_path, model_type, seed=13, **overrides)
+    prompts = [prompt_ids(n, 40 + n) for n in (9, 21)]
+    expected = hf_greedy(directory, prompts, 10)
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)
+    with LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2,
+             tensor_parallel_threads=1) as llm:
+        assert generated(llm.generate(prompts, params)) == expected
