@@ -6,7 +6,7 @@ build, dispatch, checks and the torch reference.
 ``"auto"`` (the default) uses the compiled kernels: C++ for CPU tensors, CUDA for CUDA tensors.
 """
 
-from ops import backend, reference
+from ops import backend, isa, reference
 from ops.attention import paged_attention, paged_prefill_attention
 from ops.backend import fixed_order, get_backend, set_backend, set_fixed_order
 from ops.build import KernelBuildError
@@ -17,6 +17,8 @@ from ops.linear import SMALL_GEMM_MAX_ROWS, can_pack, linear, pack_fixed, pack_w
 from ops.quant import QuantFormat, dequantize, quant_format, quant_linear
 from ops.sampling import sample_filtered, sample_from_logits
 from ops.screen import native_bf16, pack_screen_weight, screen_logits, screened_argmax, weight_norms
+
+isa.apply_onednn_cap()  # before oneDNN's first use: PAGEDSERVE_CPU_ISA caps torch's kernels too
 
 __all__ = [
     "SMALL_GEMM_MAX_ROWS",
@@ -30,6 +32,7 @@ __all__ = [
     "fixed_order",
     "fused_add_rms_norm",
     "get_backend",
+    "isa",
     "linear",
     "native_bf16",
     "pack_fixed",

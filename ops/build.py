@@ -17,6 +17,8 @@ from typing import Any
 import structlog
 import torch
 
+from ops import isa
+
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 # Sources, then headers: everything whose change must trigger a rebuild.
 CPU_SOURCES = (
@@ -55,6 +57,7 @@ def cpu_cflags() -> list[str]:
     flags = ["-O3", "-fopenmp"]  # the C++ standard is torch's choice (C++20 for torch 2.13)
     if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDSERVE_NATIVE", "1") != "0":
         flags.append("-march=native")
+        flags += isa.compiler_flags()  # PAGEDSERVE_CPU_ISA: the extensions above the cap switched off
     return flags
 
 
@@ -111,7 +114,8 @@ def _load(kind: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), **
     _clear_stale_lock(build_dir)
     fresh = not (build_dir / f"{name}.so").exists()
     if fresh:
-        log.info("building kernels (first use: ~10 s CPU, minutes CUDA)", kind=kind, dir=str(build_dir))
+        log.info("building kernels (first use: ~10 s CPU, minutes CUDA)", kind=kind, dir=str(build_dir),
+                 isa=isa.level() if kind == "cpu" else None)
     started = time.perf_counter()
     from torch.utils.cpp_extension import load
 
@@ -148,9 +152,15 @@ def prepare(device: torch.device) -> None:
 
 
 @functools.cache
+def cpu_library() -> str:
+    """Path of the compiled CPU ops library for this machine and ISA cap, built on first call."""
+    return _load("cpu", CPU_SOURCES, CPU_HEADERS, extra_cflags=cpu_cflags(), extra_ldflags=["-fopenmp"])
+
+
+@functools.cache
 def cpu_ops() -> Any:
     """The compiled CPU ops (``torch.ops.pagedserve_cpu``), built on first call."""
-    _load("cpu", CPU_SOURCES, CPU_HEADERS, extra_cflags=cpu_cflags(), extra_ldflags=["-fopenmp"])
+    cpu_library()
     return torch.ops.pagedserve_cpu
 
 

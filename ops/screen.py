@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import math
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from ops import reference
+from ops import isa, reference
 from ops.backend import use_reference
 from ops.build import cpu_ops
 from ops.linear import PACK_BATCH_HINT, can_pack
@@ -54,14 +53,11 @@ def weight_norms(weight: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(norms.float(), torch.tensor(math.inf, device=weight.device))
 
 
-def cpu_flags(cpuinfo: str) -> set[str]:
-    """The flags of the first CPU in /proc/cpuinfo text (empty without a flags line)."""
-    return set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
 
 
 def cpuinfo_native_bf16(cpuinfo: str) -> bool:
     """Whether /proc/cpuinfo text lists a bf16 dot-product flag (NATIVE_BF16_FLAGS) on its first CPU."""
-    return bool(cpu_flags(cpuinfo) & set(NATIVE_BF16_FLAGS))
+    return bool(isa.parse_flags(cpuinfo) & set(NATIVE_BF16_FLAGS))
 
 
 AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi")  # what csrc/cpu/quant_amx.cpp compiles for
@@ -69,28 +65,20 @@ AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi")  # what c
 
 def cpuinfo_amx_bf16(cpuinfo: str) -> bool:
     """Whether /proc/cpuinfo text lists every flag the AMX-BF16 quantized kernel needs on its first CPU."""
-    return set(AMX_BF16_FLAGS) <= cpu_flags(cpuinfo)
-
-
-def _proc_cpuinfo() -> str:
-    """/proc/cpuinfo ("" where there is none)."""
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
+    return set(AMX_BF16_FLAGS) <= isa.parse_flags(cpuinfo)
 
 
 @cache
 def native_bf16() -> bool:
     """Whether this CPU has bf16 dot-product instructions (read from /proc/cpuinfo; False elsewhere):
     without them a bf16 GEMM is emulated and no faster than fp32."""
-    return cpuinfo_native_bf16(_proc_cpuinfo())
+    return bool(isa.flags() & set(NATIVE_BF16_FLAGS))  # under PAGEDSERVE_CPU_ISA
 
 
 @cache
 def amx_bf16_cpu() -> bool:
     """Whether this CPU has what the AMX-BF16 quantized kernel needs (read from /proc/cpuinfo)."""
-    return cpuinfo_amx_bf16(_proc_cpuinfo())
+    return set(AMX_BF16_FLAGS) <= isa.flags()  # under PAGEDSERVE_CPU_ISA
 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,

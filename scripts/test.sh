@@ -22,6 +22,11 @@ default_model() { echo "== default model (SmolLM2-135M-Instruct; fetched once in
 cpu_kernels() {
     echo "== CPU kernels (built once into the user cache, so no test waits for the compiler)"
     python -c "import torch, ops.build; ops.build.prepare(torch.device('cpu'))"
+    # and at every lower ISA level this CPU can run (tests/ops/test_isa.py runs the kernel tests there)
+    for level in $(python -c "from ops import isa; print(' '.join(isa.machine_levels()[:-1]))"); do
+        echo "   capped at $level (PAGEDSERVE_CPU_ISA)"
+        PAGEDSERVE_CPU_ISA=$level python -c "import torch, ops.build; ops.build.prepare(torch.device('cpu'))"
+    done
 }
 cuda_check() { echo "== nvcc compile check"; bash scripts/check_cuda.sh; }
 compose_check() { echo "== docker-compose.yml check"; bash scripts/check_compose.sh; }

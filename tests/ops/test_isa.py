@@ -1,0 +1,90 @@
+"""PAGEDSERVE_CPU_ISA: the cap's logic on synthetic CPUs, and on this machine every lower level it
+can run: the kernel library built without the higher extensions (no zmm register in it under
+avx2), the kernel and engine tests green there, and fixed_gemm's bits the same at every level."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ops import isa
+
+ZEN3 = {"avx2", "fma", "f16c", "vaes"}
+ZEN5 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx512_bf16", "avx_vnni"}
+XEON = ZEN5 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}
+LOWER = isa.machine_levels()[:-1]  # the machine's own level is what the rest of the suite runs
+ROOT = Path(__file__).resolve().parents[2]
+# What a capped run checks: the kernels against the reference, the linears, the screens, and the
+# engine's bit-for-bit invariance on the tiny model (about a minute a level on one core, after the
+# library's build, which scripts/test.sh does beforehand); the oracle against HF and the GGUF model's
+# invariance run at the machine's own level in the rest of the suite.
+CAPPED_TESTS = ["tests/ops/test_attention.py", "tests/ops/test_prefill_attention.py", "tests/ops/test_kv_int8.py",
+                "tests/ops/test_linear.py", "tests/ops/test_fused.py", "tests/ops/test_quant_linear.py",
+                "tests/ops/test_screen.py", "tests/engine/model/test_gguf_screen.py",
+                "tests/engine/test_batch_invariance.py::test_one_request_gets_the_same_bits_in_any_step",
+                "tests/engine/test_batch_invariance.py::test_preemption_changes_no_bit"]
+
+
+def test_levels_of_known_cpus() -> None:
+    assert isa.level_of(ZEN3) == "avx2" and isa.level_of(ZEN5) == "avx512_bf16" and isa.level_of(XEON) == "amx"
+    assert isa.level_of({"sse2"}) is None
+    assert isa.capped_flags(XEON, "avx512_bf16") == ZEN5 | {"avx512_fp16"}
+    assert isa.capped_flags(ZEN5, "avx2") == ZEN3
+    assert isa.capped_flags(ZEN5, None) == ZEN5
+
+
+def test_a_cap_above_the_cpu_or_unknown_is_refused() -> None:
+    assert isa.cap_from_env("avx512", ZEN5) == "avx512" and isa.cap_from_env(None, ZEN5) is None
+    with pytest.raises(isa.IsaCapError, match="above this CPU"):
+        isa.cap_from_env("amx", ZEN5)
+    with pytest.raises(isa.IsaCapError, match="not a level"):
+        isa.cap_from_env("sse4", ZEN5)
+
+
+def _capped(level: str, code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, isa.ENV: level, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200, check=False)
+
+
+FIXED_GEMM = """
+import sys, torch, ops
+from ops.build import cpu_library
+g = torch.Generator().manual_seed(1)
+w, x, b = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(200, generator=g)
+out = ops.linear(x, w, b, fixed=ops.pack_fixed(w))
+torch.save(out, sys.argv[-1] if len(sys.argv) > 1 else "/dev/null")
+print(cpu_library())
+"""
+
+
+@pytest.mark.skipif(not LOWER, reason="this CPU has no level below its own")
+@pytest.mark.parametrize("level", LOWER)
+def test_capped_library_and_fixed_gemm_bits(level: str, tmp_path: Path) -> None:
+    code = FIXED_GEMM.replace('sys.argv[-1] if len(sys.argv) > 1 else "/dev/null"', repr(str(tmp_path / "out.pt")))
+    done = _capped(level, code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    library = done.stdout.strip().splitlines()[-1]
+    disassembly = subprocess.run(["objdump", "-d", "--no-show-raw-insn", library], capture_output=True, text=True,
+                                 check=True).stdout
+    if level == "avx2":
+        assert "zmm" not in disassembly, "an avx2-capped library holds AVX-512 code"
+    assert "tdpbf16ps" not in disassembly  # below amx: no tile instruction
+    import ops
+    g = torch.Generator().manual_seed(1)
+    w, x, b = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(200, generator=g)
+    assert torch.equal(torch.load(tmp_path / "out.pt"), ops.linear(x, w, b, fixed=ops.pack_fixed(w)))
+
+
+@pytest.mark.skipif(not LOWER, reason="this CPU has no level below its own")
+@pytest.mark.parametrize("level", LOWER)
+def test_kernel_and_engine_tests_pass_at_a_lower_level(level: str) -> None:
+    code = ("import sys, pytest; sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', '-p', 'no:xdist', "
+            f"*{CAPPED_TESTS!r}]))")
+    done = _capped(level, code)
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-2000:])
