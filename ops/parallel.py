@@ -11,12 +11,12 @@ from ops.build import cpu_ops
 from ops.linear import SMALL_GEMM_MAX_ROWS
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
-NEVER = 1 << 40  # no step runs its fp32 linears on oneDNN (fixed order: every row on fixed_gemm)
+NEVER = 1 << 40  # no step runs its linears on oneDNN (fixed order)
 
 
 def openmp_rows_for(quantized_weights: bool, fixed_order: bool = False) -> int:
     """The first row count whose linear layers run on oneDNN for these weights."""
-    if fixed_order and not quantized_weights:
+    if fixed_order:  # fp32 linears on fixed_gemm, packed ones on their kernel at every row count
         return NEVER
     return (QUANT_GEMV_MAX_ROWS if quantized_weights else SMALL_GEMM_MAX_ROWS) + 1
 

@@ -25,16 +25,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ops.backend import use_reference
+from ops.backend import fixed_order, use_reference
 from ops.build import cpu_ops
 from ops.reference import quant as ref
 
 BF16_MIN_ROWS = 32  # a step's linears run on bf16 AMX tiles (`quant_linear_bf16`) from this many rows,
-BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows. SmolLM2's Q4_1 layers (benchmarks/quant_rows_bench.py):
+BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows. SmolLM2's Q4_1 layers (benchmarks/kernels/quant_rows_bench.py):
 # one thread, 0.84 ms int8 kernel vs 0.90 AMX at 32 rows, fp32 prompt rows 1.06 vs 0.77 at 8; two threads
 # the crossovers are lower (~22 rows, ~2 prompt rows), kept here so fewer steps change arithmetic
 QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, measured one-threaded on SmolLM2 Q4_1 layers:
-# 64 rows 7.9 ms (kernel) vs 8.5 ms; 256 rows 32.3 vs 26.9 ms (benchmarks/quant_bench.py)
+# 64 rows 7.9 ms (kernel) vs 8.5 ms; 256 rows 32.3 vs 26.9 ms (benchmarks/kernels/quant_bench.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +183,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias:
             raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
     if use_reference() or not x.is_cpu:
         return ref.quant_linear(x, qweight, fmt.type_id, bias)
-    if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= QUANT_GEMV_MAX_ROWS:  # decode: straight to the kernel
+    if (x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
+            and (x.shape[0] <= QUANT_GEMV_MAX_ROWS or fixed_order())):  # decode, or any step under fixed order:
+        # the kernel gives a row the same bits at any row count, oneDNN past the crossover does not
         out = x.new_empty((x.shape[0], n))
         _kernel()(out, x, qweight, fmt.type_id, bias, int8_activations, exact_rows)
         return out

@@ -2,7 +2,7 @@
 
 A one-row decode step of SmolLM2 on its Q4_1 weights makes ~300 module calls and ~600 op calls
 from Python, each a few microseconds: longer than the step's kernels once they read the eight-row
-layout (perf on `benchmarks/quant_bench.py --batches 1`: over half the step's CPU time in the
+layout (perf on `benchmarks/kernels/quant_bench.py --batches 1`: over half the step's CPU time in the
 interpreter). `FusedDecoder` hands the same kernels the same tensors in the same order from C++
 (csrc/cpu/decoder.cpp), so a step's hidden states are bit for bit those of the module path
 (tests/engine/model/test_fused_decoder.py compares them).
@@ -23,7 +23,7 @@ from torch import Tensor
 
 import ops
 from engine.model.attention import AttentionMetadata
-from engine.model.quant_linear import QuantLinear
+from engine.model.quant_linear import EXACT_RANGES, QuantLinear
 from ops.build import cpu_ops
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
@@ -73,8 +73,12 @@ class FusedDecoder:
                 bf16_linears: bool = False) -> bool:
         """Whether this step can run fused: CPU fp32 activations, at most `QUANT_GEMV_MAX_ROWS`
         tokens (any number with `bf16_linears` on the AMX kernel), a real cache (a profiling pass
-        has none), the compiled kernels selected."""
+        has none), the compiled kernels selected; under `ops.fixed_order()` decode-only steps."""
         rows = hidden.shape[0]
+        if meta.num_prefills and ops.fixed_order():  # prefill attention must take decode's per-row path
+            return False  # (ops/attention_rows.py), which the C++ decoder's prefill call does not
+        if EXACT_RANGES.get() is not None:  # exact rows that are not the leading ones: the module path
+            return False
         if not (0 < rows <= QUANT_GEMV_MAX_ROWS or (rows > 0 and bf16_linears and ops.quant.amx_bf16())):
             return False
         return (hidden.is_cpu and hidden.dtype == torch.float32

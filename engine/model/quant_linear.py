@@ -8,6 +8,7 @@ the rows a step needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 
 import torch
@@ -22,6 +23,14 @@ prompt tokens, set by the model's forward (`LlamaForCausalLM.forward`). Prompt r
 exactly what the dequantized weights give, so a prompt's first token and its logprobs are the
 dequantized model's (int8 rounding flipped near-ties: SmolLM2's "capital of France" answer), and
 a prompt's numerics do not depend on whether its step is over `QUANT_GEMV_MAX_ROWS` (oneDNN, fp32)."""
+
+
+EXACT_RANGES: ContextVar[tuple[tuple[int, int], ...] | None] = ContextVar("exact_ranges", default=None)
+"""Where a step's exact rows are not simply its leading prefill rows: the `[start, end)` row ranges
+of its prompt tokens, set by the runner around the model's call (`StepInputs.exact_ranges`). A
+recomputed sequence's prefill holds its generated tokens after its prompt: those rows keep the int8
+activations their decode steps had, so recompute preemption changes no bit. Used where `EXACT_ROWS`
+is set (the model asks for exact prompt rows)."""
 
 
 BF16_LINEARS: ContextVar[bool] = ContextVar("bf16_linears", default=False)
@@ -73,12 +82,32 @@ class QuantLinear(nn.Module):
             return ops.linear(x, t, bias)
         if BF16_LINEARS.get():
             return ops.quant.quant_linear_bf16(x, t, fmt, bias)
+        exact = EXACT_ROWS.get()
+        ranges = EXACT_RANGES.get() if exact else None
+        if ranges is not None and x.dim() == 2:
+            return _by_ranges(x, ranges, lambda part, rows: ops.quant.quant_linear(
+                part, t, fmt, bias, self.int8_activations, checked=True, exact_rows=rows))
         return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True,  # checked in __init__
-                                      exact_rows=EXACT_ROWS.get())
+                                      exact_rows=exact)
 
     def extra_repr(self) -> str:
         names = ",".join("F32" if f is None else f.name for f in self.formats)
         return f"in_features={self.in_features}, out_features={self.out_features}, formats={names}"
+
+
+def _by_ranges(x: torch.Tensor, ranges: tuple[tuple[int, int], ...],
+               linear: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """`linear(part, exact_rows)` over consecutive row segments of `x`, each wholly inside or
+    outside `ranges` (sorted, disjoint), joined: the kernel's exact rows are a leading count."""
+    parts, row = [], 0
+    for start, end in ranges:
+        if start > row:
+            parts.append(linear(x[row:start], 0))
+        parts.append(linear(x[start:end], end - start))
+        row = end
+    if row < x.shape[0]:
+        parts.append(linear(x[row:], 0))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def all_linears_quantized(model: nn.Module) -> bool:

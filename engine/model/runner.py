@@ -25,6 +25,7 @@ from torch import Tensor
 import ops
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM, TokenPicker
+from engine.model.quant_linear import EXACT_RANGES
 from engine.model.step_inputs import StepInputs
 from engine.sched.output import ScheduledSeq, SchedulerOutput
 
@@ -63,8 +64,10 @@ class ModelOutput:
 
 
 def is_prefill(s: ScheduledSeq) -> bool:
-    """A prefill chunk: more than one new token and not a speculative row (those attend as decodes)."""
-    return len(s.token_ids) > 1 and not s.num_spec
+    """A prefill chunk: more than one new token, or a prompt token (a chunk of one that chunked
+    prefill left: it keeps the prompt rows' arithmetic, `EXACT_ROWS`); not a speculative row
+    (those attend as decodes)."""
+    return (len(s.token_ids) > 1 or s.start < s.seq.num_prompt_tokens) and not s.num_spec
 
 
 def batch_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
@@ -137,8 +140,12 @@ class ModelRunner:
     def run_inputs(self, inputs: StepInputs) -> Tensor:
         """Move blocks and run the model over `inputs` (a rank other than 0); the hidden states."""
         self.move_blocks(inputs)
-        return self.model(_on(inputs.input_ids, self.device), _on(inputs.positions, self.device), self.kv_caches,
-                          inputs.metadata(self.device))
+        token = EXACT_RANGES.set(inputs.exact_ranges)
+        try:
+            return self.model(_on(inputs.input_ids, self.device), _on(inputs.positions, self.device), self.kv_caches,
+                              inputs.metadata(self.device))
+        finally:
+            EXACT_RANGES.reset(token)
 
     def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None,
                 spec_pick: TokenPicker | None = None,
@@ -155,7 +162,11 @@ class ModelRunner:
             self.publish_seconds += time.perf_counter() - sent
         self.move_blocks(batch.inputs)
         start = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        token = EXACT_RANGES.set(batch.inputs.exact_ranges)  # a recomputed sequence's generated tokens
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        finally:
+            EXACT_RANGES.reset(token)
         logits, tokens = hidden.new_empty((0, 0), dtype=torch.float32), None
         if batch.sampling:
             rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
@@ -237,7 +248,9 @@ class ModelRunner:
             [s.start + len(s.token_ids) for s in order[:num_prefills]], tables,
             (positions[prefill_tokens:] + 1).to(torch.int32),
             list(sched.blocks_to_swap_out) if sched else [], list(sched.blocks_to_swap_in) if sched else [],
-            list(sched.blocks_to_copy) if sched else [])
+            list(sched.blocks_to_copy) if sched else [],
+            [max(0, min(c, s.seq.num_prompt_tokens - s.start)) for s, c in zip(order[:num_prefills], counts,
+                                                                                 strict=False)] or None)
         return StepBatch(_on(input_ids, self.device), _on(positions, self.device), inputs.metadata(self.device),
                          inputs, None if sample_rows is None else _on(sample_rows, self.device), sampling,
                          prompt_rows, None if spec_rows is None else _on(spec_rows, self.device), spec)

@@ -25,10 +25,29 @@ class StepInputs:
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copy: list[tuple[int, int]]
+    prefill_exact_lens: list[int] | None = None  # [P]: leading rows of each chunk at prompt positions; None: all
 
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_context_lens)
+
+    @property
+    def exact_ranges(self) -> tuple[tuple[int, int], ...] | None:
+        """The prompt tokens' row ranges where they are not all the prefill rows (a recomputed
+        sequence's generated tokens: `engine.model.quant_linear.EXACT_RANGES`); else None."""
+        lens = self.prefill_exact_lens
+        starts = self.prefill_query_start
+        if lens is None or all(n == end - start for n, start, end in zip(lens, starts, starts[1:], strict=False)):
+            return None
+        ranges: list[tuple[int, int]] = []
+        for n, start in zip(lens, starts, strict=False):
+            if not n:
+                continue
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], start + n)
+            else:
+                ranges.append((start, start + n))
+        return tuple(ranges)
 
     def metadata(self, device: torch.device) -> AttentionMetadata:
         """The attention layers' view of the step, on `device` (one place, so a new field is added here only)."""

@@ -1,7 +1,8 @@
 """One step's model inputs as one int64 tensor: what rank 0 broadcasts and the other ranks run.
 
 Layout: a fixed header (`Header`), then the payload in this order: input ids, positions, slots
-[T each], prefill query starts [P + 1], prefill context lengths [P], block tables [rows x width]
+[T each], prefill query starts [P + 1], prefill context lengths [P], prefill rows at prompt
+positions [P] (-1 each: all of them), block tables [rows x width]
 (prefill rows first), decode context lengths [D], swap-out, swap-in and copy pairs [2 each].
 The message is sent as a fixed-size first part (`FIRST_PART` int64) and, only when it is longer,
 the rest in a second broadcast (`engine.parallel.channel`), so a step costs one broadcast unless
@@ -40,7 +41,8 @@ def pack(inputs: StepInputs, command: Command = Command.STEP) -> Tensor:
     t, p = int(inputs.input_ids.shape[0]), inputs.num_prefills
     d, width = int(inputs.decode_context_lens.shape[0]), int(inputs.block_tables.shape[1])
     parts = [inputs.input_ids, inputs.positions, inputs.slots,
-             torch.tensor(inputs.prefill_query_start + inputs.prefill_context_lens, dtype=torch.int64),
+             torch.tensor(inputs.prefill_query_start + inputs.prefill_context_lens
+                          + (inputs.prefill_exact_lens or [-1] * p), dtype=torch.int64),
              inputs.block_tables.reshape(-1).long(), inputs.decode_context_lens.long(),
              _pairs(inputs.swap_out), _pairs(inputs.swap_in), _pairs(inputs.copy)]
     payload = torch.cat([x.reshape(-1).to(torch.int64) for x in parts])
@@ -64,7 +66,7 @@ def unpack(message: Tensor) -> StepInputs:
     """The `StepInputs` of a STEP message (views into `message` where the dtype allows)."""
     h = header(message)
     t, p, d, width = h["num_tokens"], h["num_prefills"], h["num_decodes"], h["width"]
-    sizes = [t, t, t, 2 * p + 1, (p + d) * width, d, 2 * h["num_swap_out"], 2 * h["num_swap_in"], 2 * h["num_copy"]]
+    sizes = [t, t, t, 3 * p + 1, (p + d) * width, d, 2 * h["num_swap_out"], 2 * h["num_swap_in"], 2 * h["num_copy"]]
     ids, positions, slots, prefill, tables, ctx, out, into, copy = message[len(HEADER) : h["length"]].split(sizes)
     prefill_values = prefill.tolist()
 
@@ -72,6 +74,7 @@ def unpack(message: Tensor) -> StepInputs:
         values = x.tolist()
         return list(zip(values[0::2], values[1::2], strict=True))
 
-    return StepInputs(ids, positions, slots, prefill_values[: p + 1], prefill_values[p + 1 :],
+    exact = prefill_values[2 * p + 1 :]
+    return StepInputs(ids, positions, slots, prefill_values[: p + 1], prefill_values[p + 1 : 2 * p + 1],
                       tables.to(torch.int32).reshape(p + d, width), ctx.to(torch.int32),
-                      pairs(out), pairs(into), pairs(copy))
+                      pairs(out), pairs(into), pairs(copy), None if not exact or -1 in exact else exact)

@@ -40,7 +40,7 @@ def _answer(out: Any) -> tuple[Any, ...]:
     return choice.token_ids, choice.logprobs, choice.cumulative_logprob, out.prompt_logprobs
 
 
-def _run(model_dir: Path, batch: list[list[int]], **config: Any) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
+def _run(model_dir: Path | str, batch: list[list[int]], **config: Any) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
     """Every request's answer, and the engine's preemption counts."""
     llm = LLM(str(model_dir), dtype="float32", **config)
     outs = llm.generate(batch, PARAMS)
@@ -68,3 +68,22 @@ def test_preemption_changes_no_bit(model_dir: Path, kv: str, mode: str) -> None:
                               preemption_mode=mode)
     assert preemptions.get(mode, 0) > 0, "the small pool was meant to force preemption"
     assert tight == roomy
+
+
+def test_default_gguf_model_gets_the_same_bits_in_any_step() -> None:
+    """`up`'s default: SmolLM2's Q4_1 GGUF (packed linears: int8 activations for decode rows, fp32
+    for prompt rows) with the int8 KV cache, alone, in a batch, in chunks of 64 and recomputed."""
+    from engine.model.fetch import default_gguf_path
+
+    gguf = default_gguf_path()
+    if not gguf.is_file():
+        pytest.skip("the default model's GGUF is not fetched (run `pagedserve fetch-model`)")
+    batch = [TARGET, *OTHERS[:5]]
+    roomy, _ = _run(gguf, batch, kv_cache_dtype="int8", kv_cache_memory=64 << 20)
+    assert _run(gguf, [TARGET], kv_cache_dtype="int8", kv_cache_memory=64 << 20)[0][0] == roomy[0]
+    chunked, _ = _run(gguf, batch, kv_cache_dtype="int8", kv_cache_memory=64 << 20, max_num_batched_tokens=64)
+    assert chunked == roomy
+    tight, preemptions = _run(gguf, batch, kv_cache_dtype="int8", num_gpu_blocks=24, num_cpu_blocks=200,
+                              preemption_mode="recompute")
+    assert preemptions.get("recompute", 0) > 0
+    assert tight == roomy  # a recomputed sequence's generated tokens keep their decode rows' int8 activations

@@ -14,9 +14,11 @@ from engine.sched.sequence import Request, Sequence
 BS = 4
 
 
-def _seq(length: int) -> Sequence:
-    request = Request(f"r{length}", list(range(length)), SamplingParams())
-    return Sequence(request, 0, list(range(length)), length)
+def _seq(length: int, prompt: int = 1) -> Sequence:
+    """A sequence of `length` tokens, the first `prompt` of them its prompt (one-token items past
+    the prompt are decode rows)."""
+    request = Request(f"r{length}", list(range(prompt)), SamplingParams())
+    return Sequence(request, 0, list(range(length)), prompt)
 
 
 def _item(seq: Sequence, start: int, count: int, table: list[int], write_from: int = 0) -> ScheduledSeq:
@@ -108,3 +110,18 @@ def test_verified_positions_attend_bit_for_bit_as_plain_decode_steps() -> None:
         plain = runner.prepare([_item(step, 22 + j, 1, table)]).meta
         alone = attention(query[j : j + 1], query, query, (key_cache, value_cache), plain)
         assert torch.equal(verified[j : j + 1], alone), j
+
+
+def test_prompt_rows_are_the_exact_rows_a_recompute_keeps_its_decode_rows() -> None:
+    """Exact (fp32-activation) rows are the prompt positions: a recomputed sequence's generated
+    tokens leave them, as in the decode steps that made them; a one-token chunk at a prompt position
+    (what chunked prefill can leave) is a prefill row, not a decode."""
+    runner = ModelRunner(None, [], [], BS, torch.device("cpu"))  # type: ignore[arg-type]
+    recomputed, fresh, last, decode = _seq(9, prompt=5), _seq(6, prompt=6), _seq(7, prompt=7), _seq(4, prompt=3)
+    items = [_item(decode, 3, 1, [1]), _item(recomputed, 0, 9, [2, 3, 4]), _item(fresh, 0, 6, [5, 6]),
+             _item(last, 6, 1, [7, 8])]
+    batch = runner.prepare(items)
+    assert batch.meta.num_prefills == 3 and batch.meta.prefill_query_start == [0, 9, 15, 16]
+    assert batch.inputs.prefill_exact_lens == [5, 6, 1]
+    assert batch.inputs.exact_ranges == ((0, 5), (9, 16))
+    assert runner.prepare(items[2:]).inputs.exact_ranges is None  # every prefill row a prompt row

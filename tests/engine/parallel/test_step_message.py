@@ -34,7 +34,8 @@ def _inputs(num_prefill_chunks: list[int], num_decodes: int, width: int, moves: 
         block_tables=torch.randint(0, 600, (len(num_prefill_chunks) + num_decodes, width), generator=g,
                                    dtype=torch.int32),
         decode_context_lens=torch.randint(1, 4096, (num_decodes,), generator=g, dtype=torch.int32),
-        swap_out=pairs(moves), swap_in=pairs(moves // 2), copy=pairs(moves % 3))
+        swap_out=pairs(moves), swap_in=pairs(moves // 2), copy=pairs(moves % 3),
+        prefill_exact_lens=[int(torch.randint(0, n + 1, (), generator=g)) for n in num_prefill_chunks] or None)
 
 
 def _same(a: StepInputs, b: StepInputs) -> None:
