@@ -32,6 +32,7 @@ DEQUANTIZED = [f.name for f in formats.TABLE if f.runs == formats.DEQUANTIZED]
 # packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); a Q6_K embedding, a Q8_0 lm_head.
 MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_K", "ffn_gate": "Q8_0",
        "ffn_up": "Q8_0", "ffn_down": "Q6_K"}
+PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +54,10 @@ def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: Path, name: str, fmt_of: Callable[[str, int], str]) -> Path:
+def write_gguf(model_dir: Path, name: str, fmt_of: Callable[[str, int], str], tied: bool = False) -> Path:
     """`model_dir`'s checkpoint as `name`.gguf beside it (the tokenizer next to it), each tensor in
-    `fmt_of(gguf kind, layer)` (layer -1: token_embd / output); norms in F32."""
+    `fmt_of(gguf kind, layer)` (layer -1: token_embd / output); norms in F32. `tied`: no
+    output.weight (the config then ties the lm_head to the embedding)."""
     from safetensors.torch import load_file
 
     hf = load_file(str(model_dir / "model.safetensors"))
@@ -80,7 +82,8 @@ def write_gguf(model_dir: Path, name: str, fmt_of: Callable[[str, int], str]) ->
 
     add("token_embd.weight", hf["model.embed_tokens.weight"], fmt_of("token_embd", -1))
     add("output_norm.weight", hf["model.norm.weight"], "F32")
-    add("output.weight", hf["lm_head.weight"], fmt_of("output", -1))
+    if not tied:
+        add("output.weight", hf["lm_head.weight"], fmt_of("output", -1))
     for i in range(LAYERS):
         prefix = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", hf[prefix + "input_layernorm.weight"], "F32")
@@ -173,6 +176,30 @@ def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path) -> None:
                                "Q8_0: 3 tensors, packed (quantized kernels)")
 
 
+@pytest.mark.parametrize("embedding", ["Q6_K", "Q8_0"])
+def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -> None:
+    """No output.weight: the lm_head is the embedding, a Q6_K one dequantized (an fp32 `Linear`
+    sharing the embedding's storage, the bf16 screen's kind) or a Q8_0 one packed (`QuantLinear`
+    on the same bytes and its int8 screen); weights equal transformers' tied load, and so do greedy tokens."""
+    from benchmarks.quality.quant_quality import greedy
+
+    file = write_gguf(model_dir, f"tied-{embedding}", lambda kind, layer: embedding if layer < 0 else "Q4_K",
+                      tied=True)
+    ours = load_model(file)
+    assert ours.spec.tie_word_embeddings
+    _assert_weights_equal(ours, _transformers_model(model_dir, file))
+    if embedding == "Q6_K":
+        assert type(ours.lm_head).__name__ == "Linear" and isinstance(ours.model.embed_tokens, nn.Embedding)
+        assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+        assert not isinstance(ours.logit_screen(), QuantLogitScreen)
+    else:
+        assert isinstance(ours.lm_head, QuantLinear) and isinstance(ours.model.embed_tokens, QuantEmbedding)
+        assert isinstance(ours.logit_screen(), QuantLogitScreen)
+    hf = _transformers_model(model_dir, file)
+    with torch.inference_mode():
+        assert greedy(ours, PROMPTS[0], 8) == _hf_greedy(hf, PROMPTS[0], 8)
+
+
 def test_unsupported_format_is_refused_by_name(model_dir: Path) -> None:
     from engine.model.loader import ModelLoadError
 
@@ -203,9 +230,6 @@ def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> lis
             tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
     engine.close()
     return [tokens[str(i)] for i in range(len(prompts))]
-
-
-PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
 
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0"])
