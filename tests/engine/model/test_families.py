@@ -77,6 +77,9 @@ def test_spec_reads_each_family() -> None:
     # Qwen3's window routes through EngineConfig.resolve_max_model_len like Mistral's
     assert spec("qwen3", sliding_window=24).sliding_window is None  # use_sliding_window off
     assert spec("qwen3", sliding_window=24, use_sliding_window=True, max_window_layers=0).sliding_window == 24
+    # SmolLM3 slides on its NoPE layers when use_sliding_window is on
+    assert spec("smollm3", sliding_window=24).sliding_window is None
+    assert spec("smollm3", sliding_window=24, use_sliding_window=True).sliding_window == 24
 
 
 def test_teacher_forced_logits_match_hf(family_dir: Path) -> None:
