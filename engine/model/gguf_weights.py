@@ -89,7 +89,7 @@ def read_tensor(tensor: Any) -> Stored:
         raise GGUFWeightError(
             f"tensor {tensor.name!r} is {kind}, which pagedserve does not read (supported: "
             f"{', '.join(formats.BY_NAME)}); load with quantization='dequantize'") from None
-    array = np.ascontiguousarray(tensor.data)
+    array = np.array(tensor.data)  # a copy: the reader's arrays are read-only views of the memory map
     if fmt.runs == formats.PACKED:
         if kind not in FORMATS:
             raise GGUFWeightError(f"tensor {tensor.name!r}: {kind} is packed in the format table but ops.quant has "

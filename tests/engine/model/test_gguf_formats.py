@@ -253,3 +253,14 @@ def test_mix_greedy_equals_transformers_with_fp32_activations(model_dir: Path) -
     with torch.inference_mode():
         for prompt in PROMPTS:
             assert greedy(ours, prompt, 10) == _hf_greedy(hf, prompt, 10)
+
+
+def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
+    """Packed, dequantized and float tensors own their memory (the reader's arrays are read-only
+    views of the mapped file)."""
+    from engine.model.gguf_weights import read_tensor
+
+    file = write_gguf(model_dir, "copies", _mix)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
+    for name in ("blk.1.attn_q.weight", "blk.0.attn_q.weight", "output_norm.weight"):  # Q4_1, Q4_K, F32
+        assert read_tensor(tensors[name]).data.numpy().flags.writeable, name
