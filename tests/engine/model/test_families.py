@@ -15,7 +15,15 @@ import torch
 import ops
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
-from engine.model import LlamaForCausalLM, ModelLoadError, ModelSpec, UnsupportedModelError, load_model
+from engine.model import (
+    AttentionMetadata,
+    LlamaForCausalLM,
+    ModelLoadError,
+    ModelSpec,
+    UnsupportedModelError,
+    allocate_kv_caches,
+    load_model,
+)
 from engine.model.sharding import TPShard
 from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
 from tests.engine.model.test_sliding_window import make_family_dir, prompt_ids
@@ -91,6 +99,22 @@ def test_teacher_forced_logits_match_hf(family_dir: Path) -> None:
     logits += [harness.step([], [seq]) for _ in range(8)]
     torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
     assert model.fused_decoder() is None  # the C++ decoder implements none of these options
+
+
+def test_prefill_without_a_cache_matches_hf(family_dir: Path) -> None:
+    """The profiling pass: a whole prompt, every slot -1, no cache blocks (NoPE layers skip the write)."""
+    tokens = prompt_ids(20, 8)
+    model = load_model(family_dir)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((20,), -1, dtype=torch.int64), num_prefills=1, num_prefill_tokens=20,
+        prefill_query_start=[0, 20], prefill_context_lens=[20],
+        prefill_block_tables=torch.zeros((1, 1), dtype=torch.int32),
+        decode_block_tables=torch.zeros((0, 1), dtype=torch.int32),
+        decode_context_lens=torch.zeros(0, dtype=torch.int32),
+    )
+    hidden = model(torch.tensor(tokens), torch.arange(20), allocate_kv_caches(model, 0, 16, torch.float32, "cpu"),
+                   meta)
+    torch.testing.assert_close(model.compute_logits(hidden), _hf_logits(family_dir, tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_error_is_within_hf_bf16s(family_dir: Path) -> None:
