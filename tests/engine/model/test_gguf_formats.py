@@ -264,3 +264,40 @@ def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
     tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
     for name in ("blk.1.attn_q.weight", "blk.0.attn_q.weight", "output_norm.weight"):  # Q4_1, Q4_K, F32
         assert read_tensor(tensors[name]).data.numpy().flags.writeable, name
+
+
+def test_requantize_serves_every_format_packed(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`requantize`: the mix's tensors without a kernel become Q8_0 blocks of their dequantized
+    weights (exactly `ref.quantize` of transformers' load), every linear is packed, the fused
+    decoder applies, the log says so; with fp32 activations greedy equals transformers holding
+    the requantized weights."""
+    from functools import partial
+
+    from structlog.testing import capture_logs
+
+    from benchmarks.quality.quant_quality import greedy, set_int8_activations
+    from engine.model import gguf_weights
+    from ops.reference import quant as ref
+
+    monkeypatch.setattr(gguf_weights, "load_gguf_quantized", partial(gguf_weights.load_gguf_quantized,
+                                                                     requantize=True))
+    file = write_gguf(model_dir, "mix-requantized", _mix)
+    with capture_logs() as logs:
+        ours = load_model(file)
+    hf = _transformers_model(model_dir, file)
+    state = hf.state_dict()
+    requantized = [f"model.layers.0.{_HF[kind]}.weight" for kind, fmt in MIX.items() if fmt not in ("Q8_0", "Q4_1")]
+    for name in [*requantized, "model.embed_tokens.weight"]:
+        state[name] = ref.dequantize(ref.quantize(state[name], ref.Q8_0), ref.Q8_0)
+    hf.load_state_dict(state)
+    _assert_weights_equal(ours, hf)
+    linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    assert all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.fused_decoder() is not None
+    [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
+    assert "Q4_K: 1 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
+    assert "Q6_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
+    set_int8_activations(ours, False)
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            assert greedy(ours, prompt, 10) == _hf_greedy(hf, prompt, 10)
