@@ -17,6 +17,7 @@ from common.protocol import Keys
 from common.redis_conn import MeteredPool, ReplicaAck, pooled_client, single_client
 from common.shutdown import shut_down
 from gateway.api.misc_routes import add_routes as add_misc_routes
+from gateway.api.offload import cpu_pool_ctx
 from gateway.api.openai_routes import add_routes as add_openai_routes
 from gateway.broker.broker import Broker
 from gateway.broker.engines import EngineRegistry
@@ -94,6 +95,7 @@ def create_app(config: GatewayConfig) -> web.Application:
     )
     app[CONFIG] = config
     app[METRICS] = metrics
+    app.cleanup_ctx.append(cpu_pool_ctx)
     app.cleanup_ctx.append(_redis_ctx)
     add_openai_routes(app)
     add_misc_routes(app)

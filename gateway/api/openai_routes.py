@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -14,6 +13,7 @@ from common.redis_conn import PoolBusy
 from gateway.api.body import read_json
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
+from gateway.api.offload import off_loop
 from gateway.api.prompt import prompt_ids
 from gateway.api.streaming import ClientGone, complete, stream
 from gateway.api.structured import check_structured
@@ -45,11 +45,10 @@ async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     cfg, broker, metrics = request.app[CONFIG], request.app[BROKER], request.app[METRICS]
     req = parse_request(await read_json(request), kind, cfg)
     if req.params.structured_output is not None:
-        await asyncio.get_running_loop().run_in_executor(None, check_structured, req.params.structured_output,
-                                                         req.structured_param)
+        await off_loop(request.app, check_structured, req.params.structured_output, req.structured_param)
     model = await find_model(request, req.model)
     tokenizer = await request.app[REGISTRY].tokenizer(model)
-    ids = prompt_ids(req, tokenizer)
+    ids = await off_loop(request.app, prompt_ids, req, tokenizer)  # a 1 MB prompt takes a second
     check_context(req, len(ids), model.max_model_len, cfg)
     rid = kind.id_prefix + uuid.uuid4().hex
     now = time.time()

@@ -14,6 +14,7 @@ from gateway.api.body import read_json
 from gateway.api.endpoint import Endpoint
 from gateway.api.fields import as_bool, parse_prompt
 from gateway.api.messages import parse_messages
+from gateway.api.offload import off_loop
 from gateway.api.openai_routes import find_model
 from gateway.api.prompt import chat_ids, check_vocab
 from gateway.api.tools import parse_tools
@@ -49,6 +50,13 @@ async def tokenize(request: web.Request) -> web.Response:
     body, tok, max_model_len = await _model_body(request)
     if ("prompt" in body) == ("messages" in body):
         raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
+    tokens, strs = await off_loop(request.app, _tokenize, body, tok)
+    return web.json_response({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
+                              "token_strs": strs})
+
+
+def _tokenize(body: dict[str, Any], tok: ModelTokenizer) -> tuple[list[int], list[str] | None]:
+    """The body's token ids (and their texts when asked); runs off the event loop."""
     if "messages" in body:
         tokens = _chat_tokens(body, tok)
     else:
@@ -57,8 +65,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad_request("'prompt' must be a string", "prompt", "invalid_type")
         tokens = tok.encode(prompt, add_special_tokens=as_bool(body, "add_special_tokens", True))
     strs = [tok.token_text(t) for t in tokens] if as_bool(body, "return_token_strs", False) else None
-    return web.json_response({"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens,
-                              "token_strs": strs})
+    return tokens, strs
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -67,7 +74,7 @@ async def detokenize(request: web.Request) -> web.Response:
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_request("'tokens' must be a list of token ids", "tokens", "invalid_type")
     check_vocab(tokens, tok, "tokens")
-    return web.json_response({"prompt": tok.decode(tokens)})
+    return web.json_response({"prompt": await off_loop(request.app, tok.decode, tokens)})
 
 
 def add_routes(app: web.Application) -> None:

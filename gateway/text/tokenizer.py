@@ -18,6 +18,9 @@ from tokenizers import Tokenizer
 # Names the gateway passes to every chat template: `chat_template_kwargs` may not override them.
 RESERVED_TEMPLATE_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
                                     "raise_exception", "strftime_now"})
+# Past these sizes encode/decode go through the batch calls, which release the GIL.
+_RELEASE_GIL_CHARS = 1 << 14
+_RELEASE_GIL_TOKENS = 1 << 12
 
 
 class TemplateError(ValueError):
@@ -70,13 +73,22 @@ class ModelTokenizer:
         return max(self.model_vocab_size, int(self.tokenizer.get_vocab_size(with_added_tokens=True)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of `text`; a large text is encoded with the GIL released (`encode_batch`
+        releases it, `encode` does not), so other threads and the event loop run meanwhile."""
+        if len(text) >= _RELEASE_GIL_CHARS:
+            encoded = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            encoded = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = list(encoded.ids)
         bos_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         if add_special_tokens and self.add_bos and bos_id is not None and ids[:1] != [bos_id]:
             ids.insert(0, bos_id)
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; a long list is decoded with the GIL released (as `encode`)."""
+        if len(ids) >= _RELEASE_GIL_TOKENS:
+            return str(self.tokenizer.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0])
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
