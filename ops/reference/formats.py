@@ -48,6 +48,7 @@ PACKED = "packed"
 DEQUANTIZED = "dequantized at load"
 FLOAT = "float"
 
+CHUNK_BLOCKS = 1 << 14  # blocks dequantized per step
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _IQ4 = torch.tensor(IQ4_VALUES, dtype=torch.float32)
 
@@ -210,8 +211,11 @@ class GGMLFormat:
         if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] % self.block_bytes:
             raise ValueError(f"{self.name} rows must be 2-D uint8 of whole {self.block_bytes}-byte blocks; "
                              f"got {tuple(data.shape)} {data.dtype}")
-        rows = data.shape[0]
-        return self.dequantize_blocks(data.reshape(-1, self.block_bytes)).reshape(rows, -1)
+        blocks = data.reshape(-1, self.block_bytes)
+        out = torch.empty((blocks.shape[0], self.block_size), dtype=torch.float32)
+        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):  # bounded temporaries on a large tensor
+            out[start:start + CHUNK_BLOCKS] = self.dequantize_blocks(blocks[start:start + CHUNK_BLOCKS])
+        return out.reshape(data.shape[0], -1)
 
 
 TABLE: tuple[GGMLFormat, ...] = (

@@ -134,3 +134,11 @@ def test_reference_quantizers_write_valid_blocks(name: str) -> None:
     assert ((fmt.dequantize(again) - ours).norm() / ours.norm()).item() < ERROR[name] / 2
     with pytest.raises(formats.UnsupportedFormatError, match="no reference quantizer for Q8_0"):
         quantizers.quantize(weight, "Q8_0")
+
+
+def test_dequantize_in_chunks_equals_one_pass() -> None:
+    """A tensor of more than `CHUNK_BLOCKS` blocks is dequantized chunk by chunk: same values."""
+    fmt = formats.by_name("Q4_K")
+    raw = torch.from_numpy(_random_blocks(fmt, formats.CHUNK_BLOCKS + 48, seed=3))
+    assert torch.equal(fmt.dequantize(raw.reshape(-1, 8 * fmt.block_bytes)).reshape(-1, 256),
+                       fmt.dequantize_blocks(raw))

@@ -361,3 +361,24 @@ def test_smollm2_q4_k_m_mix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
         requantized = mean_nll(requantized_model, passage)
     assert abs(dequantized - reference) <= 0.05 * reference, (dequantized, reference)
     assert abs(requantized - dequantized) <= 0.002 * dequantized, (requantized, dequantized)
+
+
+def test_read_tensor_float_types(tmp_path: Path) -> None:
+    """F16 and BF16 tensors widen to their fp32 values through the table, F32 is copied."""
+    from engine.model.gguf_weights import read_tensor
+
+    weight = torch.randn(6, 64)
+    writer = gguf.GGUFWriter(str(tmp_path / "floats.gguf"), "llama")
+    writer.add_tensor("f32", weight.numpy(), raw_dtype=T.F32)
+    writer.add_tensor("f16", weight.numpy().astype(np.float16), raw_dtype=T.F16)
+    writer.add_tensor("bf16", gguf.quants.quantize(weight.numpy(), T.BF16), raw_dtype=T.BF16)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = {t.name: read_tensor(t) for t in gguf.GGUFReader(str(tmp_path / "floats.gguf")).tensors}
+    assert all(t.fmt is None and t.data.shape == (6, 64) for t in tensors.values())
+    assert torch.equal(tensors["f32"].data, weight)
+    assert torch.equal(tensors["f16"].data, weight.half().float())
+    assert torch.equal(tensors["bf16"].data, weight.bfloat16().float())
+    assert [t.source for t in tensors.values()] == ["F32", "F16", "BF16"]
