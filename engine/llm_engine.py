@@ -71,7 +71,8 @@ class LLMEngine:
         self.config = config
         ops.set_backend(config.attention_backend)
         self.device = resolve_device(config.device)
-        ops.set_fixed_order(config.deterministic and self.device.type == "cpu")
+        self.fixed_order = config.deterministic and self.device.type == "cpu"
+        ops.set_fixed_order(self.fixed_order)
         if config.attention_backend == "auto":
             prepare_kernels(self.device)  # at start-up, not on the first request
         self.dtype, self.bf16_linears = resolve_compute(config, self.device)
@@ -82,7 +83,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)
         spec = ModelSpec.from_hf_config(self.hf_config)
-        self.max_model_len = config.resolve_max_model_len(spec.max_position_embeddings, spec.sliding_window)
+        self.max_model_len = config.resolve_max_model_len(spec.max_position_embeddings, spec.exact_context())
         profile_tokens = min(config.token_budget(self.device.type), self.max_model_len)
         self.parallel: TensorParallelGroup | None = start_group(config, spec, self.device, self.dtype,
                                                                 self.kv_dtype, profile_tokens)
@@ -218,6 +219,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the deltas of every request that changed."""
         start = time.perf_counter()
+        ops.set_backend(self.config.attention_backend)  # the process-wide kernel choices are this
+        ops.set_fixed_order(self.fixed_order)  # engine's, whatever another engine in the process set
         try:
             with torch.inference_mode():
                 return self._step()
