@@ -1,0 +1,122 @@
+"""The README and docs/ stay navigable: every relative link resolves to a file (and its #anchor
+to a heading there, by GitHub's slug rule), every `benchmarks/...` and `scripts/...` path they
+name exists, and docs/flags.md is what scripts/flags_page.py generates from the argparse
+definitions. Reads files only: no network, no server."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^(```|~~~)")
+SCRIPT_PATH = re.compile(r"(?<![\w./-])((?:benchmarks|scripts)/[\w./-]+\.(?:py|sh))")
+BENCH_FOLDERS = ("engine", "helpers", "investigations", "kernels", "peer", "quality", "serving")
+BENCH_PATH = re.compile(rf"(?<![\w./-])(?:benchmarks/)?((?:{'|'.join(BENCH_FOLDERS)})/\w+\.(?:py|sh))")
+BENCH_README = ROOT / "benchmarks" / "README.md"
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced code blocks (links in code are not links)."""
+    keep, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line.strip()):
+            fenced = not fenced
+            continue
+        if not fenced:
+            keep.append(line)
+    return "\n".join(keep)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: link targets and markup dropped, lower case, punctuation
+    other than '-' and '_' removed, spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip())
+    text = text.lower()
+    kept = "".join(ch for ch in text if ch in " -_" or unicodedata.category(ch)[0] in "LN")
+    return kept.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading anchor of a markdown page (duplicates numbered as GitHub numbers them)."""
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for line in _prose(page.read_text()).splitlines():
+        m = re.match(r"#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        base = slug(m.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(page: Path) -> list[str]:
+    """Relative link targets of a page (http(s) and mailto links left out)."""
+    found = []
+    for m in LINK.finditer(_prose(page.read_text())):
+        target = m.group(1) or m.group(2)
+        if not re.match(r"[a-z]+:", target):
+            found.append(target)
+    return found
+
+
+def test_pages_exist() -> None:
+    assert (ROOT / "README.md").is_file()
+    assert len(PAGES) > 5, "docs/ pages missing"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page: Path) -> None:
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(ROOT)})")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_scripts_exist(page: Path) -> None:
+    missing = sorted({p for p in SCRIPT_PATH.findall(page.read_text()) if not (ROOT / p).is_file()})
+    assert not missing, f"{page.relative_to(ROOT)} names scripts that do not exist: {missing}"
+
+
+def test_benchmarks_readme_lists_every_script() -> None:
+    text = BENCH_README.read_text()
+    named = set(BENCH_PATH.findall(text))
+    missing = sorted({str(p.relative_to(ROOT / "benchmarks")) for p in (ROOT / "benchmarks").rglob("*")
+                      if p.suffix in (".py", ".sh") and p.name != "__init__.py"} - named)
+    assert not missing, f"benchmarks/README.md does not list: {missing}"
+    gone = sorted(p for p in named if not (ROOT / "benchmarks" / p).is_file())
+    assert not gone, f"benchmarks/README.md lists scripts that do not exist: {gone}"
+
+
+def test_flags_page_is_current() -> None:
+    spec = importlib.util.spec_from_file_location("flags_page", ROOT / "scripts" / "flags_page.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (ROOT / "docs" / "flags.md").read_text() == module.render(), (
+        "docs/flags.md is stale: run .venv/bin/python scripts/flags_page.py")
+
+
+def test_readme_stays_short() -> None:
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 260, f"README.md has {lines} lines; the details belong in docs/"
+
+
+def test_slug_rule() -> None:
+    assert slug("`up`'s default: an int8 KV cache on the Q4_1 file") == "ups-default-an-int8-kv-cache-on-the-q4_1-file"
+    assert slug("Against llama.cpp on the same Q4_1 file") == "against-llamacpp-on-the-same-q4_1-file"
+    assert slug("Deterministic mode (the CPU default)") == "deterministic-mode-the-cpu-default"
