@@ -9,6 +9,7 @@ import importlib.util
 import re
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,13 +103,32 @@ def test_benchmarks_readme_lists_every_script() -> None:
     assert not gone, f"benchmarks/README.md lists scripts that do not exist: {gone}"
 
 
-def test_flags_page_is_current() -> None:
-    spec = importlib.util.spec_from_file_location("flags_page", ROOT / "scripts" / "flags_page.py")
+def _script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert (ROOT / "docs" / "flags.md").read_text() == module.render(), (
+    return module
+
+
+def test_flags_page_is_current() -> None:
+    assert (ROOT / "docs" / "flags.md").read_text() == _script("flags_page").render(), (
         "docs/flags.md is stale: run .venv/bin/python scripts/flags_page.py")
+
+
+def test_plotted_figures_are_the_pages() -> None:
+    """Every value scripts/plots.py charts is a figure docs/performance.md states, the KV chart's
+    tokens per GiB are the ones docs/cpu-fast-path.md states, and each chart is on the page."""
+    plots = _script("plots")
+    page = (ROOT / "docs" / "performance.md").read_text()
+    values = {v for chart in (plots.PEERS, plots.SPEC) for _, row in chart["rows"] for v in row}
+    absent = sorted(v for v in values if not re.search(rf"(?<![\d.]){re.escape(v)}(?![\d])", page))
+    assert not absent, f"plotted values not on docs/performance.md: {absent}"
+    fast_path = (ROOT / "docs" / "cpu-fast-path.md").read_text()
+    tokens = plots.kv_tokens_per_gib()
+    assert all(f"{tokens[d]:,}" in fast_path for d in ("float32", "bfloat16", "int8")), tokens
+    for png in ("peers.png", "speculative.png", "kv_tokens_per_gib.png"):
+        assert f"](plots/{png})" in page and (ROOT / "docs" / "plots" / png).is_file(), png
 
 
 def test_readme_stays_short() -> None:
