@@ -85,6 +85,13 @@ def command_section(name: str) -> str:
     return "\n".join(rows)
 
 
+def commands() -> list[str]:
+    """The `pagedserve` subcommands, in pagedserve/cli.py's order."""
+    from pagedserve import cli
+
+    return list(cli.COMMANDS)
+
+
 def render() -> str:
     """The whole page, commands in pagedserve/cli.py's order."""
     from pagedserve import cli

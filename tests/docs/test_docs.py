@@ -1,7 +1,9 @@
 """The README and docs/ stay navigable: every relative link resolves to a file (and its #anchor
 to a heading there, by GitHub's slug rule), every `benchmarks/...` and `scripts/...` path they
-name exists, and docs/flags.md is what scripts/flags_page.py generates from the argparse
-definitions. Reads files only: no network, no server."""
+name exists, every flag their commands pass to a benchmark script or to `pagedserve <command>` is
+one it defines, benchmarks/README.md lists every script, the plotted figures are the page's, and
+docs/flags.md is what scripts/flags_page.py generates from the argparse definitions. Reads files
+and builds parsers only: no network, no server, no model."""
 
 from __future__ import annotations
 
@@ -129,6 +131,51 @@ def test_plotted_figures_are_the_pages() -> None:
     assert all(f"{tokens[d]:,}" in fast_path for d in ("float32", "bfloat16", "int8")), tokens
     for png in ("peers.png", "speculative.png", "kv_tokens_per_gib.png"):
         assert f"](plots/{png})" in page and (ROOT / "docs" / "plots" / png).is_file(), png
+
+
+def _code(text: str) -> list[str]:
+    """Inline code spans and fenced blocks: where the pages write commands."""
+    fenced = re.findall(r"```\w*\n(.*?)```", text, re.S)
+    return fenced + re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def _flags(args: str) -> list[str]:
+    """The flags of a command line, leaving out quoted arguments (flags passed on to another command)."""
+    return re.findall(r"(?<![\w-])--?[a-z][a-z0-9-]*", re.sub(r"'[^']*'|\"[^\"]*\"", "", args))
+
+
+BENCH_CMD = re.compile(rf"(?<![\w./-])((?:benchmarks/)?(?:{'|'.join(BENCH_FOLDERS)})/\w+\.py)([^`\n|;&)]*)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_documented_benchmark_flags_exist(page: Path) -> None:
+    """Every flag a page passes to a benchmark script is one that script (or a benchmarks module
+    it imports) defines."""
+    unknown = []
+    for span in _code(page.read_text()):
+        for m in BENCH_CMD.finditer(span):
+            script = ROOT / "benchmarks" / m.group(1).removeprefix("benchmarks/")
+            if not script.is_file():
+                continue  # test_named_scripts_exist reports it
+            source = script.read_text()
+            for module in re.findall(r"from benchmarks\.([\w.]+) import", source):
+                imported = ROOT / "benchmarks" / (module.replace(".", "/") + ".py")
+                source += imported.read_text() if imported.is_file() else ""
+            unknown += [f"{m.group(1)} {flag}" for flag in _flags(m.group(2))
+                        if f'"{flag}"' not in source and f"'{flag}'" not in source]
+    assert not unknown, f"{page.relative_to(ROOT)}: flags no script defines: {sorted(set(unknown))}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_documented_pagedserve_flags_exist(page: Path) -> None:
+    """Every flag a page passes to `pagedserve <command>` is one that command's parser takes."""
+    flags_page = _script("flags_page")
+    commands = flags_page.commands()
+    known = {name: {o for a in flags_page.command_parser(name)._actions for o in a.option_strings} for name in commands}
+    call = re.compile(rf"pagedserve\s+({'|'.join(map(re.escape, commands))})\b([^`\n|]*)")
+    unknown = [f"pagedserve {m.group(1)} {flag}" for span in _code(page.read_text()) for m in call.finditer(span)
+               for flag in _flags(m.group(2)) if flag not in known[m.group(1)]]
+    assert not unknown, f"{page.relative_to(ROOT)}: flags the command does not take: {sorted(set(unknown))}"
 
 
 def test_readme_stays_short() -> None:
