@@ -106,25 +106,23 @@ class EngineConfig:
         """The parsed speculative-decoding settings, None when off."""
         return self.speculative_config if isinstance(self.speculative_config, SpeculativeConfig) else None
 
-    def resolve_max_model_len(self, max_position_embeddings: int, sliding_window: int | None) -> int:
+    def resolve_max_model_len(self, max_position_embeddings: int, exact: tuple[int, str] | None) -> int:
         """The served context: `max_model_len` if given, else the model's `max_position_embeddings`
-        (never past it). The paged kernels attend to every cached token, so a model with a sliding
-        window is exact only while each sequence fits in the window (a query at position p attends
-        positions > p - window, the whole sequence when it is no longer than the window): without a
-        `max_model_len` the context is clamped to the window (logged); a longer `max_model_len`
-        is refused with ValueError."""
+        (never past it). `exact` is `ModelSpec.exact_context()`: the longest context the engine
+        serves exactly and why (a sliding window: the paged kernels attend to every cached token,
+        which equals windowed attention while each sequence fits in the window, as a query at
+        position p attends positions > p - window). Without a `max_model_len` the context is
+        clamped to it (logged); a longer `max_model_len` is refused with ValueError."""
         length = min(self.max_model_len or max_position_embeddings, max_position_embeddings)
-        if sliding_window is None or sliding_window >= length:
+        if exact is None or exact[0] >= length:
             return length
+        limit, reason = exact
         if self.max_model_len is not None:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's sliding window of {sliding_window} tokens; "
-                "sliding-window attention is not implemented, so only contexts within the window are exact: "
-                f"pass max_model_len <= {sliding_window} (or leave it unset)")
-        log.info("max_model_len clamped to the sliding window: full attention equals windowed attention "
-                 "while every sequence fits in the window", max_model_len=sliding_window,
-                 max_position_embeddings=max_position_embeddings, sliding_window=sliding_window)
-        return sliding_window
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds {reason}, the longest context served "
+                             f"exactly here: pass max_model_len <= {limit} (or leave it unset)")
+        log.info(f"max_model_len clamped to {reason}: attention is exact while every sequence fits",
+                 max_model_len=limit, max_position_embeddings=max_position_embeddings)
+        return limit
 
     def token_budget(self, device_type: str) -> int:
         """Tokens one step may run: the configured budget, else the device's default."""

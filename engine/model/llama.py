@@ -20,7 +20,7 @@ from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
 from engine.model.quant_linear import BF16_LINEARS, EXACT_ROWS, QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
-from engine.model.rope import RotaryEmbedding
+from engine.model.rope import RotaryEmbedding, partial_rotary_order
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec, UnsupportedModelError
 
@@ -154,7 +154,7 @@ class LlamaBackbone(nn.Module):
         layer_cls = PostNormDecoderLayer if spec.post_norms else LlamaDecoderLayer
         self.layers = nn.ModuleList(layer_cls(spec, shard, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings)
+        self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings, spec.rotary_dim)
 
 
 def _embedding(spec: ModelSpec, shard: TPShard) -> nn.Embedding:
@@ -179,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
             raise UnsupportedModelError(
                 f"{spec.model_type}: tensor parallelism is not supported with q/k RMSNorm over the whole "
                 "projection (its mean of squares spans every rank's heads); use tensor_parallel_size 1")
+        if shard.size > 1 and spec.fused_checkpoint:
+            raise UnsupportedModelError(
+                f"{spec.model_type}: tensor parallelism is not supported for checkpoints that store qkv_proj and "
+                "gate_up_proj fused (their per-rank slices are not cut); use tensor_parallel_size 1")
         self.spec = spec
         self.shard = shard
         self.model = LlamaBackbone(spec, shard)
@@ -314,10 +318,39 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                                  f"model {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded.add(target if rows is None else f"{target}[{rows[0]}]")
+            loaded.update(self._filled(target, rows))
         missing = sorted(self._expected_weights() - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        if self.spec.rotary_dim is not None:
+            self._permute_partial_rotary()
+
+    def _filled(self, target: str, rows: tuple[int, int] | None) -> list[str]:
+        """The `_expected_weights` entries a copy into `target` (at `rows`) fills: every shard of a
+        fused parameter the checkpoint stores whole (Phi-3's qkv_proj, gate_up_proj)."""
+        if rows is not None:
+            return [f"{target}[{rows[0]}]"]
+        fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in target), None)
+        if fused is None:
+            return [target]
+        sizes = self._shard_sizes(fused)
+        return [f"{target}[{sum(sizes[:i])}]" for i in range(len(sizes))]
+
+    def _permute_partial_rotary(self) -> None:
+        """Reorder each q and k head's rows of qkv_proj (and bias) by `partial_rotary_order`, the
+        layout the kernels rotate with the partial table (`RotaryEmbedding`)."""
+        spec = self.spec
+        assert spec.rotary_dim is not None
+        d = spec.head_dim
+        order = partial_rotary_order(d, spec.rotary_dim)
+        for layer in self.model.layers:
+            attn: LlamaAttention = layer.self_attn  # type: ignore[assignment]
+            index = torch.cat([h * d + order for h in range(attn.num_heads + attn.num_kv_heads)])
+            qkv: Tensor | None
+            for qkv in (attn.qkv_proj.weight, attn.qkv_proj.bias):
+                if qkv is not None:
+                    head_rows = qkv.data[: index.numel()]
+                    head_rows.copy_(head_rows.index_select(0, index.to(qkv.device)))
 
     def _rank_slice(self, name: str, tensor: Tensor) -> Tensor | None:
         """`tensor` cut to this rank's slice; None when the rank does not hold it."""

@@ -1,8 +1,14 @@
 """Rotary position embedding: inverse frequencies per `rope_type` and the cos/sin rotation.
 
-Supported: default, linear, llama3, yarn. `dynamic` (NTK rescaled by the running sequence
-length) would change the rotation of keys already in the paged cache, and `longrope` picks its
-factors by sequence length too; both are rejected with a clear error instead of being approximated.
+Supported: default, linear, dynamic, llama3, yarn, longrope. transformers' `dynamic` (NTK)
+rescales only once a sequence grows past max_position_embeddings, which the engine never serves,
+so within it `dynamic` is the default rotation. `longrope` uses its short factors up to
+original_max_position_embeddings and switches every position to the long ones past it (which
+would change the rotation of keys already cached): the engine serves no longer context
+(`ModelSpec.exact_context`). Partial rotary (`rotary_dim` <
+head_dim, Phi-3/Phi-4-mini) is served by a table whose unrotated slots are the identity and a
+fixed permutation of each q/k head's dimensions (`partial_rotary_order`). Other types are
+rejected with a clear error instead of being approximated.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -61,11 +67,40 @@ def _yarn(theta: float, dim: int, params: dict[str, Any], max_pos: int) -> tuple
     return base / factor * (1 - extrapolate) + base * extrapolate, float(attention)
 
 
+def _longrope(theta: float, dim: int, params: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE with its short factors (the rotation up to original_max_position_embeddings), and
+    its attention factor (default sqrt(1 + ln(factor) / ln(original length)))."""
+    old_len = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or max_pos / old_len
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    short = torch.tensor(params["short_factor"], dtype=torch.float32)
+    if short.shape != (dim // 2,):
+        raise ValueError(f"longrope short_factor has {short.numel()} entries; rotary dimension {dim} needs {dim // 2}")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (short * theta**exponents), float(attention)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """`order[j]`: the HF head dimension that sits at position j of a permuted q/k head. HF rotates
+    dims `[0, rotary_dim)` in half-split pairs `(i, i + rotary_dim/2)` and passes the rest; the
+    kernels rotate pairs `(j, j + head_dim/2)`. The order puts HF pair i at `(i, i + head_dim/2)`
+    and the passed dims in the remaining slots, whose table entries are the identity. q and k
+    permuted alike keep every q.k, so attention is unchanged (v and o_proj are untouched)."""
+    half, rot_half = head_dim // 2, rotary_dim // 2
+    passed = torch.arange(rotary_dim, head_dim)
+    low = torch.cat([torch.arange(rot_half), passed[: half - rot_half]])
+    high = torch.cat([torch.arange(rot_half, rotary_dim), passed[half - rot_half :]])
+    return torch.cat([low, high])
+
+
 def rope_inv_freq(params: dict[str, Any], head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies `[head_dim // 2]` (fp32) and the cos/sin scale for these rope parameters."""
+    """Inverse frequencies `[head_dim // 2]` (fp32) and the cos/sin scale for these rope parameters
+    (`head_dim`: the rotated dimensions, all of a head's unless partial)."""
     rope_type = params.get("rope_type", "default")
     theta = float(params.get("rope_theta", 10000.0))
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):  # dynamic: see the module docstring
         return _base_inv_freq(theta, head_dim), 1.0
     if rope_type == "linear":
         return _base_inv_freq(theta, head_dim) / float(params["factor"]), 1.0
@@ -73,6 +108,8 @@ def rope_inv_freq(params: dict[str, Any], head_dim: int, max_pos: int) -> tuple[
         return _llama3(_base_inv_freq(theta, head_dim), params), 1.0
     if rope_type == "yarn":
         return _yarn(theta, head_dim, params, max_pos)
+    if rope_type == "longrope":
+        return _longrope(theta, head_dim, params, max_pos)
     supported = ", ".join(SUPPORTED_ROPE_TYPES)
     raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {supported}")
 
@@ -96,11 +133,14 @@ class RotaryEmbedding(nn.Module):
     sines, the variant's scale folded in) that `ops.rotary_embedding_and_cache` reads by position.
     """
 
-    def __init__(self, params: dict[str, Any], head_dim: int, max_pos: int) -> None:
+    def __init__(self, params: dict[str, Any], head_dim: int, max_pos: int, rotary_dim: int | None = None) -> None:
+        """`rotary_dim` < head_dim: partial rotary; the table's last `(head_dim - rotary_dim) / 2`
+        frequency slots are the identity (cos 1, sin 0), for heads in `partial_rotary_order`."""
         super().__init__()
         self.max_pos = max_pos
+        self.identity_slots = (head_dim - (rotary_dim or head_dim)) // 2
         with torch.device("cpu"):  # plain tensors, not buffers: real even when built on "meta"
-            self.inv_freq, self.scale = rope_inv_freq(params, head_dim, max_pos)
+            self.inv_freq, self.scale = rope_inv_freq(params, rotary_dim or head_dim, max_pos)
             self._table = torch.empty(0, head_dim)
 
     def table(self, positions: torch.Tensor) -> torch.Tensor:
@@ -117,7 +157,11 @@ class RotaryEmbedding(nn.Module):
             length = max(needed, 2 * self._table.shape[0], min(4096, self.max_pos))
             pos = torch.arange(length, dtype=torch.float32, device=positions.device)
             freqs = torch.outer(pos, self.inv_freq.to(positions.device))
-            self._table = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.scale
+            if self.identity_slots:
+                ones = torch.ones(length, self.identity_slots, device=positions.device)
+                self._table = torch.cat((freqs.cos() * self.scale, ones, freqs.sin() * self.scale, 0 * ones), dim=-1)
+            else:
+                self._table = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.scale
         return self._table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3")
 QK_NORMS = ("head", "projection")
 
 
@@ -76,6 +76,8 @@ class ModelSpec:
     residual_multiplier: float = 1.0  # Granite: each block's output scaled by it before the residual add
     logits_scaling: float = 1.0  # Granite: logits divided by it
     rope_layers: tuple[bool, ...] | None = None  # SmolLM3: per layer, whether rotary applies; None: every layer
+    rotary_dim: int | None = None  # Phi-3 partial rotary: the rotated dims of a head (< head_dim); None: all
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -89,6 +91,10 @@ class ModelSpec:
             raise UnsupportedModelError(f"{len(self.rope_layers)} per-layer rope flags for {self.num_layers} layers")
         if self.logits_scaling <= 0:
             raise UnsupportedModelError(f"logits_scaling must be > 0, got {self.logits_scaling}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0
+                                                and self.head_dim % 2 == 0 and self.qk_norm is None):
+            raise UnsupportedModelError(f"partial rotary of {self.rotary_dim} of head_dim {self.head_dim} dims "
+                                        "(an even count below an even head_dim, without q/k norms, is supported)")
 
     @property
     def llama_layout(self) -> bool:
@@ -96,7 +102,21 @@ class ModelSpec:
         loader implement."""
         return (self.qk_norm is None and not self.post_norms and self.embedding_multiplier == 1.0
                 and self.attention_multiplier is None and self.residual_multiplier == 1.0
-                and self.logits_scaling == 1.0 and (self.rope_layers is None or all(self.rope_layers)))
+                and self.logits_scaling == 1.0 and (self.rope_layers is None or all(self.rope_layers))
+                and self.rotary_dim is None and not self.fused_checkpoint)
+
+    def exact_context(self) -> tuple[int, str] | None:
+        """`(tokens, reason)`: the longest context served exactly when something bounds it below
+        max_position_embeddings (a sliding window, which the paged kernels do not apply; longrope's
+        switch to its long factors); None when nothing does."""
+        limits = []
+        if self.sliding_window is not None:
+            limits.append((self.sliding_window, f"the model's sliding window of {self.sliding_window} tokens"))
+        if self.rope.get("rope_type") == "longrope":
+            rope_limit = int(self.rope["original_max_position_embeddings"])
+            limits.append((rope_limit, f"longrope's original_max_position_embeddings {rope_limit} (past it the "
+                                       "rotation of every position changes to the long factors)"))
+        return min(limits) if limits else None
 
     def uses_rope(self, layer: int) -> bool:
         """Whether rotary embedding applies in decoder layer `layer` (False: a NoPE layer)."""
@@ -152,6 +172,12 @@ def _family_options(config: Any) -> dict[str, Any]:
                 "logits_scaling": float(config.logits_scaling)}
     if model_type == "smollm3":  # no_rope_layers[i]: 1 = layer i applies rotary, 0 = a NoPE layer
         return {"rope_layers": tuple(bool(flag) for flag in config.no_rope_layers)}
+    if model_type == "phi3":
+        params = getattr(config, "rope_parameters", None) or {}
+        factor = float(params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+        head_dim = kv_geometry(config)[2]
+        rotary_dim = int(head_dim * factor)
+        return {"rotary_dim": rotary_dim if rotary_dim < head_dim else None, "fused_checkpoint": True}
     return {}
 
 
@@ -160,7 +186,8 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    params.setdefault("original_max_position_embeddings",
+                      getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
     return params
 
 

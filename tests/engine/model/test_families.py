@@ -1,7 +1,8 @@
-"""Qwen3, Granite, OLMo 2 and SmolLM3 on the shared Llama layers: small random fp32 models of each
+"""Qwen3, Granite, OLMo 2, SmolLM3 and Phi-3 on the shared Llama layers: small random fp32 models of each
 family give HF's teacher-forced logits through the paged cache (chunked prefill, then decode) and
 the engine's greedy tokens equal HF generate's (chunked prefill, a prefix hit); paths that do not
-implement a family's options (GGUF, the fused CPU decoder, tensor parallelism for OLMo 2) refuse."""
+implement a family's options (GGUF, the fused CPU decoder, tensor parallelism for OLMo 2 and
+Phi-3) refuse."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # transformers' default no_rope_layers for 4 layers: [1, 1, 1, 0] (every 4th layer without rotary)
     "smollm3": ("smollm3", {"num_hidden_layers": 4}),
     "smollm3-nope-first": ("smollm3", {"num_hidden_layers": 3, "no_rope_layers": [0, 1, 0]}),
+    "phi3": ("phi3", {}),  # qkv_proj and gate_up_proj fused in the checkpoint
+    # Phi-4-mini's shape: 12 of 16 head dims rotated, longrope (short factors up to position 64)
+    "phi3-partial-longrope": ("phi3", {"original_max_position_embeddings": 64, "rope_parameters": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+        "original_max_position_embeddings": 64}}),
+    # transformers rescales dynamic NTK only past max_position_embeddings: the default rotation here
+    "llama-dynamic-rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                         "factor": 4.0}}),
 }
 
 
@@ -157,6 +167,18 @@ def test_qwen3_sliding_window_is_served_within_it(tmp_path: Path) -> None:
         LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, max_model_len=48)
 
 
+def test_longrope_is_served_within_its_short_factors(tmp_path: Path) -> None:
+    model_type, overrides = FAMILIES["phi3-partial-longrope"]
+    directory = make_family_dir(tmp_path, model_type, seed=6, **overrides)
+    llm = LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20)
+    assert llm.engine.max_model_len == 64
+    prompt = prompt_ids(50, 3)  # 50 + 14 tokens: the last rotated position is 63
+    params = SamplingParams(temperature=0.0, max_tokens=14, min_tokens=14)
+    assert generated(llm.generate([prompt], params)) == hf_greedy(directory, [prompt], 14)
+    with pytest.raises(ValueError, match="longrope's original_max_position_embeddings 64"):
+        LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, max_model_len=128)
+
+
 def test_gguf_of_a_new_family_is_refused(tmp_path: Path) -> None:
     from transformers import AutoConfig
 
@@ -173,6 +195,15 @@ def test_tensor_parallel_olmo2_is_refused() -> None:
     spec = ModelSpec.from_hf_config(AutoConfig.for_model("olmo2", num_hidden_layers=2, hidden_size=64,
                                                          num_attention_heads=4, intermediate_size=128))
     with torch.device("meta"), pytest.raises(UnsupportedModelError, match="tensor parallelism is not supported"):
+        LlamaForCausalLM(spec, TPShard(rank=0, size=2))
+
+
+def test_tensor_parallel_phi3_is_refused() -> None:
+    from transformers import AutoConfig
+
+    spec = ModelSpec.from_hf_config(AutoConfig.for_model("phi3", num_hidden_layers=2, hidden_size=64,
+                                                         num_attention_heads=4, intermediate_size=128))
+    with torch.device("meta"), pytest.raises(UnsupportedModelError, match="qkv_proj and gate_up_proj fused"):
         LlamaForCausalLM(spec, TPShard(rank=0, size=2))
 
 

@@ -82,13 +82,14 @@ def test_spec_reads_the_window_of_sliding_layers_only(tmp_path: Path) -> None:
 
 
 def test_context_is_clamped_to_the_window_unless_asked_for() -> None:
-    assert EngineConfig(model="m").resolve_max_model_len(256, WINDOW) == WINDOW
+    window = (WINDOW, f"the model's sliding window of {WINDOW} tokens")
+    assert EngineConfig(model="m").resolve_max_model_len(256, window) == WINDOW
     assert EngineConfig(model="m").resolve_max_model_len(256, None) == 256
-    assert EngineConfig(model="m").resolve_max_model_len(16, WINDOW) == 16  # the window never binds
-    assert EngineConfig(model="m", max_model_len=20).resolve_max_model_len(256, WINDOW) == 20
-    assert EngineConfig(model="m", max_model_len=WINDOW).resolve_max_model_len(256, WINDOW) == WINDOW
+    assert EngineConfig(model="m").resolve_max_model_len(16, window) == 16  # the window never binds
+    assert EngineConfig(model="m", max_model_len=20).resolve_max_model_len(256, window) == 20
+    assert EngineConfig(model="m", max_model_len=WINDOW).resolve_max_model_len(256, window) == WINDOW
     with pytest.raises(ValueError, match=f"sliding window of {WINDOW} tokens"):
-        EngineConfig(model="m", max_model_len=WINDOW + 1).resolve_max_model_len(256, WINDOW)
+        EngineConfig(model="m", max_model_len=WINDOW + 1).resolve_max_model_len(256, window)
 
 
 def test_engine_refuses_a_context_longer_than_the_window(mistral_dir: Path) -> None:
