@@ -19,7 +19,9 @@ Flow (protocol version 2; see `docs/stream-layout.md` for the layout and the mig
   of a gateway whose key is gone.
 - ``{prefix}:epoch``: a random token set once per Redis dataset; a changed or missing token
   means Redis restarted without persistence and every in-flight request is lost.
-- engine ``HSET {prefix}:engine:<engine_id>`` (EngineHeartbeat.to_hash()) with a TTL.
+- engine ``HSET {prefix}:engine:<engine_id>`` (EngineHeartbeat.to_hash()) with a TTL, and
+  ``ZADD {prefix}:engines <time> <engine_id>`` in the same MULTI/EXEC: readers discover
+  engines from that sorted set, never by SCAN (`common.engine_set`).
 - engine ``RPUSH {prefix}:progress:<request_id> <OutputMessage.checkpoint().encode()>`` in the
   same MULTI/EXEC as each output (tokens and finish state only), with a TTL; `merge_progress`
   folds the list back.

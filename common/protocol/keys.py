@@ -38,8 +38,14 @@ class Keys:
 
     @property
     def engine_pattern(self) -> str:
-        """SCAN pattern matching every engine heartbeat hash."""
+        """Pattern matching every engine heartbeat hash (for operators; discovery reads
+        `engines` and never scans)."""
         return f"{self.prefix}:engine:*"
+
+    @property
+    def engines(self) -> str:
+        """Sorted set of engine ids scored by their last heartbeat's time (`common.engine_set`)."""
+        return f"{self.prefix}:engines"
 
     def out(self, gateway_id: str) -> str:
         """The gateway's output stream (read by id)."""

@@ -17,7 +17,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from common.protocol import EngineHeartbeat, Keys
+from common.engine_set import queue_beat, queue_removal, read_heartbeats
+from common.protocol import EngineHeartbeat, Keys, ProtocolError
 
 
 def flatten_stats(stats: dict[str, Any]) -> dict[str, float]:
@@ -64,7 +65,8 @@ def model_config_hash(model_dir: str) -> str:
 
 
 class Heartbeat:
-    """Writes ``{prefix}:engine:<id>`` with a TTL of `ttl_s`; `last_ok` is when a write last
+    """Writes ``{prefix}:engine:<id>`` with a TTL of `ttl_s` and its member of
+    ``{prefix}:engines``; `last_ok` is when a write last
     succeeded (monotonic), `suspect` is set when the key may have expired in between."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, engine_id: str, model: str, tokenizer: str,
@@ -99,13 +101,12 @@ class Heartbeat:
         return not self.suspect and time.monotonic() - self.last_ok < self.ttl_s - margin_s
 
     async def beat(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> None:
-        """Replace the hash (stale stat fields disappear) and set its TTL, atomically."""
-        fields = self.build(stats, pool, extra).to_hash()
+        """Replace the hash (stale stat fields disappear), set its TTL and score this engine
+        in the set of live engines, atomically (`common.engine_set`)."""
+        heartbeat = self.build(stats, pool, extra)
         sent = time.monotonic()
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.delete(self.key)
-            pipe.hset(self.key, mapping=fields)  # type: ignore[arg-type]
-            pipe.pexpire(self.key, self.ttl_ms)
+            queue_beat(pipe, self.keys, heartbeat, self.ttl_ms)
             await pipe.execute()
         if self.beats and sent - self.last_ok >= self.ttl_s:
             self.suspect = True  # the key may have expired meanwhile: others may own our work now
@@ -115,11 +116,11 @@ class Heartbeat:
     async def conflicts(self) -> list[str]:
         """Live engines announcing this model name with other weights, tokenizer or length."""
         found = []
-        async for key in self.client.scan_iter(match=self.keys.engine_pattern, count=100):
-            raw = await self.client.hgetall(key)
-            if not raw:
-                continue
-            other = EngineHeartbeat.from_hash(raw)
+        for raw in await read_heartbeats(self.client, self.keys, None):
+            try:
+                other = EngineHeartbeat.from_hash(raw)
+            except ProtocolError:
+                continue  # not a heartbeat an engine wrote: it serves nothing
             if other.engine_id == self.engine_id or other.model != self.model:
                 continue
             mine = (self.config_hash, self.vocab_size, self.max_model_len)
@@ -128,4 +129,7 @@ class Heartbeat:
         return found
 
     async def remove(self) -> None:
-        await self.client.delete(self.key)
+        """A clean stop: the hash and the set member go at once."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            queue_removal(pipe, self.keys, self.engine_id)
+            await pipe.execute()

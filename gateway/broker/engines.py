@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from common.engine_set import read_heartbeats
 from common.log import get_logger
 from common.protocol import EngineHeartbeat, Keys, ProtocolError
 from gateway.text.tokenizer import ModelTokenizer
@@ -28,7 +29,8 @@ class ModelInfo:
 
 
 class EngineRegistry:
-    """Reads engine heartbeats from Redis, cached for `cache_s` seconds."""
+    """Reads engine heartbeats from Redis (the set of live engines, then their hashes), cached
+    for `cache_s` seconds."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, static_models: tuple[tuple[str, str], ...],
                  stale_s: float, cache_s: float = 1.0) -> None:
@@ -41,7 +43,7 @@ class EngineRegistry:
         self._cached_at = -1e9
         self._tokenizers: dict[str, ModelTokenizer] = {}
         self._tokenizer_lock = asyncio.Lock()
-        self._refresh_lock = asyncio.Lock()  # one SCAN at a time: a burst must not scan once per request
+        self._refresh_lock = asyncio.Lock()  # one read at a time: a burst must not read once per request
 
     async def live_engines(self, refresh: bool = False) -> list[EngineHeartbeat]:
         """Heartbeats younger than `stale_s`. Raises RedisError when Redis is down."""
@@ -51,14 +53,12 @@ class EngineRegistry:
         async with self._refresh_lock:
             if self._cached_at >= asked:  # refreshed by another caller while we waited
                 return self._cached
-            return await self._scan()
+            return await self._read()
 
-    async def _scan(self) -> list[EngineHeartbeat]:
-        keys = [key async for key in self.client.scan_iter(match=self.keys.engine_pattern, count=100)]
-        async with self.client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.hgetall(key)
-            hashes = await pipe.execute() if keys else []
+    async def _read(self) -> list[EngineHeartbeat]:
+        """The set of live engines (`common.engine_set`), pruned of members older than
+        `stale_s`; no SCAN, whatever else the Redis holds."""
+        hashes = await read_heartbeats(self.client, self.keys, self.stale_s)
         now = time.time()
         engines = []
         for raw in hashes:

@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp import ClientResponse
 
+from common.engine_set import queue_beat
 from common.protocol import EngineHeartbeat
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_stats import SHARED, USED, block_tables, pool_snapshot
@@ -74,9 +75,10 @@ async def test_engines_stream_relays_heartbeats(gateway: Gateway) -> None:
     pool, tables = busy_pool()
     beat = EngineHeartbeat("kv-0", "tiny", "/tok", 512, time.time(),
                            {"num_blocks": 32.0, "num_used_blocks": 4.0, "preemptions_swap": 1.0}, pool, tables)
-    await gateway.redis.hset(gateway.engine.keys.engine("kv-0"), mapping=beat.to_hash())  # type: ignore[arg-type]
-    await gateway.redis.hset(gateway.engine.keys.engine("old"), mapping=EngineHeartbeat(  # type: ignore[arg-type]
-        "old", "tiny", "/tok", 512, time.time() - 3600).to_hash())
+    async with gateway.redis.pipeline(transaction=True) as pipe:
+        queue_beat(pipe, gateway.engine.keys, beat, 30_000)
+        queue_beat(pipe, gateway.engine.keys, EngineHeartbeat("old", "tiny", "/tok", 512, time.time() - 3600), 30_000)
+        await pipe.execute()
     async with gateway.client.get("/v1/engines/stream?interval=0.25") as resp:
         event = await first_event(resp)
         second = await first_event(resp)
