@@ -178,6 +178,28 @@ def test_documented_pagedserve_flags_exist(page: Path) -> None:
     assert not unknown, f"{page.relative_to(ROOT)}: flags the command does not take: {sorted(set(unknown))}"
 
 
+def test_readme_claims_only_supported_models_and_formats() -> None:
+    """The README's model types are ones ModelSpec accepts and its GGUF formats are in the format
+    table, each run as the README says (packed or dequantized at load)."""
+    from engine.model.spec import SUPPORTED_MODEL_TYPES
+    from ops.reference import formats
+
+    text = (ROOT / "README.md").read_text()
+    types_line = re.search(r"\*\*Model types\*\*.*?from a Hugging Face", text, re.S)
+    assert types_line, "README.md: the 'Model types' bullet is gone"
+    named = re.findall(r"`(\w+)`", types_line.group(0).split(":", 1)[1])
+    assert named and set(named) <= set(SUPPORTED_MODEL_TYPES), (named, SUPPORTED_MODEL_TYPES)
+    gguf = re.search(r"\*\*GGUF files\*\*.*?refused by name", text, re.S)
+    assert gguf, "README.md: the 'GGUF files' bullet is gone"
+    packed, rest = gguf.group(0).split("stay packed", 1)
+    dequantized = rest.split("dequantized to fp32 at load", 1)[0]
+    assert re.findall(r"\b(Q\d_\w+|IQ4_\w+)\b", packed), "README.md names no packed format"
+    for name in re.findall(r"\b(Q\d_\w+|IQ4_\w+)\b", packed):
+        assert formats.BY_NAME[name].runs == formats.PACKED, name
+    for name in re.findall(r"\b(Q\d_\w+|IQ4_\w+)\b", dequantized.replace("Q2_K–Q6_K", "Q2_K Q6_K")):
+        assert formats.BY_NAME[name].runs == formats.DEQUANTIZED, name
+
+
 def test_readme_stays_short() -> None:
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= 260, f"README.md has {lines} lines; the details belong in docs/"
