@@ -90,15 +90,27 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """`down(silu(gate(x)) * up(x))` with gate and up stacked in one matmul."""
+    """`down(act(gate(x)) * up(x))` with gate and up stacked in one matmul; `act` is silu (SwiGLU,
+    the fused op) or gelu_pytorch_tanh (GeGLU, Gemma 3: torch's tanh-approximate GELU, as
+    transformers computes it)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, shard: TPShard = SINGLE,
+                 activation: str = "silu") -> None:
         """`intermediate_size` is this rank's share (the whole of it for size 1)."""
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported activation {activation!r}")
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias and shard.rank == 0)
+        self.activation = activation
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.shard.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        if self.activation == "silu":
+            hidden = ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.gelu(gate, approximate="tanh") * up
+        return self.shard.all_reduce(self.down_proj(hidden))

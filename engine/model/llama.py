@@ -111,7 +111,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
-        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard)
+        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard, spec.activation)
+        self.local_rope = spec.uses_local_rope(layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.residual_multiplier = spec.residual_multiplier
@@ -134,7 +135,8 @@ class PostNormDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
-        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard)
+        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard, spec.activation)
+        self.local_rope = spec.uses_local_rope(layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -145,16 +147,46 @@ class PostNormDecoderLayer(nn.Module):
         return stream + self.post_feedforward_layernorm(self.mlp(stream))[0], None
 
 
+class SandwichNormDecoderLayer(nn.Module):
+    """Gemma 3's layer: `h + post_norm(attn(pre_norm(h)))` then the same around the MLP. Like
+    `PostNormDecoderLayer` it returns the stream itself (no separate residual)."""
+
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
+        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard, spec.activation)
+        self.local_rope = spec.uses_local_rope(layer)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor | None]:
+        stream = hidden if residual is None else hidden + residual
+        attn = self.self_attn(rope, self.input_layernorm(stream)[0], kv_cache, meta)
+        stream = stream + self.post_attention_layernorm(attn)[0]
+        mlp = self.mlp(self.pre_feedforward_layernorm(stream)[0])
+        return stream + self.post_feedforward_layernorm(mlp)[0], None
+
+
 class LlamaBackbone(nn.Module):
     """Embedding, decoder layers and final norm (the HF `model.` prefix)."""
 
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = _embedding(spec, shard)
-        layer_cls = PostNormDecoderLayer if spec.post_norms else LlamaDecoderLayer
+        layer_cls: type[nn.Module] = LlamaDecoderLayer
+        if spec.post_norms:
+            layer_cls = PostNormDecoderLayer
+        elif spec.sandwich_norms:
+            layer_cls = SandwichNormDecoderLayer
         self.layers = nn.ModuleList(layer_cls(spec, shard, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.rope, spec.head_dim, spec.max_position_embeddings, spec.rotary_dim)
+        self.local_rotary_emb = (None if spec.local_rope is None else  # Gemma 3's sliding layers
+                                 RotaryEmbedding(spec.local_rope, spec.head_dim, spec.max_position_embeddings,
+                                                 spec.rotary_dim))
 
 
 def _embedding(spec: ModelSpec, shard: TPShard) -> nn.Embedding:
@@ -210,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
         if self.spec.embedding_multiplier != 1.0:
             hidden = hidden * self.spec.embedding_multiplier
         rope = (positions, self.model.rotary_emb.table(positions))  # shared by every layer
+        local = self.model.local_rotary_emb
+        local_rope = rope if local is None else (positions, local.table(positions))
         fused = self.fused_decoder()
         exact_rows = meta.num_prefill_tokens if self.exact_prompt_rows else 0  # prompt rows on fp32 activations
         bf16 = self.bf16_linears and ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens)
@@ -220,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
         exact, bf16_token = EXACT_ROWS.set(exact_rows), BF16_LINEARS.set(bf16)
         try:
             for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+                hidden, residual = layer(local_rope if layer.local_rope else rope, hidden, residual, kv_cache, meta)
         finally:
             EXACT_ROWS.reset(exact)
             BF16_LINEARS.reset(bf16_token)
@@ -318,6 +352,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                                  f"model {tuple(dest.shape)}")
             dest.copy_(tensor)
+            if self.spec.norm_offset and target.endswith("norm.weight"):
+                dest.add_(self.spec.norm_offset)  # Gemma's (1 + w): the same fp32 sum HF takes per call
             loaded.update(self._filled(target, rows))
         missing = sorted(self._expected_weights() - loaded)
         if missing:

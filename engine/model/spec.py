@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text")
 QK_NORMS = ("head", "projection")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the gated MLP's gate (layers.SwiGLU)
 
 
 class UnsupportedModelError(ValueError):
@@ -78,6 +79,11 @@ class ModelSpec:
     rope_layers: tuple[bool, ...] | None = None  # SmolLM3: per layer, whether rotary applies; None: every layer
     rotary_dim: int | None = None  # Phi-3 partial rotary: the rotated dims of a head (< head_dim); None: all
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
+    activation: str = "silu"  # the MLP gate's activation (Gemma 3: gelu_pytorch_tanh)
+    norm_offset: float = 0.0  # Gemma 3: every RMSNorm scales by (offset + weight); folded into the weights at load
+    sandwich_norms: bool = False  # Gemma 3: RMSNorm before and after attention and MLP
+    local_rope: dict[str, Any] | None = None  # Gemma 3: the rope parameters of the `local_layers`
+    local_layers: tuple[bool, ...] | None = None  # Gemma 3: per layer, whether it takes `local_rope`
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -87,6 +93,12 @@ class ModelSpec:
             )
         if self.qk_norm not in (None, *QK_NORMS):
             raise UnsupportedModelError(f"unknown qk_norm {self.qk_norm!r}; known: {', '.join(QK_NORMS)}")
+        if self.activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported activation {self.activation!r}; "
+                                        f"supported: {', '.join(ACTIVATIONS)}")
+        if self.local_layers is not None and (len(self.local_layers) != self.num_layers or self.local_rope is None):
+            raise UnsupportedModelError(f"{len(self.local_layers)} per-layer local-rope flags for {self.num_layers} "
+                                        "layers (or no local rope parameters)")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.rope_layers)} per-layer rope flags for {self.num_layers} layers")
         if self.logits_scaling <= 0:
@@ -103,7 +115,8 @@ class ModelSpec:
         return (self.qk_norm is None and not self.post_norms and self.embedding_multiplier == 1.0
                 and self.attention_multiplier is None and self.residual_multiplier == 1.0
                 and self.logits_scaling == 1.0 and (self.rope_layers is None or all(self.rope_layers))
-                and self.rotary_dim is None and not self.fused_checkpoint)
+                and self.rotary_dim is None and not self.fused_checkpoint and self.activation == "silu"
+                and self.norm_offset == 0.0 and not self.sandwich_norms and self.local_layers is None)
 
     def exact_context(self) -> tuple[int, str] | None:
         """`(tokens, reason)`: the longest context served exactly when something bounds it below
@@ -117,6 +130,10 @@ class ModelSpec:
             limits.append((rope_limit, f"longrope's original_max_position_embeddings {rope_limit} (past it the "
                                        "rotation of every position changes to the long factors)"))
         return min(limits) if limits else None
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether decoder layer `layer` rotates with `local_rope` (Gemma 3's sliding layers)."""
+        return self.local_layers is not None and self.local_layers[layer]
 
     def uses_rope(self, layer: int) -> bool:
         """Whether rotary embedding applies in decoder layer `layer` (False: a NoPE layer)."""
@@ -132,8 +149,9 @@ class ModelSpec:
                 f"unsupported model architecture {model_type!r} ({archs}); "
                 f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"unsupported activation {config.hidden_act!r} (only silu)")
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
@@ -153,6 +171,7 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(config),
+            activation=activation,
             **_family_options(config),
         )
 
@@ -172,6 +191,8 @@ def _family_options(config: Any) -> dict[str, Any]:
                 "logits_scaling": float(config.logits_scaling)}
     if model_type == "smollm3":  # no_rope_layers[i]: 1 = layer i applies rotary, 0 = a NoPE layer
         return {"rope_layers": tuple(bool(flag) for flag in config.no_rope_layers)}
+    if model_type == "gemma3_text":
+        return _gemma3_options(config)
     if model_type == "phi3":
         params = getattr(config, "rope_parameters", None) or {}
         factor = float(params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
@@ -181,9 +202,28 @@ def _family_options(config: Any) -> dict[str, Any]:
     return {}
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
-    """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (transformers 4)."""
+def _gemma3_options(config: Any) -> dict[str, Any]:
+    """Gemma 3 text: (1 + w) norms before and after each block, q/k norms over head_dim, embeddings
+    times sqrt(hidden), softmax scale query_pre_attn_scalar^-0.5, the sliding layers' own rope."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise UnsupportedModelError(f"gemma3_text with {name} {getattr(config, name)} is not supported")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError("gemma3_text with use_bidirectional_attention is not supported (causal only)")
+    layer_types = list(config.layer_types)
+    return {"qk_norm": "head", "norm_offset": 1.0, "sandwich_norms": True,
+            "embedding_multiplier": float(config.hidden_size) ** 0.5,
+            "attention_multiplier": float(config.query_pre_attn_scalar) ** -0.5,
+            "local_rope": _rope_parameters(config, "sliding_attention"),
+            "local_layers": tuple(kind == "sliding_attention" for kind in layer_types)}
+
+
+def _rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """`rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (transformers 4); those
+    of `layer_type` where they are given per layer type (Gemma 3)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     params.setdefault("original_max_position_embeddings",
@@ -203,6 +243,8 @@ def _sliding_window(config: Any) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
+    if config.model_type == "gemma3_text":  # no switch: the layers layer_types marks slide
+        return int(window) if "sliding_attention" in (getattr(config, "layer_types", None) or []) else None
     if config.model_type in _LAYER_TYPED_WINDOW:
         if not getattr(config, "use_sliding_window", False):
             return None

@@ -1,8 +1,8 @@
-"""Qwen3, Granite, OLMo 2, SmolLM3 and Phi-3 on the shared Llama layers: small random fp32 models of each
-family give HF's teacher-forced logits through the paged cache (chunked prefill, then decode) and
-the engine's greedy tokens equal HF generate's (chunked prefill, a prefix hit); paths that do not
-implement a family's options (GGUF, the fused CPU decoder, tensor parallelism for OLMo 2 and
-Phi-3) refuse."""
+"""Qwen3, Granite, OLMo 2, SmolLM3, Phi-3 and Gemma 3 (text) on the shared Llama layers: small
+random fp32 models of each family give HF's teacher-forced logits through the paged cache (chunked
+prefill, then decode) and the engine's greedy tokens equal HF generate's (chunked prefill, a prefix
+hit); paths that do not implement a family's options (GGUF, the fused CPU decoder, tensor
+parallelism for OLMo 2 and Phi-3) refuse."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
         "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
         "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
         "original_max_position_embeddings": 64}}),
+    # sliding and full layers with their own rope theta (the window past every test's length),
+    # head_dim 32 and query_pre_attn_scalar 24: the softmax scale is not head_dim's
+    "gemma3": ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 256,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                               "num_hidden_layers": 3}),
     # transformers rescales dynamic NTK only past max_position_embeddings: the default rotation here
     "llama-dynamic-rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
                                                          "factor": 4.0}}),
@@ -92,6 +97,16 @@ def test_spec_reads_each_family() -> None:
     assert spec("smollm3").rope_layers == (True, True, True, False)
     assert all(not s.llama_layout for s in (qwen3, olmo2, granite, spec("smollm3")))
     assert spec("llama").llama_layout and spec("smollm3", no_rope_layers=[1, 1, 1, 1]).llama_layout
+    gemma = spec("gemma3_text", hidden_size=64, num_attention_heads=4, head_dim=16, query_pre_attn_scalar=16,
+                 layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                 sliding_window=512)
+    assert (gemma.activation, gemma.norm_offset, gemma.sandwich_norms, gemma.qk_norm) == (
+        "gelu_pytorch_tanh", 1.0, True, "head")
+    assert gemma.local_layers == (True, True, True, False) and gemma.sliding_window == 512
+    assert (gemma.rope["rope_theta"], gemma.local_rope and gemma.local_rope["rope_theta"]) == (1e6, 1e4)
+    assert (gemma.embedding_multiplier, gemma.attention_multiplier) == (8.0, 0.25)
+    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
+        spec("gemma3_text", final_logit_softcapping=30.0)
     # Qwen3's window routes through EngineConfig.resolve_max_model_len like Mistral's
     assert spec("qwen3", sliding_window=24).sliding_window is None  # use_sliding_window off
     assert spec("qwen3", sliding_window=24, use_sliding_window=True, max_window_layers=0).sliding_window == 24
@@ -207,7 +222,7 @@ def test_tensor_parallel_phi3_is_refused() -> None:
         LlamaForCausalLM(spec, TPShard(rank=0, size=2))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "granite", "smollm3-nope-first"])
+@pytest.mark.parametrize("family", ["qwen3", "granite", "smollm3-nope-first", "gemma3"])
 def test_tensor_parallel_greedy_matches_hf(family: str, tmp_path: Path) -> None:
     """Two ranks (gloo, spawned): q/k norms over head_dim, multipliers and rope flags replicate,
     the projections split as Llama's."""
