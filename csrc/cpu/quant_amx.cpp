@@ -220,7 +220,7 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
       const uint8_t* g1 = kTile * t + 8 < rows ? g0 + 8 * row_bytes : nullptr;
       if (format == kQuantQ4_0R8) {
         dequant_tile_vnni<kQuantQ4_0>(g0, g1, nb, dst);
-      } else {
+      } else {  // is_interleaved: the other eight-row layout
         dequant_tile_vnni<kQuantQ4_1>(g0, g1, nb, dst);
       }
     }
@@ -231,7 +231,8 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
     switch (format) {
       case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel_at(panel, nb, r)); break;
-      default: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ4_1: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
+      default: TORCH_CHECK(false, "quant_linear_bf16: unknown format ", format);
     }
   }
   for (int64_t r = rows; r < kPanel; ++r)

@@ -152,7 +152,10 @@ inline float hsum(__m256 v) {
 #endif
 
 template <int64_t F>
-using BlockOf = std::conditional_t<F == kQuantQ8_0, BlockQ8_0, std::conditional_t<F == kQuantQ4_0, BlockQ4_0, BlockQ4_1>>;
+using BlockOf = std::conditional_t<
+    F == kQuantQ8_0, BlockQ8_0,
+    std::conditional_t<F == kQuantQ4_0, BlockQ4_0,
+                       std::conditional_t<F == kQuantQ4_1, BlockQ4_1, void>>>;  // void: no such block, no build
 
 // Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4, signed for Q8_0).
 template <int64_t F>

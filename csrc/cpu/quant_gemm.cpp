@@ -219,7 +219,8 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
     switch (format) {
       case kQuantQ8_0: return dequant_rows<kQuantQ8_0>(w, nb, op, k_len, begin, end);
       case kQuantQ4_0: return dequant_rows<kQuantQ4_0>(w, nb, op, k_len, begin, end);
-      default: return dequant_rows<kQuantQ4_1>(w, nb, op, k_len, begin, end);
+      case kQuantQ4_1: return dequant_rows<kQuantQ4_1>(w, nb, op, k_len, begin, end);
+      default: TORCH_CHECK(false, "dequantize: unknown format ", format);
     }
   }, /*openmp=*/true);
 }
