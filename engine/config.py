@@ -18,7 +18,8 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 2048}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # engine/model/spec.py sizes each
-QUANTIZATIONS = ("auto", "dequantize")  # a .gguf's tensors: served in their own formats, or converted to dtype
+QUANTIZATIONS = ("auto", "requantize", "dequantize")  # a .gguf's tensors: in their own formats (those
+# without a kernel in fp32), those as Q8_0, or everything converted to dtype
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ class EngineConfig:
     @property
     def serves_quantized_weights(self) -> bool:
         """A .gguf file whose quantized tensors are read as they are (`quantization="auto"`)."""
-        return self.model.endswith(".gguf") and self.quantization == "auto"
+        return self.model.endswith(".gguf") and self.quantization in ("auto", "requantize")
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):

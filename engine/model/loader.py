@@ -146,15 +146,15 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
     yield from load_gguf(file, torch.float32, progress=False).state_dict().items()
 
 
-QUANTIZATIONS = ("auto", "dequantize")
+QUANTIZATIONS = ("auto", "requantize", "dequantize")
 GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # the families convert.py and gguf_weights.py map
 
 
-def _load_quantized(model: LlamaForCausalLM, path: Path) -> None:
+def _load_quantized(model: LlamaForCausalLM, path: Path, requantize: bool) -> None:
     from engine.model.gguf_weights import GGUFWeightError, load_gguf_quantized
 
     try:
-        load_gguf_quantized(model, path)
+        load_gguf_quantized(model, path, requantize=requantize)
     except GGUFWeightError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
 
@@ -168,7 +168,8 @@ def load_model(
     parses the file's whole metadata, ~10 s for SmolLM2's tokenizer arrays: once is enough).
 
     A `.gguf` keeps its quantized weights packed (`engine.model.gguf_weights`; fp32 activations on
-    the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first.
+    the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first;
+    `"requantize"` serves the tensors of formats without a kernel (K-quants, Q5) as Q8_0 instead of fp32.
     With a `shard` of size N, the rank's part of the model (`engine.model.sharding`): a safetensors
     directory is read slice by slice; other formats are read whole and cut. `spec`, when given,
     is the model's (read by rank 0), so a spawned rank need not import transformers to read it.
@@ -177,7 +178,7 @@ def load_model(
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
     p = Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype)
-    quantized = p.is_file() and quantization == "auto"
+    quantized = p.is_file() and quantization in ("auto", "requantize")
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
@@ -197,7 +198,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     safetensors = sorted(p.glob("*.safetensors")) if p.is_dir() else []
     if quantized:
-        _load_quantized(model, p)
+        _load_quantized(model, p, requantize=quantization == "requantize")
     elif shard.size > 1 and safetensors:
         model.load_weights(_iter_safetensors_slices(safetensors, spec, shard), presliced=True)
     else:

@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "directory beside it, else the file's own tokenizer)")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                         help="a .gguf's tensors: auto serves them in their own formats (Q4_0/Q4_1/Q8_0 read in place, "
-                             "fp32 activations); dequantize converts them to --dtype at load")
+                             "fp32 activations; formats without a kernel, such as K-quants, dequantized to fp32); "
+                             "requantize serves those as Q8_0 (4x less memory, the packed kernels); dequantize "
+                             "converts every tensor to --dtype at load")
     parser.add_argument("--served-model-name", help="model name clients ask for (default: the directory name; "
                                                     "for a .gguf the directory beside it when it holds the tokenizer, "
                                                     "else the file name without .gguf)")

@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "fetched on first run)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's; see `pagedserve engine`)")
     parser.add_argument("--served-model-name", help="model name for clients (default: the directory name)")
-    parser.add_argument("--quantization", default="auto", choices=("auto", "dequantize"),
-                        help="a .gguf's tensors: auto serves them as they are (default), dequantize converts them "
-                             "(the default model then runs its fp32 directory)")
+    parser.add_argument("--quantization", default="auto", choices=("auto", "requantize", "dequantize"),
+                        help="a .gguf's tensors: auto serves them as they are (default; formats without a kernel in "
+                             "fp32), requantize serves those as Q8_0, dequantize converts them all (the default "
+                             "model then runs its fp32 directory)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8"),
                         help="KV cache dtype (default %(default)s: int8 for a .gguf served quantized, 3.9x the "
                              "tokens of its fp32 cache; else the model dtype)")
@@ -103,7 +104,7 @@ def up_kv_cache_dtype(requested: str, model: str, quantization: str) -> str:
     (the default model) is int8 — with prompt rows on fp32 activations it states every fact the
     fp32 model does (tests/pagedserve/launch/test_up_default_answers.py), it decodes faster than the
     fp32 cache and holds 3.9x its tokens (README, "The CPU fast path")."""
-    if requested == "auto" and model.endswith(".gguf") and quantization == "auto":
+    if requested == "auto" and model.endswith(".gguf") and quantization in ("auto", "requantize"):
         return "int8"
     return requested
 

@@ -274,24 +274,19 @@ def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
         assert read_tensor(tensors[name]).data.numpy().flags.writeable, name
 
 
-def test_requantize_serves_every_format_packed(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`requantize`: the mix's tensors without a kernel become Q8_0 blocks of their dequantized
-    weights (exactly `ref.quantize` of transformers' load), every linear is packed, the fused
-    decoder applies, the log says so; with fp32 activations greedy equals transformers holding
-    the requantized weights."""
-    from functools import partial
-
+def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
+    """`quantization="requantize"` (`--quantization requantize`): the mix's tensors without a
+    kernel become Q8_0 blocks of their dequantized weights (exactly `ref.quantize` of transformers'
+    load), every linear is packed, the fused decoder applies, the log says so; with fp32
+    activations greedy equals transformers holding the requantized weights."""
     from structlog.testing import capture_logs
 
     from benchmarks.quality.quant_quality import greedy, set_int8_activations
-    from engine.model import gguf_weights
     from ops.reference import quant as ref
 
-    monkeypatch.setattr(gguf_weights, "load_gguf_quantized", partial(gguf_weights.load_gguf_quantized,
-                                                                     requantize=True))
     file = write_gguf(model_dir, "mix-requantized", _mix)
     with capture_logs() as logs:
-        ours = load_model(file)
+        ours = load_model(file, quantization="requantize")
     hf = _transformers_model(model_dir, file)
     state = hf.state_dict()
     requantized = [f"model.layers.0.{_HF[kind]}.weight" for kind, fmt in MIX.items() if fmt not in ("Q8_0", "Q4_1")]
