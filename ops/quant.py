@@ -160,6 +160,32 @@ def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
     return out.view(*x.shape[:-1], n)
 
 
+def _fixed_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+                int8_activations: bool, exact_rows: int) -> torch.Tensor:
+    """``quant_linear`` under fixed order: the exact (fp32-activation) rows through
+    ``quant_fixed_gemm`` (fixed_gemm's fma chain over the dequantized weight, the weight dequantized
+    a tile at a time), the int8 rows through the kernel, which gives a row the same bits at any
+    row count; oneDNN past the crossover would not."""
+    rows = x.shape[0]
+    exact = rows if not int8_activations else max(0, min(exact_rows, rows))
+    out = x.new_empty((rows, qweight.shape[0]))
+    if exact:
+        cpu_ops().quant_fixed_gemm(out[:exact], x[:exact], qweight, fmt.type_id, bias)
+    if exact < rows:
+        _kernel()(out[exact:], x[exact:], qweight, fmt.type_id, bias, True, 0)
+    return out
+
+
+def quant_fixed_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 ``x [M, K] @ dequantize(qweight).T + bias`` bit for bit as ``ops.fixed_linear`` on the
+    dequantized weight (one fma chain per output over k in order), without an fp32 copy of it."""
+    check_qweight(qweight, fmt, x.shape[-1])
+    out = x.new_empty((x.shape[0], qweight.shape[0]))
+    cpu_ops().quant_fixed_gemm(out, x.contiguous(), qweight, fmt.type_id, bias)
+    return out
+
+
 @cache
 def _kernel() -> Any:
     """The C++ kernel's overload, resolved once (a packet call resolves it again each time: ~2 us)."""
@@ -183,9 +209,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias:
             raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
     if use_reference() or not x.is_cpu:
         return ref.quant_linear(x, qweight, fmt.type_id, bias)
-    if (x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0
-            and (x.shape[0] <= QUANT_GEMV_MAX_ROWS or fixed_order())):  # decode, or any step under fixed order:
-        # the kernel gives a row the same bits at any row count, oneDNN past the crossover does not
+    if x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0 and fixed_order():
+        return _fixed_rows(x, qweight, fmt, bias, int8_activations, exact_rows)
+    if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= QUANT_GEMV_MAX_ROWS:  # decode: straight to the kernel
         out = x.new_empty((x.shape[0], n))
         _kernel()(out, x, qweight, fmt.type_id, bias, int8_activations, exact_rows)
         return out

@@ -10,6 +10,11 @@
 // The weight is packed once (ops/linear.py `pack_fixed`): fp32 [P][K][16], P = ceil(N / 16)
 // rounded up to a multiple of kPanelGroup; panel p's lane j is weight row 16 p + j (zero beyond N).
 // A register tile of MR rows x NR panels broadcasts x[r][k] and loads the panels' k-th 16 columns.
+//
+// `quant_fixed_gemm` runs the same tiles on a packed GGUF weight: each thread dequantizes one
+// tile's rows of W at a time (the values `dequantize_weight` gives) into its own panels and sweeps
+// every row of x over them, so y is bit for bit fixed_gemm(x, pack(dequantize(W))) at any M, with
+// no fp32 copy of the weight.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -19,12 +24,19 @@
 #include <immintrin.h>
 #endif
 
+#include <vector>
+
 #include "ops.h"
 #include "parallel.h"
+#include "quant_blocks.h"
+#include "quant_interleaved.h"
 
 namespace pagedserve::cpu {
 namespace {
 
+using quant::block_bytes;
+using quant::dequant_block;
+using quant::kBlock;
 constexpr int64_t kLanes = 16;  // columns of one packed panel
 
 #if defined(__AVX512F__)
@@ -135,6 +147,24 @@ void panel_rows(const float* x, int64_t ldx, int64_t m_len, const float* panels,
   }
 }
 
+template <int64_t F>
+void dequant_plain_rows(const uint8_t* w, int64_t k_len, int64_t n0, int64_t n1, float* out) {
+  const int64_t nb = k_len / kBlock, bsize = block_bytes(F);
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < nb; ++b) dequant_block<F>(w + (n * nb + b) * bsize, out + (n - n0) * k_len + b * kBlock);
+}
+
+// Rows [n0, n1) of the packed weight as fp32 [n1 - n0][K].
+void dequant_rows_of(const uint8_t* w, int64_t format, int64_t k_len, int64_t n0, int64_t n1, float* out) {
+  if (is_interleaved(format)) return interleaved_dequantize_rows(out, w, format, k_len, n0, n1);
+  switch (format) {
+    case kQuantQ8_0: return dequant_plain_rows<kQuantQ8_0>(w, k_len, n0, n1, out);
+    case kQuantQ4_0: return dequant_plain_rows<kQuantQ4_0>(w, k_len, n0, n1, out);
+    case kQuantQ4_1: return dequant_plain_rows<kQuantQ4_1>(w, k_len, n0, n1, out);
+    default: TORCH_CHECK(false, "quant_fixed_gemm: unknown format ", format);
+  }
+}
+
 }  // namespace
 
 void fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n_len,
@@ -167,6 +197,56 @@ void fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
     for (int64_t g = begin; g < end; ++g) {
       const int64_t p0 = g * kPanelsPerTile;
       panel_rows<kPanelsPerTile>(xp, ldx, m_len, wp + p0 * k_len * kLanes, k_len, op, ldo, p0 * kLanes, n_len, b);
+    }
+  }, m_len >= openmp_rows());
+}
+
+void quant_fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
+                      const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat, "quant_fixed_gemm: fp32 x and out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1,
+              "quant_fixed_gemm: x [M, K], out [M, N], rows contiguous");
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "quant_fixed_gemm: qweight must be a contiguous 2-D uint8 tensor");
+  const int64_t m_len = x.size(0), k_len = x.size(1), n_len = qweight.size(0);
+  TORCH_CHECK(k_len % kBlock == 0 && qweight.size(1) == k_len / kBlock * block_bytes(format),
+              "quant_fixed_gemm: qweight rows do not hold K = ", k_len, " weights");
+  TORCH_CHECK(!is_interleaved(format) || n_len % 8 == 0, "quant_fixed_gemm: an interleaved weight has 8n rows");
+  TORCH_CHECK(out.size(0) == m_len && out.size(1) == n_len, "quant_fixed_gemm: out must be [M, N]");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_len,
+                "quant_fixed_gemm: bias must be fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  if (m_len == 0 || n_len == 0) return;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  constexpr int64_t kTileRows = kPanelsPerTile * kLanes;  // weight rows one register tile covers
+  const int64_t groups = (n_len + kTileRows - 1) / kTileRows;
+  const int64_t chunk = std::max<int64_t>(1, (groups + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads()));
+  parallel_chunks(groups, chunk, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> rows, panels;
+    rows.resize(kTileRows * k_len);
+    panels.resize(kTileRows * k_len);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * kTileRows, n1 = std::min(n_len, n0 + kTileRows);
+      dequant_rows_of(wp, format, k_len, n0, n1, rows.data());
+      for (int64_t p = 0; p < kPanelsPerTile; ++p) {  // rows [16 p, 16 p + 16) -> panel p [K][16]
+        float* panel = panels.data() + p * k_len * kLanes;
+        for (int64_t j = 0; j < kLanes; ++j) {
+          const int64_t r = p * kLanes + j;
+          if (n0 + r < n1) {
+            const float* src = rows.data() + r * k_len;
+            for (int64_t k = 0; k < k_len; ++k) panel[k * kLanes + j] = src[k];
+          } else {
+            for (int64_t k = 0; k < k_len; ++k) panel[k * kLanes + j] = 0.f;
+          }
+        }
+      }
+      panel_rows<kPanelsPerTile>(xp, ldx, m_len, panels.data(), k_len, op, ldo, n0, n_len, b);
     }
   }, m_len >= openmp_rows());
 }

@@ -53,6 +53,10 @@ void small_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& we
 constexpr int64_t kFixedGemmPanelGroup = 4;
 void fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, int64_t n,
                 const c10::optional<at::Tensor>& bias);
+// out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight)^T (+ bias) with fixed_gemm's arithmetic
+// (one fma chain per output over k in order), the weight dequantized a tile at a time.
+void quant_fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
+                      const c10::optional<at::Tensor>& bias);
 
 // out int64 [rows]: per row, the first token whose running sum of softmax(logits * inv_temperature)
 // exceeds uniforms[row] times the total (inverse CDF in token-id order); logits fp32 [rows, vocab].

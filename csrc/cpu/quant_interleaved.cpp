@@ -438,4 +438,13 @@ void interleaved_dequantize(float* out, const uint8_t* w, int64_t format, int64_
   }, /*openmp=*/true);
 }
 
+void interleaved_dequantize_rows(float* out, const uint8_t* w, int64_t format, int64_t k_len, int64_t n0, int64_t n1) {
+  TORCH_CHECK(n0 % kRows == 0 && n1 % kRows == 0, "dequantize: interleaved rows come in groups of 8");
+  const int64_t nb = k_len / kBlock, groups = (n1 - n0) / kRows;
+  if (format == kQuantQ4_0R8) {
+    return dequant_groups<kQuantQ4_0>(w + n0 / kRows * nb * tile_bytes<kQuantQ4_0>(), nb, out, k_len, 0, groups);
+  }
+  dequant_groups<kQuantQ4_1>(w + n0 / kRows * nb * tile_bytes<kQuantQ4_1>(), nb, out, k_len, 0, groups);
+}
+
 }  // namespace pagedserve::cpu

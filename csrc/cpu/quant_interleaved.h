@@ -19,4 +19,8 @@ void interleaved_linear(const at::Tensor& out, const at::Tensor& x, const uint8_
 // out fp32 [N, K] (contiguous) = the weights of interleaved `w`.
 void interleaved_dequantize(float* out, const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len);
 
+// out fp32 [n1 - n0, K] (contiguous) = rows [n0, n1) of interleaved `w` (multiples of 8), on the
+// calling thread (the same values as interleaved_dequantize).
+void interleaved_dequantize_rows(float* out, const uint8_t* w, int64_t format, int64_t k_len, int64_t n0, int64_t n1);
+
 }  // namespace pagedserve::cpu

@@ -24,6 +24,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor cos_sin, Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping) -> ()");
   m.def("small_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("fixed_gemm(Tensor(a!) out, Tensor x, Tensor packed, int n, Tensor? bias) -> ()");
+  m.def("quant_fixed_gemm(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias) -> ()");
   m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) -> ()");
   m.def(
       "sample_filtered(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor top_k, Tensor top_p, "
@@ -66,6 +67,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rotary_embedding_and_cache", &pagedserve::cpu::rotary_embedding_and_cache);
   m.impl("small_gemm", &pagedserve::cpu::small_gemm);
   m.impl("fixed_gemm", &pagedserve::cpu::fixed_gemm);
+  m.impl("quant_fixed_gemm", &pagedserve::cpu::quant_fixed_gemm);
   m.impl("sample_from_logits", &pagedserve::cpu::sample_from_logits);
   m.impl("sample_filtered", &pagedserve::cpu::sample_filtered);
   m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);

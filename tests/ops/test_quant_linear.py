@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ops
-from ops.quant import FORMATS, INTERLEAVED, Q4_1, Q4_1R8, QUANT_GEMV_MAX_ROWS, QuantFormat, interleave
+from ops.quant import FORMATS, INTERLEAVED, Q4_0, Q4_1, Q4_1R8, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat, interleave
 from ops.reference import quant as ref
 
 gguf = pytest.importorskip("gguf")
@@ -260,3 +260,23 @@ def test_r8_groups_in_pairs_equal_groups_alone(name: str, m: int, with_bias: boo
         group = packed.view(-1)[g * 8 * rows:(g + 1) * 8 * rows].view(8, rows)  # r8 groups are contiguous
         alone = ops.quant_linear(x, group, fmt, None if bias is None else bias[8 * g:8 * g + 8])
         assert torch.equal(whole[:, 8 * g:8 * g + 8], alone), g
+
+
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(24, 64), (200, 96), (72, 576)])
+def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantFormat, interleaved: bool, n: int,
+                                                                  k: int) -> None:
+    """`quant_fixed_linear` equals `ops.linear(..., fixed=pack_fixed(dequantize(W)))` bit for bit at
+    every row count (the exact rows' arithmetic in deterministic mode), odd N included."""
+    g = torch.Generator().manual_seed(n + k)
+    qweight = ref.quantize(torch.randn(n, k, generator=g), fmt.type_id)
+    if interleaved:
+        qweight, fmt = ops.quant.interleave(qweight, fmt)
+    weight = ops.quant.dequantize(qweight, fmt, k)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(37, k, generator=g)
+    for rows in (1, 5, 37):
+        got = ops.quant.quant_fixed_linear(x[:rows], qweight, fmt, bias)
+        assert torch.equal(got, ops.linear(x[:rows], weight, bias, fixed=ops.pack_fixed(weight))), rows
+        assert torch.equal(got, ops.quant.quant_fixed_linear(x, qweight, fmt, bias)[:rows]), rows

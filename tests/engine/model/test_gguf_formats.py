@@ -318,18 +318,15 @@ def _smollm2_q4_k_m(kind: str, layer: int) -> str:
     return "Q8_0" if kind == "attn_v" and more_bits else "Q5_0"
 
 
-def test_smollm2_q4_k_m_mix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_smollm2_q4_k_m_mix(tmp_path: Path) -> None:
     """The default model (when fetched) written as llama.cpp's Q4_K_M mix (the formats and counts of llama.cpp's
     own file: Q5_0 166, Q4_K 16, Q8_0 15, Q6_K 14) from its fp32 checkpoint: it loads with each
     format on its path, its passage NLL is within 5% of the fp32 model's (measured: 3.658 vs 3.565;
     our round-to-nearest K-quantizers), and requantized to Q8_0 within 0.2% of that (3.660)."""
-    from functools import partial
-
     from structlog.testing import capture_logs
     from transformers import AutoTokenizer
 
     from benchmarks.quality.quant_quality import PASSAGE, mean_nll
-    from engine.model import gguf_weights
     from engine.model.fetch import default_gguf_path
 
     if not default_gguf_path().is_file():
@@ -349,9 +346,7 @@ def test_smollm2_q4_k_m_mix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     with torch.inference_mode():
         reference = mean_nll(load_model(source), passage)
         dequantized = mean_nll(mix, passage)
-        monkeypatch.setattr(gguf_weights, "load_gguf_quantized",
-                            partial(gguf_weights.load_gguf_quantized, requantize=True))
-        requantized_model = load_model(file)
+        requantized_model = load_model(file, quantization="requantize")
         assert requantized_model.fused_decoder() is not None
         requantized = mean_nll(requantized_model, passage)
     assert abs(dequantized - reference) <= 0.05 * reference, (dequantized, reference)
