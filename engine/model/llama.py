@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM; Qwen3, Granite, OLMo 2, SmolLM3 through
-`ModelSpec`'s options) on the paged KV cache.
+`ModelSpec`'s options; Qwen3-MoE and Mixtral with `SparseMoE` as the MLP of their sparse layers)
+on the paged KV cache.
 
 Parameter names follow the HF checkpoints except for the fused `qkv_proj` and `gate_up_proj`,
 whose shards are stacked at load time by `load_weights`.
@@ -18,6 +19,8 @@ from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.fused_decoder import FusedDecoder
 from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
+from engine.model.moe import SparseMoE
+from engine.model.moe_weights import expected_moe_pieces, load_moe_tensor
 from engine.model.quant_linear import BF16_LINEARS, EXACT_ROWS, QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
 from engine.model.rope import RotaryEmbedding, partial_rotary_order
@@ -43,6 +46,17 @@ class TokenPicker(Protocol):
     def only_random(self) -> TokenPicker:
         """The picker of the random rows alone, renumbered from 0."""
         ...
+
+
+def _mlp(spec: ModelSpec, shard: TPShard, layer: int) -> nn.Module:
+    """Decoder layer `layer`'s MLP: the sparse MoE block where `spec.is_sparse(layer)`, else the dense SwiGLU."""
+    if spec.moe is not None and spec.is_sparse(layer):
+        return SparseMoE(spec.moe, spec.hidden_size, shard)
+    return SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard, spec.activation)
+
+
+# the sparse MLP's checkpoint names (Mixtral's Hub files and transformers' save_pretrained) -> the module's
+_MOE_NAMES = {"block_sparse_moe": "mlp"}
 
 # HF shard name -> (fused parameter, shard index)
 _STACKED = {
@@ -111,7 +125,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
-        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard, spec.activation)
+        self.mlp = _mlp(spec, shard, layer)
         self.local_rope = spec.uses_local_rope(layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -135,7 +149,7 @@ class PostNormDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
-        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard, spec.activation)
+        self.mlp = _mlp(spec, shard, layer)
         self.local_rope = spec.uses_local_rope(layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -154,7 +168,7 @@ class SandwichNormDecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
-        self.mlp = SwiGLU(spec.hidden_size, shard.local_intermediate(spec), spec.mlp_bias, shard, spec.activation)
+        self.mlp = _mlp(spec, shard, layer)
         self.local_rope = spec.uses_local_rope(layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -215,6 +229,10 @@ class LlamaForCausalLM(nn.Module):
             raise UnsupportedModelError(
                 f"{spec.model_type}: tensor parallelism is not supported for checkpoints that store qkv_proj and "
                 "gate_up_proj fused (their per-rank slices are not cut); use tensor_parallel_size 1")
+        if shard.size > 1 and spec.moe is not None:
+            raise UnsupportedModelError(
+                f"{spec.model_type}: tensor parallelism of mixture-of-experts models is not implemented (experts "
+                "are not sharded); use tensor_parallel_size 1")
         self.spec = spec
         self.shard = shard
         self.model = LlamaBackbone(spec, shard)
@@ -341,6 +359,12 @@ class LlamaForCausalLM(nn.Module):
             tensor = full if presliced else self._rank_slice(name, full)
             if tensor is None:
                 continue
+            moe = self._moe_block(name)
+            if moe is not None:
+                prefix, block = moe  # the module's prefix; the tensor's name past its first four parts
+                local = name.split(".", 4)[4]
+                loaded.update(prefix + piece for piece in load_moe_tensor(block, local, tensor))
+                continue
             target, rows = self._destination(name, params)
             if target is None:
                 raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
@@ -394,11 +418,29 @@ class LlamaForCausalLM(nn.Module):
             return tensor
         return self.shard.narrow(name, tensor, self.spec)
 
+    def _moe_blocks(self) -> dict[str, SparseMoE]:
+        """The sparse MLPs by their checkpoint prefix (`model.layers.3.mlp.`)."""
+        return {f"model.layers.{i}.mlp.": layer.mlp for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoE)}
+
+    def _moe_block(self, name: str) -> tuple[str, SparseMoE] | None:
+        """`(module prefix, block)` of the sparse MLP checkpoint tensor `name` belongs to (`model.layers.3.mlp.`
+        or `model.layers.3.block_sparse_moe.`); None for any other tensor."""
+        parts = name.split(".")
+        if self.spec.moe is None or parts[:2] != ["model", "layers"] or len(parts) < 5:
+            return None
+        prefix = ".".join(parts[:3]) + f".{_MOE_NAMES.get(parts[3], parts[3])}."
+        block = self._moe_blocks().get(prefix)
+        return None if block is None else (prefix, block)
+
     def _expected_weights(self) -> set[str]:
-        expected: set[str] = set()
+        moe = self._moe_blocks()
+        expected = {prefix + piece for prefix, block in moe.items() for piece in expected_moe_pieces(block)}
         for name, param in self.named_parameters():  # a tied lm_head is listed once, as the embedding
             if name == "lm_head.weight" and param.shape[0] == 0:
                 continue  # a rank other than 0 holds no lm_head
+            if any(name.startswith(prefix) for prefix in moe):
+                continue  # the MoE blocks' pieces, listed above
             fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
             if fused is None:
                 expected.add(name)

@@ -1,6 +1,7 @@
 """Checkpoint tensors of a sparse MoE block into `SparseMoE`'s stacked parameters.
 
-Names are relative to the block (`model.layers.3.mlp.` stripped by the caller). Accepted forms:
+Names are relative to the block (`model.layers.3.mlp.`, or Mixtral's `model.layers.3.block_sparse_moe.`, stripped
+by the caller). Accepted forms:
 - per expert, as transformers 5 `save_pretrained` writes them and the Hub ships them:
   `experts.{e}.gate_proj|up_proj|down_proj.weight` (Qwen) or `experts.{e}.w1|w3|w2.weight` (Mixtral);
 - stacked, as transformers 5 holds them in memory: `experts.gate_up_proj [E, 2I, H]`,

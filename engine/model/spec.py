@@ -6,7 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text")
+from engine.model.moe_spec import MoEConfigError, MoESpec, moe_spec_from_hf_config
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text",
+                         "qwen3_moe", "mixtral")
+# a dense model type's config that names experts (a Mixtral GGUF reads as llama) is refused
+_EXPERT_COUNTS = ("num_local_experts", "num_experts")
 QK_NORMS = ("head", "projection")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the gated MLP's gate (layers.SwiGLU)
 
@@ -50,7 +55,8 @@ def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """Shapes and options of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM; Qwen3, Granite,
-    OLMo 2 and SmolLM3 through the fields after `sliding_window`, whose defaults are Llama's)."""
+    OLMo 2 and SmolLM3 through the fields after `sliding_window`, whose defaults are Llama's;
+    Qwen3-MoE and Mixtral through `moe`, the sparse MLP of the layers it lists)."""
 
     model_type: str
     vocab_size: int
@@ -84,6 +90,7 @@ class ModelSpec:
     sandwich_norms: bool = False  # Gemma 3: RMSNorm before and after attention and MLP
     local_rope: dict[str, Any] | None = None  # Gemma 3: the rope parameters of the `local_layers`
     local_layers: tuple[bool, ...] | None = None  # Gemma 3: per layer, whether it takes `local_rope`
+    moe: MoESpec | None = None  # Qwen3-MoE, Mixtral: the sparse MLP of the layers `moe.sparse_layers` lists
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -101,6 +108,8 @@ class ModelSpec:
                                         "layers (or no local rope parameters)")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.rope_layers)} per-layer rope flags for {self.num_layers} layers")
+        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
+            raise UnsupportedModelError(f"sparse layers {self.moe.sparse_layers} outside 0..{self.num_layers - 1}")
         if self.logits_scaling <= 0:
             raise UnsupportedModelError(f"logits_scaling must be > 0, got {self.logits_scaling}")
         if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0
@@ -116,7 +125,12 @@ class ModelSpec:
                 and self.attention_multiplier is None and self.residual_multiplier == 1.0
                 and self.logits_scaling == 1.0 and (self.rope_layers is None or all(self.rope_layers))
                 and self.rotary_dim is None and not self.fused_checkpoint and self.activation == "silu"
-                and self.norm_offset == 0.0 and not self.sandwich_norms and self.local_layers is None)
+                and self.norm_offset == 0.0 and not self.sandwich_norms and self.local_layers is None
+                and self.moe is None)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer`'s MLP is the sparse MoE block (`moe`)."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     def exact_context(self) -> tuple[int, str] | None:
         """`(tokens, reason)`: the longest context served exactly when something bounds it below
@@ -152,6 +166,14 @@ class ModelSpec:
         activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         if activation not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported activation {activation!r}; supported: {', '.join(ACTIVATIONS)}")
+        try:
+            moe = moe_spec_from_hf_config(config)
+        except MoEConfigError as exc:
+            raise UnsupportedModelError(f"{model_type}: {exc}") from exc
+        experts = next((int(getattr(config, n)) for n in _EXPERT_COUNTS if getattr(config, n, None)), 0)
+        if moe is None and experts > 0:
+            raise UnsupportedModelError(f"model type {model_type!r} with {experts} experts: mixture-of-experts "
+                                        "layers are served for qwen3_moe and mixtral configs only")
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
@@ -172,6 +194,7 @@ class ModelSpec:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(config),
             activation=activation,
+            moe=moe,
             **_family_options(config),
         )
 
@@ -180,7 +203,7 @@ def _family_options(config: Any) -> dict[str, Any]:
     """The ModelSpec fields past Llama's that `config.model_type` sets, read as transformers'
     modeling code of that family uses them."""
     model_type = config.model_type
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         return {"qk_norm": "head"}
     if model_type == "olmo2":
         return {"qk_norm": "projection", "post_norms": True}
