@@ -229,10 +229,6 @@ class LlamaForCausalLM(nn.Module):
             raise UnsupportedModelError(
                 f"{spec.model_type}: tensor parallelism is not supported for checkpoints that store qkv_proj and "
                 "gate_up_proj fused (their per-rank slices are not cut); use tensor_parallel_size 1")
-        if shard.size > 1 and spec.moe is not None:
-            raise UnsupportedModelError(
-                f"{spec.model_type}: tensor parallelism of mixture-of-experts models is not implemented (experts "
-                "are not sharded); use tensor_parallel_size 1")
         self.spec = spec
         self.shard = shard
         self.model = LlamaBackbone(spec, shard)

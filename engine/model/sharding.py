@@ -42,6 +42,10 @@ class TPShard:
     def check(self, spec: ModelSpec) -> None:
         """Raise UnsupportedModelError when the model cannot be split `size` ways."""
         n = self.size
+        if n > 1 and spec.moe is not None:
+            raise UnsupportedModelError(
+                f"{spec.model_type}: tensor parallelism of mixture-of-experts models is not implemented (experts "
+                "are not sharded); use tensor_parallel_size 1")
         problems = []
         if spec.num_heads % n:
             problems.append(f"num_attention_heads {spec.num_heads}")

@@ -190,6 +190,13 @@ def test_tensor_parallel_moe_is_refused(model_type: str) -> None:
         LlamaForCausalLM(spec, TPShard(rank=0, size=2))
 
 
+def test_tensor_parallel_engine_refuses_before_spawning(tmp_path: Path) -> None:
+    directory = make_moe_dir(tmp_path, "qwen3_moe", seed=1)
+    with pytest.raises(UnsupportedModelError, match="tensor parallelism of mixture-of-experts"):
+        LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2,
+            tensor_parallel_threads=1)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_gguf_of_a_moe_type_is_refused(model_type: str, tmp_path: Path) -> None:
     from transformers import AutoConfig
