@@ -9,7 +9,7 @@ from typing import Any
 from engine.model.moe_spec import MoEConfigError, MoESpec, moe_spec_from_hf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text",
-                         "qwen3_moe", "mixtral")
+                         "qwen2_moe", "qwen3_moe", "mixtral")
 # a dense model type's config that names experts (a Mixtral GGUF reads as llama) is refused
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")
 QK_NORMS = ("head", "projection")
@@ -56,7 +56,7 @@ def kv_dtype_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, 
 class ModelSpec:
     """Shapes and options of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM; Qwen3, Granite,
     OLMo 2 and SmolLM3 through the fields after `sliding_window`, whose defaults are Llama's;
-    Qwen3-MoE and Mixtral through `moe`, the sparse MLP of the layers it lists)."""
+    Qwen2-MoE, Qwen3-MoE and Mixtral through `moe`, the sparse MLP of the layers it lists)."""
 
     model_type: str
     vocab_size: int
@@ -188,7 +188,7 @@ class ModelSpec:
             rms_norm_eps=float(config.rms_norm_eps),
             max_position_embeddings=config.max_position_embeddings,
             rope=_rope_parameters(config),
-            qkv_bias=attention_bias or model_type == "qwen2",
+            qkv_bias=attention_bias or model_type == "qwen2" or (model_type == "qwen2_moe" and bool(config.qkv_bias)),
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
@@ -257,7 +257,7 @@ def _rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[st
 # Families whose sliding window is switched by `use_sliding_window` and applies to the layers
 # `layer_types` marks "sliding_attention" (transformers' modeling code); the others (Mistral)
 # apply `sliding_window`, when set, to every layer.
-_LAYER_TYPED_WINDOW = ("qwen2", "qwen3", "smollm3")
+_LAYER_TYPED_WINDOW = ("qwen2", "qwen2_moe", "qwen3", "smollm3")
 
 
 def _sliding_window(config: Any) -> int | None:

@@ -1,4 +1,4 @@
-"""Qwen3-MoE and Mixtral served end to end: small random fp32 checkpoints saved by transformers give
+"""Qwen2-MoE, Qwen3-MoE and Mixtral served end to end: small random fp32 checkpoints saved by transformers give
 HF's teacher-forced logits through the paged cache (chunked prefill, then decode) and the engine's
 greedy tokens equal HF generate's (a batch, chunked prefill, a prefix hit), with routing balanced
 and skewed towards one expert; tensor parallelism and GGUF files of MoE types refuse."""
@@ -36,6 +36,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe-no-renorm": ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                           "intermediate_size": 96, "norm_topk_prob": False,
                                           "attention_bias": True}),
+    # the gated shared expert; layer 1 dense (mlp_only_layers); q/k/v biases
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "intermediate_size": 96,
+                                "mlp_only_layers": [1], "norm_topk_prob": False}),
     "mixtral": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
 }
 SKEWED = "skewed"  # suffix of a model id: the router of every sparse layer tilted towards expert 0
@@ -112,9 +116,11 @@ def test_spec_reads_moe_families() -> None:
     mixtral = ModelSpec.from_hf_config(AutoConfig.for_model("mixtral", num_hidden_layers=3))
     assert mixtral.moe is not None and mixtral.moe.sparse_layers == (0, 1, 2) and mixtral.qk_norm is None
     assert not mixtral.llama_layout
-    for model_type in ("qwen2_moe", "gpt_oss"):
-        with pytest.raises(UnsupportedModelError, match="unsupported model architecture"):
-            ModelSpec.from_hf_config(AutoConfig.for_model(model_type, num_hidden_layers=2))
+    qwen2 = ModelSpec.from_hf_config(AutoConfig.for_model("qwen2_moe", num_hidden_layers=2))
+    assert qwen2.moe is not None and qwen2.moe.shared_expert_size > 0 and qwen2.qkv_bias and not qwen2.o_bias
+    assert qwen2.sliding_window is None  # use_sliding_window off
+    with pytest.raises(UnsupportedModelError, match="unsupported model architecture"):
+        ModelSpec.from_hf_config(AutoConfig.for_model("gpt_oss", num_hidden_layers=2))
     # a Mixtral GGUF reads as a llama config with experts: refused, not served as a dense model
     with pytest.raises(UnsupportedModelError, match="8 experts"):
         ModelSpec.from_hf_config(AutoConfig.for_model("llama", num_hidden_layers=2, num_local_experts=8))
