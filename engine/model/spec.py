@@ -173,7 +173,7 @@ class ModelSpec:
         experts = next((int(getattr(config, n)) for n in _EXPERT_COUNTS if getattr(config, n, None)), 0)
         if moe is None and experts > 0:
             raise UnsupportedModelError(f"model type {model_type!r} with {experts} experts: mixture-of-experts "
-                                        "layers are served for qwen3_moe and mixtral configs only")
+                                        "layers are served for qwen2_moe, qwen3_moe and mixtral configs only")
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
