@@ -13,7 +13,7 @@ log = get_logger("config")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 # Tokens per step when max_num_batched_tokens is not given. On the CPU a 2,048-token step of
 # SmolLM2 takes ~2.3 s, so a burst's first tokens come in waves that far apart; 1,024 halves the
-# wave and keeps throughput (benchmarks/peer/peer_bench.py --only served, README "Against vLLM").
+# wave and keeps throughput (benchmarks/peer/peer_bench.py --only served, docs/performance.md).
 # CUDA keeps vLLM's online default; it has not been measured here.
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 2048}
 DTYPES = ("auto", "float32", "bfloat16", "float16")

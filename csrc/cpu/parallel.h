@@ -164,7 +164,7 @@ class ChunkPool {
 // quantized ones (ops/quant.py: quant_linear's own kernel up to 128); the engine sets it for its
 // model (set_openmp_rows). With 4 for a Q4_1 model, a speculative row of 1 + 4 tokens put every
 // layer on OpenMP barriers: under load, 96 ms for one layer's four linears at 5 rows against
-// 6 ms at one row (benchmarks/spec_bench.py, README "Speculative decoding").
+// 6 ms at one row (benchmarks/engine/spec_bench.py, docs/speculative.md).
 inline std::atomic<int64_t>& openmp_rows_setting() {
   static std::atomic<int64_t> rows{4};
   return rows;

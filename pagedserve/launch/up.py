@@ -103,7 +103,7 @@ def up_kv_cache_dtype(requested: str, model: str, quantization: str) -> str:
     """The KV cache dtype `up` runs: `requested`, except that "auto" for a .gguf served quantized
     (the default model) is int8 — with prompt rows on fp32 activations it states every fact the
     fp32 model does (tests/pagedserve/launch/test_up_default_answers.py), it decodes faster than the
-    fp32 cache and holds 3.9x its tokens (README, "The CPU fast path")."""
+    fp32 cache and holds 3.9x its tokens (docs/cpu-fast-path.md)."""
     if requested == "auto" and model.endswith(".gguf") and quantization in ("auto", "requantize"):
         return "int8"
     return requested
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         if kv_cache_dtype != args.kv_cache_dtype:
             log.info("kv cache dtype", kv_cache_dtype=kv_cache_dtype,
                      reason="a GGUF served quantized: int8 rows hold 3.9x the tokens of its fp32 cache and decode "
-                            "faster (README); --kv-cache-dtype float32 for the model dtype")
+                            "faster (docs/cpu-fast-path.md); --kv-cache-dtype float32 for the model dtype")
         secrets = _sentinel_env(args)
         if args.redis_sentinel:
             parse_sentinels(args.redis_sentinel)  # a bad list fails here, once, not in both children
