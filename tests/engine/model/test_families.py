@@ -6,14 +6,12 @@ parallelism for OLMo 2 and Phi-3) refuse."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import ops
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model import (
@@ -55,15 +53,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-dynamic-rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
                                                          "factor": 4.0}}),
 }
-
-
-@pytest.fixture(autouse=True)
-def _restore_fixed_order() -> Iterator[None]:
-    """An engine sets the process-wide deterministic mode (`ops.set_fixed_order`); later modules'
-    tests expect the default back."""
-    before = ops.fixed_order()
-    yield
-    ops.set_fixed_order(before)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

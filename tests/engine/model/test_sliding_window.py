@@ -4,14 +4,12 @@ is not given, a longer max_model_len refused at start-up), and there it equals H
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import ops
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
@@ -51,15 +49,6 @@ def make_family_dir(path: Path, model_type: str, seed: int = 0, **overrides: Any
 
 def prompt_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.fixture(autouse=True)
-def _restore_fixed_order() -> Iterator[None]:
-    """An engine sets the process-wide deterministic mode (`ops.set_fixed_order`); later modules'
-    tests expect the default back."""
-    before = ops.fixed_order()
-    yield
-    ops.set_fixed_order(before)
 
 
 @pytest.fixture(scope="module")
