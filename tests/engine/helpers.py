@@ -68,3 +68,30 @@ def assert_no_leaks(llm: LLM) -> None:
 
 def generated(outputs: list[Any]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def hf_logits(directory: Path, tokens: list[int]) -> torch.Tensor:
+    """HF transformers' fp32 logits `[len(tokens), vocab]` of the checkpoint in `directory`."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0]
+
+
+def assert_bf16_within_hf_bf16(directory: Path, tokens: list[int]) -> None:
+    """The paged model in bf16 (a 20-token prefill, then decodes) against HF fp32: mean |logit
+    error| at most 1.5x that of HF's own bf16 (the bound of test_bf16_oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.model.loader import load_model
+    from tests.fixtures.models import PagedHarness, Seq
+
+    truth = hf_logits(directory, tokens)
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        hf_bf16 = hf(torch.tensor([tokens])).logits[0].float()
+    harness, seq = PagedHarness(load_model(directory, dtype="bfloat16"), seed=2), Seq(tokens)
+    steps = len(tokens) - 20
+    ours = torch.cat([harness.step([(seq, 20)], [])] + [harness.step([], [seq]) for _ in range(steps)]).float()
+    assert (ours - truth).abs().mean() <= 1.5 * (hf_bf16 - truth).abs().mean()

@@ -24,7 +24,7 @@ from engine.model import (
     load_model,
 )
 from engine.model.sharding import TPShard
-from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
+from tests.engine.helpers import assert_bf16_within_hf_bf16, assert_no_leaks, generated, hf_greedy, hf_logits
 from tests.engine.model.test_sliding_window import make_family_dir, prompt_ids
 from tests.fixtures.models import PagedHarness, Seq
 
@@ -59,14 +59,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_type, overrides = FAMILIES[request.param]
     return make_family_dir(tmp_path_factory.mktemp(request.param), model_type, seed=11, **overrides)
-
-
-def _hf_logits(directory: Path, tokens: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0]
 
 
 def test_spec_reads_each_family() -> None:
@@ -106,7 +98,7 @@ def test_spec_reads_each_family() -> None:
 
 def test_teacher_forced_logits_match_hf(family_dir: Path) -> None:
     tokens = prompt_ids(24, 5)
-    reference = _hf_logits(family_dir, tokens)
+    reference = hf_logits(family_dir, tokens)
     model = load_model(family_dir)
     harness, seq = PagedHarness(model, seed=2), Seq(tokens)
     logits = [harness.step([(seq, 10)], []), harness.step([(seq, 6)], [])]
@@ -128,22 +120,13 @@ def test_prefill_without_a_cache_matches_hf(family_dir: Path) -> None:
     )
     hidden = model(torch.tensor(tokens), torch.arange(20), allocate_kv_caches(model, 0, 16, torch.float32, "cpu"),
                    meta)
-    torch.testing.assert_close(model.compute_logits(hidden), _hf_logits(family_dir, tokens), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.compute_logits(hidden), hf_logits(family_dir, tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_bf16_error_is_within_hf_bf16s(family_dir: Path) -> None:
     """The paged model in bf16 against HF fp32: mean |logit error| at most 1.5x that of HF's own bf16
     (the bound of test_bf16_oracle; measured 0.97-1.01x over these families)."""
-    from transformers import AutoModelForCausalLM
-
-    tokens = prompt_ids(40, 5)
-    truth = _hf_logits(family_dir, tokens)
-    hf = AutoModelForCausalLM.from_pretrained(str(family_dir), dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        hf_bf16 = hf(torch.tensor([tokens])).logits[0].float()
-    harness, seq = PagedHarness(load_model(family_dir, dtype="bfloat16"), seed=2), Seq(tokens)
-    ours = torch.cat([harness.step([(seq, 20)], [])] + [harness.step([], [seq]) for _ in range(20)]).float()
-    assert (ours - truth).abs().mean() <= 1.5 * (hf_bf16 - truth).abs().mean()
+    assert_bf16_within_hf_bf16(family_dir, prompt_ids(40, 5))
 
 
 def test_engine_greedy_matches_hf(family_dir: Path) -> None:

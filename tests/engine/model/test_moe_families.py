@@ -19,7 +19,7 @@ from engine.model import LlamaForCausalLM, ModelLoadError, ModelSpec, Unsupporte
 from engine.model.moe import SparseMoE
 from engine.model.sharding import TPShard
 from engine.model.spec import SUPPORTED_MODEL_TYPES
-from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
+from tests.engine.helpers import assert_bf16_within_hf_bf16, assert_no_leaks, generated, hf_greedy, hf_logits
 from tests.engine.model.test_sliding_window import prompt_ids
 from tests.fixtures.models import PagedHarness, Seq, _byte_tokenizer
 
@@ -97,14 +97,6 @@ def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return make_moe_dir(tmp_path_factory.mktemp(request.param), request.param, seed=11)
 
 
-def _hf_logits(directory: Path, tokens: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0]
-
-
 def test_spec_reads_moe_families() -> None:
     from transformers import AutoConfig
 
@@ -128,7 +120,7 @@ def test_spec_reads_moe_families() -> None:
 
 def test_teacher_forced_logits_match_hf(moe_dir: Path) -> None:
     tokens = prompt_ids(24, 5)
-    reference = _hf_logits(moe_dir, tokens)
+    reference = hf_logits(moe_dir, tokens)
     model = load_model(moe_dir)
     spec = model.spec
     assert spec.moe is not None
@@ -143,16 +135,7 @@ def test_teacher_forced_logits_match_hf(moe_dir: Path) -> None:
 
 def test_bf16_error_is_within_hf_bf16s(moe_dir: Path) -> None:
     """The paged model in bf16 against HF fp32: mean |logit error| at most 1.5x that of HF's own bf16."""
-    from transformers import AutoModelForCausalLM
-
-    tokens = prompt_ids(40, 5)
-    truth = _hf_logits(moe_dir, tokens)
-    hf = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        hf_bf16 = hf(torch.tensor([tokens])).logits[0].float()
-    harness, seq = PagedHarness(load_model(moe_dir, dtype="bfloat16"), seed=2), Seq(tokens)
-    ours = torch.cat([harness.step([(seq, 20)], [])] + [harness.step([], [seq]) for _ in range(20)]).float()
-    assert (ours - truth).abs().mean() <= 1.5 * (hf_bf16 - truth).abs().mean()
+    assert_bf16_within_hf_bf16(moe_dir, prompt_ids(40, 5))
 
 
 def _share_of_expert_0(directory: Path) -> float:
