@@ -3,14 +3,34 @@ live engines, their models, tokenizers and figures."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.protocol.fields import ProtocolError, decoding
 
 MAX_FIELD = 1 << 22  # bytes of one hash field (the pool snapshot of a 100k-block pool is far less)
+MAX_CACHED = 16384  # block keys one heartbeat announces (128 KiB packed)
+
+
+def pack_keys(keys: list[int]) -> str:
+    """Block keys (unsigned 64-bit) as base64 of little-endian uint64s."""
+    packed = array("Q", keys)
+    if array("Q").itemsize != 8:  # pragma: no cover - every platform we run has 8-byte Q
+        raise ProtocolError("heartbeat: uint64 array is not 8 bytes")
+    return base64.b64encode(packed.tobytes()).decode()
+
+
+def unpack_keys(text: str) -> list[int]:
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 8:
+        raise ProtocolError("heartbeat: cached keys not a multiple of 8 bytes")
+    keys = array("Q")
+    keys.frombytes(raw)
+    return keys.tolist()
 
 
 def _text(value: Any) -> str:
@@ -37,7 +57,13 @@ class EngineHeartbeat:
     `tables` are the block tables of running and swapped sequences
     (`engine.kv.block_stats.block_tables`), JSON in field ``tables``. `config_hash` and
     `vocab_size` identify the weights and tokenizer: engines announcing one name must agree,
-    or failover between them would change answers. `draining` is set after SIGTERM."""
+    or failover between them would change answers. `draining` is set after SIGTERM.
+
+    Routing (issue 40): `routed` says the engine reads its own request stream
+    (`Keys.routed`), so gateways may send requests there; `block_size` and `cached` (at most
+    MAX_CACHED prefix-cache keys, `common.block_hash`, most recently used first, held in its
+    device pool in use or free-but-revivable) say which prompt prefixes it would find cached.
+    Field ``cached`` is base64 of little-endian uint64s."""
 
     engine_id: str
     model: str
@@ -50,6 +76,9 @@ class EngineHeartbeat:
     config_hash: str = ""
     vocab_size: int = 0
     draining: bool = False
+    routed: bool = False
+    block_size: int = 0
+    cached: list[int] = field(default_factory=list)
 
     def identity(self) -> tuple[str, int, int]:
         """What must be equal between engines serving one model name."""
@@ -63,6 +92,12 @@ class EngineHeartbeat:
         fields.update({f"stat:{k}": repr(float(v)) for k, v in self.stats.items()})
         if self.pool:
             fields["pool"] = ",".join(f"{state}:{run}" for state, run in self.pool)
+        if self.routed:
+            fields["routed"] = "1"
+        if self.block_size:
+            fields["block_size"] = str(self.block_size)
+        if self.cached:
+            fields["cached"] = pack_keys(self.cached[:MAX_CACHED])
         if self.tables:
             fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
         return fields
@@ -84,7 +119,11 @@ class EngineHeartbeat:
                 pool=[[int(x) for x in run.split(":", 1)] for run in text.get("pool", "").split(",") if run],
                 tables=tables, config_hash=text.get("config_hash", ""),
                 vocab_size=int(text.get("vocab_size", "0")), draining=text.get("draining", "0") == "1",
+                routed=text.get("routed", "0") == "1", block_size=int(text.get("block_size", "0")),
+                cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED],
             )
+            if beat.block_size < 0 or (beat.cached and beat.block_size == 0):
+                raise ProtocolError("heartbeat: cached keys without a positive block size")
             if not beat.engine_id or not beat.model or beat.max_model_len < 0 or beat.vocab_size < 0:
                 raise ProtocolError("heartbeat: empty engine id or model, or a negative size")
             if any(len(run) != 2 or run[1] < 0 for run in beat.pool):

@@ -19,6 +19,20 @@ class Keys:
         """The request stream of one served model name."""
         return f"{self.prefix}:requests:{model}"
 
+    def routed(self, model: str, engine_id: str) -> str:
+        """The request stream of one engine of `model` (consumer group `engines`, like the shared
+        stream): gateways put a request there when that engine holds its longest cached prefix;
+        the engine reads it before the shared stream, and an idle peer steals entries left
+        waiting there (work stealing), so routing never makes a request wait for a busy engine."""
+        return f"{self.prefix}:routed:{model}:{engine_id}"
+
+    def routed_streams(self, model: str) -> str:
+        """Set of the per-engine streams (`routed`) of `model` that may hold entries: an engine
+        adds its own before it announces `routed` in its heartbeat; peers read the set to steal
+        from and take over a dead engine's stream, and remove a stream once it is empty and its
+        engine is gone."""
+        return f"{self.prefix}:routed-streams:{model}"
+
     def dead(self, model: str) -> str:
         """Dead-letter stream of `model`: entries no engine could serve (undecodable, or taken
         over too many times), each with its reason and raw bytes."""

@@ -8,11 +8,13 @@ imports the manager."""
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from common.block_hash import hash_block
+
+__all__ = ["Block", "FreeBlockQueue", "PoolView", "SeqBlocks", "hash_block"]
 
 
 @dataclass(slots=True, eq=False)
@@ -83,18 +85,6 @@ class FreeBlockQueue:
         nxt.prev = prev
         block.prev = block.next = None
         self._len -= 1
-
-
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of a full block: the previous block's hash chained with its tokens.
-
-    A stable hash (blake2b over the parent key and the token ids as little-endian int64), not
-    Python's per-process `hash()`: the same prefix has the same keys in every engine process,
-    the basis for routing a request to the engine that holds its prefix."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(b"root" if parent_hash is None else parent_hash.to_bytes(8, "little"))
-    digest.update(array("q", token_ids).tobytes())
-    return int.from_bytes(digest.digest(), "little")
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ import sys
 import msgpack
 import pytest
 
+from common.block_hash import hash_block, prefix_keys
 from common.protocol import (
     PROTOCOL_VERSION,
     AbortMessage,
@@ -24,6 +25,7 @@ from common.protocol import (
     encode_outputs,
     merge_progress,
 )
+from common.protocol.heartbeat import pack_keys
 from common.sampling_params import SamplingParams
 
 
@@ -53,6 +55,28 @@ def test_version_2_fields_round_trip_and_version_1_is_refused() -> None:
     beat = EngineHeartbeat("e", "m", "/tok", 512, 1.0, config_hash="h1", vocab_size=320, draining=True)
     again = EngineHeartbeat.from_hash(beat.to_hash())
     assert again.identity() == ("h1", 320, 512) and again.draining
+
+
+def test_heartbeat_routing_fields_round_trip_and_bad_ones_are_refused() -> None:
+    keys = [0, 1, 2**64 - 1, hash_block(None, (1, 2, 3))]
+    beat = EngineHeartbeat("e", "m", "/tok", 512, 1.0, routed=True, block_size=16, cached=keys)
+    again = EngineHeartbeat.from_hash(beat.to_hash())
+    assert (again.routed, again.block_size, again.cached) == (True, 16, keys)
+    plain = EngineHeartbeat.from_hash(EngineHeartbeat("e", "m", "/tok", 512, 1.0).to_hash())
+    assert (plain.routed, plain.block_size, plain.cached) == (False, 0, [])
+    for bad in ({"cached": "!!!"}, {"cached": pack_keys([1])[:-4] + "AA=="}, {"block_size": "-1"},
+                {"block_size": "0"}):
+        fields = beat.to_hash() | bad
+        with pytest.raises(ProtocolError):
+            EngineHeartbeat.from_hash(fields)
+
+
+def test_prefix_keys_follow_the_engine_rule() -> None:
+    """Every full block but the one holding the last prompt token, chained like the engine."""
+    assert prefix_keys([1, 2, 3, 4], 4) == []
+    first = hash_block(None, (1, 2, 3, 4))
+    assert prefix_keys([1, 2, 3, 4, 5], 4) == [first]
+    assert prefix_keys(list(range(1, 10)), 4) == [first, hash_block(first, (5, 6, 7, 8))]
 
 
 def test_request_round_trip() -> None:
