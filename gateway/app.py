@@ -21,6 +21,7 @@ from gateway.api.offload import cpu_pool_ctx
 from gateway.api.openai_routes import add_routes as add_openai_routes
 from gateway.broker.broker import Broker
 from gateway.broker.engines import EngineRegistry
+from gateway.broker.router import Router
 from gateway.broker.watch import Watch
 from gateway.config import GatewayConfig
 from gateway.errors import Handler, auth_middleware, error_middleware
@@ -52,6 +53,9 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     registry = EngineRegistry(client, keys, cfg.models, cfg.engine_stale_s)
     app[BROKER] = broker
     app[REGISTRY] = registry
+    if cfg.routing:
+        broker.use_router(router := Router(keys, cfg.route_load_slack), registry)
+        app[METRICS].watch_router(router)
     pool = client.connection_pool
     if isinstance(pool, MeteredPool):
         app[METRICS].watch_pool(pool)

@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "connections (default 0 = never: some SSE clients mis-parse comments)")
     parser.add_argument("--write-timeout", type=float, default=defaults.write_timeout_s, metavar="SECONDS",
                         help="abort a request whose client reads nothing for this long (default %(default)s)")
+    parser.add_argument("--routing", choices=("on", "off"), default="on" if defaults.routing else "off",
+                        help="cache-aware routing: send each request to the engine holding the longest cached "
+                             "prefix of its prompt (off: every engine of a model reads one shared stream; "
+                             "default %(default)s)")
+    parser.add_argument("--route-load-slack", type=float, default=defaults.route_load_slack, metavar="REQUESTS",
+                        help="route by load instead when the best-matching engine has more than this many "
+                             "requests (waiting + running) above the least loaded one (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -68,7 +75,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_tokens_limit=args.max_tokens_limit, request_timeout_s=args.request_timeout,
         redis_pool_size=args.redis_pool_size, redis_pool_timeout_s=args.redis_pool_timeout,
         max_queued_per_model=args.max_queued, redis_pool=args.redis_pool,
-        sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout, **extra,
+        sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout,
+        routing=args.routing == "on", route_load_slack=args.route_load_slack, **extra,
     )
 
 

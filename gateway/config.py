@@ -41,6 +41,9 @@ class GatewayConfig:
     retry_after_s: int = 1
     orphan_after_s: float = 10.0  # fail a model's requests when it had no live engine this long
     watch_interval_s: float = 1.0
+    # cache-aware routing (gateway/broker/router.py): to the engine holding the longest cached prefix
+    routing: bool = True
+    route_load_slack: float = 4.0  # requests more than the least loaded engine before routing by load
 
     @property
     def redis_spec(self) -> RedisSpec:
@@ -54,5 +57,7 @@ class GatewayConfig:
             raise ValueError("sse_keepalive_s must be >= 0 and write_timeout_s positive")
         if self.redis_pool_size < 2 or self.redis_pool_timeout_s <= 0 or self.max_queued_per_model < 1:
             raise ValueError("redis_pool_size must be >= 2, redis_pool_timeout_s and max_queued_per_model positive")
+        if self.route_load_slack < 0:
+            raise ValueError("route_load_slack must be >= 0")
         if not self.redis_prefix or ":" in self.redis_prefix:
             raise ValueError("redis_prefix must be a non-empty name without ':'")

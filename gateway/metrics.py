@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from common.redis_conn import MeteredPool
+from gateway.broker.router import REASONS, Router
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -36,6 +37,32 @@ class _PoolCollector(Collector):
                                   value=figures.timeouts)
         yield GaugeMetricFamily("pagedserve_redis_pool_max_wait_seconds", "longest wait for a connection so far",
                                 value=figures.max_wait_seconds)
+
+
+class _RouterCollector(Collector):
+    """Routing decisions of this gateway by reason, and per engine (as its last heartbeat says)
+    its prefix-cache hit rate (tokens found cached / prompt tokens looked up) and requests stolen."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        for reason in REASONS:
+            yield CounterMetricFamily(f"pagedserve_gateway_routed_{'by_' if reason != 'shared' else ''}{reason}",
+                                      f"requests routed ({reason})", value=self.router.counts[reason])
+        hits = GaugeMetricFamily("pagedserve_engine_prefix_hit_rate",
+                                 "prefix-cache tokens hit / looked up, per engine (heartbeat)",
+                                 labels=["model", "engine"])
+        stolen = CounterMetricFamily("pagedserve_engine_stolen", "requests an engine took from a peer's "
+                                     "routed stream (heartbeat)", labels=["model", "engine"])
+        for beat in self.router.beats:
+            queries = beat.stats.get("prefix_queries", 0.0)
+            hits.add_metric([beat.model, beat.engine_id], beat.stats.get("prefix_hits", 0.0) / queries
+                            if queries else 0.0)
+            if "stolen" in beat.stats:
+                stolen.add_metric([beat.model, beat.engine_id], beat.stats["stolen"])
+        yield hits
+        yield stolen
 
 
 class GatewayMetrics:
@@ -67,6 +94,11 @@ class GatewayMetrics:
                          buckets=_POOL_WAIT_BUCKETS, registry=None)
         self.registry.register(_PoolCollector(pool, wait))
         self.registry.register(wait)
+
+    def watch_router(self, router: Router) -> None:
+        """Export routing counters (routed_by_prefix, routed_by_load, routed_shared) and the
+        engines' hit rates."""
+        self.registry.register(_RouterCollector(router))
 
     def observe_request(self, finish_reasons: list[str], prompt_tokens: int, completion_tokens: int,
                         start: float, first_token: float | None, end: float) -> None:

@@ -36,19 +36,24 @@ from common.protocol import (
 )
 from common.redis_conn import Epoch, MasterView, NotReplicated, PoolBusy, ReplicaAck, pinned
 from gateway.broker.collector import RequestCollector
+from gateway.broker.engines import EngineRegistry
+from gateway.broker.router import Route, Router
 
 log = get_logger("gateway.broker")
 READ_GRACE_S = 5.0  # seconds an XREAD may run past its BLOCK before it counts as hung
 CONFIRM_S = 30.0  # how long a submit whose WAIT was cut off waits for a master to settle it on
 
-# KEYS: request stream, epoch key. ARGV: group, epoch token, max queued, field, payload.
+# KEYS: the stream to add to, epoch key, then every stream of the model counted for the bound
+# (the shared one and the live engines' routed ones; the first one included).
+# ARGV: group, epoch token, max queued, field, payload.
 _SUBMIT_SCRIPT = """
 local epoch = redis.call('GET', KEYS[2])
 if epoch ~= ARGV[2] then return {'EPOCH', epoch or ''} end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[1], '0', 'MKSTREAM')
 end
-local queued = redis.call('XLEN', KEYS[1])
+local queued = 0
+for i = 3, #KEYS do queued = queued + redis.call('XLEN', KEYS[i]) end
 if queued >= tonumber(ARGV[3]) then return {'FULL', tostring(queued)} end
 return {'OK', redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[5])}
 """
@@ -91,32 +96,61 @@ class Broker:
         self.epoch = Epoch(keys.epoch)
         self.last_id = "0-0"
         self._submit = client.register_script(_SUBMIT_SCRIPT)
+        self.router: Router | None = None  # cache-aware routing (`use_router`); None: the shared stream
+        self.registry: EngineRegistry | None = None
+
+    def use_router(self, router: Router, registry: EngineRegistry) -> None:
+        """Route each request by `router` over `registry`'s live heartbeats."""
+        self.router, self.registry = router, registry
+
+    async def route(self, request: EngineRequest) -> Route:
+        """The stream for `request`: the router's choice, or the shared stream without routing
+        (or when the heartbeats cannot be read: the shared stream needs none)."""
+        shared = Route(self.keys.requests(request.model), None, "shared")
+        if self.router is None or self.registry is None:
+            return shared
+        try:
+            self.router.refresh(await self.registry.live_engines())
+        except RedisError:
+            return shared
+        return self.router.choose(request.model, request.prompt_token_ids)
+
+    def counted_streams(self, model: str) -> list[str]:
+        """The streams whose lengths bound a model's queue: the shared one and the routed ones
+        of the model's live routed engines (what a dead engine's stream holds is taken over
+        by its peers)."""
+        streams = [self.keys.requests(model)]
+        view = self.router.models.get(model) if self.router is not None else None
+        if view is not None:
+            streams += [self.keys.routed(model, engine_id) for engine_id in sorted(view.engines)]
+        return streams
 
     async def submit(self, request: EngineRequest, n: int) -> RequestCollector:
-        """Register a collector, then XADD the request to its model's stream (collector first:
-        no lost output). Raises QueueFull, PoolBusy, BrokerUnavailable."""
-        collector = RequestCollector(request.id, n, request.model)
+        """Register a collector, then XADD the request to the stream `route` chose (collector
+        first: no lost output). Raises QueueFull, PoolBusy, BrokerUnavailable."""
+        route = await self.route(request)
+        collector = RequestCollector(request.id, n, request.model, route.stream)
         self.collectors[request.id] = collector
         try:
-            collector.entry_id = await self._add(request)
+            collector.entry_id = await self._add(request, route.stream)
         except BaseException:
             self.collectors.pop(request.id, None)
             raise
         return collector
 
-    async def _add(self, request: EngineRequest) -> str:
+    async def _add(self, request: EngineRequest, stream: str) -> str:
         for _ in range(2):
             if self.epoch.token is None:
                 await self.sync_epoch()
             request.epoch = self.epoch.token or ""
             try:
-                status, text = await self._submit_once(request)
+                status, text = await self._submit_once(request, stream)
             except PoolBusy:
                 raise
             except NotReplicated as exc:
                 log.warning("request sent but not confirmed by a replica; settling it on the next master",
                             id=request.id, error=str(exc))
-                return await self._settle(request, exc.args[1] if len(exc.args) > 1 else "")
+                return await self._settle(request, stream, exc.args[1] if len(exc.args) > 1 else "")
             except RedisError as exc:
                 raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
             if status == "OK":
@@ -126,11 +160,12 @@ class Broker:
             await self.sync_epoch()  # EPOCH: Redis lost its data since we looked
         raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
 
-    async def _submit_once(self, request: EngineRequest) -> tuple[str, str]:
-        """The submit script (then, with replicas to wait for, WAIT on the same connection).
-        Raises NotReplicated with the entry id as its second argument when the connection was
-        lost after the XADD."""
-        keys = [self.keys.requests(request.model), self.keys.epoch]
+    async def _submit_once(self, request: EngineRequest, stream: str) -> tuple[str, str]:
+        """The submit script (adding to `stream`, bounding the model's queue), then, with replicas
+        to wait for, WAIT on the same connection. Raises NotReplicated with the entry id as its
+        second argument when the connection was lost after the XADD."""
+        counted = self.counted_streams(request.model)
+        keys = [stream, self.keys.epoch, *dict.fromkeys([stream, *counted])]
         args: list[str | bytes | int] = [self.keys.group, request.epoch, self.max_queued, REQUEST_FIELD,
                                          request.encode()]
         if not self.ack.enabled:
@@ -145,11 +180,10 @@ class Broker:
                     raise NotReplicated(str(exc), _text(value)) from exc
         return _text(status), _text(value)
 
-    async def _settle(self, request: EngineRequest, entry_id: str) -> str:
+    async def _settle(self, request: EngineRequest, stream: str, entry_id: str) -> str:
         """After a WAIT cut off by a lost connection: once a master answers, keep the entry if it
         is there (or an engine already answered), else add the request again. Up to CONFIRM_S."""
         deadline = time.monotonic() + CONFIRM_S
-        stream = self.keys.requests(request.model)
         while True:
             try:
                 collector = self.collectors.get(request.id)
@@ -157,7 +191,7 @@ class Broker:
                     return entry_id  # an engine has it
                 if entry_id and await self.client.xrange(stream, entry_id, entry_id):
                     return entry_id
-                status, text = await self._submit_once(request)
+                status, text = await self._submit_once(request, stream)
                 if status == "OK":
                     log.info("request added again after a failover", id=request.id)
                     return text
@@ -217,7 +251,7 @@ class Broker:
         async with self.client.pipeline(transaction=False) as pipe:
             for collector in collectors:
                 if collector.entry_id:
-                    pipe.xdel(self.keys.requests(collector.model), collector.entry_id)
+                    pipe.xdel(collector.stream or self.keys.requests(collector.model), collector.entry_id)
             await pipe.execute()
 
     async def ping(self) -> bool:

@@ -36,10 +36,11 @@ class Update:
 class RequestCollector:
     """Merges the output messages of one request."""
 
-    def __init__(self, request_id: str, n: int, model: str = "") -> None:
+    def __init__(self, request_id: str, n: int, model: str = "", stream: str = "") -> None:
         self.request_id = request_id
         self.n = n
         self.model = model
+        self.stream = stream  # the request stream it was added to (shared or an engine's routed one)
         self.entry_id = ""  # of the request-stream entry, once submitted
         self.next_seq = 0
         self.received: dict[int, int] = {}
