@@ -1,53 +1,90 @@
-"""Charts for docs/performance.md: `.venv/bin/python scripts/plots.py` writes docs/plots/*.png.
+"""Charts for docs/performance.md from the benchmarks' JSON lines: `.venv/bin/python scripts/plots.py`.
 
-The measured charts plot figures docs/performance.md states (same-run ratios from the commands in
-each chart's `source`); `tests/docs/test_docs.py` checks that every value below appears on that
-page, so a chart cannot drift from the page it illustrates. The KV chart is computed from the
-engine's own size formula (`engine.model.spec.kv_dtype_bytes_per_token`) for SmolLM2's shape. The
-simulator's utilization chart is `pagedserve simulate`'s own (docs/simulator_utilization.png).
+The measured charts read `docs/results/peers.jsonl` (the ratio lines `benchmarks/peer/peer_bench.py`
+and the llama.cpp benches print: a `*_ratio` figure, pagedserve over the peer) and
+`docs/results/speculative.jsonl` (the report lines of `benchmarks/engine/spec_bench.py`: per mode a
+`speedup`), each line stamped with the `label` the chart shows; lines with the same label are runs
+of one workload. `--add RUN.jsonl --label TEXT` appends a fresh run's ratio or report lines to the
+right file (then the page's figure should follow: `tests/docs/test_docs.py` checks every plotted
+value appears on docs/performance.md, so a chart cannot drift from the page it illustrates). The KV
+chart is computed from the engine's own size formula (`engine.model.spec.kv_dtype_bytes_per_token`)
+for SmolLM2's shape. The simulator's utilization chart is `pagedserve simulate`'s own.
 
+    .venv/bin/python benchmarks/peer/peer_bench.py --only offline --json-out /tmp/run.jsonl
+    .venv/bin/python scripts/plots.py --add /tmp/run.jsonl --label "offline trace, ... (machine, date)"
     .venv/bin/python scripts/plots.py [--out docs/plots]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+PEERS_FILE = RESULTS / "peers.jsonl"
+SPEC_FILE = RESULTS / "speculative.jsonl"
+PEERS_TITLE = "pagedserve against vLLM and llama.cpp, same run, same 2-core CPU"
+SPEC_TITLE = "Speculative decoding: speed-up over plain decoding (Xeon, stop 34)"
+# Latency ratios (below 1 is better) are not drawn on the throughput chart.
+_LATENCY = ("ttft", "tpot", "itl", "latency", "e2e")
 
-# Same-run ratios pagedserve / peer (above 1: pagedserve faster), per workload: each run's value.
-PEERS: dict[str, Any] = {
-    "title": "pagedserve against vLLM and llama.cpp, same run, same 2-core CPU",
-    "source": "benchmarks/peer/peer_bench.py; benchmarks/kernels/quant_bench.py --parts engine --peer-python ...",
-    "rows": [
-        ("offline trace, Q4_1 + int8 KV vs vLLM bf16 (Xeon, stop 35)", ["1.222", "1.237", "1.243", "1.239", "1.224"]),
-        ("offline trace, fp32 vs vLLM fp32 (EPYC, 2026-11-30)", ["1.14", "1.10", "1.14"]),
-        ("2-layer model, engine overhead, fp32 vs vLLM fp32", ["1.80", "1.84"]),
-        ("one stream, fp32 vs vLLM fp32", ["1.52", "1.82"]),
-        ("served burst 96 x 128, fp32 vs vLLM fp32", ["1.13", "1.12"]),
-        ("served, 32 concurrent, fp32 vs vLLM fp32", ["1.15", "1.16"]),
-        ("one stream, Q4_1 GGUF vs llama.cpp (Xeon, stop 35)", ["1.46", "1.40"]),
-        ("batch of 32, Q4_1 GGUF vs llama.cpp (Xeon, stop 35)", ["5.26", "5.46"]),
-    ],
-}
 
-# Speculative decoding over plain decoding, stop 34 on the AVX-512/AMX Xeon.
-SPEC: dict[str, Any] = {
-    "title": "Speculative decoding: speed-up over plain decoding (Xeon, stop 34)",
-    "source": "benchmarks/engine/spec_bench.py --rounds 2 --max-tokens 96 --k 4,8",
-    "methods": ["ngram K=4", "ngram K=8", "suffix K=4", "suffix K=8"],
-    "rows": [
-        ("repeat a passage, new prompt", ["1.90", "2.66", "1.90", "2.41"]),
-        ("edit code, new prompt", ["1.52", "1.92", "1.59", "1.78"]),
-        ("long context, new prompt", ["2.10", "3.17", "2.20", "2.97"]),
-        ("grounded, prompts cached", ["1.99", "2.99", "2.04", "2.67"]),
-        ("passage asked again", ["2.16", "3.59", "2.26", "3.91"]),
-        ("batch of 32, unrepetitive", ["1.11", "1.13", "1.14", "1.16"]),
-    ],
-}
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (blank lines skipped)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def throughput_ratio(record: dict[str, Any]) -> float | None:
+    """The record's pagedserve/peer throughput ratio, or None for a line that carries none."""
+    for key, value in record.items():
+        if key.endswith("_ratio") and not any(tag in key for tag in _LATENCY) and isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def spec_speedups(record: dict[str, Any]) -> dict[str, float]:
+    """Per speculative mode the speed-up over plain decoding of one spec_bench report line."""
+    return {mode: float(v["speedup"]) for mode, v in record.items() if isinstance(v, dict) and "speedup" in v}
+
+
+def grouped(records: list[dict[str, Any]], value: Any) -> list[tuple[str, list[Any]]]:
+    """(label, [value of each run]) in first-seen label order, lines without a value dropped."""
+    rows: dict[str, list[Any]] = {}
+    for record in records:
+        v = value(record)
+        if v is not None and v != {}:
+            rows.setdefault(str(record.get("label", record.get("part", record.get("bench", "?")))), []).append(v)
+    return list(rows.items())
+
+
+def peer_rows(path: Path = PEERS_FILE) -> list[tuple[str, list[float]]]:
+    return grouped(read_lines(path), throughput_ratio)
+
+
+def spec_rows(path: Path = SPEC_FILE) -> tuple[list[str], list[tuple[str, dict[str, float]]]]:
+    """Modes (columns) and per label the last run's speed-up per mode."""
+    rows = [(label, runs[-1]) for label, runs in grouped(read_lines(path), spec_speedups)]
+    modes = list(dict.fromkeys(m for _, speedups in rows for m in speedups))
+    return modes, rows
+
+
+def add_run(run: Path, label: str, results: Path = RESULTS) -> tuple[Path, int]:
+    """Append a benchmark run's ratio lines (peers) or report lines (speculative) under `label`."""
+    records = read_lines(run)
+    peers = [r for r in records if throughput_ratio(r) is not None]
+    spec = [r for r in records if spec_speedups(r)]
+    target, keep = (results / PEERS_FILE.name, peers) if peers else (results / SPEC_FILE.name, spec)
+    if not keep:
+        raise SystemExit(f"{run}: no ratio lines (peer benches) or report lines (spec_bench) to add")
+    with target.open("a") as f:
+        for record in keep:
+            f.write(json.dumps({"label": label, **{k: v for k, v in record.items() if k != "label"}}) + "\n")
+    return target, len(keep)
+
 
 # SmolLM2-135M's KV geometry (30 layers, 3 KV heads, head 64) and the engine's block size.
 SMOLLM2_KV = {"layers": 30, "kv_heads": 3, "head_dim": 64, "block_size": 16}
@@ -66,10 +103,9 @@ def kv_tokens_per_gib() -> dict[str, int]:
 
 
 def _peers(plt: Any, out: Path) -> Path:
-    rows = PEERS["rows"]
+    rows = peer_rows()
     fig, ax = plt.subplots(figsize=(9, 4.8))
-    for i, (_, values) in enumerate(rows):
-        v = [float(x) for x in values]
+    for i, (_, v) in enumerate(rows):
         ax.barh(i, max(v), color="#4c72b0", alpha=0.35)
         ax.plot(v, [i] * len(v), "o", color="#1f3b73")
         ax.text(max(v) + 0.05, i, f"{min(v):.2f}–{max(v):.2f}x" if len(set(v)) > 1 else f"{v[0]:.2f}x",
@@ -78,7 +114,7 @@ def _peers(plt: Any, out: Path) -> Path:
     ax.set_yticks(range(len(rows)), [name for name, _ in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("pagedserve / peer throughput (each dot one run)")
-    ax.set_title(PEERS["title"], fontsize=10)
+    ax.set_title(PEERS_TITLE, fontsize=10)
     ax.set_xlim(0, 6.2)
     fig.tight_layout()
     path = out / "peers.png"
@@ -88,16 +124,16 @@ def _peers(plt: Any, out: Path) -> Path:
 
 
 def _spec(plt: Any, out: Path) -> Path:
-    rows, methods = SPEC["rows"], SPEC["methods"]
+    methods, rows = spec_rows()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(methods)
     for m, method in enumerate(methods):
         xs = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(rows))]
-        ax.bar(xs, [float(values[m]) for _, values in rows], width, label=method)
+        ax.bar(xs, [speedups.get(method, 0.0) for _, speedups in rows], width, label=method.replace("_k", " K="))
     ax.axhline(1.0, color="black", lw=1)
     ax.set_xticks(range(len(rows)), [name for name, _ in rows], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("tok/s over plain decoding")
-    ax.set_title(SPEC["title"], fontsize=10)
+    ax.set_title(SPEC_TITLE, fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "speculative.png"
@@ -125,7 +161,14 @@ def _kv(plt: Any, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "plots")
+    parser.add_argument("--add", type=Path, metavar="RUN.jsonl", help="append a benchmark run's JSON lines first")
+    parser.add_argument("--label", help="the chart's label for the --add run's workload")
     args = parser.parse_args(argv)
+    if args.add:
+        if not args.label:
+            parser.error("--add needs --label")
+        target, count = add_run(args.add, args.label)
+        print(f"added {count} line(s) to {target}")
     import matplotlib
 
     matplotlib.use("Agg")

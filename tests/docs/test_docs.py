@@ -8,6 +8,7 @@ and builds parsers only: no network, no server, no model."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import unicodedata
 from pathlib import Path
@@ -119,18 +120,48 @@ def test_flags_page_is_current() -> None:
 
 
 def test_plotted_figures_are_the_pages() -> None:
-    """Every value scripts/plots.py charts is a figure docs/performance.md states, the KV chart's
-    tokens per GiB are the ones docs/cpu-fast-path.md states, and each chart is on the page."""
+    """Every value scripts/plots.py charts (from docs/results/*.jsonl) is a figure docs/performance.md
+    states, the KV chart's tokens per GiB are the ones docs/cpu-fast-path.md states, and each chart is on
+    the page."""
     plots = _script("plots")
     page = (ROOT / "docs" / "performance.md").read_text()
-    values = {v for chart in (plots.PEERS, plots.SPEC) for _, row in chart["rows"] for v in row}
-    absent = sorted(v for v in values if not re.search(rf"(?<![\d.]){re.escape(v)}(?![\d])", page))
+    peers, (modes, spec) = plots.peer_rows(), plots.spec_rows()
+    assert len(peers) >= 5 and len(spec) >= 5 and len(modes) >= 2, (peers, modes, spec)
+    values = {v for _, runs in peers for v in runs}
+    values |= {v for _, speedups in spec for v in speedups.values()}
+
+    def stated(v: float) -> bool:
+        return any(re.search(rf"(?<![\d.]){re.escape(text)}(?![\d])", page)
+                   for text in {f"{v:.2f}", f"{v:.3f}", str(v)})
+
+    absent = sorted(v for v in values if not stated(v))
     assert not absent, f"plotted values not on docs/performance.md: {absent}"
     fast_path = (ROOT / "docs" / "cpu-fast-path.md").read_text()
     tokens = plots.kv_tokens_per_gib()
     assert all(f"{tokens[d]:,}" in fast_path for d in ("float32", "bfloat16", "int8")), tokens
     for png in ("peers.png", "speculative.png", "kv_tokens_per_gib.png"):
         assert f"](plots/{png})" in page and (ROOT / "docs" / "plots" / png).is_file(), png
+
+
+def test_plots_take_a_benchmark_runs_json_lines(tmp_path: Path) -> None:
+    """`plots.py --add` keeps a peer run's throughput ratio (not its latency ratios, not the
+    per-system lines) and a spec_bench run's per-mode speed-ups, under the given label."""
+    plots = _script("plots")
+    peer_run = tmp_path / "peer.jsonl"
+    peer_run.write_text("\n".join(json.dumps(r) for r in (
+        {"part": "setup", "cpus": 2},
+        {"part": "offline", "system": "pagedserve", "tok_s": 400.0},
+        {"part": "offline", "ratio": "pagedserve/vllm", "tok_s_ratio": 0.95, "pagedserve_wins": False},
+        {"part": "served", "ratio": "pagedserve/vllm", "ttft_p50_ratio": 0.5})))
+    target, count = plots.add_run(peer_run, "offline, test machine", results=tmp_path)
+    assert (target.name, count) == ("peers.jsonl", 1)
+    assert plots.peer_rows(target) == [("offline, test machine", [0.95])]
+    spec_run = tmp_path / "spec.jsonl"
+    spec_run.write_text(json.dumps({"bench": "batch", "plain_tok_s": 10.0, "ngram_k4": {"speedup": 1.3},
+                                    "suffix_k4": {"speedup": 1.5}}))
+    target, count = plots.add_run(spec_run, "batch, test machine", results=tmp_path)
+    assert plots.spec_rows(target) == (["ngram_k4", "suffix_k4"],
+                                       [("batch, test machine", {"ngram_k4": 1.3, "suffix_k4": 1.5})])
 
 
 def _code(text: str) -> list[str]:
