@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -207,6 +210,24 @@ def test_documented_pagedserve_flags_exist(page: Path) -> None:
     unknown = [f"pagedserve {m.group(1)} {flag}" for span in _code(page.read_text()) for m in call.finditer(span)
                for flag in _flags(m.group(2)) if flag not in known[m.group(1)]]
     assert not unknown, f"{page.relative_to(ROOT)}: flags the command does not take: {sorted(set(unknown))}"
+
+
+def test_documented_python_scripts_answer_help() -> None:
+    """Every Python script a page names (benchmarks/, scripts/) that parses arguments runs with
+    `--help` and exits 0: a documented command at least starts (imports resolve, the parser builds).
+    Scripts without a parser would run their work, so they are only checked to exist elsewhere."""
+    named = {m.group(1) for page in PAGES for m in SCRIPT_PATH.finditer(page.read_text())}
+    named |= {f"benchmarks/{m.group(1)}" for page in PAGES for m in BENCH_PATH.finditer(page.read_text())}
+    scripts = sorted(p for p in named if p.endswith(".py") and (ROOT / p).is_file()
+                     and re.search(r"argparse|parse_args", (ROOT / p).read_text()))
+    assert len(scripts) >= 10, scripts
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("help_runner.py")), *scripts], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["script"] for r in results] == scripts, run.stderr[-2000:]
+    failed = [f"{r['script']}: exit {r['code']}: {r['tail']}" for r in results if r["code"] != 0]
+    assert not failed, "\n".join(failed)
 
 
 def test_readme_claims_only_supported_models_and_formats() -> None:
