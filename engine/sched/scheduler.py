@@ -122,8 +122,10 @@ class Scheduler:
         while queue:
             request = queue.popleft()
             seqs = request.unfinished_seqs()
-            if not budget.fits(len(seqs)):
+            peak = request.num_seqs_at_peak  # a prompt still in chunks forks into n at its first token
+            if not budget.fits(len(seqs), peak):
                 self.running.append(request)
+                budget.seqs -= peak  # its rows stay reserved: nothing admitted behind it may take them
                 continue
             ids = [seq.seq_id for seq in seqs]
             while not self.block_manager.can_append_slots(ids):
@@ -134,6 +136,7 @@ class Scheduler:
                 self._preempt(queue.pop(), out)
             self._append_slots(seqs, out)
             self._schedule_tokens(seqs, out, budget)
+            budget.seqs -= peak - len(seqs)
             self.running.append(request)
         return preempted
 
@@ -215,7 +218,8 @@ class Scheduler:
             request = self.swapped[0]
             seqs = request.unfinished_seqs()
             ids = [seq.seq_id for seq in seqs]
-            if not budget.fits(len(seqs)) or not self.block_manager.can_swap_in(ids):
+            peak = request.num_seqs_at_peak
+            if not budget.fits(len(seqs), peak) or not self.block_manager.can_swap_in(ids):
                 return
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(ids))
@@ -223,6 +227,7 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
             self._append_slots(seqs, out)
             self._schedule_tokens(seqs, out, budget)
+            budget.seqs -= peak - len(seqs)
             self.running.append(request)
 
     # ----- waiting -------------------------------------------------------------------------
@@ -242,12 +247,31 @@ class Scheduler:
                 request.error_code = "context_length_exceeded"
                 out.rejected.append(request)
                 continue
+            if not self._fits_apart(seqs):
+                self.waiting.popleft()
+                request.error = (
+                    f"preempted by recompute after it forked: its {len(seqs)} sequences no longer share the "
+                    f"prompt's blocks and cannot fit the KV cache together ({self.block_manager.num_blocks} "
+                    f"blocks); use swap preemption, prefix caching or a lower n")
+                request.error_code = "context_length_exceeded"
+                out.rejected.append(request)
+                continue
             if not self._allocate(seqs):
                 return
             self.waiting.popleft()
             self._schedule_tokens(seqs, out, budget)
             budget.seqs -= peak - len(seqs)  # the rows its forks take from the next step on
             self.running.append(request)
+
+    def _fits_apart(self, seqs: list[Sequence]) -> bool:
+        """A recomputed request's forked sequences are allocated one by one, sharing no blocks
+        unless the prefix cache finds them: without it they must fit the pool side by side, or
+        the request would wait forever (known gap: recompute does not re-share the prompt)."""
+        if len(seqs) < 2 or self.block_manager.enable_prefix_caching:
+            return True
+        size = self.block_manager.block_size
+        need = sum(-(-(len(seq.token_ids) + 1) // size) for seq in seqs)
+        return need <= self.block_manager.num_blocks - self.block_manager.watermark_blocks
 
     def _allocate(self, seqs: list[Sequence]) -> bool:
         """Give every sequence of a request its blocks, or none of them."""
