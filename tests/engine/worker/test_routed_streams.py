@@ -18,6 +18,10 @@ SHARED = KEYS.requests(MODEL)
 ROUTED_SET = KEYS.routed_streams(MODEL)
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def routed(client: aioredis.Redis, owner: str, consumer: str | None = None) -> RequestStream:
     return RequestStream(client, KEYS, MODEL, consumer or owner, key=KEYS.routed(MODEL, owner), register=ROUTED_SET)
 
@@ -50,7 +54,7 @@ async def test_steal_takes_only_entries_older_than_the_steal_age(client: aioredi
     await owner.ensure_group()
     seconds, micros = await client.time()
     now_ms = int(seconds) * 1000 + int(micros) // 1000
-    old = (await client.xadd(owner.key, {REQUEST_FIELD: b"old"}, id=f"{now_ms - 60_000}-0")).decode()
+    old = _text(await client.xadd(owner.key, {REQUEST_FIELD: b"old"}, id=f"{now_ms - 60_000}-0"))
     await client.xadd(owner.key, {REQUEST_FIELD: b"fresh"})
     thief = routed(client, "a", consumer="b")
     stolen = await thief.steal(older_than_ms=30_000, count=10)
@@ -72,6 +76,6 @@ async def test_takeover_scan_drops_a_gone_engines_empty_routed_stream(client: ai
     await client.set(KEYS.engine("live"), "alive")
     intake = Intake(client, KEYS, shared, MODEL)
     assert await intake.claim(min_idle_ms=0) == 0
-    members = {m.decode() for m in await client.smembers(ROUTED_SET)}
+    members = {_text(m) for m in await client.smembers(ROUTED_SET)}
     assert members == {busy.key, live.key}
     assert not await client.exists(gone.key)
