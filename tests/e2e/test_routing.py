@@ -137,3 +137,27 @@ async def test_requests_routed_to_a_frozen_engine_are_stolen(stack: tuple[str, l
             frozen.proc.send_signal(signal.SIGCONT)
         assert stats.get("stolen", 0.0) - stolen_before >= 1, stats
         announced(engines)
+
+
+async def test_no_routing_engine_serves_the_shared_stream(stack: tuple[str, list[EngineProcess]],
+                                                          tiny_llama_dir: Path,
+                                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`--no-routing`: no routed stream, no `routed` in the heartbeat; its model's requests go
+    through the shared stream as before."""
+    url, _ = stack
+    logs = tmp_path_factory.mktemp("no-routing")
+    (plain,) = start_engines(tiny_llama_dir, url, logs, ["plain-0"], "--served-model-name", "plain",
+                             "--kv-cache-memory", "8MiB", "--no-routing")
+    try:
+        beat = plain.heartbeat()
+        assert beat is not None and not beat.routed and not beat.cached
+        body = {"model": "plain", "prompt": "Hello there", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        async with aiohttp.ClientSession() as session, serve_gateway(url) as gateway, \
+                session.post(f"{gateway}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["usage"]["completion_tokens"] == 4
+        with redis.Redis.from_url(url) as client:
+            assert not client.exists(Keys().routed_streams("plain"))
+            assert not client.exists(Keys().routed("plain", "plain-0"))
+    finally:
+        plain.stop()
