@@ -30,6 +30,7 @@ log = get_logger("worker.intake")
 ABORT_MEMORY_S = 300.0
 MAX_REMEMBERED_ABORTS = 100_000
 DEAD_LETTER_MAXLEN = 1000
+ROUTED_QUIET_MS = 30_000  # a gone engine's empty routed stream is removed after no entry arrived this long
 
 
 class Intake:
@@ -397,9 +398,21 @@ class Intake:
             return []
 
     async def _drop_if_gone(self, stream: RequestStream) -> None:
-        """Remove a routed stream whose engine's heartbeat is gone once it holds no entry."""
+        """Remove a routed stream whose engine's heartbeat is gone once it holds no entry and
+        got none for `ROUTED_QUIET_MS` (by Redis' clock): a gateway that read the heartbeat just
+        before it expired may still add to it for a moment, and that entry must not land on a
+        stream nobody scans."""
         owner = stream.key.removeprefix(self.keys.routed(self.model, ""))
         if await self.client.exists(self.keys.engine(owner)) or await self.client.xlen(stream.key):
+            return
+        try:
+            info = await self.client.xinfo_stream(stream.key)
+        except ResponseError:  # already gone
+            info = {"last-generated-id": b"0-0"}
+        last = info.get("last-generated-id", b"0-0")
+        last_ms = int((last.decode() if isinstance(last, bytes) else str(last)).split("-")[0])
+        seconds, micros = await self.client.time()
+        if int(seconds) * 1000 + int(micros) // 1000 - last_ms < ROUTED_QUIET_MS:
             return
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.srem(self.keys.routed_streams(self.model), stream.key)
