@@ -211,6 +211,10 @@ class LLMEngine:
                 for req in queue for seq in req.unfinished_seqs())
         return block_tables(self.block_manager, seqs, max_seqs)
 
+    def cached_keys(self, limit: int) -> list[int]:
+        """The prefix-cache keys held, most recently used first (`BlockManager.cached_keys`)."""
+        return self.block_manager.cached_keys(limit)
+
     def pool_snapshot(self) -> list[list[int]]:
         """Run-length encoded state of every device block (see `engine.kv.block_stats`)."""
         return pool_snapshot(self.block_manager)

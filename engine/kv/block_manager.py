@@ -255,6 +255,18 @@ class BlockManager:
                 block.hash, block.parent_hash, block.token_ids = key, parent, tokens
                 self.cached[key] = block
 
+    def cached_keys(self, limit: int) -> list[int]:
+        """Up to `limit` prefix-cache keys this pool holds, most recently used first: blocks in use
+        (the latest cached first), then free cached blocks, the latest freed first (the next to
+        be evicted come last). O(number of blocks): meant for a heartbeat, not every step."""
+        if limit <= 0:
+            return []
+        keys = [key for key, block in reversed(self.cached.items()) if block.ref_count > 0][:limit]
+        if len(keys) < limit:
+            free = [block.hash for block in self.free_queue if block.hash is not None]
+            keys.extend(reversed(free[-(limit - len(keys)):]))
+        return keys
+
     def reset_prefix_cache(self) -> int:
         """Forget every prefix-cache entry of a free block (blocks in use keep theirs: their
         sequences still reference them); the number of blocks dropped. What vLLM's

@@ -102,6 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after SIGTERM, seconds to finish running requests before handing the rest back "
                              "to the stream (default %(default)s)")
     parser.add_argument("--redis-pool-size", type=int, default=16, help="Redis connections (default %(default)s)")
+    parser.add_argument("--no-routing", action="store_true",
+                        help="read only the model's shared request stream and do not announce a routed stream "
+                             "(no cache-aware routing to this engine, no work stealing)")
+    parser.add_argument("--steal-after", type=_positive_seconds, default=1.0,
+                        help="with routing: take entries that waited this many seconds (by Redis' clock) on a peer "
+                             "engine's routed stream while this one has room (default %(default)s)")
 
 
 def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = None) -> EngineConfig:
@@ -180,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, redis=redis_spec, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval, max_claims=args.max_claims,
         drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size,
+        routing=not args.no_routing, steal_after_s=args.steal_after,
     ), config)
     try:
         asyncio.run(_serve(worker))
@@ -187,6 +194,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve engine: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    """A positive number of seconds from the command line."""
+    try:
+        value = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class EngineThread:
         # The pool snapshot and block tables are rebuilt only when the heartbeat asked.
         self.snapshot_cache: tuple[dict[str, Any], list[list[int]]] = ({}, [])
         self.want_snapshot = True
+        self.cached_limit = 0  # prefix-cache keys each snapshot lists (``cached_keys``); 0: none (no routing)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the engine thread."""
@@ -132,7 +133,8 @@ class EngineThread:
             self.snapshot_cache = self.snapshot()
         else:
             old_stats, pool = self.snapshot_cache
-            self.snapshot_cache = (self.engine.stats() | {"block_tables": old_stats.get("block_tables", [])}, pool)
+            kept = {key: old_stats[key] for key in ("block_tables", "cached_keys") if key in old_stats}
+            self.snapshot_cache = (self.engine.stats() | kept, pool)
         return self.snapshot_cache[0]
 
     def _fail_step(self, candidates: list[str], exc: Exception) -> dict[str, str]:
@@ -158,8 +160,11 @@ class EngineThread:
         return aborted
 
     def snapshot(self) -> tuple[dict[str, Any], list[list[int]]]:
-        """Current figures (with the running and swapped sequences' ``block_tables``) and the
-        run-length block-pool snapshot."""
+        """Current figures (with the running and swapped sequences' ``block_tables`` and, when
+        `cached_limit`, the prefix-cache keys held as ``cached_keys``) and the run-length
+        block-pool snapshot."""
         stats = self.engine.stats()
         stats["block_tables"] = self.engine.block_tables()
+        if self.cached_limit:
+            stats["cached_keys"] = self.engine.cached_keys(self.cached_limit)
         return stats, self.engine.pool_snapshot()

@@ -21,6 +21,7 @@ from redis.exceptions import RedisError, WatchError
 
 from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX, Keys
+from common.protocol.heartbeat import MAX_CACHED
 from common.redis_conn import Epoch, NotReplicated, ReplicaAck, pooled_client
 from common.redis_spec import RedisSpec
 from common.shutdown import shut_down
@@ -63,6 +64,8 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     redis_pool_size: int = 16
     redis_pool_timeout_s: float = 10.0
+    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing, issue 40)
+    steal_after_s: float | None = 1.0  # with routing: take peers' routed entries waiting this long; None: never
 
     @property
     def redis_spec(self) -> RedisSpec:
@@ -102,7 +105,14 @@ class EngineWorker:
                                socket_connect_timeout=2.0)
         self.metrics = EngineMetrics(engine.device.type)
         stream = RequestStream(client, self.keys, cfg.model_name, cfg.engine_id)
-        intake = Intake(client, self.keys, stream, cfg.model_name, cfg.max_claims, self.epoch)
+        routed = None
+        if cfg.routing:
+            routed = RequestStream(client, self.keys, cfg.model_name, cfg.engine_id,
+                                   key=self.keys.routed(cfg.model_name, cfg.engine_id),
+                                   register=self.keys.routed_streams(cfg.model_name))
+        steal_ms = None if not cfg.routing or cfg.steal_after_s is None else int(cfg.steal_after_s * 1000)
+        intake = Intake(client, self.keys, stream, cfg.model_name, cfg.max_claims, self.epoch, routed=routed,
+                        steal_after_ms=steal_ms)
         guards = Guards(intake, cfg.gateway_grace_s)
         intake.on_data_lost = lambda: self._forget_everything(intake)
         beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, engine.tokenizer_dir,
@@ -117,9 +127,14 @@ class EngineWorker:
                                         f"weights/tokenizer/max_model_len: {'; '.join(conflicts)}")
             await self.epoch.check(client)
             await stream.ensure_group()
+            if routed is not None:  # group and set member first: then the heartbeat may announce `routed`
+                await routed.ensure_group()
+                beat.block_size = self.engine_config.block_size
+                self.thread.cached_limit = MAX_CACHED
             if cfg.metrics_port is not None:
                 runner = await start_metrics_server(self.metrics, cfg.metrics_host, cfg.metrics_port)
-            await intake.admit(await stream.read_own_pending(), claimed=True)
+            for own in intake.own_streams:
+                await intake.admit(await own.read_own_pending(), claimed=True)
             await self._beat(beat, intake)
             tasks = [asyncio.create_task(intake.listen_aborts(lambda: not self.closing), name="aborts"),
                      asyncio.create_task(self._heartbeats(beat, intake), name="heartbeat"),
@@ -270,9 +285,13 @@ class EngineWorker:
         """Our heartbeat may have expired: rewrite it (from now on nobody can take our entries),
         then drop every request that is no longer pending under our name."""
         await self._beat(beat, intake)
-        entries = {t.entry_id: t.request_id for t in intake.tracked.values()}
-        owned = await intake.stream.owned(list(entries))
-        lost = {rid for entry, rid in entries.items() if entry not in owned}
+        by_stream: dict[str, dict[str, str]] = {}
+        for t in intake.tracked.values():
+            by_stream.setdefault(t.stream or intake.stream.key, {})[t.entry_id] = t.request_id
+        lost: set[str] = set()
+        for key, entries in by_stream.items():
+            owned = await intake.stream_for(key).owned(list(entries))
+            lost |= {rid for entry, rid in entries.items() if entry not in owned}
         guards.lose(lost, "taken over by another engine while this one was silent")
         if lost:
             self.unsent = self.unsent.without(lost)
@@ -298,7 +317,8 @@ class EngineWorker:
             self.epoch.token = seen  # requests admitted from now on are not dropped again
         try:
             await self.epoch.check(client)
-            await intake.stream.ensure_group()
+            for own in intake.own_streams:
+                await own.ensure_group()
         except (RedisError, OSError) as exc:
             log.warning("after the data loss: epoch or consumer group not set up yet; will retry", error=str(exc))
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from common.log import get_logger
 from common.protocol import REQUEST_FIELD, AbortMessage, EngineRequest, Keys, Progress, ProtocolError, merge_progress
@@ -29,6 +30,7 @@ log = get_logger("worker.intake")
 ABORT_MEMORY_S = 300.0
 MAX_REMEMBERED_ABORTS = 100_000
 DEAD_LETTER_MAXLEN = 1000
+ROUTED_QUIET_MS = 30_000  # a gone engine's empty routed stream is removed after no entry arrived this long
 
 
 class Intake:
@@ -39,8 +41,15 @@ class Intake:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, stream: RequestStream, model: str,
                  max_claims: int = 3, epoch: Epoch | None = None,
-                 on_data_lost: Callable[[], None] | None = None) -> None:
+                 on_data_lost: Callable[[], None] | None = None, routed: RequestStream | None = None,
+                 steal_after_ms: int | None = None) -> None:
         self.client = client
+        self.routed = routed  # this engine's own routed stream, read before the shared one; None: no routing
+        self.steal_after_ms = steal_after_ms  # None: never steal from peers' routed streams
+        self._peers: dict[str, RequestStream] = {}
+        self._next_steal = 0.0
+        self.routed_taken = 0  # entries read from the own routed stream (metric)
+        self.stolen = 0  # entries stolen from peers' routed streams (metric)
         self.epoch = epoch
         self.on_data_lost = on_data_lost
         self.keys = keys
@@ -73,7 +82,8 @@ class Intake:
     def counters(self) -> dict[str, float]:
         """What the intake refused so far (for metrics and heartbeats)."""
         return {"dead_lettered": float(self.dead_lettered), "bad_aborts": float(self.bad_aborts),
-                "readopted": float(self.readopted), "in_flight": float(len(self._tracked))}
+                "readopted": float(self.readopted), "in_flight": float(len(self._tracked)),
+                "routed_taken": float(self.routed_taken), "stolen": float(self.stolen)}
 
     def take_pending(self) -> Outbox:
         """What was produced since the last call, to publish with the next step's outputs."""
@@ -84,14 +94,14 @@ class Intake:
         """End a tracked request with an error for its client (the engine drops it next step)."""
         for tracked in self.drop([request_id]):
             self._pending.add(tracked.gateway, error_output(tracked, message, type_, code))
-            self._pending.end(request_id, tracked.entry_id)
+            self._pending.end(request_id, tracked.entry_id, tracked.stream)
 
     def end(self, request_ids: list[str]) -> list[str]:
         """Stop serving these requests without a message (their client is gone): acknowledge
         their entries; returns those that were tracked."""
         dropped = self.drop(request_ids)
         for tracked in dropped:
-            self._pending.end(tracked.request_id, tracked.entry_id)
+            self._pending.end(tracked.request_id, tracked.entry_id, tracked.stream)
         return [t.request_id for t in dropped]
 
     def lose(self, request_ids: set[str]) -> None:
@@ -113,7 +123,7 @@ class Intake:
         for tracked in dropped:
             again = dataclasses.replace(tracked.request, handoffs=tracked.request.handoffs + 1)
             outbox.requeue.append(again.encode())
-            outbox.ack_only.append(tracked.entry_id)
+            outbox.ack(tracked.entry_id, tracked.stream)
         return len(dropped)
 
     def collect(self, result: StepResult, outbox: Outbox) -> list[tuple[Tracked, RequestOutput]]:
@@ -126,7 +136,7 @@ class Intake:
         for request_id in result.aborted:
             aborted = self._tracked.pop(request_id, None)
             if aborted is not None:
-                outbox.end(request_id, aborted.entry_id)
+                outbox.end(request_id, aborted.entry_id, aborted.stream)
         finished = []
         for out in result.outputs:
             live = self._tracked.get(out.request_id)
@@ -135,7 +145,7 @@ class Intake:
             outbox.add(live.gateway, to_wire(live, out))
             if out.finished:
                 del self._tracked[out.request_id]
-                outbox.end(out.request_id, live.entry_id)
+                outbox.end(out.request_id, live.entry_id, live.stream)
                 if out.error is None:
                     finished.append((live, out))
         return finished
@@ -144,7 +154,7 @@ class Intake:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
             outbox.add(tracked.gateway, error_output(tracked, message, type_, code))
-            outbox.end(request_id, tracked.entry_id)
+            outbox.end(request_id, tracked.entry_id, tracked.stream)
 
     # ----- admission ---------------------------------------------------------------------------
     async def admit(self, entries: list[StreamEntry], claimed: bool) -> None:
@@ -161,18 +171,29 @@ class Intake:
         Resuming goes by the request's checkpoint (one whose client got everything is only
         acknowledged; the gateway drops repeated output). Returns how many were found."""
         async with self._admitting:
-            known = {t.entry_id for t in self._tracked.values()}
-            known |= {entry_id for _, entry_id in self._pending.ended} | set(self._pending.ack_only)
-            orphans = await self.stream.own_pending_except(known)
-            if orphans:
-                log.warning("untracked entries pending under this engine: resuming them", count=len(orphans))
-                self.readopted += len(orphans)
-                self._pending.ack_only.extend(e.entry_id for e in orphans if e.payload is None)
-                await self._admit([e for e in orphans if e.payload is not None], claimed=True)
-            return len(orphans)
+            acking = self._pending.acks(self.stream.key)
+            found = 0
+            for stream in self.own_streams:
+                known = {t.entry_id for t in self._tracked.values() if (t.stream or self.stream.key) == stream.key}
+                known |= set(acking.get(stream.key, []))
+                orphans = await stream.own_pending_except(known)
+                if orphans:
+                    log.warning("untracked entries pending under this engine: resuming them", count=len(orphans),
+                                stream=stream.key)
+                    self.readopted += len(orphans)
+                    for e in map(self._local, orphans):
+                        if e.payload is None:
+                            self._pending.ack(e.entry_id, e.stream)
+                    await self._admit([e for e in orphans if e.payload is not None], claimed=True)
+                found += len(orphans)
+            return found
+
+    def _local(self, entry: StreamEntry) -> StreamEntry:
+        """The shared stream is the outbox's default: its entries carry no stream."""
+        return dataclasses.replace(entry, stream="") if entry.stream == self.stream.key else entry
 
     async def _admit(self, entries: list[StreamEntry], claimed: bool) -> None:
-        for entry in entries:
+        for entry in map(self._local, entries):
             try:
                 request = EngineRequest.decode(entry.payload or b"")
             except ProtocolError as exc:
@@ -185,21 +206,21 @@ class Intake:
                 continue
             await self._sync_epoch(request.epoch)
             if request.id in self.recent_aborts:
-                self._pending.end(request.id, entry.entry_id)
+                self._pending.end(request.id, entry.entry_id, entry.stream)
                 continue
             await self._start(request, entry, claimed)
 
     async def _start(self, request: EngineRequest, entry: StreamEntry, claimed: bool) -> None:
         progress = await self._progress(request.id) if claimed or request.handoffs else Progress()
-        resumed = resume(request, entry.entry_id, progress)
+        resumed = resume(request, entry.entry_id, progress, entry.stream)
         if resumed is None:  # its client already got everything
-            self._pending.end(request.id, entry.entry_id)
+            self._pending.end(request.id, entry.entry_id, entry.stream)
             return
         tracked, job = resumed
         if request.deadline is not None and time.time() > request.deadline:
             self._pending.add(request.gateway, error_output(tracked, "request deadline passed", "timeout",
                                                             "timeout"))
-            self._pending.end(request.id, entry.entry_id)
+            self._pending.end(request.id, entry.entry_id, entry.stream)
             return
         if tracked.resumed:
             log.info("resuming request", request_id=request.id, tokens=len(job.generated), seq=tracked.seq)
@@ -217,7 +238,7 @@ class Intake:
             await self.client.xadd(self.keys.dead(self.model), fields,  # type: ignore[arg-type]
                                    maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         finally:
-            self._pending.ack_only.append(entry.entry_id)
+            self._pending.ack(entry.entry_id, entry.stream)
 
     async def _sync_epoch(self, token: str) -> None:
         """A request from another dataset epoch: Redis lost its data since we last looked."""
@@ -235,11 +256,11 @@ class Intake:
                                                             "reason": f"taken over {claims} times"},
                                maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         progress = await self._progress(request.id)
-        tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1)
+        tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1, stream=entry.stream)
         message = (f"request abandoned after {claims} engine takeovers (each engine that ran it stopped); "
                    f"it was moved to {self.keys.dead(self.model)}")
         self._pending.add(request.gateway, error_output(tracked, message, "server_error", "request_dead_lettered"))
-        self._pending.end(request.id, entry.entry_id)
+        self._pending.end(request.id, entry.entry_id, entry.stream)
 
     async def _progress(self, request_id: str) -> Progress:
         try:
@@ -257,7 +278,7 @@ class Intake:
         for job in self.jobs:
             if job.request_id in aborts:
                 tracked = self._tracked.pop(job.request_id)
-                self._pending.end(job.request_id, tracked.entry_id)
+                self._pending.end(job.request_id, tracked.entry_id, tracked.stream)
         queued = {job.request_id for job in self.jobs}
         self.jobs = []
         return jobs, [rid for rid in aborts if rid in self.tracked] + [rid for rid in forced if rid not in queued]
@@ -269,32 +290,136 @@ class Intake:
         return dropped
 
     # ----- sources -----------------------------------------------------------------------------
+    @property
+    def own_streams(self) -> list[RequestStream]:
+        """The streams this engine reads new entries from: its routed one first, then the shared one."""
+        return [self.stream] if self.routed is None else [self.routed, self.stream]
+
+    def stream_for(self, key: str) -> RequestStream:
+        """The `RequestStream` of a stream key (own, shared or a peer's routed one), as this consumer."""
+        for own in self.own_streams:
+            if own.key == key:
+                return own
+        if key not in self._peers:
+            self._peers[key] = RequestStream(self.client, self.keys, self.model, self.stream.consumer, key=key)
+        return self._peers[key]
+
     async def pull(self, count: int, block_ms: int | None) -> int:
-        """Read up to `count` new entries; returns how many arrived."""
+        """Read up to `count` new entries, own routed stream first, then the shared one; with
+        `block_ms`, when both are empty, block on both at once (so either wakes the engine; up to
+        `count` may then come from each). Nothing there and room left: steal old entries of
+        peers' routed streams (`steal_after_ms`). Returns how many arrived."""
         if count <= 0:
             return 0
+        total = 0
+        if self.routed is not None:
+            entries = await self.routed.read_new(count, None)
+            self.routed_taken += len(entries)
+            await self.admit(entries, claimed=False)
+            total += len(entries)
+            if total >= count:
+                return total
+            entries = await self.stream.read_new(count - total, None)
+            await self.admit(entries, claimed=False)
+            total += len(entries)
+            if total == 0:
+                total = await self.steal(count)
+            if total == 0 and block_ms is not None:
+                entries = await self.routed.read_new_with(self.stream, count, block_ms)
+                self.routed_taken += sum(1 for e in entries if e.stream == self.routed.key)
+                await self.admit(entries, claimed=False)
+                total = len(entries)
+            return total
         entries = await self.stream.read_new(count, block_ms)
         await self.admit(entries, claimed=False)
         return len(entries)
 
-    async def claim(self, min_idle_ms: int, rounds: int = 10) -> int:
-        """Take over idle entries of engines of this model whose heartbeat is gone."""
+    async def routed_keys(self) -> list[str]:
+        """Every routed stream of this model (``Keys.routed_streams``), sorted."""
+        members = await self.client.smembers(self.keys.routed_streams(self.model))
+        return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+
+    async def steal(self, count: int) -> int:
+        """Work stealing: entries waiting longer than `steal_after_ms` on peers' routed streams
+        (a busy, frozen or gone engine), at most one scan per `steal_after_ms / 2`."""
+        if self.steal_after_ms is None or count <= 0:
+            return 0
+        now = time.monotonic()
+        if now < self._next_steal:
+            return 0
+        self._next_steal = now + self.steal_after_ms / 2000
         total = 0
-        dead = await self.stream.dead_consumers()
+        mine = {s.key for s in self.own_streams}
+        for key in await self.routed_keys():
+            if key in mine or total >= count:
+                continue
+            entries = await self.stream_for(key).steal(self.steal_after_ms, count - total)
+            if entries:
+                log.info("stole entries", count=len(entries), stream=key)
+                self.stolen += len(entries)
+                await self.admit(entries, claimed=False)
+                total += len(entries)
+        return total
+
+    async def claim(self, min_idle_ms: int, rounds: int = 10) -> int:
+        """Take over idle entries of engines of this model whose heartbeat is gone, on the
+        shared stream and every routed one; a gone engine's routed stream that holds nothing
+        any more leaves the set of routed streams."""
+        total = 0
+        keys = [self.stream.key, *(await self.routed_keys())]
+        for key in dict.fromkeys(keys):
+            total += await self._claim_on(self.stream_for(key), min_idle_ms, rounds)
+        return total
+
+    async def _claim_on(self, stream: RequestStream, min_idle_ms: int, rounds: int) -> int:
+        total = 0
+        dead = await self._dead_consumers(stream)
         for name in dead:
             for _ in range(rounds):
-                entries = await self.stream.claim_from(name, min_idle_ms)
+                entries = await stream.claim_from(name, min_idle_ms)
                 if not entries:
                     break
-                log.info("claimed entries", count=len(entries), dead_engine=name)
+                log.info("claimed entries", count=len(entries), dead_engine=name, stream=stream.key)
                 await self.admit(entries, claimed=True)
                 total += len(entries)
         if dead:
-            pending = await self.stream.consumers()
+            pending = await stream.consumers()
             for name in dead:
                 if pending.get(name, 0) == 0:
-                    await self.stream.forget(name)
+                    await stream.forget(name)
+        if stream.key != self.stream.key:
+            await self._drop_if_gone(stream)
         return total
+
+    async def _dead_consumers(self, stream: RequestStream) -> list[str]:
+        try:
+            return await stream.dead_consumers()
+        except ResponseError:  # a routed stream that is gone (or has no group yet)
+            return []
+
+    async def _drop_if_gone(self, stream: RequestStream) -> None:
+        """Remove a routed stream whose engine's heartbeat is gone once it holds no entry and
+        got none for `ROUTED_QUIET_MS` (by Redis' clock): a gateway that read the heartbeat just
+        before it expired may still add to it for a moment, and that entry must not land on a
+        stream nobody scans."""
+        owner = stream.key.removeprefix(self.keys.routed(self.model, ""))
+        if await self.client.exists(self.keys.engine(owner)) or await self.client.xlen(stream.key):
+            return
+        try:
+            info = await self.client.xinfo_stream(stream.key)
+        except ResponseError:  # already gone
+            info = {"last-generated-id": b"0-0"}
+        last = info.get("last-generated-id", b"0-0")
+        last_ms = int((last.decode() if isinstance(last, bytes) else str(last)).split("-")[0])
+        seconds, micros = await self.client.time()
+        if int(seconds) * 1000 + int(micros) // 1000 - last_ms < ROUTED_QUIET_MS:
+            return
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.srem(self.keys.routed_streams(self.model), stream.key)
+            pipe.delete(stream.key)
+            await pipe.execute()
+        self._peers.pop(stream.key, None)
+        log.info("removed a gone engine's empty routed stream", stream=stream.key)
 
     def on_abort(self, ids: list[str]) -> None:
         """Stop tracked requests at the next step; remember the others for `ABORT_MEMORY_S`

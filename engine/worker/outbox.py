@@ -1,6 +1,6 @@
 """One MULTI/EXEC per engine step: an XADD per gateway output stream carrying every one of
 its requests' messages, the progress checkpoint of each message (so what a client saw is
-always recoverable), the XACK + XDEL of requests that ended (so the request stream holds
+always recoverable), the XACK + XDEL of requests that ended, on the stream each came from (so the request streams hold
 only queued and running work), and two probes read back for free: which gateways are still
 alive and the dataset epoch.
 
@@ -46,20 +46,46 @@ class Outbox:
     ack_only: list[str] = field(default_factory=list)
     requeue: list[bytes] = field(default_factory=list)  # payloads handed back to the stream (drain)
     forget_progress: list[str] = field(default_factory=list)  # checkpoints of requests dropped here
+    # entries of other request streams (a routed one): ended request id -> its stream, and
+    # (stream, entry id) pairs acknowledged without a request; the rest are on the flush's stream
+    stream_of: dict[str, str] = field(default_factory=dict)
+    ack_on: list[tuple[str, str]] = field(default_factory=list)
 
     def add(self, gateway: str, message: OutputMessage) -> None:
         self.by_gateway.setdefault(gateway, []).append(message)
 
-    def end(self, request_id: str, entry_id: str) -> None:
-        """The request is over here: acknowledge its entry and drop its checkpoint."""
+    def end(self, request_id: str, entry_id: str, stream: str = "") -> None:
+        """The request is over here: acknowledge its entry (on `stream`, default the flush's)
+        and drop its checkpoint."""
         self.ended.append((request_id, entry_id))
+        if stream:
+            self.stream_of[request_id] = stream
+
+    def ack(self, entry_id: str, stream: str = "") -> None:
+        """Acknowledge and delete an entry (on `stream`, default the flush's) with no request."""
+        if stream:
+            self.ack_on.append((stream, entry_id))
+        else:
+            self.ack_only.append(entry_id)
+
+    def acks(self, default: str) -> dict[str, list[str]]:
+        """Entry ids to XACK + XDEL, by stream (`default` for those without one)."""
+        out: dict[str, list[str]] = {}
+        for request_id, entry_id in self.ended:
+            out.setdefault(self.stream_of.get(request_id, default), []).append(entry_id)
+        if self.ack_only:
+            out.setdefault(default, []).extend(self.ack_only)
+        for stream, entry_id in self.ack_on:
+            out.setdefault(stream, []).append(entry_id)
+        return out
 
     def merge(self, later: Outbox) -> None:
         """Append a later outbox (a failed flush is retried together with the next one)."""
         for gateway, messages in later.by_gateway.items():
             self.by_gateway.setdefault(gateway, []).extend(messages)
+        self.stream_of.update(later.stream_of)
         for f in fields(self):
-            if f.name != "by_gateway":
+            if f.name not in ("by_gateway", "stream_of"):
                 getattr(self, f.name).extend(getattr(later, f.name))
 
     def without(self, request_ids: set[str]) -> Outbox:
@@ -67,8 +93,9 @@ class Outbox:
         hand-backs and checkpoints to forget are kept)."""
         kept = Outbox()
         for f in fields(self):
-            if f.name != "by_gateway":
+            if f.name not in ("by_gateway", "stream_of"):
                 setattr(kept, f.name, list(getattr(self, f.name)))
+        kept.stream_of = {rid: stream for rid, stream in self.stream_of.items() if rid not in request_ids}
         for gateway, messages in self.by_gateway.items():
             for message in messages:
                 if message.id not in request_ids:
@@ -104,7 +131,8 @@ class FlushReply:
 async def flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,
                 probe_gateways: list[str], fence: Fence | None = None, ack: ReplicaAck | None = None,
                 log: CheckpointLog | None = None) -> FlushReply:
-    """Send an outbox in one transaction; `stream` is the engine's request stream. A request
+    """Send an outbox in one transaction; `stream` is the model's shared request stream (hand-backs
+    go there, and acks of entries the outbox names no other stream for). A request
     handed back keeps its checkpoint (its next engine resumes from it). With a `fence`: raises
     FenceLost when the heartbeat key is gone or may have lapsed, and redis' WatchError when it
     changed before EXEC (this engine's own heartbeat did, or it expired): nothing was written.
@@ -149,10 +177,9 @@ async def _flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox
             pipe.xadd(stream, {REQUEST_FIELD: payload})
         if ended or outbox.forget_progress:
             pipe.delete(*(keys.progress(request_id) for request_id in ended | set(outbox.forget_progress)))
-        entry_ids = [entry_id for _, entry_id in outbox.ended] + outbox.ack_only
-        if entry_ids:
-            pipe.xack(stream, keys.group, *entry_ids)
-            pipe.xdel(stream, *entry_ids)
+        for key, entry_ids in outbox.acks(stream).items():
+            pipe.xack(key, keys.group, *entry_ids)
+            pipe.xdel(key, *entry_ids)
         for gateway in probe_gateways:
             pipe.exists(keys.gateway(gateway))
         pipe.get(keys.epoch)

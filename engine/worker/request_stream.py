@@ -9,6 +9,7 @@ vanished (Redis restarted without persistence) is recreated on NOGROUP."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ class StreamEntry:
     entry_id: str
     payload: bytes | None
     deliveries: int = 1
+    stream: str = ""  # the stream it was read from (empty: not known, the model's shared one)
 
 
 def _text(value: Any) -> str:
@@ -79,13 +81,17 @@ def is_nogroup(exc: Exception) -> bool:
 
 
 class RequestStream:
-    """XREADGROUP / takeover / XACK+XDEL on one model's request stream as consumer `consumer`."""
+    """XREADGROUP / takeover / XACK+XDEL on one request stream of a model as consumer `consumer`:
+    the model's shared stream, or with `key` another one (an engine's routed stream). With
+    `register`, `ensure_group` also adds the key to that set (``Keys.routed_streams``)."""
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, model: str, consumer: str, key: str | None = None,
+                 register: str | None = None) -> None:
         self.client = client
         self.keys = keys
-        self.key = keys.requests(model)
+        self.key = key or keys.requests(model)
         self.consumer = consumer
+        self.register = register
         self._claim = client.register_script(_CLAIM_SCRIPT)
 
     async def ensure_group(self) -> None:
@@ -95,6 +101,8 @@ class RequestStream:
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        if self.register:
+            await self.client.sadd(self.register, self.key)
 
     async def read_new(self, count: int, block_ms: int | None) -> list[StreamEntry]:
         """Entries never delivered to anyone; blocks up to `block_ms` when given. Recreates
@@ -107,6 +115,42 @@ class RequestStream:
                 raise
             await self.ensure_group()
             return []
+        return self._flatten(reply)
+
+    async def read_new_with(self, other: RequestStream, count: int, block_ms: int | None) -> list[StreamEntry]:
+        """`read_new` on this stream and `other` in one XREADGROUP (up to `count` from each),
+        blocking until either has an entry. Recreates a group Redis lost."""
+        try:
+            reply = await self.client.xreadgroup(self.keys.group, self.consumer, {self.key: ">", other.key: ">"},
+                                                 count=count, block=block_ms)
+        except ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            await self.ensure_group()
+            await other.ensure_group()
+            return []
+        return self._flatten(reply)
+
+    async def steal(self, older_than_ms: int, count: int) -> list[StreamEntry]:
+        """Up to `count` entries of this (a peer's) stream never delivered to anyone and older
+        than `older_than_ms` by Redis' clock (entry ids are Redis times), read through the group
+        as this consumer: from then on they are pending under it, so a gateway's XDEL, the
+        takeover of a dead engine and XACK work as for any other entry."""
+        try:
+            groups = await self.client.xinfo_groups(self.key)
+        except ResponseError:  # no such stream (any more)
+            return []
+        last = next((_text(g["last-delivered-id"]) for g in groups if _text(g["name"]) == self.keys.group), None)
+        if last is None:
+            return []
+        seconds, micros = await self.client.time()
+        cutoff = int(seconds) * 1000 + int(micros) // 1000 - older_than_ms
+        if cutoff <= 0:
+            return []
+        old = await self.client.xrange(self.key, min="(" + last, max=str(cutoff), count=count)
+        if not old:
+            return []
+        reply = await self.client.xreadgroup(self.keys.group, self.consumer, {self.key: ">"}, count=len(old))
         return self._flatten(reply)
 
     async def read_own_pending(self, count: int = 1000) -> list[StreamEntry]:
@@ -130,7 +174,7 @@ class RequestStream:
                 if entry_id not in known:
                     found = parse_entries(await self.client.xrange(self.key, min=entry_id, max=entry_id))
                     payload = found[0].payload if found else None
-                    orphans.append(StreamEntry(entry_id, payload, int(row["times_delivered"])))
+                    orphans.append(StreamEntry(entry_id, payload, int(row["times_delivered"]), self.key))
             if len(rows) < 1000:
                 return orphans
             start = "(" + _text(rows[-1]["message_id"])
@@ -139,7 +183,8 @@ class RequestStream:
         """Take over up to `count` idle entries of consumer `dead`, if its heartbeat is still gone."""
         reply = await self._claim(keys=[self.key, self.keys.engine(dead)],
                                   args=[self.keys.group, self.consumer, min_idle_ms, dead, count, REQUEST_FIELD])
-        return [StreamEntry(_text(entry_id), payload, int(deliveries)) for entry_id, deliveries, payload in reply]
+        return [StreamEntry(_text(entry_id), payload, int(deliveries), self.key)
+                for entry_id, deliveries, payload in reply]
 
     async def owned(self, entry_ids: list[str]) -> set[str]:
         """Which of these entries are still pending under this consumer."""
@@ -182,9 +227,10 @@ class RequestStream:
 
     @staticmethod
     def _flatten(reply: Any) -> list[StreamEntry]:
+        """XREADGROUP's reply → entries tagged with the stream each came from."""
         entries: list[StreamEntry] = []
         if isinstance(reply, dict):  # RESP3
             reply = list(reply.items())
-        for _stream, raw in reply or []:
-            entries.extend(e for e in parse_entries(raw) if e.entry_id)
+        for stream, raw in reply or []:
+            entries.extend(dataclasses.replace(e, stream=_text(stream)) for e in parse_entries(raw) if e.entry_id)
         return entries

@@ -31,6 +31,7 @@ class Tracked:
     started: float = field(default_factory=time.time)
     first_token_at: float | None = None
     resumed: bool = False
+    stream: str = ""  # the request stream its entry is on (empty: the model's shared one)
 
     @property
     def request_id(self) -> str:
@@ -77,11 +78,13 @@ def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_e
     return OutputMessage(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code))
 
 
-def resume(request: EngineRequest, entry_id: str, progress: Progress) -> tuple[Tracked, AddJob] | None:
-    """Bookkeeping and engine job for a claimed request; None when its client already has it all."""
+def resume(request: EngineRequest, entry_id: str, progress: Progress,
+           stream: str = "") -> tuple[Tracked, AddJob] | None:
+    """Bookkeeping and engine job for a claimed request (its entry on `stream`); None when its
+    client already has it all."""
     if progress.last_seq >= 0 and len(progress.finished) >= request.params.n:
         return None
-    tracked = Tracked(request, entry_id, seq=progress.last_seq + 1, resumed=progress.last_seq >= 0)
+    tracked = Tracked(request, entry_id, seq=progress.last_seq + 1, resumed=progress.last_seq >= 0, stream=stream)
     generated: list[int] = []
     if request.params.resumes_in_place:
         generated = list(progress.token_ids.get(0, []))

@@ -152,17 +152,19 @@ class Cluster:
             gateway.wait_healthy()
 
     def check_clean(self) -> dict[str, int]:
-        """Zero blocks held, nothing running, request stream empty, no checkpoint left, output
+        """Zero blocks held, nothing running, request streams (shared and routed) empty, no checkpoint left, output
         streams bounded. Returns the figures."""
         for engine in self.engines:
             stats = engine.wait_drained(60)
             assert stats["num_used_blocks"] == 0, (engine.engine_id, stats)
         with self.client() as client:
+            routed = [m.decode() for m in client.smembers(KEYS.routed_streams(MODEL))]
             figures = {"xlen_requests": int(client.xlen(KEYS.requests(MODEL))),
+                       "xlen_routed": sum(int(client.xlen(stream)) for stream in routed),
                        "progress_keys": len(list(client.scan_iter(match=f"{KEYS.prefix}:progress:*"))),
                        "xlen_out_max": max((int(client.xlen(KEYS.out(g.gateway_id))) for g in self.gateways),
                                            default=0)}
-        assert figures["xlen_requests"] == 0 and figures["progress_keys"] == 0, figures
+        assert figures["xlen_requests"] == 0 and figures["xlen_routed"] == 0 and figures["progress_keys"] == 0, figures
         assert figures["xlen_out_max"] <= 10_100, figures
         return figures
 

@@ -104,11 +104,19 @@ class EngineProcess(ChildProcess):
 
 
 def pending_by_engine(redis_url: str, model: str) -> dict[str, int]:
-    """Unacknowledged entries of `model`'s request stream per consumer (engine id): the requests
-    each engine holds right now, read from Redis rather than from a heartbeat that may lag."""
+    """Unacknowledged entries of `model`'s request streams (the shared one and every routed one)
+    per consumer (engine id): the requests each engine holds right now, read from Redis rather
+    than from a heartbeat that may lag."""
+    keys = Keys()
+    held: dict[str, int] = {}
     with redis.Redis.from_url(redis_url) as client:
-        pending = client.xpending(Keys().requests(model), Keys().group)
-    return {c["name"].decode(): int(c["pending"]) for c in pending["consumers"]}
+        streams = [keys.requests(model), *sorted(m.decode() for m in client.smembers(keys.routed_streams(model)))]
+        for stream in streams:
+            if not client.exists(stream):
+                continue
+            for c in client.xpending(stream, keys.group)["consumers"]:
+                held[c["name"].decode()] = held.get(c["name"].decode(), 0) + int(c["pending"])
+    return held
 
 
 def owner_of_most(redis_url: str, model: str, engines: list[EngineProcess]) -> EngineProcess:
