@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from common.structured_limits import limit_error
+
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries: a request is no place for a vocabulary
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
@@ -237,6 +239,9 @@ def _check_structured(spec: Any) -> None:
         ok = isinstance(value, str) and bool(value)
     if not ok:
         raise ParamError(f"structured_output of kind {kind!r} has a spec of the wrong type", "structured_output")
+    too_large = limit_error(kind, value, "structured_output")
+    if too_large:
+        raise ParamError(too_large, "structured_output")
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

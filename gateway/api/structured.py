@@ -17,6 +17,7 @@ from typing import Any
 import llguidance
 from llguidance import LLMatcher
 
+from common.structured_limits import is_library_failure, library_message, limit_error
 from gateway.api.tools import compact_schema
 from gateway.errors import bad_request
 
@@ -90,14 +91,22 @@ def _spec(kind: str, value: Any, param: str) -> dict[str, Any]:
                 raise bad_request(f"'{param}' is not valid JSON: {exc}", param, "invalid_value") from exc
         if not isinstance(value, dict):
             raise bad_request(f"'{param}' must be a JSON schema object", param, "invalid_type")
-        return {"kind": kind, "spec": json.dumps(compact_schema(value), ensure_ascii=False)}
+        return _fits({"kind": kind, "spec": json.dumps(compact_schema(value), ensure_ascii=False)}, param)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
             raise bad_request(f"'{param}' must be a non-empty list of non-empty strings", param, "invalid_type")
-        return {"kind": kind, "spec": list(value)}
+        return _fits({"kind": kind, "spec": list(value)}, param)
     if not isinstance(value, str) or not value:
         raise bad_request(f"'{param}' must be a non-empty string", param, "invalid_type")
-    return {"kind": kind, "spec": value}
+    return _fits({"kind": kind, "spec": value}, param)
+
+
+def _fits(structured: dict[str, Any], param: str) -> dict[str, Any]:
+    """`structured`, or a 400 naming `param` when it exceeds `common.structured_limits`."""
+    error = limit_error(structured["kind"], structured["spec"], param)
+    if error:
+        raise bad_request(error, param, "too_large")
+    return structured
 
 
 def llguidance_grammar(structured: dict[str, Any]) -> str:
@@ -123,7 +132,7 @@ def check_structured(structured: dict[str, Any], param: str | None) -> None:
     if error:
         what = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
                 "grammar": "grammar", "choice": "choice list"}[structured["kind"]]
-        raise bad_request(f"unsupported {what}: {error.strip()[:500]}", param, "unsupported_schema")
+        raise bad_request(f"unsupported {what}: {library_message(error)}", param, "unsupported_schema")
 
 
 @functools.lru_cache(maxsize=256)
@@ -132,5 +141,7 @@ def _grammar_error(kind: str, spec: str | tuple[str, ...] | None) -> str:
     structured = {"kind": kind, "spec": list(spec) if isinstance(spec, tuple) else spec}
     try:
         return str(LLMatcher.validate_grammar(llguidance_grammar(structured)))
-    except ValueError as exc:
-        return str(exc)
+    except BaseException as exc:  # ValueError, or a Rust panic (PanicException)
+        if not is_library_failure(exc):
+            raise
+        return str(exc) or type(exc).__name__
