@@ -4,7 +4,7 @@ the token bitmasks of every constrained row (in parallel, in Rust) and one bulk 
 logits. JSON is compact (no free whitespace), so a sampled answer cannot wander in blanks.
 
 Kinds: json_schema (spec: the schema as JSON text), json_object (any JSON object), regex, grammar
-(Lark, or GBNF when it uses `::=`), choice (one of the strings). A spec the library cannot
+(Lark or GBNF, as its carried "dialect" says: `grammar_dialect`), choice (one of the strings). A spec the library cannot
 compile is refused with its message, before anything is queued.
 
 Compiling happens at admission (`LLMEngine.add_request`), never in a step, and once per grammar
@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.sampling_params import grammar_dialect
 from common.structured_limits import is_library_failure, library_message
 from engine.sample.lru import BoundedLRU
 
@@ -174,7 +175,7 @@ def _lark(spec: dict[str, Any]) -> str:
     if kind == "choice":
         return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(v) for v in value)))
     if kind == "grammar":
-        if "::=" in value:
+        if grammar_dialect(spec) == "gbnf":
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             value = gbnf_to_lark(value)

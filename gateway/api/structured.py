@@ -6,7 +6,8 @@ that names it instead of an engine-side failure. Never compiles a token mask her
 What the engine compiles for each kind (`llguidance_grammar`): json_schema → S (JSON text,
 with `tools.COMPACT_JSON` added unless S sets "x-guidance"), json_object → the schema
 ``{"type": "object"}`` with the same option, regex → S, grammar → S as Lark (llguidance's
-dialect, ``%json`` allowed) or GBNF, choice → one of the strings."""
+dialect, ``%json`` allowed) or GBNF, as `dialect_of` decided once here (the request carries
+it as "dialect"), choice → one of the strings."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from typing import Any
 
 import llguidance
 from llguidance import LLMatcher
+from llguidance.gbnf_to_lark import is_lark_syntax
 
+from common.sampling_params import grammar_dialect
 from common.structured_limits import is_library_failure, library_message, limit_error
 from gateway.api.tools import compact_schema
 from gateway.errors import bad_request
@@ -98,7 +101,16 @@ def _spec(kind: str, value: Any, param: str) -> dict[str, Any]:
         return _fits({"kind": kind, "spec": list(value)}, param)
     if not isinstance(value, str) or not value:
         raise bad_request(f"'{param}' must be a non-empty string", param, "invalid_type")
+    if kind == "grammar":
+        return _fits({"kind": kind, "spec": value, "dialect": dialect_of(value)}, param)
     return _fits({"kind": kind, "spec": value}, param)
+
+
+def dialect_of(grammar: str) -> str:
+    """The one decision of a grammar's dialect (carried to the engine as "dialect"): Lark when
+    it reads as Lark (a `start:` rule or `%llguidance`), else GBNF. A Lark string literal that
+    holds `::=` stays Lark."""
+    return "lark" if is_lark_syntax(grammar) else "gbnf"
 
 
 def _fits(structured: dict[str, Any], param: str) -> dict[str, Any]:
@@ -120,7 +132,9 @@ def llguidance_grammar(structured: dict[str, Any]) -> str:
         return str(LLMatcher.grammar_from_regex(spec))
     if kind == "choice":
         return str(llguidance.grammar_from("choice", json.dumps(spec)))
-    return str(llguidance.grammar_from("grammar", spec))
+    if grammar_dialect(structured) == "gbnf":
+        return str(llguidance.grammar_from("gbnf", spec))  # llguidance converts it to Lark
+    return str(LLMatcher.grammar_from_lark(spec))
 
 
 def check_structured(structured: dict[str, Any], param: str | None) -> None:
@@ -128,7 +142,8 @@ def check_structured(structured: dict[str, Any], param: str | None) -> None:
     May take a while on a huge grammar: call it off the event loop. Verdicts are cached: agent
     loops send the same tools and schemas with every request."""
     spec = structured["spec"]
-    error = _grammar_error(structured["kind"], tuple(spec) if isinstance(spec, list) else spec)
+    error = _grammar_error(structured["kind"], tuple(spec) if isinstance(spec, list) else spec,
+                           structured.get("dialect"))
     if error:
         what = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
                 "grammar": "grammar", "choice": "choice list"}[structured["kind"]]
@@ -136,9 +151,11 @@ def check_structured(structured: dict[str, Any], param: str | None) -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _grammar_error(kind: str, spec: str | tuple[str, ...] | None) -> str:
+def _grammar_error(kind: str, spec: str | tuple[str, ...] | None, dialect: str | None) -> str:
     """llguidance's complaint about a constraint, "" when it compiles."""
     structured = {"kind": kind, "spec": list(spec) if isinstance(spec, tuple) else spec}
+    if dialect is not None:
+        structured["dialect"] = dialect
     try:
         return str(LLMatcher.validate_grammar(llguidance_grammar(structured)))
     except BaseException as exc:  # ValueError, or a Rust panic (PanicException)
