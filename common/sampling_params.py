@@ -9,9 +9,12 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from common.structured_limits import limit_error
+
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries: a request is no place for a vocabulary
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+GRAMMAR_DIALECTS = ("lark", "gbnf")  # a grammar's "dialect", decided by the gateway (issue 41)
 GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (argmax), as vLLM does
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
 
@@ -45,7 +48,8 @@ class SamplingParams:
     prompt or the output; `logit_bias` adds its value (-100..100) to a token's logit.
     `structured_output` constrains the output: ``{"kind": K, "spec": S}`` with K one of
     STRUCTURED_KINDS: json_schema (S the schema as JSON text), json_object (S None), regex (S a
-    regular expression), grammar (S a Lark/EBNF grammar), choice (S a list of strings).
+    regular expression), grammar (S a Lark/EBNF grammar, with "dialect": one of GRAMMAR_DIALECTS;
+    without it, `grammar_dialect`'s old rule), choice (S a list of strings).
     `prompt_logprobs` None returns none, k the prompt tokens' logprobs with k alternatives."""
 
     n: int = 1
@@ -237,6 +241,22 @@ def _check_structured(spec: Any) -> None:
         ok = isinstance(value, str) and bool(value)
     if not ok:
         raise ParamError(f"structured_output of kind {kind!r} has a spec of the wrong type", "structured_output")
+    dialect = spec.get("dialect")
+    if dialect is not None and (kind != "grammar" or dialect not in GRAMMAR_DIALECTS):
+        raise ParamError(f"structured_output dialect must be one of {list(GRAMMAR_DIALECTS)} on a grammar",
+                         "structured_output")
+    too_large = limit_error(kind, value, "structured_output")
+    if too_large:
+        raise ParamError(too_large, "structured_output")
+
+def grammar_dialect(structured: dict[str, Any]) -> str:
+    """The dialect of a grammar constraint: the one the gateway carried, else (a request from
+    before the field) the old rule, GBNF when the text contains `::=`."""
+    dialect = structured.get("dialect")
+    if dialect in GRAMMAR_DIALECTS:
+        return str(dialect)
+    return "gbnf" if "::=" in str(structured.get("spec") or "") else "lark"
+
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

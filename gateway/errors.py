@@ -9,6 +9,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from common.log import get_logger
+from gateway.broker.redis_errors import redis_error
 from gateway.state import CONFIG
 
 log = get_logger("gateway")
@@ -39,6 +40,12 @@ class OpenAIError(Exception):
     def response(self) -> web.Response:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
         return web.json_response(self.body(), status=self.status, headers=headers | (self.headers or {}))
+
+
+def redis_unavailable(exc: BaseException) -> OpenAIError:
+    """503 for a Redis failure: "Redis is out of memory" for OOM, else "cannot reach Redis"."""
+    message, code = redis_error(exc)
+    return OpenAIError(503, message, code=code)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> OpenAIError:

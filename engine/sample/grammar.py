@@ -4,17 +4,19 @@ the token bitmasks of every constrained row (in parallel, in Rust) and one bulk 
 logits. JSON is compact (no free whitespace), so a sampled answer cannot wander in blanks.
 
 Kinds: json_schema (spec: the schema as JSON text), json_object (any JSON object), regex, grammar
-(Lark, or GBNF when it uses `::=`), choice (one of the strings). A spec the library cannot
+(Lark or GBNF, as its carried "dialect" says: `grammar_dialect`), choice (one of the strings). A spec the library cannot
 compile is refused with its message, before anything is queued.
 
 Compiling happens at admission (`LLMEngine.add_request`), never in a step, and once per grammar
 text: the compiled form, a pristine matcher, is kept in a bounded LRU and every request gets a
-`deep_copy` of it (microseconds, against milliseconds for a compile)."""
+`deep_copy` of it (microseconds, against milliseconds for a compile). The LRU is bounded by
+entries and by an estimate of the bytes it holds (llguidance reports no size: `entry_bytes`,
+from the grammar text's length); a grammar too large for the budget is compiled but not kept.
+Errors of the library reach clients as their first line only (`library_message`)."""
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.sampling_params import grammar_dialect
+from common.structured_limits import is_library_failure, library_message
+from engine.sample.lru import BoundedLRU
+
 _CACHE_SIZE = 64  # compiled grammars kept (by grammar text); compiling a schema can take milliseconds
+_CACHE_BYTES = 256 << 20  # estimated bytes the compiled grammars (and their texts) may hold
+_ENTRY_BASE_BYTES = 64 << 10  # a compiled matcher's fixed cost (lexer tables, token trie views)
+_BYTES_PER_CHAR = 64  # what a compiled matcher holds per character of grammar text, estimated
+
+
+def entry_bytes(text: str) -> int:
+    """The estimated size of a compiled grammar of `text` (an over-estimate for small ones)."""
+    return _ENTRY_BASE_BYTES + _BYTES_PER_CHAR * len(text)
 
 
 class Grammar:
@@ -42,7 +56,7 @@ class GrammarCompiler:
     """Compiles specs against one model's tokenizer (built on first use) and masks logits."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_ids: list[int],
-                 cache_size: int = _CACHE_SIZE) -> None:
+                 cache_size: int = _CACHE_SIZE, cache_bytes: int = _CACHE_BYTES) -> None:
         self.tokenizer_dir = tokenizer_dir
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -50,8 +64,8 @@ class GrammarCompiler:
         self.num_compiled = 0  # grammars compiled so far (cache misses)
         self._tokenizer: Any = None
         self._executor: Any = None
-        self._texts: OrderedDict[str, str] = OrderedDict()  # spec (as JSON) -> grammar text
-        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> pristine LLMatcher
+        self._texts: BoundedLRU[str] = BoundedLRU(cache_size, cache_bytes)  # spec (as JSON) -> grammar text
+        self._compiled: BoundedLRU[Any] = BoundedLRU(cache_size, cache_bytes)  # grammar text -> pristine LLMatcher
 
     def grammar(self, spec: dict[str, Any], generated: Sequence[int] = ()) -> Grammar:
         """A fresh matcher for `spec`, advanced over `generated`; ValueError names what is wrong.
@@ -66,15 +80,20 @@ class GrammarCompiler:
         text = self._text(spec)
         pristine = self._compiled.get(text)
         if pristine is not None:
-            self._compiled.move_to_end(text)
             return pristine
         from llguidance import LLMatcher
 
-        pristine = LLMatcher(self._tok(), text, log_level=0)
+        tokenizer = self._tok()
+        try:
+            pristine = LLMatcher(tokenizer, text, log_level=0)
+        except BaseException as exc:
+            if not is_library_failure(exc):
+                raise
+            raise ValueError(f"structured_output ({spec['kind']}): {library_message(str(exc))}") from exc
         self.num_compiled += 1
         if pristine.is_error():
-            raise ValueError(f"structured_output ({spec['kind']}): {pristine.get_error() or 'invalid'}")
-        _put(self._compiled, text, pristine, self.cache_size)
+            raise ValueError(f"structured_output ({spec['kind']}): {library_message(pristine.get_error() or '')}")
+        self._compiled.put(text, pristine, entry_bytes(text))
         return pristine
 
     def apply(self, logits: torch.Tensor, rows: list[int], grammars: list[Grammar]) -> None:
@@ -104,9 +123,7 @@ class GrammarCompiler:
         text = self._texts.get(key)
         if text is None:
             text = _grammar_text(spec)
-            _put(self._texts, key, text, self.cache_size)
-        else:
-            self._texts.move_to_end(key)
+            self._texts.put(key, text, len(key) + len(text))
         return text
 
     def _tok(self) -> Any:
@@ -128,13 +145,19 @@ class GrammarCompiler:
         return self._executor
 
 
-def _put(cache: OrderedDict[str, Any], key: str, value: Any, size: int) -> None:
-    cache[key] = value
-    while len(cache) > size:
-        cache.popitem(last=False)
-
-
 def _grammar_text(spec: dict[str, Any]) -> str:
+    """The Lark text of `spec`; ValueError with the library's first line when it is invalid."""
+    try:
+        return _lark(spec)
+    except BaseException as exc:
+        if not is_library_failure(exc):
+            raise
+        message = library_message(str(exc))
+        raise ValueError(message if message.startswith("structured_output") else
+                         f"structured_output ({spec['kind']}): {message}") from exc
+
+
+def _lark(spec: dict[str, Any]) -> str:
     from llguidance import LLMatcher
 
     kind, value = spec["kind"], spec.get("spec")  # shapes checked by SamplingParams
@@ -146,13 +169,13 @@ def _grammar_text(spec: dict[str, Any]) -> str:
         if kind == "json_object":
             return str(LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact))  # type: ignore[arg-type]
     except ValueError as exc:
-        raise ValueError(f"structured_output (json_schema): {exc}") from exc
+        raise ValueError(f"structured_output (json_schema): {library_message(str(exc))}") from exc
     if kind == "regex":
         return str(LLMatcher.grammar_from_regex(value))
     if kind == "choice":
         return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(v) for v in value)))
     if kind == "grammar":
-        if "::=" in value:
+        if grammar_dialect(spec) == "gbnf":
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             value = gbnf_to_lark(value)

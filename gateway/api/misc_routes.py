@@ -8,7 +8,7 @@ from redis.exceptions import RedisError
 
 from gateway.api.tokenize_routes import add_routes as add_tokenize_routes
 from gateway.broker.broker import BrokerUnavailable
-from gateway.errors import OpenAIError
+from gateway.errors import OpenAIError, redis_unavailable
 from gateway.state import BROKER, METRICS, REGISTRY
 
 
@@ -17,7 +17,7 @@ async def list_models(request: web.Request) -> web.Response:
     try:
         models = await request.app[REGISTRY].models(refresh=True)
     except RedisError as exc:
-        raise OpenAIError(503, f"cannot reach Redis: {exc}", code="redis_unavailable") from exc
+        raise redis_unavailable(exc) from exc
     data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "pagedserve",
              "root": m.tokenizer_dir, "max_model_len": m.max_model_len, "engines": len(m.engines)}
             for m in models.values()]
@@ -34,8 +34,10 @@ async def health(request: web.Request) -> web.Response:
     try:
         await broker.sync_epoch()
         engines = [e for e in await request.app[REGISTRY].live_engines(refresh=True) if not e.draining]
-    except (RedisError, BrokerUnavailable) as exc:
-        raise OpenAIError(503, f"cannot reach Redis: {exc}", code="redis_unavailable") from exc
+    except BrokerUnavailable as exc:
+        raise OpenAIError(503, str(exc), code=exc.code) from exc
+    except RedisError as exc:
+        raise redis_unavailable(exc) from exc
     if not broker.subscribed.is_set():
         raise OpenAIError(503, "not reading the output stream yet", code="redis_unavailable")
     if not engines:

@@ -20,7 +20,7 @@ from gateway.api.structured import check_structured
 from gateway.api.validation import check_context, parse_request
 from gateway.broker.broker import BrokerUnavailable, QueueFull
 from gateway.broker.engines import ModelInfo
-from gateway.errors import OpenAIError
+from gateway.errors import OpenAIError, redis_unavailable
 from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
 
 _ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
@@ -34,7 +34,7 @@ async def find_model(request: web.Request, name: str) -> ModelInfo:
         if model is None and not await registry.models():
             raise OpenAIError(503, "no engine is available", code="no_engine")
     except RedisError as exc:
-        raise OpenAIError(503, f"cannot reach Redis: {exc}", code="redis_unavailable") from exc
+        raise redis_unavailable(exc) from exc
     if model is None:
         raise OpenAIError(404, f"the model '{name}' does not exist", "model", "model_not_found")
     return model
@@ -57,7 +57,7 @@ async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     try:
         collector = await broker.submit(engine_req, req.params.n)
     except BrokerUnavailable as exc:
-        raise OpenAIError(503, str(exc), code="redis_unavailable") from exc
+        raise OpenAIError(503, str(exc), code=exc.code) from exc
     except (QueueFull, PoolBusy) as exc:  # overload, not an outage
         metrics.rejected.labels(reason=type(exc).__name__).inc()
         raise OpenAIError(429, f"server busy: {exc}", code="overloaded",

@@ -6,7 +6,8 @@ that names it instead of an engine-side failure. Never compiles a token mask her
 What the engine compiles for each kind (`llguidance_grammar`): json_schema → S (JSON text,
 with `tools.COMPACT_JSON` added unless S sets "x-guidance"), json_object → the schema
 ``{"type": "object"}`` with the same option, regex → S, grammar → S as Lark (llguidance's
-dialect, ``%json`` allowed) or GBNF, choice → one of the strings."""
+dialect, ``%json`` allowed) or GBNF, as `dialect_of` decided once here (the request carries
+it as "dialect"), choice → one of the strings."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from typing import Any
 
 import llguidance
 from llguidance import LLMatcher
+from llguidance.gbnf_to_lark import is_lark_syntax
 
+from common.sampling_params import grammar_dialect
+from common.structured_limits import is_library_failure, library_message, limit_error
 from gateway.api.tools import compact_schema
 from gateway.errors import bad_request
 
@@ -90,14 +94,31 @@ def _spec(kind: str, value: Any, param: str) -> dict[str, Any]:
                 raise bad_request(f"'{param}' is not valid JSON: {exc}", param, "invalid_value") from exc
         if not isinstance(value, dict):
             raise bad_request(f"'{param}' must be a JSON schema object", param, "invalid_type")
-        return {"kind": kind, "spec": json.dumps(compact_schema(value), ensure_ascii=False)}
+        return _fits({"kind": kind, "spec": json.dumps(compact_schema(value), ensure_ascii=False)}, param)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) and v for v in value):
             raise bad_request(f"'{param}' must be a non-empty list of non-empty strings", param, "invalid_type")
-        return {"kind": kind, "spec": list(value)}
+        return _fits({"kind": kind, "spec": list(value)}, param)
     if not isinstance(value, str) or not value:
         raise bad_request(f"'{param}' must be a non-empty string", param, "invalid_type")
-    return {"kind": kind, "spec": value}
+    if kind == "grammar":
+        return _fits({"kind": kind, "spec": value, "dialect": dialect_of(value)}, param)
+    return _fits({"kind": kind, "spec": value}, param)
+
+
+def dialect_of(grammar: str) -> str:
+    """The one decision of a grammar's dialect (carried to the engine as "dialect"): Lark when
+    it reads as Lark (a `start:` rule or `%llguidance`), else GBNF. A Lark string literal that
+    holds `::=` stays Lark."""
+    return "lark" if is_lark_syntax(grammar) else "gbnf"
+
+
+def _fits(structured: dict[str, Any], param: str) -> dict[str, Any]:
+    """`structured`, or a 400 naming `param` when it exceeds `common.structured_limits`."""
+    error = limit_error(structured["kind"], structured["spec"], param)
+    if error:
+        raise bad_request(error, param, "too_large")
+    return structured
 
 
 def llguidance_grammar(structured: dict[str, Any]) -> str:
@@ -111,7 +132,9 @@ def llguidance_grammar(structured: dict[str, Any]) -> str:
         return str(LLMatcher.grammar_from_regex(spec))
     if kind == "choice":
         return str(llguidance.grammar_from("choice", json.dumps(spec)))
-    return str(llguidance.grammar_from("grammar", spec))
+    if grammar_dialect(structured) == "gbnf":
+        return str(llguidance.grammar_from("gbnf", spec))  # llguidance converts it to Lark
+    return str(LLMatcher.grammar_from_lark(spec))
 
 
 def check_structured(structured: dict[str, Any], param: str | None) -> None:
@@ -119,18 +142,23 @@ def check_structured(structured: dict[str, Any], param: str | None) -> None:
     May take a while on a huge grammar: call it off the event loop. Verdicts are cached: agent
     loops send the same tools and schemas with every request."""
     spec = structured["spec"]
-    error = _grammar_error(structured["kind"], tuple(spec) if isinstance(spec, list) else spec)
+    error = _grammar_error(structured["kind"], tuple(spec) if isinstance(spec, list) else spec,
+                           structured.get("dialect"))
     if error:
         what = {"json_schema": "JSON schema", "json_object": "JSON object", "regex": "regular expression",
                 "grammar": "grammar", "choice": "choice list"}[structured["kind"]]
-        raise bad_request(f"unsupported {what}: {error.strip()[:500]}", param, "unsupported_schema")
+        raise bad_request(f"unsupported {what}: {library_message(error)}", param, "unsupported_schema")
 
 
 @functools.lru_cache(maxsize=256)
-def _grammar_error(kind: str, spec: str | tuple[str, ...] | None) -> str:
+def _grammar_error(kind: str, spec: str | tuple[str, ...] | None, dialect: str | None) -> str:
     """llguidance's complaint about a constraint, "" when it compiles."""
     structured = {"kind": kind, "spec": list(spec) if isinstance(spec, tuple) else spec}
+    if dialect is not None:
+        structured["dialect"] = dialect
     try:
         return str(LLMatcher.validate_grammar(llguidance_grammar(structured)))
-    except ValueError as exc:
-        return str(exc)
+    except BaseException as exc:  # ValueError, or a Rust panic (PanicException)
+        if not is_library_failure(exc):
+            raise
+        return str(exc) or type(exc).__name__

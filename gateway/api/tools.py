@@ -62,7 +62,7 @@ class ToolConfig:
                  f"{_literal('}' + chr(10) + CALL_CLOSE)}" for i, fn in enumerate(fns)]
         one = " | ".join(f"call_{i}" for i in range(len(fns)))
         start = f"start: {one}" if self.max_calls == 1 else f"start: one (\"\\n\" one)*\none: {one}"
-        return {"kind": "grammar", "spec": "\n".join([start, *calls])}
+        return {"kind": "grammar", "spec": "\n".join([start, *calls]), "dialect": "lark"}
 
 
 def compact_schema(schema: dict[str, Any]) -> dict[str, Any]:

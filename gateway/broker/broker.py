@@ -37,6 +37,7 @@ from common.protocol import (
 from common.redis_conn import Epoch, MasterView, NotReplicated, PoolBusy, ReplicaAck, pinned
 from gateway.broker.collector import RequestCollector
 from gateway.broker.engines import EngineRegistry
+from gateway.broker.redis_errors import CODE_UNAVAILABLE, redis_error
 from gateway.broker.router import Route, Router
 
 log = get_logger("gateway.broker")
@@ -60,7 +61,17 @@ return {'OK', redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[5])}
 
 
 class BrokerUnavailable(Exception):
-    """Redis could not be reached."""
+    """Redis could not be reached (or refused the write: out of memory). `code` is the error
+    code for the client (`redis_errors`)."""
+
+    def __init__(self, message: str, code: str = CODE_UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def of(cls, exc: RedisError) -> BrokerUnavailable:
+        """The client-facing form of a Redis failure (OOM named as such, no script hashes)."""
+        return cls(*redis_error(exc))
 
 
 class QueueFull(Exception):
@@ -152,7 +163,7 @@ class Broker:
                             id=request.id, error=str(exc))
                 return await self._settle(request, stream, exc.args[1] if len(exc.args) > 1 else "")
             except RedisError as exc:
-                raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+                raise BrokerUnavailable.of(exc) from exc
             if status == "OK":
                 return text
             if status == "FULL":
@@ -205,7 +216,7 @@ class Broker:
                 raise
             except RedisError as exc:
                 if time.monotonic() > deadline:
-                    raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+                    raise BrokerUnavailable.of(exc) from exc
             await asyncio.sleep(0.25)
 
     async def sync_epoch(self) -> bool:
@@ -214,7 +225,7 @@ class Broker:
         try:
             changed = await self.epoch.check(self.client)
         except RedisError as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise BrokerUnavailable.of(exc) from exc
         if changed:
             log.error("Redis lost its data (restart without persistence): failing in-flight requests",
                       requests=len(self.collectors))

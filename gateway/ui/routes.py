@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 
 from common.protocol import EngineHeartbeat
 from gateway.api.sse import SSEStream
+from gateway.broker.redis_errors import redis_error
 from gateway.state import REGISTRY
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -56,7 +57,7 @@ async def _snapshot(request: web.Request) -> dict[str, Any]:
     try:
         beats = await request.app[REGISTRY].live_engines(refresh=True)
     except RedisError as exc:
-        return {"time": now, "engines": [], "error": f"cannot reach Redis: {exc}"}
+        return {"time": now, "engines": [], "error": redis_error(exc)[0]}
     beats = sorted(beats, key=lambda b: b.engine_id)
     return {"time": now, "engines": [engine_event(b, now) for b in beats]}
 
