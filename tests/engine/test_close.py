@@ -6,6 +6,7 @@ group twice")."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 from pathlib import Path
@@ -15,8 +16,10 @@ import pytest
 import torch.distributed as dist
 
 from common.sampling_params import SamplingParams
+from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import EngineClosedError
+from engine.worker.engine_thread import EngineThread
 from tests.fixtures.models import make_tiny_model_dir
 
 CYCLES = 5
@@ -125,3 +128,15 @@ def test_closed_engine_refuses_work_and_close_is_idempotent(model_dir: Path, siz
         assert again.generate(PROMPTS[:1], PARAMS)[0].finished
     assert again.engine.closed
     assert not dist.is_initialized()
+
+
+def test_worker_engine_thread_closes_through_the_same_path(model_dir: Path) -> None:
+    """`pagedserve engine`'s shutdown (`EngineThread.close`) is `LLMEngine.close`: thread, ranks
+    and group gone."""
+    baseline = _threads()
+    host = EngineThread()
+    asyncio.run(host.start(EngineConfig(model=str(model_dir), tensor_parallel_size=2, **CONFIG)))  # type: ignore[arg-type]
+    host.close()
+    host.close()
+    assert host.engine.closed
+    _assert_released(baseline)
