@@ -13,8 +13,10 @@ from engine.outputs import CompletionOutput, RequestOutput
 
 class LLM:
     """Batch generation in-process, with the same engine the server runs. Any `EngineConfig`
-    field is a keyword, e.g. `LLM(model, tensor_parallel_size=2)`; `close()` (or `with LLM(...)`)
-    stops a tensor-parallel group's ranks."""
+    field is a keyword, e.g. `LLM(model, tensor_parallel_size=2)`. `close()` (or leaving
+    `with LLM(...) as llm:`) releases the engine (`LLMEngine.close`): ranks, process group,
+    threads, weights and KV cache; afterwards every call raises `EngineClosedError`. An engine
+    dropped without `close()` is closed when collected, but only `close()` says when."""
 
     def __init__(self, model: str, **config: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **config))
@@ -22,7 +24,9 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
+        """Release the engine; idempotent."""
         self.engine.close()
+        self._tokenizer = None
 
     def __enter__(self) -> LLM:
         return self
@@ -45,7 +49,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results in input order. A prompt the engine refuses
-        raises ValueError before anything runs."""
+        raises ValueError before anything runs; a closed LLM raises EngineClosedError."""
+        self.engine.check_open()
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("params must be one SamplingParams or one per prompt")
@@ -82,6 +87,7 @@ class LLM:
     def chat(self, conversations: list[list[dict[str, str]]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
+        self.engine.check_open()
         prompts = [
             list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ from ops.parallel import openmp_rows_for, set_openmp_rows
 
 log = get_logger("engine")
 
+class EngineClosedError(RuntimeError):
+    """The engine was closed (`LLMEngine.close`); it takes no more requests or steps."""
+
+
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (Python's default: 700)
 
 
@@ -69,6 +74,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.closed = False
         ops.set_backend(config.attention_backend)
         self.device = resolve_device(config.device)
         self.fixed_order = config.deterministic and self.device.type == "cpu"
@@ -94,6 +100,9 @@ class LLMEngine:
                 self.parallel.fail("rank 0 could not start")
                 self.parallel.close()
             raise
+        # the safety net for an engine dropped without close(): its group is stopped when the
+        # engine is collected (or at exit). It holds the group, never the engine.
+        self._finalizer = weakref.finalize(self, _close_group, self.parallel)
 
     def _build(self, config: EngineConfig, spec: ModelSpec, shard: TPShard, profile_tokens: int) -> None:
         """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
@@ -149,6 +158,7 @@ class LLMEngine:
         `generated`: tokens a previous engine already sent to the client (resume after
         failover, one sequence only). The request continues after them, by recompute, with its
         grammar advanced over them; its deltas (and prompt logprobs) start after them."""
+        self.check_open()
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", "duplicate_request_id")
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.block_manager,
@@ -172,6 +182,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
+        self.check_open()
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
@@ -181,9 +192,11 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's free blocks (`BlockManager.reset_prefix_cache`); how many."""
+        self.check_open()
         return self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
+        self.check_open()
         return self.scheduler.has_unfinished()
 
     # ----- queries (what a driver may ask; it never reaches into the scheduler) ------------
@@ -222,6 +235,7 @@ class LLMEngine:
     # ----- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns the deltas of every request that changed."""
+        self.check_open()
         start = time.perf_counter()
         ops.set_backend(self.config.attention_backend)  # the process-wide kernel choices are this
         ops.set_fixed_order(self.fixed_order)  # engine's, whatever another engine in the process set
@@ -277,6 +291,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Block-pool figures, queue lengths and counters, as plain values."""
+        self.check_open()
         s = self.scheduler
         return {
             **self.block_manager.stats().to_dict(),
@@ -298,9 +313,42 @@ class LLMEngine:
         }
 
     def close(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do for a single process). Idempotent."""
-        if self.parallel is not None:
-            self.parallel.close()
+        """Release everything the engine holds. Idempotent. On return: the tensor-parallel ranks
+        are joined and the default process group destroyed (a new engine, of any size, can
+        start in this process), the group's threads are joined, and the model weights, KV cache
+        and scheduler state are dropped (requests still queued are abandoned). Every later
+        call but `close` raises `EngineClosedError`."""
+        if self.closed:
+            return
+        self.closed = True
+        self._finalizer()  # the group's close, once
+        for name in _RELEASED:
+            self.__dict__.pop(name, None)
+        _collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def check_open(self) -> None:
+        """Raise EngineClosedError once `close` ran."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed; create a new one")
+
+
+# what close() drops: every holder of the weights, the KV caches and request state
+_RELEASED = ("runner", "model", "block_manager", "scheduler", "sampler", "grammars", "speculator", "requests")
+
+
+def _close_group(group: TensorParallelGroup | None) -> None:
+    if group is not None:
+        group.close()
+
+
+def _collect() -> None:
+    """Collect the closed engine's cycles: `quiet_gc` froze its start-up heap, which the
+    collector never scans; unfreeze, collect, and freeze what is still alive again."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def _eos_ids(model_path: str, hf_config: Any) -> set[int]:

@@ -88,5 +88,9 @@ def join(rendezvous: Rendezvous, rank: int) -> Groups:
                           is_master=rank == 0, timeout=JOIN_TIMEOUT)
     dist.init_process_group(rendezvous.backend, store=store, rank=rank, world_size=rendezvous.world_size,
                             timeout=timedelta(seconds=rendezvous.timeout_s))
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    try:
+        control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    except BaseException:
+        dist.destroy_process_group()  # a half-made group would block the next engine's
+        raise
     return Groups(rank, rendezvous.world_size, dist.group.WORLD, control)

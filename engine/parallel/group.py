@@ -66,13 +66,15 @@ class TensorParallelGroup:
         self._sending_since: float | None = None  # a send in flight (the control group's timeout is long)
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
-        threading.Thread(target=self._watch_sends, name="tp-send-watch", daemon=True).start()
+        self._send_watcher = threading.Thread(target=self._watch_sends, name="tp-send-watch", daemon=True)
+        self._send_watcher.start()
         try:
             self.groups: Groups = join(self.rendezvous, 0)
         except BaseException:
             self.closing = True
             for proc in self.procs:
                 proc.kill()
+            self._reap(5.0)
             raise
         self.shard = TPShard(0, size, self.groups.compute)
 
@@ -113,7 +115,9 @@ class TensorParallelGroup:
             proc.join(5.0)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Tell the ranks to stop, wait for them (killing stragglers), leave the group."""
+        """Tell the ranks to stop, wait for them (killing stragglers), join the watch threads,
+        destroy this process's default process group (a later group can start) and restore the
+        torch threads. Idempotent; on return no rank process or watch thread is alive."""
         if self.closing:
             return
         self.closing = True
@@ -122,14 +126,22 @@ class TensorParallelGroup:
                 self.groups.send(control(Command.SHUTDOWN))
             except RuntimeError as exc:
                 log.warning("could not send shutdown to the ranks", error=repr(exc))
+        self._reap(timeout)
+        self.groups.close()
+        if self.previous_threads is not None:
+            torch.set_num_threads(self.previous_threads)
+
+    def _reap(self, timeout: float) -> None:
+        """Join the ranks (killing stragglers), then the watch threads (both end once the ranks
+        are gone and `closing` is set)."""
         for proc in self.procs:
             proc.join(timeout)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout)
-        self.groups.close()
-        if self.previous_threads is not None:
-            torch.set_num_threads(self.previous_threads)
+        for thread in (self._watcher, self._send_watcher):
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
     def pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""

@@ -83,6 +83,8 @@ class EngineThread:
         await self.call(self._build, config)
 
     def close(self) -> None:
+        """Let the running call finish, stop the thread, then `LLMEngine.close` (the offline
+        `LLM.close` path: ranks, process group, weights and KV released). Idempotent."""
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()
