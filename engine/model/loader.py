@@ -147,7 +147,7 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
 
 
 QUANTIZATIONS = ("auto", "requantize", "dequantize")
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # the families convert.py and gguf_weights.py map
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # the families convert.py and gguf_weights.py map
 
 
 def _load_quantized(model: LlamaForCausalLM, path: Path, requantize: bool) -> None:
