@@ -147,7 +147,10 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
 
 
 QUANTIZATIONS = ("auto", "requantize", "dequantize")
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")  # the families convert.py and gguf_weights.py map
+# the families whose GGUF metadata and tensor names convert.py and gguf_weights.py map
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# mixture-of-experts GGUF files: read through transformers' loader, every tensor dequantized to `dtype`
+GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 def _load_quantized(model: LlamaForCausalLM, path: Path, requantize: bool) -> None:
@@ -179,14 +182,19 @@ def load_model(
     p = Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype)
     quantized = p.is_file() and quantization in ("auto", "requantize")
+    spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
+    if p.is_file() and spec.model_type not in GGUF_MODEL_TYPES + GGUF_MOE_TYPES:
+        raise ModelLoadError(f"{str(p)!r}: GGUF files of model type {spec.model_type!r} are not supported (their "
+                             "metadata and tensor names are mapped for "
+                             f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
+                             "pass the Hugging Face safetensors directory instead")
+    if quantized and spec.moe is not None:
+        log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",
+                 path=str(p), model_type=spec.model_type)
+        quantized = False
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
-    spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
-    if p.is_file() and spec.model_type not in GGUF_MODEL_TYPES:
-        raise ModelLoadError(f"{str(p)!r}: GGUF files of model type {spec.model_type!r} are not supported (their "
-                             f"metadata and tensor names are mapped for {', '.join(GGUF_MODEL_TYPES)}); "
-                             "pass the Hugging Face safetensors directory instead")
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         # the engine bounds its context to the window (EngineConfig.resolve_max_model_len)
         log.info("sliding window attention is not implemented; attention is exact only within the window",

@@ -32,7 +32,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # query_pre_attn_scalar; the checkpoint is made with the same, 6 layers: 5 sliding, 1 full
     "gemma3": ("gemma3_text", "gemma3", {"head_dim": 32, "num_hidden_layers": 6, "sliding_window": 512,
                                          "tie_word_embeddings": True}),
+    # the GGUF configs keep the expert sizes' defaults (transformers maps no expert_feed_forward_length)
+    "qwen3_moe": ("qwen3_moe", "qwen3moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("qwen2_moe", "qwen2moe", {"num_experts": 4, "num_experts_per_tok": 2}),
 }
+MOE = ("qwen3moe", "qwen2moe")
 FORMATS = ("F32", "Q8_0")
 
 
@@ -65,13 +69,18 @@ def write_family_gguf(model_dir: Path, arch: str, fmt: str) -> Path:
         writer.add_sliding_window(config.sliding_window)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
-    for hf_name, weight in hf.items():
+    if arch in MOE:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    for hf_name, weight in _stack_experts(hf, config).items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         base, _, suffix = hf_name.rpartition(".")
-        name = names.get_name(base)
+        name = base if base.startswith("blk.") else names.get_name(base)
         assert name is not None, hf_name
         data = weight.float().numpy()
+        if base.endswith("shared_expert_gate"):
+            data = data.reshape(-1)  # llama.cpp stores the shared expert's gate as one row of hidden
         if arch == "gemma3" and "norm" in base:
             data = data + 1.0  # llama.cpp's Gemma converter stores the (1 + w) the norms scale by
         if fmt == "F32" or data.ndim == 1:
@@ -83,6 +92,20 @@ def write_family_gguf(model_dir: Path, arch: str, fmt: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _stack_experts(hf: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """Per-expert checkpoint tensors stacked as llama.cpp's converter writes them: one
+    `ffn_{gate,up,down}_exps` tensor [experts, rows, columns] per layer (the rest as they are)."""
+    out = {name: t for name, t in hf.items() if ".mlp.experts." not in name}
+    if not getattr(config, "num_experts", None):
+        return out
+    for i in range(config.num_hidden_layers):
+        for part, gguf_part in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            experts = [hf.get(f"model.layers.{i}.mlp.experts.{e}.{part}.weight") for e in range(config.num_experts)]
+            if experts[0] is not None:
+                out[f"blk.{i}.ffn_{gguf_part}_exps.weight"] = torch.stack(experts)  # type: ignore[arg-type]
+    return out
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -113,15 +136,33 @@ def _assert_weights_equal(ours: nn.Module, hf: nn.Module) -> None:
         if name.endswith("norm.weight"):
             assert torch.equal(params[name], _effective_norm(name, value, offset)), name
             checked += 1
-    assert checked == 1 + ours.spec.num_layers * (6 if ours.spec.sandwich_norms else 4)
+    per_layer = (4 if ours.spec.sandwich_norms else 2) + (2 if ours.spec.qk_norm == "head" else 0)
+    assert checked == 1 + ours.spec.num_layers * per_layer
     for i, layer in enumerate(ours.model.layers):
         prefix = f"model.layers.{i}."
-        for path, parts in {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}.items():
-            group = path.split(".")[0]
+        stacked = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up"),
+                   "mlp.shared_expert.gate_up_proj": ("gate", "up")}
+        plain = ["self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate",
+                 "mlp.gate"]
+        for path, parts in stacked.items():
+            if not _has(layer, path):
+                continue
+            group = path.rpartition(".")[0]
             expected = torch.cat([state[f"{prefix}{group}.{p}_proj.weight"] for p in parts])
             assert torch.equal(_weight(layer.get_submodule(path)), expected), (i, path)
-        for path in ("self_attn.o_proj", "mlp.down_proj"):
+        for path in [p for p in plain if _has(layer, p)]:
             assert torch.equal(_weight(layer.get_submodule(path)), state[f"{prefix}{path}.weight"]), (i, path)
+        if ours.spec.is_sparse(i):
+            for name in ("gate_up_proj", "down_proj"):
+                assert torch.equal(getattr(layer.mlp.experts, name), state[f"{prefix}mlp.experts.{name}"]), (i, name)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _hf_greedy(hf: nn.Module, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -142,7 +183,8 @@ def test_weights_and_greedy_match_transformers(family: tuple[str, Path], fmt: st
     hf = _transformers_model(file)
     ours = load_model(file)
     _assert_weights_equal(ours, hf)
-    assert isinstance(ours.model.layers[0].self_attn.qkv_proj, QuantLinear) == (fmt != "F32")
+    # MoE files are dequantized at load (every tensor); the dense families keep Q8_0 packed
+    assert isinstance(ours.model.layers[0].self_attn.qkv_proj, QuantLinear) == (fmt != "F32" and arch not in MOE)
     prompts = [prompt_ids(n, seed) for seed, n in enumerate((7, 19, 12))]
     new = 10
     expected = _hf_greedy(hf, prompts, new)
