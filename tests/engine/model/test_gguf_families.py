@@ -205,6 +205,7 @@ def test_dequantized_load_matches_too(family: tuple[str, Path]) -> None:
     # transformers reads no olmo2 / granite / smollm3 GGUF config: refused naming the architecture
     ("olmo2", "GGUF model with architecture olmo2 is not supported"),
     ("granite", "GGUF model with architecture granite is not supported"),
+    ("smollm3", "GGUF model with architecture smollm3 is not supported"),
 ])
 def test_unmapped_family_gguf_is_refused(tmp_path: Path, model_type: str, message: str) -> None:
     directory = make_family_dir(tmp_path, model_type, seed=1)
