@@ -199,6 +199,9 @@ class _Collector:
         if kind in self.norms and what == "weight":
             self.params[prefix + self.norms[kind]] = stored
             return
+        if kind == "attn_qkv" or (kind == "ffn_up" and self.spec.fused_checkpoint):
+            self._add_fused(prefix, kind, what, stored)
+            return
         if kind not in _LAYER_LINEARS:
             raise GGUFWeightError(f"GGUF tensor {name!r} has no place in the model")
         module, shard = _LAYER_LINEARS[kind]
@@ -209,6 +212,25 @@ class _Collector:
             stored = Stored(stored.fmt, data if what == "weight" else data.reshape(-1), stored.source)
         target = self.linears if what == "weight" else self.biases
         target.setdefault(prefix + module, {})[shard] = stored
+
+
+    def _add_fused(self, prefix: str, kind: str, what: str, stored: Stored) -> None:
+        """Phi-3's fused `attn_qkv` (q, k, v rows) and `ffn_up` (gate rows, then up rows) as the
+        shards of qkv_proj / gate_up_proj: whole rows, so packed blocks are cut as they are."""
+        spec = self.spec
+        if kind == "attn_qkv":
+            module = "self_attn.qkv_proj"
+            sizes = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+        else:
+            module, sizes = "mlp.gate_up_proj", [spec.intermediate_size] * 2
+        data = stored.data if what == "weight" else stored.data.reshape(-1, 1)
+        if data.shape[0] != sum(sizes):
+            raise GGUFWeightError(f"GGUF tensor {prefix}{kind}.{what} has {data.shape[0]} rows; the model "
+                                  f"expects {sum(sizes)}")
+        target = (self.linears if what == "weight" else self.biases).setdefault(prefix + module, {})
+        for index, part in enumerate(data.split(sizes)):
+            part = part.contiguous() if what == "weight" else part.reshape(-1).contiguous()
+            target[index] = Stored(stored.fmt, part, stored.source)
 
 
 def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: bool = True,

@@ -148,9 +148,24 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
 
 QUANTIZATIONS = ("auto", "requantize", "dequantize")
 # the families whose GGUF metadata and tensor names convert.py and gguf_weights.py map
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 # mixture-of-experts GGUF files: read through transformers' loader, every tensor dequantized to `dtype`
 GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
+
+
+def _check_phi3_rope(path: Path, spec: ModelSpec) -> None:
+    """A Phi-3 GGUF whose rotary transformers' GGUF config does not carry (partial rotary, as in
+    Phi-4-mini; longrope's `rope_factors_*` tensors) is refused: it would be served with full default rope."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    field = reader.fields.get("phi3.rope.dimension_count")
+    dims = int(field.contents()) if field is not None else spec.head_dim
+    factors = sorted(t.name for t in reader.tensors if t.name.startswith("rope_factors"))
+    if dims != spec.head_dim or factors:
+        raise ModelLoadError(f"{str(path)!r}: a phi3 GGUF with {dims} of {spec.head_dim} head dims rotated"
+                             f"{' and ' + ', '.join(factors) if factors else ''} is not supported (transformers' "
+                             "GGUF config keeps full default rope); pass the Hugging Face safetensors directory")
 
 
 def _load_quantized(model: LlamaForCausalLM, path: Path, requantize: bool) -> None:
@@ -188,6 +203,8 @@ def load_model(
                              "metadata and tensor names are mapped for "
                              f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
                              "pass the Hugging Face safetensors directory instead")
+    if p.is_file() and spec.model_type == "phi3":
+        _check_phi3_rope(p, spec)
     if quantized and spec.moe is not None:
         log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",
                  path=str(p), model_type=spec.model_type)

@@ -1,7 +1,9 @@
 """GGUF files of the families past Llama's (Qwen3, Gemma 3), written here from a seeded random
 transformers checkpoint of each as llama.cpp's converter lays them out (its tensor names, its
-metadata keys, Gemma's norms stored as 1 + w), in F32 and in Q8_0: the weights pagedserve loads
-equal transformers' load of the same file, and engine greedy equals transformers' generate on it."""
+metadata keys, Gemma's norms stored as 1 + w, stacked experts), in F32 and in Q8_0: the weights
+pagedserve loads equal transformers' load of the same file; engine greedy equals transformers'
+generate on it (F32, and the MoE files, dequantized at load); packed Q8_0 files run int8
+activations, so there the paged model's logits with fp32 activations equal transformers'."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from engine.model.quant_linear import QuantLinear
 from tests.engine.helpers import assert_no_leaks, generated
 from tests.engine.model.test_gguf_formats import _weight
 from tests.engine.model.test_sliding_window import make_family_dir, prompt_ids
+from tests.fixtures.models import PagedHarness, Seq
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -32,6 +35,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # query_pre_attn_scalar; the checkpoint is made with the same, 6 layers: 5 sliding, 1 full
     "gemma3": ("gemma3_text", "gemma3", {"head_dim": 32, "num_hidden_layers": 6, "sliding_window": 512,
                                          "tie_word_embeddings": True}),
+    "phi3": ("phi3", "phi3", {}),  # attn_qkv and ffn_up (gate then up rows) fused, as in the checkpoint
     # the GGUF configs keep the expert sizes' defaults (transformers maps no expert_feed_forward_length)
     "qwen3_moe": ("qwen3_moe", "qwen3moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2}),
     "qwen2_moe": ("qwen2_moe", "qwen2moe", {"num_experts": 4, "num_experts_per_tok": 2}),
@@ -40,9 +44,10 @@ MOE = ("qwen3moe", "qwen2moe")
 FORMATS = ("F32", "Q8_0")
 
 
-def write_family_gguf(model_dir: Path, arch: str, fmt: str) -> Path:
+def write_family_gguf(model_dir: Path, arch: str, fmt: str, rope_dims: int | None = None) -> Path:
     """`model_dir`'s checkpoint as `<arch>-<fmt>.gguf` beside it: llama.cpp's tensor names for
-    `arch`, 2-D weights in `fmt` (norms F32), Gemma's norms as 1 + w; no output.weight when tied."""
+    `arch`, 2-D weights in `fmt` (norms F32), Gemma's norms as 1 + w; no output.weight when tied;
+    `rope_dims` (default: head_dim) as rope.dimension_count."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -65,10 +70,12 @@ def write_family_gguf(model_dir: Path, arch: str, fmt: str) -> Path:
     writer.add_rope_freq_base(float(config.rope_parameters.get("rope_theta")
                                     or config.rope_parameters["full_attention"]["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(rope_dims or head_dim)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)  # Phi3Config's default (32000) is outside this vocabulary
     if arch in MOE:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
@@ -145,6 +152,9 @@ def _assert_weights_equal(ours: nn.Module, hf: nn.Module) -> None:
         plain = ["self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj", "mlp.shared_expert_gate",
                  "mlp.gate"]
         for path, parts in stacked.items():
+            if f"{prefix}{path}.weight" in state:  # Phi-3: fused in transformers' model too
+                assert torch.equal(_weight(layer.get_submodule(path)), state[f"{prefix}{path}.weight"]), (i, path)
+                continue
             if not _has(layer, path):
                 continue
             group = path.rpartition(".")[0]
@@ -176,6 +186,18 @@ def _hf_greedy(hf: nn.Module, prompts: list[list[int]], new: int) -> list[list[i
     return out
 
 
+def _assert_fp32_activation_logits_match(ours: nn.Module, hf: nn.Module) -> None:
+    for module in ours.modules():
+        if isinstance(module, QuantLinear):
+            module.int8_activations = False
+    tokens = prompt_ids(24, 5)
+    with torch.no_grad():
+        reference = hf(torch.tensor([tokens])).logits[0]
+    harness, seq = PagedHarness(ours, seed=2), Seq(tokens)
+    logits = [harness.step([(seq, 10)], [])] + [harness.step([], [seq]) for _ in range(14)]
+    torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weights_and_greedy_match_transformers(family: tuple[str, Path], fmt: str) -> None:
     arch, directory = family
@@ -185,6 +207,11 @@ def test_weights_and_greedy_match_transformers(family: tuple[str, Path], fmt: st
     _assert_weights_equal(ours, hf)
     # MoE files are dequantized at load (every tensor); the dense families keep Q8_0 packed
     assert isinstance(ours.model.layers[0].self_attn.qkv_proj, QuantLinear) == (fmt != "F32" and arch not in MOE)
+    if fmt != "F32" and arch not in MOE:
+        # packed Q8_0 runs int8 activations (not transformers' arithmetic): with them off, the
+        # paged model's prefill and decode logits are transformers' on the same file
+        _assert_fp32_activation_logits_match(ours, hf)
+        return
     prompts = [prompt_ids(n, seed) for seed, n in enumerate((7, 19, 12))]
     new = 10
     expected = _hf_greedy(hf, prompts, new)
@@ -211,3 +238,11 @@ def test_unmapped_family_gguf_is_refused(tmp_path: Path, model_type: str, messag
     directory = make_family_dir(tmp_path, model_type, seed=1)
     with pytest.raises(ModelLoadError, match=message):
         load_model(write_family_gguf(directory, model_type, "F32"))
+
+
+def test_partial_rotary_phi3_gguf_is_refused(tmp_path: Path) -> None:
+    """transformers' phi3 GGUF config drops rope.dimension_count: a partial-rotary file is refused, not
+    served with every head dim rotated."""
+    directory = make_family_dir(tmp_path, "phi3", seed=1)
+    with pytest.raises(ModelLoadError, match="phi3 GGUF with 12 of 16 head dims rotated"):
+        load_model(write_family_gguf(directory, "phi3", "F32", rope_dims=12))
