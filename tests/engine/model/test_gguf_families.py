@@ -44,10 +44,11 @@ MOE = ("qwen3moe", "qwen2moe")
 FORMATS = ("F32", "Q8_0")
 
 
-def write_family_gguf(model_dir: Path, arch: str, fmt: str, rope_dims: int | None = None) -> Path:
+def write_family_gguf(model_dir: Path, arch: str, fmt: str, rope_dims: int | None = None,
+                      rope_scaling: float | None = None) -> Path:
     """`model_dir`'s checkpoint as `<arch>-<fmt>.gguf` beside it: llama.cpp's tensor names for
     `arch`, 2-D weights in `fmt` (norms F32), Gemma's norms as 1 + w; no output.weight when tied;
-    `rope_dims` (default: head_dim) as rope.dimension_count."""
+    `rope_dims` (default: head_dim) as rope.dimension_count, `rope_scaling` a linear rope.scaling factor."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -71,6 +72,9 @@ def write_family_gguf(model_dir: Path, arch: str, fmt: str, rope_dims: int | Non
                                     or config.rope_parameters["full_attention"]["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(rope_dims or head_dim)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling)
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
     writer.add_bos_token_id(config.bos_token_id)
@@ -246,3 +250,11 @@ def test_partial_rotary_phi3_gguf_is_refused(tmp_path: Path) -> None:
     directory = make_family_dir(tmp_path, "phi3", seed=1)
     with pytest.raises(ModelLoadError, match="phi3 GGUF with 12 of 16 head dims rotated"):
         load_model(write_family_gguf(directory, "phi3", "F32", rope_dims=12))
+
+
+def test_rope_scaled_gemma3_gguf_is_refused(tmp_path: Path) -> None:
+    """Gemma 3 4B+'s linear rope factor, which transformers' GGUF config drops: refused, not served unscaled."""
+    _, arch, overrides = FAMILIES["gemma3"]
+    directory = make_family_dir(tmp_path, "gemma3_text", seed=1, **overrides)
+    with pytest.raises(ModelLoadError, match="gemma3 GGUF with rope scaling 'linear' is not supported"):
+        load_model(write_family_gguf(directory, arch, "F32", rope_scaling=8.0))
