@@ -68,6 +68,18 @@ _LAYER_LINEARS = {
     "ffn_down": ("mlp.down_proj", 0),
 }
 _LAYER_NORMS = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight"}
+# Gemma 3's sandwich norms: llama.cpp names the pre-MLP norm ffn_norm and the two output norms post_*
+_SANDWICH_NORMS = {"attn_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight",
+                   "ffn_norm": "pre_feedforward_layernorm.weight", "post_ffw_norm": "post_feedforward_layernorm.weight"}
+
+
+def layer_norms(spec: Any) -> dict[str, str]:
+    """GGUF per-layer norm tensor kind -> the model's parameter under model.layers.N (for `spec`'s family)."""
+    norms = dict(_SANDWICH_NORMS if spec.sandwich_norms else _LAYER_NORMS)
+    if spec.qk_norm == "head":
+        norms.update(_QK_NORMS)
+    return norms
 _SKIPPED = ("rope_freqs.weight",)  # RoPE frequencies come from the config
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -155,6 +167,7 @@ class _Collector:
         self.params: dict[str, Stored] = {}
         self.paths: Counter[tuple[str, str]] = Counter()  # (file format, path taken) -> tensors
         self.tied_lm_head = False  # the lm_head is the token embedding (counted there)
+        self.norms = layer_norms(self.spec)
 
     def count(self, stored: Stored, packed: bool) -> None:
         """Tally one tensor under its file format and the path it takes."""
@@ -183,8 +196,11 @@ class _Collector:
 
     def _add_layer(self, name: str, layer: int, kind: str, what: str, stored: Stored) -> None:
         prefix = f"model.layers.{layer}."
-        if kind in _LAYER_NORMS and what == "weight":
-            self.params[prefix + _LAYER_NORMS[kind]] = stored
+        if kind in self.norms and what == "weight":
+            self.params[prefix + self.norms[kind]] = stored
+            return
+        if kind == "attn_qkv" or (kind == "ffn_up" and self.spec.fused_checkpoint):
+            self._add_fused(prefix, kind, what, stored)
             return
         if kind not in _LAYER_LINEARS:
             raise GGUFWeightError(f"GGUF tensor {name!r} has no place in the model")
@@ -196,6 +212,25 @@ class _Collector:
             stored = Stored(stored.fmt, data if what == "weight" else data.reshape(-1), stored.source)
         target = self.linears if what == "weight" else self.biases
         target.setdefault(prefix + module, {})[shard] = stored
+
+
+    def _add_fused(self, prefix: str, kind: str, what: str, stored: Stored) -> None:
+        """Phi-3's fused `attn_qkv` (q, k, v rows) and `ffn_up` (gate rows, then up rows) as the
+        shards of qkv_proj / gate_up_proj: whole rows, so packed blocks are cut as they are."""
+        spec = self.spec
+        if kind == "attn_qkv":
+            module = "self_attn.qkv_proj"
+            sizes = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
+        else:
+            module, sizes = "mlp.gate_up_proj", [spec.intermediate_size] * 2
+        data = stored.data if what == "weight" else stored.data.reshape(-1, 1)
+        if data.shape[0] != sum(sizes):
+            raise GGUFWeightError(f"GGUF tensor {prefix}{kind}.{what} has {data.shape[0]} rows; the model "
+                                  f"expects {sum(sizes)}")
+        target = (self.linears if what == "weight" else self.biases).setdefault(prefix + module, {})
+        for index, part in enumerate(data.split(sizes)):
+            part = part.contiguous() if what == "weight" else part.reshape(-1).contiguous()
+            target[index] = Stored(stored.fmt, part, stored.source)
 
 
 def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: bool = True,
@@ -298,8 +333,12 @@ def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:
                                   f"expects {None if dest is None else tuple(dest.shape)}")
         with torch.no_grad():
             dest.copy_(stored.data)
+            if spec.norm_offset and name.endswith("norm.weight"):
+                # llama.cpp's converter stored offset + w; transformers reads (g - offset) and its
+                # norms scale by offset + that, the fp32 value taken here
+                dest.sub_(spec.norm_offset).add_(spec.norm_offset)
         collector.count(stored, packed=False)
-    expected = {f"model.layers.{i}.{p}" for i in range(spec.num_layers) for p in _LAYER_NORMS.values()}
+    expected = {f"model.layers.{i}.{p}" for i in range(spec.num_layers) for p in collector.norms.values()}
     missing = sorted((expected | {"model.norm.weight"}) - collector.params.keys())
     if missing:
         raise GGUFWeightError(f"GGUF file lacks {len(missing)} norm weights, e.g. {missing[:3]}")

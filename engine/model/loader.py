@@ -147,7 +147,37 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
 
 
 QUANTIZATIONS = ("auto", "requantize", "dequantize")
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # the families convert.py and gguf_weights.py map
+# the families whose GGUF metadata and tensor names convert.py and gguf_weights.py map
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+_LLAMA_GGUF_TYPES = ("llama", "mistral", "qwen2")  # read before issue 37 (their rope metadata unchecked)
+# mixture-of-experts GGUF files: read through transformers' loader, every tensor dequantized to `dtype`
+GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
+
+
+def _check_gguf_rope(path: Path, spec: ModelSpec) -> None:
+    """A GGUF of the families past Llama's whose rotary transformers' GGUF config does not carry is
+    refused, as it would be served with full default rope: `rope.scaling.type` other than none
+    (Gemma 3 4B+'s linear factor, Qwen3's yarn), and for Phi-3 partial rotary (Phi-4-mini) or
+    longrope's `rope_factors_*` tensors."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.fields.get("general.architecture")
+    arch = arch_field.contents() if arch_field is not None else spec.model_type
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
+    kind = scaling.contents() if scaling is not None else "none"
+    if kind not in ("none", ""):
+        raise ModelLoadError(f"{str(path)!r}: a {arch} GGUF with rope scaling {kind!r} is not supported "
+                             "(transformers' GGUF config drops it); pass the Hugging Face safetensors directory")
+    if spec.model_type != "phi3":
+        return
+    field = reader.fields.get("phi3.rope.dimension_count")
+    dims = int(field.contents()) if field is not None else spec.head_dim
+    factors = sorted(t.name for t in reader.tensors if t.name.startswith("rope_factors"))
+    if dims != spec.head_dim or factors:
+        raise ModelLoadError(f"{str(path)!r}: a phi3 GGUF with {dims} of {spec.head_dim} head dims rotated"
+                             f"{' and ' + ', '.join(factors) if factors else ''} is not supported (transformers' "
+                             "GGUF config keeps full default rope); pass the Hugging Face safetensors directory")
 
 
 def _load_quantized(model: LlamaForCausalLM, path: Path, requantize: bool) -> None:
@@ -179,14 +209,21 @@ def load_model(
     p = Path(path).expanduser()
     torch_dtype = resolve_dtype(dtype)
     quantized = p.is_file() and quantization in ("auto", "requantize")
+    spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
+    if p.is_file() and spec.model_type not in GGUF_MODEL_TYPES + GGUF_MOE_TYPES:
+        raise ModelLoadError(f"{str(p)!r}: GGUF files of model type {spec.model_type!r} are not supported (their "
+                             "metadata and tensor names are mapped for "
+                             f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
+                             "pass the Hugging Face safetensors directory instead")
+    if p.is_file() and spec.model_type not in _LLAMA_GGUF_TYPES:
+        _check_gguf_rope(p, spec)
+    if quantized and spec.moe is not None:
+        log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",
+                 path=str(p), model_type=spec.model_type)
+        quantized = False
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
-    spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
-    if p.is_file() and spec.model_type not in GGUF_MODEL_TYPES:
-        raise ModelLoadError(f"{str(p)!r}: GGUF files of model type {spec.model_type!r} are not supported (their "
-                             f"metadata and tensor names are mapped for {', '.join(GGUF_MODEL_TYPES)}); "
-                             "pass the Hugging Face safetensors directory instead")
     if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
         # the engine bounds its context to the window (EngineConfig.resolve_max_model_len)
         log.info("sliding window attention is not implemented; attention is exact only within the window",

@@ -169,10 +169,10 @@ def test_longrope_is_served_within_its_short_factors(tmp_path: Path) -> None:
 def test_gguf_of_a_new_family_is_refused(tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    spec = ModelSpec.from_hf_config(AutoConfig.for_model("qwen3", num_hidden_layers=2))
+    spec = ModelSpec.from_hf_config(AutoConfig.for_model("granite", num_hidden_layers=2))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="GGUF files of model type 'qwen3' are not supported"):
+    with pytest.raises(ModelLoadError, match="GGUF files of model type 'granite' are not supported"):
         load_model(gguf, spec=spec)
 
 
