@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 
 from aiohttp import web
 
@@ -38,9 +39,10 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout_s: flo
     try:
         site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
         await site.start()
+        log.info("listening", host=host, port=port, reuse_port=reuse_port)
         await stop.wait()
         if reuse_port:
-            _stop_listening(site)
+            await _stop_listening(site, runner)
             app[DRAIN].refuse_new = False
         await app[DRAIN].run(app[BROKER], drain_timeout_s)
     finally:
@@ -49,8 +51,29 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout_s: flo
     return 0
 
 
-def _stop_listening(site: web.TCPSite) -> None:
-    """Close the listening sockets only, keeping the accepted connections and their handlers."""
+async def _stop_listening(site: web.TCPSite, runner: web.AppRunner) -> None:
+    """Close the listening sockets, keeping the accepted connections and their handlers. A socket
+    of a SO_REUSEPORT group closed with connections in its accept queue resets them (unless
+    net.ipv4.tcp_migrate_req=1), so the queue is emptied first: the socket is duplicated, the
+    server's own descriptor closed (no more reads from the loop), then every queued connection is
+    accepted on the duplicate and served, and the duplicate closed right after the queue is empty."""
     server = site._server  # the asyncio.Server of the site (aiohttp keeps no public handle)
-    if server is not None:
-        server.close()
+    factory = runner.server
+    if not isinstance(server, asyncio.Server) or factory is None:
+        return
+    loop = asyncio.get_running_loop()
+    listeners = [socket.socket(fileno=os.dup(s.fileno())) for s in server.sockets]
+    server.close()
+    accepted = 0
+    for listener in listeners:
+        listener.setblocking(False)
+        with listener:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                conn.setblocking(False)
+                await loop.connect_accepted_socket(factory, conn)
+                accepted += 1
+    log.info("stopped listening", queued_connections_served=accepted)
