@@ -45,6 +45,8 @@ async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     """503 while the gateway drains; otherwise the request, counted open until it answers."""
     drain = request.app[DRAIN]
     if drain.refusing:
+        # read the body first: closing a connection with unread data resets it (no 503 read)
+        await request.read()
         raise OpenAIError(503, "the gateway is shutting down; retry on another", code=DRAIN_CODE,
                           headers={"Retry-After": "1"})
     with drain.track():
