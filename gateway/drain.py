@@ -44,8 +44,9 @@ class Drain:
     async def close_connections(self, request: web.Request, response: web.StreamResponse) -> None:
         """`on_response_prepare`: while draining every response says ``Connection: close``, so a
         keep-alive client reconnects (to another gateway, or the new one on a shared port)."""
-        if self.draining:
+        if self.draining:  # aiohttp runs this hook after it chose the Connection header: set both
             response.force_close()
+            response.headers["Connection"] = "close"
 
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:

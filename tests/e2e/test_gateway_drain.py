@@ -108,16 +108,14 @@ async def test_sigterm_drains_every_open_stream_whole(cluster: tuple[str, Engine
                 open_streams = await _in_flight(session, gateway.url)
                 gateway.proc.send_signal(signal.SIGTERM)
 
-                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                async def draining() -> bool:  # on the streams' keep-alive session: no reset either
+                    async with session.get(f"{gateway.url}/health") as resp:
+                        return resp.status == 503 and (await resp.json())["error"]["code"] == "draining"
 
-                    async def draining() -> bool:
-                        async with fresh.get(f"{gateway.url}/health") as resp:
-                            return resp.status == 503 and (await resp.json())["error"]["code"] == "draining"
-
-                    await _until(draining, "/health to say draining")
-                    async with fresh.post(f"{gateway.url}/v1/completions", json=_body("late", 4, True)) as resp:
-                        assert resp.status == 503
-                        assert (await resp.json())["error"]["code"] == "draining"
+                await _until(draining, "/health to say draining")
+                async with session.post(f"{gateway.url}/v1/completions", json=_body("late", 4, True)) as resp:
+                    assert resp.status == 503 and resp.headers["Connection"] == "close"
+                    assert (await resp.json())["error"]["code"] == "draining"
             results = await asyncio.gather(*tasks)
         assert open_streams > 0
         for payloads, want in zip(results, reference, strict=True):
