@@ -159,7 +159,7 @@ class GatewayProcess(ChildProcess):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(["gateway", "--host", "127.0.0.1", "--port", str(self.port), "--gateway-id", gateway_id,
-                          "--request-timeout", "300", *extra], log_dir / f"{gateway_id}.log",
+                          "--request-timeout", "300", "--drain-timeout", "5", *extra], log_dir / f"{gateway_id}.log",
                          {"PAGEDSERVE_REDIS_URL": redis_url})
 
     def wait_healthy(self, timeout: float = 120.0) -> GatewayProcess:
