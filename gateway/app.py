@@ -24,9 +24,10 @@ from gateway.broker.engines import EngineRegistry
 from gateway.broker.router import Router
 from gateway.broker.watch import Watch
 from gateway.config import GatewayConfig
+from gateway.drain import Drain
 from gateway.errors import Handler, auth_middleware, error_middleware
 from gateway.metrics import GatewayMetrics
-from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
+from gateway.state import BROKER, CONFIG, DRAIN, METRICS, REGISTRY
 from gateway.ui.routes import add_routes as add_ui_routes
 
 
@@ -99,6 +100,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     )
     app[CONFIG] = config
     app[METRICS] = metrics
+    app[DRAIN] = drain = Drain()
+    app.on_response_prepare.append(drain.close_connections)
     app.cleanup_ctx.append(cpu_pool_ctx)
     app.cleanup_ctx.append(_redis_ctx)
     add_openai_routes(app)

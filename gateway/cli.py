@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
-
-from aiohttp import web
 
 from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX
 from common.redis_spec import add_redis_arguments, spec_from_args
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.serve import serve
 
 log = get_logger("gateway")
 
@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "connections (default 0 = never: some SSE clients mis-parse comments)")
     parser.add_argument("--write-timeout", type=float, default=defaults.write_timeout_s, metavar="SECONDS",
                         help="abort a request whose client reads nothing for this long (default %(default)s)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGTERM, let open requests run this long before they end with an error "
+                             "(new ones get 503 meanwhile; a second signal exits at once; default %(default)s)")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="bind with SO_REUSEPORT, so a new gateway can listen on the same port while this "
+                             "one drains; on SIGTERM this one then stops listening at once")
     parser.add_argument("--routing", choices=("on", "off"), default="on" if defaults.routing else "off",
                         help="cache-aware routing: send each request to the engine holding the longest cached "
                              "prefix of its prompt (off: every engine of a model reads one shared stream; "
@@ -88,5 +94,4 @@ def run(args: argparse.Namespace) -> int:
         return 2
     log.info("starting gateway", host=config.host, port=config.port, redis=config.redis_spec.describe(),
              gateway_id=config.gateway_id, auth=bool(config.api_keys))
-    web.run_app(create_app(config), host=config.host, port=config.port, print=None, access_log=None)
-    return 0
+    return asyncio.run(serve(create_app(config), config.host, config.port, args.drain_timeout, args.reuse_port))

@@ -8,8 +8,9 @@ from redis.exceptions import RedisError
 
 from gateway.api.tokenize_routes import add_routes as add_tokenize_routes
 from gateway.broker.broker import BrokerUnavailable
+from gateway.drain import DRAIN_CODE
 from gateway.errors import OpenAIError, redis_unavailable
-from gateway.state import BROKER, METRICS, REGISTRY
+from gateway.state import BROKER, DRAIN, METRICS, REGISTRY
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -26,9 +27,12 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """200 when Redis answers, this gateway reads its output stream and at least one engine
-    that is not draining can consume, else 503 with the reason. `redis` says which master is
-    in use and whether writes are acknowledged by a replica."""
+    that is not draining can consume, else 503 with the reason (code "draining" while this
+    gateway drains: load balancers stop sending). `redis` says which master is in use and whether
+    writes are acknowledged by a replica."""
     broker = request.app[BROKER]
+    if request.app[DRAIN].draining:
+        raise OpenAIError(503, "the gateway is draining (shutting down)", code=DRAIN_CODE)
     if not await broker.ping():
         raise OpenAIError(503, "cannot reach Redis", code="redis_unavailable")
     try:

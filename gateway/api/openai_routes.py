@@ -20,8 +20,9 @@ from gateway.api.structured import check_structured
 from gateway.api.validation import check_context, parse_request
 from gateway.broker.broker import BrokerUnavailable, QueueFull
 from gateway.broker.engines import ModelInfo
+from gateway.drain import DRAIN_CODE
 from gateway.errors import OpenAIError, redis_unavailable
-from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
+from gateway.state import BROKER, CONFIG, DRAIN, METRICS, REGISTRY
 
 _ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
 
@@ -41,6 +42,18 @@ async def find_model(request: web.Request, name: str) -> ModelInfo:
 
 
 async def _generate(request: web.Request, kind: Endpoint) -> web.StreamResponse:
+    """503 while the gateway drains; otherwise the request, counted open until it answers."""
+    drain = request.app[DRAIN]
+    if drain.refusing:
+        # read the body first: closing a connection with unread data resets it (no 503 read)
+        await request.read()
+        raise OpenAIError(503, "the gateway is shutting down; retry on another", code=DRAIN_CODE,
+                          headers={"Retry-After": "1"})
+    with drain.track():
+        return await _run_generation(request, kind)
+
+
+async def _run_generation(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     start = time.monotonic()
     cfg, broker, metrics = request.app[CONFIG], request.app[BROKER], request.app[METRICS]
     req = parse_request(await read_json(request), kind, cfg)

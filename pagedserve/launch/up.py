@@ -25,6 +25,7 @@ from common.redis_spec import parse_sentinels
 from pagedserve.launch.redis_server import RedisServer, RedisServerError
 
 log = get_logger("up")
+GATEWAY_STOP_S = 45.0  # above the gateway's default --drain-timeout
 
 
 class Stop(Exception):
@@ -203,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
         for child_name in ("gateway", "engine"):
             if child_name in children:
-                _stop(children[child_name], child_name)
+                # the gateway drains its open streams first (its --drain-timeout, 30 s by default)
+                _stop(children[child_name], child_name, GATEWAY_STOP_S if child_name == "gateway" else 15.0)
         if redis is not None:
             redis.stop()
         signal.signal(signal.SIGTERM, previous)

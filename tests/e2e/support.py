@@ -162,12 +162,12 @@ async def serve_gateway(redis_url: str, **overrides: Any) -> AsyncIterator[str]:
 class GatewayProcess(ChildProcess):
     """`pagedserve gateway` on a free loopback port."""
 
-    def __init__(self, redis_url: str, gateway_id: str, log_dir: Path, *extra: str) -> None:
+    def __init__(self, redis_url: str, gateway_id: str, log_dir: Path, *extra: str, port: int | None = None) -> None:
         self.gateway_id = gateway_id
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(["gateway", "--host", "127.0.0.1", "--port", str(self.port), "--gateway-id", gateway_id,
-                          "--request-timeout", "300", *extra], log_dir / f"{gateway_id}.log",
+                          "--request-timeout", "300", "--drain-timeout", "5", *extra], log_dir / f"{gateway_id}.log",
                          {"PAGEDSERVE_REDIS_URL": redis_url})
 
     def wait_healthy(self, timeout: float = 120.0) -> GatewayProcess:
