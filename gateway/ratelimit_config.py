@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib
 import json
 import os
 import signal
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +115,20 @@ def parse_limits(data: Any) -> RateLimits:
     return RateLimits(default, keys, float(window))
 
 
+def _toml(text: str) -> Any:
+    """Decode TOML: tomllib (Python 3.11+), else tomli when installed."""
+    for name in ("tomllib", "tomli"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        try:
+            return module.loads(text)
+        except module.TOMLDecodeError as exc:
+            raise RateLimitConfigError(f"invalid TOML: {exc}") from exc
+    raise RateLimitConfigError("TOML needs Python 3.11+ (or the tomli package); use JSON")
+
+
 def load_limits(path: str | Path) -> RateLimits:
     """Read and parse `path`: TOML when it ends in .toml, else JSON."""
     path = Path(path)
@@ -122,10 +136,16 @@ def load_limits(path: str | Path) -> RateLimits:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise RateLimitConfigError(f"cannot read {path}: {exc}") from exc
-    try:
-        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise RateLimitConfigError(f"{path}: {exc}") from exc
+    if path.suffix.lower() == ".toml":
+        try:
+            data = _toml(text)
+        except RateLimitConfigError as exc:
+            raise RateLimitConfigError(f"{path}: {exc}") from exc
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise RateLimitConfigError(f"{path}: invalid JSON: {exc}") from exc
     return parse_limits(data)
 
 
@@ -138,7 +158,8 @@ class LimitsFile:
         self.path = Path(path)
         self.limits = load_limits(self.path)
         self._stamp = self._stat()
-        self.reloads = 0
+        self.reloads = 0  # new limits taken
+        self.rejected = 0  # bad files seen (and kept out)
 
     def _stat(self) -> tuple[int, int] | None:
         try:
@@ -156,6 +177,7 @@ class LimitsFile:
         try:
             limits = load_limits(self.path)
         except RateLimitConfigError as exc:
+            self.rejected += 1
             log.error("rate limits not reloaded; keeping the previous ones", path=str(self.path), error=str(exc))
             return False
         self.limits = limits

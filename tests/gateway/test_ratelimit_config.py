@@ -88,3 +88,10 @@ def test_bad_file_at_start(tmp_path: Path) -> None:
     path.write_text('{"default": {"requests_per_minute": "many"}}')
     with pytest.raises(RateLimitConfigError):
         LimitsFile(path)
+
+
+def test_bad_toml(tmp_path: Path) -> None:
+    path = tmp_path / "limits.toml"
+    path.write_text("[default\nrequests_per_minute = 1\n")
+    with pytest.raises(RateLimitConfigError):
+        load_limits(path)
