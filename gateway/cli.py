@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedserve gateway: error: {exc}", file=sys.stderr)
         return 2
     log.info("starting gateway", host=config.host, port=config.port, redis=config.redis_spec.describe(),
-             gateway_id=config.gateway_id, auth=bool(config.api_keys))
+             gateway_id=config.gateway_id, auth=bool(config.api_keys),
+             rate_limits=config.rate_limits_path)
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None)
     return 0

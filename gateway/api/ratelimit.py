@@ -68,7 +68,7 @@ for i = 1, 2 do
     local l = levels[i]
     if kind == '' then
       l = l - costs[i]
-      redis.call('HSET', KEYS[i], 'l', tostring(l), 't', tostring(now))
+      redis.call('HSET', KEYS[i], 'l', string.format('%.17g', l), 't', string.format('%.17g', now))
       redis.call('PEXPIRE', KEYS[i], math.ceil(window / 1000) + 1000)
     end
     out[2 + 2 * i] = math.floor(math.max(l, 0))

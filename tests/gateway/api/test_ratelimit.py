@@ -202,3 +202,14 @@ def test_bad_file_refuses_start(tmp_path: Path) -> None:
     path = _limits(tmp_path, {"default": {"requests_per_minute": -3}})
     with pytest.raises(ValueError):
         create_app(GatewayConfig(rate_limits_path=str(path)))
+
+
+async def test_bucket_times_keep_microseconds(redis_server: str, tmp_path: Path) -> None:
+    """A Redis TIME-sized clock (16 digits of microseconds) is stored exactly."""
+    limiter, client = await _limiter(redis_server, tmp_path)
+    try:
+        now = 1_764_812_345_678_901
+        assert (await limiter.take("p", Limit(requests=5), 0, now)).allowed
+        assert int(await client.hget(limiter.bucket_keys("p")[0], "t") or 0) == now
+    finally:
+        await client.aclose()
