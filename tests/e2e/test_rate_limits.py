@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -43,7 +45,7 @@ def _wait_listening(gateway: GatewayProcess, timeout: float = 120.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[GatewayProcess]]]:
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, list[GatewayProcess], Path]]:
     """Redis and two limited gateways; the engine is the scripted one of the gateway tests (the
     limits act in the gateways, before any engine sees a request)."""
     log_dir = tmp_path_factory.mktemp("e2e-ratelimit")
@@ -56,7 +58,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, lis
                 gateways.append(GatewayProcess(server.url, name, log_dir, "--rate-limits", str(limits)))
             for gateway in gateways:
                 _wait_listening(gateway)
-            yield server.url, gateways
+            yield server.url, gateways, limits
         finally:
             for process in gateways:
                 process.stop()
@@ -76,9 +78,9 @@ async def _served(engine: FakeEngine, session: aiohttp.ClientSession, url: str,
     return await post
 
 
-async def test_two_gateways_share_one_budget(limited: tuple[str, list[GatewayProcess]],
+async def test_two_gateways_share_one_budget(limited: tuple[str, list[GatewayProcess], Path],
                                              tiny_tokenizer_dir: Path) -> None:
-    redis_url, (a, b) = limited
+    redis_url, (a, b), limits = limited
     key = {"Authorization": "Bearer sk-shared"}
     client = aioredis.Redis.from_url(redis_url)
     engine = FakeEngine(client, Keys(), str(tiny_tokenizer_dir))
@@ -101,6 +103,17 @@ async def test_two_gateways_share_one_budget(limited: tuple[str, list[GatewayPro
         assert headers["x-ratelimit-remaining-requests"] == "2"
         async with session.get(f"{b.url}/metrics") as resp:
             assert 'pagedserve_gateway_rate_limited_total{type="requests"} 1.0' in await resp.text()
+        # SIGHUP re-reads the file: same size and mtime, so only the signal can have done it
+        stamp, size = limits.stat().st_mtime_ns, limits.stat().st_size
+        limits.write_text(json.dumps({"default": {"requests_per_minute": 9}}).ljust(size))
+        os.utime(limits, ns=(stamp, stamp))
+        a.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while "rate limits reloaded" not in a.log_tail(100_000):
+            assert a.proc.poll() is None and time.monotonic() < deadline, a.log_tail()
+            await asyncio.sleep(0.05)
+        status, headers, body = await _served(engine, session, a.url, {"Authorization": "Bearer sk-third"})
+        assert status == 200 and headers["x-ratelimit-limit-requests"] == "9", body
     await client.aclose()
 
 
