@@ -166,13 +166,14 @@ class RateLimiter:
 
 
 RATE_LIMITER = web.AppKey("rate_limiter", RateLimiter)
+RELOAD_INTERVAL_S = 2.0  # how often the limits file's mtime is checked
 _HEADERS = "pagedserve_ratelimit_headers"
 
 
 def bearer_token(request: web.Request) -> str | None:
     """The request's Bearer token, None without one."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
 
 
 async def admit(request: web.Request, tokens: int) -> None:
@@ -210,5 +211,3 @@ async def _ctx(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await task
 
-
-RELOAD_INTERVAL_S = 2.0
