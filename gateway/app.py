@@ -19,6 +19,7 @@ from common.shutdown import shut_down
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.offload import cpu_pool_ctx
 from gateway.api.openai_routes import add_routes as add_openai_routes
+from gateway.api.ratelimit import install as install_rate_limits
 from gateway.broker.broker import Broker
 from gateway.broker.engines import EngineRegistry
 from gateway.broker.router import Router
@@ -92,7 +93,8 @@ def _metrics_middleware(metrics: GatewayMetrics) -> Middleware:
 
 
 def create_app(config: GatewayConfig) -> web.Application:
-    """The gateway application for `config`."""
+    """The gateway application for `config`; RateLimitConfigError (a ValueError) when its rate
+    limits file is bad."""
     metrics = GatewayMetrics()
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -104,6 +106,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     app.on_response_prepare.append(drain.close_connections)
     app.cleanup_ctx.append(cpu_pool_ctx)
     app.cleanup_ctx.append(_redis_ctx)
+    if config.rate_limits_path:  # after the Redis context: the limiter uses its client
+        install_rate_limits(app, config.rate_limits_path)
     add_openai_routes(app)
     add_misc_routes(app)
     add_ui_routes(app)

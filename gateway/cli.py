@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route-load-slack", type=float, default=defaults.route_load_slack, metavar="REQUESTS",
                         help="route by load instead when the best-matching engine has more than this many "
                              "requests (waiting + running) above the least loaded one (default %(default)s)")
+    parser.add_argument("--rate-limits", default=None, metavar="FILE",
+                        help="per-API-key requests and tokens per minute, shared by all gateways through Redis "
+                             "(JSON, or TOML for *.toml; reloaded on change and on SIGHUP; default: no limits)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -82,16 +85,19 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         redis_pool_size=args.redis_pool_size, redis_pool_timeout_s=args.redis_pool_timeout,
         max_queued_per_model=args.max_queued, redis_pool=args.redis_pool,
         sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout,
-        routing=args.routing == "on", route_load_slack=args.route_load_slack, **extra,
+        routing=args.routing == "on", route_load_slack=args.route_load_slack,
+        rate_limits_path=args.rate_limits, **extra,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
+        app = create_app(config)  # a bad --rate-limits file: refuse to start
     except ValueError as exc:
         print(f"pagedserve gateway: error: {exc}", file=sys.stderr)
         return 2
     log.info("starting gateway", host=config.host, port=config.port, redis=config.redis_spec.describe(),
-             gateway_id=config.gateway_id, auth=bool(config.api_keys))
-    return asyncio.run(serve(create_app(config), config.host, config.port, args.drain_timeout, args.reuse_port))
+             gateway_id=config.gateway_id, auth=bool(config.api_keys),
+             rate_limits=config.rate_limits_path)
+    return asyncio.run(serve(app, config.host, config.port, args.drain_timeout, args.reuse_port))

@@ -44,6 +44,7 @@ class GatewayConfig:
     # cache-aware routing (gateway/broker/router.py): to the engine holding the longest cached prefix
     routing: bool = True
     route_load_slack: float = 4.0  # requests more than the least loaded engine before routing by load
+    rate_limits_path: str | None = None  # per-API-key limits file (gateway/ratelimit_config.py); None: no limits
 
     @property
     def redis_spec(self) -> RedisSpec:

@@ -77,6 +77,8 @@ class GatewayMetrics:
                                registry=r)
         self.rejected = Counter("pagedserve_gateway_rejected", "requests refused before submission, by reason",
                                 ["reason"], registry=r)
+        self.rate_limited = Counter("pagedserve_gateway_rate_limited", "requests refused with 429 by the "
+                                    "per-API-key rate limits, by exhausted budget", ["type"], registry=r)
         self.success = Counter("pagedserve_request_success", "finished requests by finish reason",
                                ["finished_reason"], registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)

@@ -15,6 +15,7 @@ from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
 from gateway.api.offload import off_loop
 from gateway.api.prompt import prompt_ids
+from gateway.api.ratelimit import admit
 from gateway.api.streaming import ClientGone, complete, stream
 from gateway.api.structured import check_structured
 from gateway.api.validation import check_context, parse_request
@@ -63,6 +64,7 @@ async def _run_generation(request: web.Request, kind: Endpoint) -> web.StreamRes
     tokenizer = await request.app[REGISTRY].tokenizer(model)
     ids = await off_loop(request.app, prompt_ids, req, tokenizer)  # a 1 MB prompt takes a second
     check_context(req, len(ids), model.max_model_len, cfg)
+    await admit(request, len(ids) + req.params.n * req.params.max_tokens)  # per-key limits (429 over them)
     rid = kind.id_prefix + uuid.uuid4().hex
     now = time.time()
     engine_req = EngineRequest(rid, cfg.gateway_id, model.name, ids, req.params, now,

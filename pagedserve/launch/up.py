@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ranks the engine splits the model over (see `pagedserve engine`; default 1)")
     parser.add_argument("--metrics-port", type=int, help="engine Prometheus port (gateway: /metrics)")
     parser.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
+    parser.add_argument("--rate-limits", metavar="FILE",
+                        help="per-API-key requests/tokens per minute for the gateway (see `pagedserve gateway`; "
+                             "reloaded when the file changes)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
     parser.add_argument("--sse-keepalive", type=float, default=0.0, metavar="SECONDS",
                         help="SSE comment frames on streams idle this long (default 0 = never)")
@@ -182,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
             engine_args += ["--metrics-port", str(args.metrics_port)]
         children["engine"] = _child(engine_args + tls + shlex.split(args.engine_args), secrets)
         gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), *tls,
-                        "--sse-keepalive", str(args.sse_keepalive), *shlex.split(args.gateway_args)]
+                        "--sse-keepalive", str(args.sse_keepalive),
+                        *(["--rate-limits", os.path.abspath(args.rate_limits)] if args.rate_limits else []),
+                        *shlex.split(args.gateway_args)]
         children["gateway"] = _child(gateway_args, secrets | (
             {"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}))
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
