@@ -105,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-routing", action="store_true",
                         help="read only the model's shared request stream and do not announce a routed stream "
                              "(no cache-aware routing to this engine, no work stealing)")
-    parser.add_argument("--steal-after", type=_positive_seconds, default=1.0,
+    parser.add_argument("--steal-after", type=_positive_seconds, default=3.0,
                         help="with routing: take entries that waited this many seconds (by Redis' clock) on a peer "
                              "engine's routed stream while this one has room (default %(default)s)")
 

@@ -65,7 +65,7 @@ class WorkerConfig:
     redis_pool_size: int = 16
     redis_pool_timeout_s: float = 10.0
     routing: bool = True  # read an own routed stream first and announce it (cache-aware routing, issue 40)
-    steal_after_s: float | None = 1.0  # with routing: take peers' routed entries waiting this long; None: never
+    steal_after_s: float | None = 3.0  # with routing: take peers' routed entries waiting this long; None: never
 
     @property
     def redis_spec(self) -> RedisSpec:
