@@ -161,7 +161,10 @@ def _check_gguf_rope(path: Path, spec: ModelSpec) -> None:
     longrope's `rope_factors_*` tensors."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as exc:  # empty, truncated or not a GGUF at all
+        raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {exc}") from exc
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else spec.model_type
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
