@@ -27,14 +27,8 @@ class _Broker:
         self.forgotten.extend(collectors)
 
 
-async def test_an_idle_gateway_drains_at_once() -> None:
-    drain = Drain()
-    assert not drain.refusing
-    assert await drain.run(_Broker(drain, asyncio.Event()), 30.0) == 0  # type: ignore[arg-type]
-    assert drain.draining and drain.refusing
-
-
-async def test_open_requests_finish_within_the_timeout() -> None:
+async def _one_open_request() -> tuple[Drain, asyncio.Event, asyncio.Task[None]]:
+    """A Drain with one tracked request open until the returned event is set."""
     drain = Drain()
     release = asyncio.Event()
 
@@ -45,6 +39,18 @@ async def test_open_requests_finish_within_the_timeout() -> None:
     task = asyncio.create_task(request())
     await asyncio.sleep(0)
     assert drain.active == 1
+    return drain, release, task
+
+
+async def test_an_idle_gateway_drains_at_once() -> None:
+    drain = Drain()
+    assert not drain.refusing
+    assert await drain.run(_Broker(drain, asyncio.Event()), 30.0) == 0  # type: ignore[arg-type]
+    assert drain.draining and drain.refusing
+
+
+async def test_open_requests_finish_within_the_timeout() -> None:
+    drain, release, task = await _one_open_request()
     broker = _Broker(drain, asyncio.Event())
     running = asyncio.create_task(drain.run(broker, 300.0))  # type: ignore[arg-type]
     await asyncio.sleep(0)
@@ -55,15 +61,7 @@ async def test_open_requests_finish_within_the_timeout() -> None:
 
 
 async def test_the_timeout_fails_what_is_open() -> None:
-    drain = Drain()
-    release = asyncio.Event()
-
-    async def request() -> None:
-        with drain.track():
-            await release.wait()
-
-    task = asyncio.create_task(request())
-    await asyncio.sleep(0)
+    drain, release, task = await _one_open_request()
     broker = _Broker(drain, release)
     assert await drain.run(broker, 0.0) == 1  # type: ignore[arg-type]
     assert [e.code for e in broker.failed] == [DRAIN_CODE] and broker.failed[0].type == "service_unavailable"

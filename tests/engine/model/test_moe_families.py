@@ -186,25 +186,17 @@ def test_tensor_parallel_engine_refuses_before_spawning(tmp_path: Path) -> None:
             tensor_parallel_threads=1)
 
 
-def test_gguf_of_an_unmapped_moe_type_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("model_type", "refusal"), [
+    ("mixtral", "GGUF files of model type 'mixtral' are not supported"),  # no GGUF mapping
+    ("qwen3_moe", "not a readable GGUF file"),  # mapped (test_gguf_families.py): an empty file is a load error
+])
+def test_an_empty_gguf_of_a_moe_type_is_refused(model_type: str, refusal: str, tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    spec = ModelSpec.from_hf_config(AutoConfig.for_model("mixtral", num_hidden_layers=2))
+    spec = ModelSpec.from_hf_config(AutoConfig.for_model(model_type, num_hidden_layers=2))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="GGUF files of model type 'mixtral' are not supported"):
-        load_model(gguf, spec=spec)
-
-
-def test_an_unreadable_gguf_of_a_mapped_moe_type_is_a_load_error(tmp_path: Path) -> None:
-    """qwen3_moe GGUF files are read (tests/engine/model/test_gguf_families.py); an empty one is a
-    ModelLoadError naming the file, not a bare mmap error."""
-    from transformers import AutoConfig
-
-    spec = ModelSpec.from_hf_config(AutoConfig.for_model("qwen3_moe", num_hidden_layers=2))
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+    with pytest.raises(ModelLoadError, match=refusal):
         load_model(gguf, spec=spec)
 
 
