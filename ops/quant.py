@@ -5,9 +5,10 @@ A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / 32 * fmt.block_bytes]
 
 - up to ``QUANT_GEMV_MAX_ROWS`` rows (decode) the C++ kernel streams the packed blocks once, with
   the activations quantized per 32-block to int8 (integer dot products; ``int8_activations``);
-- with bf16 linears (``quant_linear_bf16``, a model in ``dtype`` bfloat16 on a CPU with AMX-BF16),
-  any number of rows: the weight is dequantized to bf16 one 32-row panel at a time and multiplied
-  on AMX tiles (no copy of the weight kept); a step takes this path from ``BF16_MIN_ROWS`` rows;
+- with bf16 linears (``quant_linear_bf16``, a model in ``dtype`` bfloat16 on a CPU with AMX-BF16 or
+  AVX512-BF16), any number of rows: the weight is dequantized to bf16 one 32-row panel at a time and
+  multiplied on AMX tiles or with ``vdpbf16ps`` (no copy of the weight kept); a step takes this
+  path from ``BF16_MIN_ROWS`` rows (deterministic mode: its prompt rows, at any count);
 - more rows (prefill) the weight is dequantized into an fp32 scratch copy and multiplied by oneDNN,
   except a step's int8 rows on the eight-row layouts, which stay on the kernel at any count (there
   its int8 path beats oneDNN's fp32 GEMM 1.5-1.8x at 128-512 rows, and a decode row then gets the
@@ -127,6 +128,16 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.T
     return tokens, counts
 
 
+def bf16_all_rows() -> bool:
+    """Whether a model's bf16 linears take every row of a step of many rows (``bf16_step``): on AMX
+    tiles outside deterministic mode, where they beat the int8 kernel from ~32 rows. Elsewhere only
+    a step's prompt rows compute in bf16, at any count, and its other rows keep the int8 kernel:
+    with AVX512-BF16 (``vdpbf16ps`` runs half the MACs a cycle of the int8 kernel's ``vpdpbusd``: the
+    int8 rows stay faster at every count) and in deterministic mode (a row's arithmetic may not
+    depend on how many rows its step has)."""
+    return bf16_kernel() == "amx" and not fixed_order()
+
+
 def bf16_step(rows: int, prompt_rows: int) -> bool:
     """Whether a step of ``rows`` tokens, ``prompt_rows`` of them prompt tokens, runs its linears on
     ``quant_linear_bf16`` in a model whose quantized linears compute in bf16 (the crossovers above)."""
@@ -136,22 +147,30 @@ def bf16_step(rows: int, prompt_rows: int) -> bool:
 @cache
 def amx_bf16() -> bool:
     """Whether ``quant_linear_bf16`` runs on the compiled AMX-BF16 kernel here (built for a CPU
-    with AMX-BF16, and the OS granted the tile state); elsewhere it runs in torch (same rounding)."""
+    with AMX-BF16, and the OS granted the tile state)."""
     return cpu_ops().amx_bf16_available()
+
+
+@cache
+def bf16_kernel() -> str | None:
+    """The compiled kernel ``quant_linear_bf16`` runs on here: "amx" (AMX-BF16 tiles), "avx512_bf16"
+    (``vdpbf16ps`` dot products on the same panels) or None (it then runs in torch: same rounding,
+    other summation order, far slower)."""
+    return {2: "amx", 1: "avx512_bf16"}.get(int(cpu_ops().bf16_linear_kernel()))
 
 
 def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``x [..., K] @ W.T + bias`` → ``[..., N]`` with ``x`` and the dequantized weights ``W``
-    rounded to bf16 (nearest even) and the products summed in fp32: on AMX tiles where
-    ``amx_bf16()``, else dequantized and multiplied by torch in bf16 (the reference backend too)."""
+    rounded to bf16 (nearest even) and the products summed in fp32: on the kernel ``bf16_kernel()``
+    names, else dequantized and multiplied by torch in bf16 (the reference backend too)."""
     if x.dtype != torch.float32:
         raise ValueError(f"x must be fp32; got {x.dtype}")
     k = x.shape[-1]
     check_qweight(qweight, fmt, k)
     n = qweight.shape[0]
     flat = x.reshape(-1, k)
-    if use_reference() or not x.is_cpu or not amx_bf16():
+    if use_reference() or not x.is_cpu or bf16_kernel() is None:
         return ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], n)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()

@@ -60,12 +60,12 @@ def cpuinfo_native_bf16(cpuinfo: str) -> bool:
     return bool(isa.parse_flags(cpuinfo) & set(NATIVE_BF16_FLAGS))
 
 
-AMX_BF16_FLAGS = ("amx_tile", "amx_bf16", "avx512_bf16", "avx512vbmi")  # what csrc/cpu/quant_amx.cpp compiles for
+BF16_KERNEL_FLAGS = ("avx512_bf16", "avx512vbmi")  # what csrc/cpu/quant_bf16.cpp compiles for (AMX: the tiles too)
 
 
-def cpuinfo_amx_bf16(cpuinfo: str) -> bool:
-    """Whether /proc/cpuinfo text lists every flag the AMX-BF16 quantized kernel needs on its first CPU."""
-    return set(AMX_BF16_FLAGS) <= isa.parse_flags(cpuinfo)
+def cpuinfo_bf16_kernel(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo text lists every flag the bf16 quantized kernel needs on its first CPU."""
+    return set(BF16_KERNEL_FLAGS) <= isa.parse_flags(cpuinfo)
 
 
 @cache
@@ -76,9 +76,9 @@ def native_bf16() -> bool:
 
 
 @cache
-def amx_bf16_cpu() -> bool:
-    """Whether this CPU has what the AMX-BF16 quantized kernel needs (read from /proc/cpuinfo)."""
-    return set(AMX_BF16_FLAGS) <= isa.flags()  # under PAGEDSERVE_CPU_ISA
+def bf16_kernel_cpu() -> bool:
+    """Whether this CPU has what the bf16 quantized kernel needs (read from /proc/cpuinfo)."""
+    return set(BF16_KERNEL_FLAGS) <= isa.flags()  # under PAGEDSERVE_CPU_ISA
 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,

@@ -105,13 +105,15 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
                            const c10::optional<at::Tensor>& row_scales);
 
 // out fp32 [M, N] = x fp32 [M, K] . W^T (+ bias) with W the packed weight rounded to bf16 and x
-// rounded to bf16, fp32 accumulation, on AMX-BF16 tiles (quant_amx.cpp); any format quant_linear
-// takes. An error where the build's CPU has no AMX-BF16 (amx_bf16_available).
+// rounded to bf16, fp32 accumulation, on AMX-BF16 tiles (quant_amx.cpp) or AVX512-BF16 dot products
+// (quant_bf16_dot.cpp); any format quant_linear takes. An error where the build's CPU has neither.
 void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
                        const c10::optional<at::Tensor>& bias);
 
-// Whether quant_linear_bf16 runs here: built for AMX-BF16 and the OS granted the tile state.
-bool amx_bf16_available();
+// The kernel quant_linear_bf16 runs here: 2 AMX-BF16 (built for it, and the OS granted the tile
+// state), 1 AVX512-BF16, 0 none.
+int64_t bf16_linear_kernel();
+bool amx_bf16_available();  // bf16_linear_kernel() == 2
 
 // out fp32 [N, K] = the weights of qweight uint8 [N, K / 32 * block_bytes] in `format`.
 void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format);

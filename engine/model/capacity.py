@@ -25,19 +25,20 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_model_dtype(dtype: str, device: torch.device, cpuinfo: str | None = None,
                         quantized_weights: bool = False) -> str:
-    """auto: for quantized GGUF weights bf16 where the CPU has AMX-BF16 (their linears then compute
-    in bf16 on tiles for steps of many rows: `resolve_compute`), else fp32; bf16 on CUDA; on the
+    """auto: for quantized GGUF weights bf16 where the CPU has the bf16 kernel (AVX512-BF16 or AMX:
+    their linears then compute a step's prompt rows, or on AMX every row of a step of many rows, in
+    bf16: `resolve_compute`, `ops.quant.bf16_all_rows`), else fp32; bf16 on CUDA; on the
     CPU bf16 where it computes bf16 natively (avx512_bf16 or amx_bf16 in ``cpuinfo``, default
     /proc/cpuinfo), else fp32 (an emulated bf16 GEMM is no faster). Logs the choice and why."""
     if dtype != "auto":
         return dtype
     if quantized_weights:
-        from ops.screen import amx_bf16_cpu, cpuinfo_amx_bf16
+        from ops.screen import bf16_kernel_cpu, cpuinfo_bf16_kernel
 
-        amx = amx_bf16_cpu() if cpuinfo is None else cpuinfo_amx_bf16(cpuinfo)
-        choice = "bfloat16" if amx else "float32"
-        reason = ("quantized weights: many-row steps on AMX-BF16 tiles" if amx
-                  else "quantized weights: no AMX-BF16 (the kernels round fp32 activations to int8)")
+        kernel = bf16_kernel_cpu() if cpuinfo is None else cpuinfo_bf16_kernel(cpuinfo)
+        choice = "bfloat16" if kernel else "float32"
+        reason = ("quantized weights: prompt rows and many-row steps on the bf16 kernel" if kernel
+                  else "quantized weights: no AVX512-BF16 (the kernels round fp32 activations to int8)")
     elif device.type == "cuda":
         choice, reason = "bfloat16", "cuda device"
     else:
@@ -54,7 +55,7 @@ def resolve_compute(config: EngineConfig, device: torch.device) -> tuple[torch.d
     """`(dtype, bf16_linears)`: the model's activation and KV dtype, and whether its quantized
     linears compute in bf16 (`LlamaForCausalLM.bf16_linears`). A quantized GGUF model keeps fp32
     activations and gets bf16 linears for dtype bfloat16 (auto picks it where the CPU has
-    AMX-BF16); float16 is refused for it. Other models run in the resolved dtype."""
+    AVX512-BF16); float16 is refused for it. Other models run in the resolved dtype."""
     quantized = config.serves_quantized_weights
     choice = resolve_model_dtype(config.dtype, device, quantized_weights=quantized)
     if not quantized:

@@ -79,7 +79,7 @@ class FusedDecoder:
             return False  # (ops/attention_rows.py), which the C++ decoder's prefill call does not
         if EXACT_RANGES.get() is not None:  # exact rows that are not the leading ones: the module path
             return False
-        if not (0 < rows <= QUANT_GEMV_MAX_ROWS or (rows > 0 and bf16_linears and ops.quant.amx_bf16())):
+        if not (0 < rows <= QUANT_GEMV_MAX_ROWS or (rows > 0 and bf16_linears and ops.quant.bf16_kernel() is not None)):
             return False
         return (hidden.is_cpu and hidden.dtype == torch.float32
                 and bool(kv_caches) and kv_caches[0][0].numel() > 0 and ops.get_backend() == "auto")

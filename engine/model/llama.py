@@ -241,7 +241,8 @@ class LlamaForCausalLM(nn.Module):
         # the eight-row Q4 layouts; near-ties of the first token may then flip).
         self.exact_prompt_rows = True
         # Quantized linears in bf16 (the model's compute dtype is bf16): steps of many rows run every
-        # linear on AMX tiles (`ops.quant.bf16_step`); smaller ones keep the int8 / fp32 kernels.
+        # linear on AMX tiles (`ops.quant.bf16_step`), or (AVX512-BF16, deterministic mode) a step's
+        # prompt rows compute in bf16 at any count; the other rows keep the int8 / fp32 kernels.
         self.bf16_linears = False
         self.screen: LogitScreen | QuantLogitScreen | None = None
         self.use_fused_decoder = True  # the layers in one C++ call where `FusedDecoder` applies
@@ -260,8 +261,12 @@ class LlamaForCausalLM(nn.Module):
         local_rope = rope if local is None else (positions, local.table(positions))
         fused = self.fused_decoder()
         exact_rows = meta.num_prefill_tokens if self.exact_prompt_rows else 0  # prompt rows on fp32 activations
-        bf16 = self.bf16_linears and ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens)
-        if fused is not None and fused.applies(hidden, kv_caches, meta, bf16):
+        # bf16 linears: every row of a step of many rows on AMX (outside deterministic mode), else the
+        # prompt rows at any count (`ops.quant.bf16_all_rows`), which the fused decoder does not split.
+        all_rows = ops.quant.bf16_all_rows()
+        bf16 = self.bf16_linears and (ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens) if all_rows
+                                      else exact_rows > 0)
+        if fused is not None and (all_rows or not bf16) and fused.applies(hidden, kv_caches, meta, bf16):
             last, stream = fused(hidden, rope, kv_caches, meta, exact_rows, bf16)
             return self.model.norm(last, stream)[0]
         residual: Tensor | None = None

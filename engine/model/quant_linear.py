@@ -35,8 +35,10 @@ is set (the model asks for exact prompt rows)."""
 
 BF16_LINEARS: ContextVar[bool] = ContextVar("bf16_linears", default=False)
 """Whether this step's packed linears compute in bf16 (`ops.quant.quant_linear_bf16`: activations and
-weights rounded to bf16, fp32 sums, on AMX tiles), every row of it: set by the model's forward for
-steps of many rows when the model's compute dtype is bf16 (`LlamaForCausalLM.bf16_linears`)."""
+weights rounded to bf16, fp32 sums, on AMX tiles or AVX512-BF16 dot products), set by the model's
+forward when its compute dtype is bf16 (`LlamaForCausalLM.bf16_linears`): every row of a step of
+many rows where `ops.quant.bf16_all_rows()`, else the step's exact rows (`EXACT_ROWS`,
+`EXACT_RANGES`: its prompt tokens) in bf16 in place of fp32 and its other rows on int8 activations."""
 
 
 class QuantLinear(nn.Module):
@@ -81,7 +83,13 @@ class QuantLinear(nn.Module):
         if fmt is None:
             return ops.linear(x, t, bias)
         if BF16_LINEARS.get():
-            return ops.quant.quant_linear_bf16(x, t, fmt, bias)
+            if ops.quant.bf16_all_rows() or x.dim() != 2:
+                return ops.quant.quant_linear_bf16(x, t, fmt, bias)
+            exact_bf16 = min(EXACT_ROWS.get(), x.shape[0])
+            given = EXACT_RANGES.get() if exact_bf16 else ()  # (): a step with no prompt rows
+            return _by_ranges(x, ((0, exact_bf16),) if given is None else given, lambda part, rows: (
+                ops.quant.quant_linear_bf16(part, t, fmt, bias) if rows
+                else ops.quant.quant_linear(part, t, fmt, bias, self.int8_activations, checked=True)))
         exact = EXACT_ROWS.get()
         ranges = EXACT_RANGES.get() if exact else None
         if ranges is not None and x.dim() == 2:
@@ -101,6 +109,8 @@ def _by_ranges(x: torch.Tensor, ranges: tuple[tuple[int, int], ...],
     outside `ranges` (sorted, disjoint), joined: the kernel's exact rows are a leading count."""
     parts, row = [], 0
     for start, end in ranges:
+        if end <= start:
+            continue
         if start > row:
             parts.append(linear(x[row:start], 0))
         parts.append(linear(x[start:end], end - start))

@@ -41,8 +41,8 @@ def _answer(out: Any) -> tuple[Any, ...]:
 
 
 def _run(model_dir: Path | str, batch: list[list[int]], **config: Any) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
-    """Every request's answer, and the engine's preemption counts."""
-    llm = LLM(str(model_dir), dtype="float32", **config)
+    """Every request's answer, and the engine's preemption counts (dtype float32 unless given)."""
+    llm = LLM(str(model_dir), **{"dtype": "float32", **config})
     outs = llm.generate(batch, PARAMS)
     assert_no_leaks(llm)
     return [_answer(out) for out in outs], dict(llm.stats().get("preemptions", {}))
@@ -70,20 +70,26 @@ def test_preemption_changes_no_bit(model_dir: Path, kv: str, mode: str) -> None:
     assert tight == roomy
 
 
-def test_default_gguf_model_gets_the_same_bits_in_any_step() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_gguf_model_gets_the_same_bits_in_any_step(dtype: str) -> None:
     """`up`'s default: SmolLM2's Q4_1 GGUF (packed linears: int8 activations for decode rows, fp32
-    for prompt rows) with the int8 KV cache, alone, in a batch, in chunks of 64 and recomputed."""
+    prompt rows, or bf16 ones with bf16 linears, `dtype auto` where the CPU has the bf16 kernel) with
+    the int8 KV cache, alone, in a batch, in chunks of 64 and recomputed."""
     from engine.model.fetch import default_gguf_path
+    from ops.quant import bf16_kernel
 
     gguf = default_gguf_path()
     if not gguf.is_file():
         pytest.skip("the default model's GGUF is not fetched (run `pagedserve fetch-model`)")
+    if dtype == "bfloat16" and bf16_kernel() is None:
+        pytest.skip("no bf16 kernel on this CPU: bf16 linears run in torch, whose GEMM blocks by row count")
+    config = {"dtype": dtype, "kv_cache_dtype": "int8"}
     batch = [TARGET, *OTHERS[:5]]
-    roomy, _ = _run(gguf, batch, kv_cache_dtype="int8", kv_cache_memory=64 << 20)
-    assert _run(gguf, [TARGET], kv_cache_dtype="int8", kv_cache_memory=64 << 20)[0][0] == roomy[0]
-    chunked, _ = _run(gguf, batch, kv_cache_dtype="int8", kv_cache_memory=64 << 20, max_num_batched_tokens=64)
+    roomy, _ = _run(gguf, batch, kv_cache_memory=64 << 20, **config)
+    assert _run(gguf, [TARGET], kv_cache_memory=64 << 20, **config)[0][0] == roomy[0]
+    chunked, _ = _run(gguf, batch, kv_cache_memory=64 << 20, max_num_batched_tokens=64, **config)
     assert chunked == roomy
-    tight, preemptions = _run(gguf, batch, kv_cache_dtype="int8", num_gpu_blocks=24, num_cpu_blocks=200,
-                              preemption_mode="recompute")
+    tight, preemptions = _run(gguf, batch, num_gpu_blocks=24, num_cpu_blocks=200, preemption_mode="recompute",
+                              **config)
     assert preemptions.get("recompute", 0) > 0
     assert tight == roomy  # a recomputed sequence's generated tokens keep their decode rows' int8 activations

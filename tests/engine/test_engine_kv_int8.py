@@ -74,10 +74,12 @@ def test_dtype_auto_is_bf16_only_where_computed_natively(flags: str, device: str
 
 
 @pytest.mark.parametrize(("flags", "want"), [
-    ("fpu avx512f avx512_bf16", "float32"),  # bf16 dot products, no AMX: the int8 kernels are faster
+    ("fpu avx2 fma f16c", "float32"),
+    ("fpu avx512f avx512_bf16", "float32"),  # bf16 dot products but no VBMI: the kernel is not built
+    ("fpu avx512f avx512_bf16 avx512vbmi", "bfloat16"),  # the AVX512-BF16 kernel (Zen 4/5)
     ("fpu avx512f avx512_bf16 avx512vbmi amx_bf16 amx_tile", "bfloat16"),
 ])
-def test_dtype_auto_for_quantized_weights_is_bf16_only_with_amx(flags: str, want: str) -> None:
+def test_dtype_auto_for_quantized_weights_is_bf16_where_the_bf16_kernel_runs(flags: str, want: str) -> None:
     cpuinfo = f"processor\t: 0\nflags\t\t: {flags}\n"
     assert resolve_model_dtype("auto", torch.device("cpu"), cpuinfo, quantized_weights=True) == want
 

@@ -75,6 +75,8 @@ def test_capped_library_and_fixed_gemm_bits(level: str, tmp_path: Path) -> None:
     if level == "avx2":
         assert "zmm" not in disassembly, "an avx2-capped library holds AVX-512 code"
     assert "tdpbf16ps" not in disassembly  # below amx: no tile instruction
+    if isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16"):
+        assert "vdpbf16ps" not in disassembly, "a library capped below avx512_bf16 holds bf16 dot products"
     import ops
     g = torch.Generator().manual_seed(1)
     w, x, b = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(200, generator=g)

@@ -1,4 +1,5 @@
-"""ops.quant.quant_linear_bf16: the AMX-BF16 tile kernel (csrc/cpu/quant_amx.cpp) against the torch
+"""ops.quant.quant_linear_bf16: the compiled bf16 kernel (AMX-BF16 tiles, csrc/cpu/quant_amx.cpp, or
+AVX512-BF16 dot products, csrc/cpu/quant_bf16_dot.cpp: whichever this CPU has) against the torch
 reference (weights dequantized and rounded to bf16, activations rounded to bf16, fp32 sums) over a
 grid of formats, shapes and row counts; its rows do not depend on the batch they run in."""
 
@@ -8,12 +9,12 @@ import pytest
 import torch
 
 import ops
-from ops.quant import FORMATS, INTERLEAVED, QuantFormat, amx_bf16, interleave, quant_linear_bf16
+from ops.quant import FORMATS, INTERLEAVED, QuantFormat, bf16_kernel, interleave, quant_linear_bf16
 from ops.reference import quant as ref
 
 LAYOUTS = {**FORMATS, **{r8.name: r8 for r8 in INTERLEAVED.values()}}
 BASE = {r8.name: base for base, r8 in INTERLEAVED.items()}
-needs_amx = pytest.mark.skipif(not amx_bf16(), reason="this CPU (or build) has no AMX-BF16 kernel")
+needs_kernel = pytest.mark.skipif(bf16_kernel() is None, reason="no bf16 kernel (AMX-BF16 or AVX512-BF16) here")
 
 
 def _weight(name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, QuantFormat]:
@@ -29,11 +30,11 @@ def _expected(x: torch.Tensor, packed: torch.Tensor, fmt: QuantFormat, bias: tor
     return ref.quant_linear_bf16(x, packed, fmt.type_id, bias)
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(8, 32), (40, 96), (576, 576), (136, 1536), (960, 64)])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-@pytest.mark.parametrize("m", [1, 15, 16, 17, 33, 64, 130])
+@pytest.mark.parametrize("m", [1, 11, 12, 13, 15, 16, 17, 33, 64, 121, 130])
 def test_kernel_matches_reference(m: int, name: str, n: int, k: int, with_bias: bool) -> None:
     packed, fmt = _weight(name, n, k, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -44,7 +45,7 @@ def test_kernel_matches_reference(m: int, name: str, n: int, k: int, with_bias: 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@needs_amx
+@needs_kernel
 def test_activation_blocks_past_l2_size() -> None:
     """Rows are taken in blocks whose packed copy fits L2 (~1.5 MiB: 512 rows at K=1536); more rows
     than a block, and a partial last block."""
@@ -54,7 +55,7 @@ def test_activation_blocks_past_l2_size() -> None:
                                rtol=1e-5, atol=1e-5)
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_a_row_does_not_depend_on_its_batch(name: str) -> None:
     """Each output is its own row's sum in a fixed order: bit for bit the same alone, at any place in
@@ -68,13 +69,13 @@ def test_a_row_does_not_depend_on_its_batch(name: str) -> None:
 
 
 def test_reference_backend_and_fallback_round_the_same_way() -> None:
-    """The torch path (reference backend, or a CPU without AMX-BF16) rounds like the kernel."""
+    """The torch path (reference backend, or a CPU without a bf16 kernel) rounds like the kernel."""
     packed, fmt = _weight("Q4_1r8", 64, 128, seed=3)
     x = torch.randn(20, 128)
     with _reference():
         got = quant_linear_bf16(x, packed, fmt)
     torch.testing.assert_close(got, _expected(x, packed, fmt, None), rtol=0, atol=0)
-    if amx_bf16():
+    if bf16_kernel() is not None:
         torch.testing.assert_close(quant_linear_bf16(x, packed, fmt), got, rtol=1e-5, atol=1e-5)
 
 
@@ -97,7 +98,7 @@ def test_bad_arguments_raise() -> None:
         quant_linear_bf16(torch.randn(2, 96), packed, fmt)
 
 
-@needs_amx
+@needs_kernel
 def test_kernel_checks_its_inputs() -> None:
     from ops.build import cpu_ops
 
