@@ -186,3 +186,10 @@ def test_fused_decoder_applies_each_layers_window(mistral_dir: Path) -> None:
         layer.self_attn.attn.window = 0
     fused.windows = [0, 0]
     assert not torch.equal(_run(model, True, torch.float32)[-1], with_fused[-1])
+
+
+def test_tensor_parallel_past_the_window_equals_hf(mistral_dir: Path, mistral_expected: list[list[int]]) -> None:
+    """Two ranks (gloo, spawned): each rank's heads take the layer's window."""
+    with LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2,
+             tensor_parallel_threads=1, block_size=8, max_num_batched_tokens=24) as llm:
+        assert generated(llm.generate(PROMPTS, GREEDY)) == mistral_expected
