@@ -47,6 +47,7 @@ struct PagedAttentionArgs {
   bool kv_int8;         // int8 cache rows: head_size values, then their fp16 scale (kv_quant.cuh)
   unsigned char* errors;  // device view of the error flag (ErrorKind bytes)
   int seq_begin;        // first sequence of this launch (set by the launcher: grids stop at 65,535)
+  int window;           // > 0: a query sees only the last `window` tokens of its context; 0: all
 };
 
 struct PrefillAttentionArgs {
@@ -65,6 +66,7 @@ struct PrefillAttentionArgs {
   bool kv_int8;
   int rows_per_warp;    // 8, or 4 (head 256 only: the smaller tile for devices with 99 KiB of shared memory)
   unsigned char* errors;
+  int window;           // > 0: query at q sees keys p with q - window < p <= q; 0: every p <= q
 };
 
 struct RotaryArgs {

@@ -4,8 +4,9 @@
 // GQA group and one partition of kPartitionSize tokens: every K/V row it loads serves all of
 // those heads. Logits, softmax and accumulation are fp32. With more than one partition each CTA
 // writes a normalized partial output plus (max, sum), and reduce_kernel merges them (split-K).
-// Only tokens below the context length are ever read, so stale slots cannot leak NaN. An int8
-// cache (C = int8_t) is dequantized in registers with each row's fp16 scale (kv_quant.cuh). A
+// Only tokens below the context length (and, with a sliding window, within its last `window`
+// tokens) are ever read, so stale slots cannot leak NaN. An int8 cache (C = int8_t) is
+// dequantized in registers with each row's fp16 scale (kv_quant.cuh). A
 // context length outside the table's capacity, or a block-table entry outside the pool, makes the
 // CTA skip its work (zeros out) and sets the error flag the wrapper raises on.
 #include <cstdint>
@@ -57,14 +58,17 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentio
   const int part = blockIdx.z;
   const int context_len = valid_context_len(a, seq, BLOCK_SIZE);
   if (threadIdx.x == 0 && context_len != a.context_lens[seq]) flag_error(a.errors, kBadContextLen);
-  const int start = part * kPartitionSize;
-  if (part > 0 && start >= context_len) return;  // whole CTA past the context: nothing to do
-  int n = max(0, min(context_len, start + kPartitionSize) - start);
+  const int part_start = part * kPartitionSize;
+  if (part > 0 && part_start >= context_len) return;  // whole CTA past the context: nothing to do
+  // A sliding window: tokens before context_len - window are not read; a partition wholly before
+  // it reads nothing and writes an empty partial (zeros, max -inf) for the reduce.
+  const int start = a.window > 0 ? max(part_start, context_len - a.window) : part_start;
+  int n = max(0, min(context_len, part_start + kPartitionSize) - start);
   const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   // Every block this partition reads must lie in the pool, else the CTA reads nothing.
   if (threadIdx.x == 0) bad_block_s = 0;
   __syncthreads();
-  for (int b = start / BLOCK_SIZE + threadIdx.x; b * BLOCK_SIZE < start + n; b += kThreads) {
+  for (int b = start / BLOCK_SIZE + threadIdx.x; n > 0 && b * BLOCK_SIZE < start + n; b += kThreads) {
     if (table[b] < 0 || table[b] >= a.num_blocks) bad_block_s = 1;
   }
   __syncthreads();

@@ -121,13 +121,15 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentio
     for (int i = 0; i < kDimsPerLane; ++i) acc[j][i] = 0.f;
   }
   const int kv_end = first_pos + (row0 + rows_here - 1) / group + 1;  // the CTA's last row sees the most
+  // A sliding window: the CTA's first row sees the earliest key, position - window + 1
+  const int kv_begin = a.window > 0 ? max(0, first_pos + row0 / group - a.window + 1) : 0;
   const int32_t* table = a.block_tables + static_cast<int64_t>(seq) * a.max_blocks_per_seq;
   const C* key_cache = static_cast<const C*>(a.key_cache);
   const C* value_cache = static_cast<const C*>(a.value_cache);
   const float* q_warp = q_s + warp * kRowsPerWarp * HEAD_SIZE;
   float* p_warp = p_s + warp * kRowsPerWarp * kKeys;
 
-  for (int tile_start = 0; tile_start < kv_end; tile_start += kKeys) {
+  for (int tile_start = kv_begin; tile_start < kv_end; tile_start += kKeys) {
     __syncthreads();  // the previous tile's K/V (and, first time round, q_s) are settled
     for (int i = threadIdx.x; i < kKeys * HEAD_SIZE; i += kThreads) {
       const int t = i / HEAD_SIZE, d = i % HEAD_SIZE, token = tile_start + t;
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentio
     const int key_pos = tile_start + lane;
 #pragma unroll
     for (int j = 0; j < kRowsPerWarp; ++j) {
-      const bool visible = key_pos <= pos[j];
+      const bool visible = key_pos <= pos[j] && (a.window <= 0 || key_pos > pos[j] - a.window);
       const float tile_max = warp_max(visible ? score[j] : -INFINITY);
       float p = 0.f;
       if (tile_max != -INFINITY) {  // warp-uniform: the row sees at least one key of this tile

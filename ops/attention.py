@@ -3,6 +3,8 @@ compiled kernel for the tensors' device (or the reference)."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ops import reference
@@ -22,13 +24,18 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged K/V.
 
     query ``[num_seqs, num_heads, head_size]``; caches ``[num_blocks, num_kv_heads, block_size,
     head_size]``; block_tables int32 ``[num_seqs, max_blocks]``; context_lens int32 ``[num_seqs]``.
-    Returns ``out`` (allocated when not given), same shape and dtype as ``query``.
+    ``window`` > 0: a sliding window, the query (at ``context_len - 1``) sees only the last
+    ``window`` tokens, itself included (positions ``p > context_len - 1 - window``, transformers'
+    sliding mask); 0 or -1: its whole context. Table entries of blocks wholly before the window are
+    never read. Returns ``out`` (allocated when not given), same shape and dtype as ``query``.
     """
+    window = check_window(window)
     check_attention(query, key_cache, value_cache, block_tables, context_lens, out)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -37,14 +44,23 @@ def paged_attention(
     if use_reference():
         check_decode_lengths(key_cache, block_tables, context_lens)
         args = (query, key_cache, value_cache, block_tables, context_lens, scale, out)
-        return reference.paged_attention(*args)
+        return reference.paged_attention(*args, window=window)
     if query.is_cuda:
         raise_device_errors()  # what an earlier kernel flagged (a host read, no sync)
     lib = cuda_ops() if query.is_cuda else cpu_ops()
     lib.paged_attention(
-        out, query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), float(scale)
+        out, query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), float(scale),
+        window,
     )
     return out
+
+
+def check_window(window: int) -> int:
+    """A sliding window argument as the kernels take it: tokens a query sees (> 0), or 0 for none
+    (-1 also means none, as in transformers' configs)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < -1:
+        raise ValueError(f"window must be an int >= -1 (-1 or 0: no sliding window), got {window!r}")
+    return max(window, 0)
 
 
 def paged_prefill_attention(
@@ -56,6 +72,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Prefill attention of every sequence of a step in one call, K/V read from the paged cache.
 
@@ -65,8 +82,10 @@ def paged_prefill_attention(
     ``context_len - q_len + i`` and attends causally to keys ``0 ..`` that position, all read through
     ``block_tables[s]`` (so their K/V, this chunk's included, must already be in the cache). Covers
     whole prompts, later chunks of a chunked prefill and prompts whose prefix hit the prefix cache.
-    Returns ``out`` (allocated when not given).
+    ``window`` > 0: query ``i`` sees only positions ``p`` with ``q_pos - window < p <= q_pos``
+    (``paged_attention``'s sliding window). Returns ``out`` (allocated when not given).
     """
+    window = check_window(window)
     check_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -75,12 +94,13 @@ def paged_prefill_attention(
     if use_reference():
         check_prefill_lengths(query, key_cache, block_tables, query_start_loc, context_lens)
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out)
-        return reference.paged_prefill_attention(*args)
-    index_args = (block_tables.contiguous(), query_start_loc.contiguous(), context_lens.contiguous(), float(scale))
+        return reference.paged_prefill_attention(*args, window=window)
+    index_args = (block_tables.contiguous(), query_start_loc.contiguous(), context_lens.contiguous(), float(scale),
+                  window)
     if not query.is_cuda and fixed_order():  # decode's per-row arithmetic (ops/attention_rows.py); pass
-        # the decode op the same options (window, sinks) as this call
-        return prefill_as_decode(paged_attention, query, key_cache, value_cache, block_tables, query_start_loc,
-                                 context_lens, scale, out)
+        # the decode op the same options (the window) as this call
+        return prefill_as_decode(partial(paged_attention, window=window), query, key_cache, value_cache,
+                                 block_tables, query_start_loc, context_lens, scale, out)
     if not query.is_cuda:
         cpu_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args)
         return out

@@ -29,6 +29,7 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_size, row_elems, block_size, num_blocks, max_blocks;
   int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
   float scale;
+  int64_t window;  // tokens a query sees, itself included; 0: all of its context
 };
 
 // Two independent 8-wide FMA chains, then one shuffle-tree horizontal sum.
@@ -161,12 +162,19 @@ inline void online_softmax_step(float* logits, int64_t n, float& running_max, fl
   }
 }
 
+// The first context position the query (at context_len - 1) sees: past the sliding window's
+// start, or 0 without one (transformers' sliding mask: key p is seen from query q when p > q - W).
+inline int64_t window_start(int64_t context_len, const Shape& s) {
+  return s.window > 0 ? std::max<int64_t>(0, context_len - s.window) : 0;
+}
+
 // The first blocks of a task, fetched while the task before it runs (nothing else would warm them).
 template <typename C>
 inline void prefetch_start(const C* key_cache, const C* value_cache, const int32_t* table, int64_t context_len,
                            int64_t kv_head, const Shape& s) {
   const int64_t used = std::min(s.max_blocks, (context_len + s.block_size - 1) / s.block_size);
-  for (int64_t b = 0; b < std::min(used, kPrefetchAhead); ++b) {
+  const int64_t first_block = window_start(context_len, s) / s.block_size;
+  for (int64_t b = first_block; b < std::min(used, first_block + kPrefetchAhead); ++b) {
     if (table[b] < 0 || table[b] >= s.num_blocks) continue;
     const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * s.block_size * s.row_elems;
     prefetch_block(key_cache + first, value_cache + first, s.block_size * s.row_elems);
@@ -334,20 +342,24 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
     maxes[h] = -std::numeric_limits<float>::infinity();
   }
   const int64_t num_used = std::min(s.max_blocks, (context_len + bs - 1) / bs);
+  // A sliding window: the blocks wholly before it are never read (nor checked: they may be freed),
+  // and the rows of the first one before the window's start are skipped.
+  const int64_t start = window_start(context_len, s), first_block = start / bs;
 #if defined(__AVX512F__)
   [[maybe_unused]] BlockI8 fast = nullptr;
   if constexpr (std::is_same_v<C, int8_t>) fast = block_i8_kernel(dim, group, bs);
 #endif
-  for (int64_t b = 1; b < std::min(num_used, kPrefetchAhead); ++b) {
+  for (int64_t b = first_block + 1; b < std::min(num_used, first_block + kPrefetchAhead); ++b) {
     const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * bs * rs;
     if (table[b] >= 0 && table[b] < s.num_blocks) prefetch_block(key_cache + first, value_cache + first, bs * rs);
   }
-  for (int64_t b = 0; b < num_used; ++b) {
+  for (int64_t b = first_block; b < num_used; ++b) {
     const int64_t block = table[b];
     TORCH_CHECK(block >= 0 && block < s.num_blocks, "block table entry ", block, " out of range [0, ",
                 s.num_blocks, ")");
-    const int64_t n = std::min(bs, context_len - b * bs);
-    const int64_t base = (block * s.num_kv_heads + kv_head) * bs * rs;
+    const int64_t skip = b == first_block ? start - b * bs : 0;  // rows before the window
+    const int64_t n = std::min(bs, context_len - b * bs) - skip;
+    const int64_t base = ((block * s.num_kv_heads + kv_head) * bs + skip) * rs;
     // The block kPrefetchAhead on is fetched a row at a time as this block's rows are used: a
     // whole block at once (128 lines) overflows the miss queue and stalls on the prefetches.
     const C* next_k = nullptr;
@@ -430,7 +442,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
   for (int64_t seq = 0; seq < num_seqs; ++seq) {  // checked here, not in Python: no per-layer tensor ops
     TORCH_CHECK_VALUE(lens[seq] >= 0 && lens[seq] <= capacity, "context_lens must lie in [0, ", capacity,
                       "] (block_tables width x block_size); got ", lens[seq], " for sequence ", seq);
-    total_len += lens[seq];
+    total_len += lens[seq] - window_start(lens[seq], s);  // the rows read
   }
   // A small batch (decode of a few short sequences) is done before a second thread would start.
   const bool small = total_len * s.num_kv_heads * s.head_size * 2 < kMinParallelElems;
@@ -454,13 +466,14 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
 
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens, double scale) {
+                     const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
+  TORCH_CHECK_VALUE(window >= -1, "window must be -1 or 0 (none) or the tokens a query sees; got ", window);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   const bool quantized = key_cache.scalar_type() == at::kChar;
   const Shape s{query.size(1), key_cache.size(1), query.size(2), key_cache.size(3), key_cache.size(2),
                 key_cache.size(0), block_tables.size(1), query.stride(0), query.stride(1),
-                out.stride(0), out.stride(1), static_cast<float>(scale)};
+                out.stride(0), out.stride(1), static_cast<float>(scale), std::max<int64_t>(window, 0)};
   const auto go = [&](auto tag) {
     using T = decltype(tag);
     if (quantized) return run<T, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, s);

@@ -29,7 +29,7 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         bool bf16_linears) {
+                         bool bf16_linears, at::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == layers &&
                   static_cast<int64_t>(norm_weights.size()) == kNorms * layers &&
@@ -38,6 +38,8 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                   static_cast<int64_t>(formats.size()) == kLinears * layers &&
                   static_cast<int64_t>(int8_activations.size()) == kLinears * layers,
               "llama_decoder: per layer 2 norm weights and 4 linears (qkv, o, gate_up, down)");
+  TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
+              "llama_decoder: one sliding window per layer (0: none), or none at all");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
                   residual.sizes() == hidden.sizes() && residual.is_contiguous() &&
                   residual.scalar_type() == at::kFloat,
@@ -72,13 +74,15 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
     const at::Tensor& value_cache = value_caches[layer];
     rotary_embedding_and_cache(positions, q, k, v, cos_sin, key_cache, value_cache, slot_mapping);
     const at::Tensor attn = at::empty({tokens, q_heads, head_dim}, h.options());
+    const int64_t window = windows.empty() ? 0 : windows[layer];
     if (prefill) {
       paged_prefill_attention(attn.narrow(0, 0, num_prefill_tokens), q.narrow(0, 0, num_prefill_tokens), key_cache,
-                              value_cache, prefill_block_tables, prefill_query_start_loc, prefill_context_lens, scale);
+                              value_cache, prefill_block_tables, prefill_query_start_loc, prefill_context_lens, scale,
+                              window);
     }
     if (num_decodes) {
       paged_attention(attn.narrow(0, num_prefill_tokens, num_decodes), q.narrow(0, num_prefill_tokens, num_decodes),
-                      key_cache, value_cache, decode_block_tables, decode_context_lens, scale);
+                      key_cache, value_cache, decode_block_tables, decode_context_lens, scale, window);
     }
     const at::Tensor o = linear(l4 + 1, attn.view({tokens, q_heads * head_dim}));
     fused_add_rms_norm(o, residual, norm_weights[kNorms * layer + 1], eps);

@@ -7,15 +7,17 @@
 namespace pagedserve::cpu {
 
 // out/query [num_seqs, num_heads, head_size]; caches [num_blocks, num_kv_heads, block_size, head_size].
+// window > 0: a query sees only the last `window` tokens of its context (itself included).
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens, double scale);
+                     const at::Tensor& context_lens, double scale, int64_t window = 0);
 
 // out/query [num_tokens, num_heads, head_size]; the tokens of sequence s are
 // query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of its context_lens[s].
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
-                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale);
+                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                             int64_t window = 0);
 
 // key/value [T, num_kv_heads, head_size] (last dim contiguous); slots < 0 are skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
@@ -132,7 +134,7 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         bool bf16_linears);
+                         bool bf16_linears, at::IntArrayRef windows = {});
 // Kernels ignore their `openmp` hint (parallel.h) while on: for models with only quantized linears.
 
 }  // namespace pagedserve::cpu

@@ -45,6 +45,7 @@ struct Shape {
   int64_t num_heads, num_kv_heads, group, head_size, row_elems, dim_pad, block_size, tile_keys, num_blocks, max_blocks;
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
   float scale;
+  int64_t window;  // tokens a query sees, itself included; 0: its whole causal context
 };
 
 struct Task {
@@ -105,15 +106,20 @@ void scores(const float* const* k, int64_t n, int64_t dim, const float* qt, floa
 }
 
 // Online softmax over keys [0, n) for 8 rows (lane r of every vector is row r): masks keys past
-// each row's position, turns scores into weights in place, rescales the rows' sums and
-// accumulators when their max grows.
-void softmax_rows(float* st, int64_t n, int64_t key0, const float* pos, float* maxes, float* sums, float* acc,
-                  int64_t dim_pad) {
+// each row's position and, with a sliding window of W tokens, keys at or before position - W
+// (transformers' sliding mask: key p is seen from query q when q - W < p <= q), turns scores into
+// weights in place, rescales the rows' sums and accumulators when their max grows.
+void softmax_rows(float* st, int64_t n, int64_t key0, const float* pos, int64_t window, float* maxes, float* sums,
+                  float* acc, int64_t dim_pad) {
   const Vec row_pos = vec::load(pos), neg_inf = vec::splat(kNegInf);
+  // the last key each row does not see: position - W, or -1 without a window
+  const Vec row_before = window > 0 ? row_pos - vec::splat(static_cast<float>(window)) : vec::splat(-1.f);
   Vec tile_max = neg_inf;
   for (int64_t t = 0; t < n; ++t) {
     Vec s = vec::load(st + t * kRows);
-    s = vec::splat(static_cast<float>(key0 + t)) <= row_pos ? s : neg_inf;
+    const Vec key = vec::splat(static_cast<float>(key0 + t));
+    s = key <= row_pos ? s : neg_inf;
+    s = key > row_before ? s : neg_inf;
     vec::store(st + t * kRows, s);
     tile_max = vec::vmax(tile_max, s);
   }
@@ -204,8 +210,10 @@ void run_task(const Task& task, const T* query, const C* key_cache, const C* val
   }
   const int64_t kv_end = static_cast<int64_t>(w.pos[rows - 1]) + 1;  // rows are in token order
   TORCH_CHECK((kv_end + bs - 1) / bs <= s.max_blocks, "context of ", kv_end, " tokens exceeds the block table");
+  // A sliding window: keys before the first row's window are never read (their blocks may be freed)
+  const int64_t kv_begin = s.window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(w.pos[0]) - s.window + 1) : 0;
   if (!v_in_place) std::fill(w.vbuf.begin(), w.vbuf.end(), 0.f);  // padding dims stay zero
-  for (int64_t start = 0; start < kv_end; start += s.tile_keys) {
+  for (int64_t start = kv_begin; start < kv_end; start += s.tile_keys) {
     const int64_t n = std::min(s.tile_keys, kv_end - start);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t token = start + t, block = table[token / bs];
@@ -228,10 +236,12 @@ void run_task(const Task& task, const T* query, const C* key_cache, const C* val
     for (int64_t c = 0; c < rows_pad; c += kChunk) {
       const int64_t n_chunk = visible(w.pos.data(), std::min(c + kChunk, rows) - 1, start, n);
       if (n_chunk == 0) continue;  // the chunk's rows all lie before this tile
+      if (s.window > 0 && static_cast<int64_t>(w.pos[c]) - s.window + 1 >= start + n_chunk)
+        continue;  // the tile lies wholly before the chunk's windows (the chunk's first row sees the earliest)
       scores(w.krow.data(), n_chunk, dim, w.qt.data() + c, w.st.data() + c);
       for (int64_t h = c; h < c + kChunk; h += kWidth)
-        softmax_rows(w.st.data() + h, n_chunk, start, w.pos.data() + h, w.maxes.data() + h, w.sums.data() + h,
-                     w.acc.data() + h * dp, dp);
+        softmax_rows(w.st.data() + h, n_chunk, start, w.pos.data() + h, s.window, w.maxes.data() + h,
+                     w.sums.data() + h, w.acc.data() + h * dp, dp);
       for (int64_t r = c; r < c + kChunk; r += kPvRows) {
         const int64_t n_rows = visible(w.pos.data(), std::min(r + kPvRows, rows_pad) - 1, start, n_chunk);
         if (n_rows) weighted_values(w.st.data() + r, w.vrow.data(), n_rows, dp, w.acc.data() + r * dp);
@@ -269,7 +279,9 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
     const int64_t rows = q_len * s.group, first_pos = lens[seq] - q_len;
     for (int64_t begin = 0; begin < rows; begin += kRows) {
       const int64_t end = std::min(rows, begin + kRows);
-      const int64_t cost = (end - begin) * (first_pos + (end - 1) / s.group + 1);
+      const int64_t last = first_pos + (end - 1) / s.group + 1;  // the keys its rows see end here
+      const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, first_pos + begin / s.group - s.window + 1) : 0;
+      const int64_t cost = (end - begin) * (last - first_key);
       for (int64_t h = 0; h < s.num_kv_heads; ++h) tasks.push_back({seq, h, begin, end, cost});
     }
   }
@@ -296,8 +308,10 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
 
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
-                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale) {
+                             const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
+                             int64_t window) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
+  TORCH_CHECK_VALUE(window >= -1, "window must be -1 or 0 (none) or the tokens a query sees; got ", window);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(1);
   const int64_t head_size = query.size(2), block_size = key_cache.size(2);
@@ -306,7 +320,8 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   const Shape s{num_heads, num_kv_heads, num_heads / num_kv_heads, head_size, key_cache.size(3),
                 vec::round_up(head_size, kWidth),
                 block_size, tile_keys, key_cache.size(0), block_tables.size(1),
-                query.stride(0), query.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale)};
+                query.stride(0), query.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale),
+                std::max<int64_t>(window, 0)};
   if (query.size(0) == 0 || context_lens.size(0) == 0) return;
   const auto go = [&](auto tag) {
     using T = decltype(tag);

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ops
+from ops.attention import check_window
 
 
 @dataclass
@@ -50,12 +51,15 @@ class AttentionMetadata:
 
 class PagedAttention(nn.Module):
     """Attention over a paged KV cache (no weights): prefill via `ops.paged_prefill_attention`, decode via
-    `ops.paged_attention`; both read K/V from the cache, so they must be written before `forward`."""
+    `ops.paged_attention`; both read K/V from the cache, so they must be written before `forward`.
+    `window` > 0: a sliding window, each query sees the last `window` positions up to its own
+    (transformers' sliding mask); 0: full causal attention."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.window = check_window(window)
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, kv_cache: tuple[Tensor, Tensor],
@@ -69,12 +73,13 @@ class PagedAttention(nn.Module):
             ops.paged_prefill_attention(
                 query[:num_prefill], key_cache, value_cache, meta.prefill_block_tables,
                 meta.prefill_query_start_loc, meta.prefill_context_lens_tensor, self.scale, out=out[:num_prefill],
+                window=self.window,
             )
         elif meta.num_prefills:
             self._prefill_without_cache(query, key, value, meta, out)
         if meta.num_decodes:
             ops.paged_attention(query[num_prefill:], key_cache, value_cache, meta.decode_block_tables,
-                                meta.decode_context_lens, self.scale, out=out[num_prefill:])
+                                meta.decode_context_lens, self.scale, out=out[num_prefill:], window=self.window)
         return out.flatten(1)
 
     def _prefill_without_cache(self, query: Tensor, key: Tensor, value: Tensor, meta: AttentionMetadata,
@@ -87,6 +92,11 @@ class PagedAttention(nn.Module):
             if meta.prefill_context_lens[i] != hi - lo:
                 raise ValueError("a prefill over cached context needs a KV cache")
             q, k, v = (t[lo:hi].transpose(0, 1)[None] for t in (query, key, value))
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+            mask = None
+            if self.window:  # causal and within the window: key j seen from query i when i - window < j <= i
+                offsets = torch.arange(hi - lo, device=query.device)
+                distance = offsets[:, None] - offsets[None, :]
+                mask = (distance >= 0) & (distance < self.window)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                   enable_gqa=self.num_heads != self.num_kv_heads)
             out[lo:hi] = attn[0].transpose(0, 1)

@@ -51,6 +51,7 @@ class FusedDecoder:
         self.qweights = [m.shards()[0][1] for m in self.linears]
         self.formats = [m.formats[0].type_id for m in self.linears]  # type: ignore[union-attr]
         self.biases = [_NONE if m.bias is None else m.bias.detach() for m in self.linears]
+        self.windows = [layer.self_attn.attn.window for layer in layers]  # sliding windows (0: none)
 
     @staticmethod
     def for_layers(layers: Sequence[Any], tp_size: int) -> FusedDecoder | None:
@@ -102,5 +103,5 @@ class FusedDecoder:
             meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous(),
             self.norm_weights, self.qweights, self.biases, self.formats,
             [int(m.int8_activations) for m in self.linears],
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, bf16_linears)
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, bf16_linears, self.windows)
         return out, residual

@@ -70,9 +70,9 @@ class LlamaAttention(nn.Module):
     GQA when kv heads < heads. Under tensor parallelism this rank's heads only (`TPShard`), the
     output projection's partial sums all-reduced. Options of `ModelSpec`: q/k RMSNorm before
     rotary (`qk_norm`), the softmax scale (`attention_multiplier`), no rotary in a NoPE layer
-    (`use_rope` False: k and v go to the cache as they are)."""
+    (`use_rope` False: k and v go to the cache as they are), a sliding `window` (`ModelSpec.layer_window`)."""
 
-    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, use_rope: bool = True) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, use_rope: bool = True, window: int = 0) -> None:
         super().__init__()
         local = shard.kv_spec(spec)
         self.head_dim, self.num_heads, self.num_kv_heads = spec.head_dim, local.num_heads, local.num_kv_heads
@@ -80,7 +80,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias)
         self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_bias and shard.rank == 0)
         scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
-        self.attn = PagedAttention(local.num_heads, local.num_kv_heads, spec.head_dim, scale)
+        self.attn = PagedAttention(local.num_heads, local.num_kv_heads, spec.head_dim, scale, window)
         self.qk_norm = spec.qk_norm
         if spec.qk_norm is not None:  # "head": weights [head_dim]; "projection": [q_size] and [kv_size]
             per_head = spec.qk_norm == "head"
@@ -124,7 +124,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
+        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer), spec.layer_window(layer))
         self.mlp = _mlp(spec, shard, layer)
         self.local_rope = spec.uses_local_rope(layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -148,7 +148,7 @@ class PostNormDecoderLayer(nn.Module):
 
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
+        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer), spec.layer_window(layer))
         self.mlp = _mlp(spec, shard, layer)
         self.local_rope = spec.uses_local_rope(layer)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -167,7 +167,7 @@ class SandwichNormDecoderLayer(nn.Module):
 
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer))
+        self.self_attn = LlamaAttention(spec, shard, spec.uses_rope(layer), spec.layer_window(layer))
         self.mlp = _mlp(spec, shard, layer)
         self.local_rope = spec.uses_local_rope(layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

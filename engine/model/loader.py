@@ -227,10 +227,9 @@ def load_model(
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
                              f"{device} (pass quantization='dequantize' to convert the weights instead)")
-    if spec.sliding_window is not None and spec.sliding_window < spec.max_position_embeddings:
-        # the engine bounds its context to the window (EngineConfig.resolve_max_model_len)
-        log.info("sliding window attention is not implemented; attention is exact only within the window",
-                 sliding_window=spec.sliding_window)
+    if any(spec.layer_windows):
+        log.info("sliding window attention", sliding_window=spec.sliding_window,
+                 sliding_layers=sum(1 for w in spec.layer_windows if w), layers=spec.num_layers)
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
         model = LlamaForCausalLM(spec, shard).to(dtype=torch_dtype)
     model.to_empty(device=device)

@@ -73,7 +73,10 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # tokens a query of a sliding layer sees, itself included
+    # per layer, whether it slides (`sliding_window`): Qwen2/3 and SmolLM3 by `layer_types`, Gemma 3's
+    # local layers; None: every layer does when `sliding_window` is set (Mistral, Mixtral, Phi-3)
+    window_layers: tuple[bool, ...] | None = None
     # RMSNorm of q and k before rotary: "head" over each head's head_dim (Qwen3), "projection" over
     # the whole q / k projection before the head split (OLMo 2); None: none (Llama)
     qk_norm: str | None = None
@@ -106,6 +109,11 @@ class ModelSpec:
         if self.local_layers is not None and (len(self.local_layers) != self.num_layers or self.local_rope is None):
             raise UnsupportedModelError(f"{len(self.local_layers)} per-layer local-rope flags for {self.num_layers} "
                                         "layers (or no local rope parameters)")
+        if self.window_layers is not None and len(self.window_layers) != self.num_layers:
+            raise UnsupportedModelError(f"{len(self.window_layers)} per-layer sliding-window flags for "
+                                        f"{self.num_layers} layers")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedModelError(f"sliding_window must be >= 1 token, got {self.sliding_window}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_layers:
             raise UnsupportedModelError(f"{len(self.rope_layers)} per-layer rope flags for {self.num_layers} layers")
         if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.sparse_layers):
@@ -132,13 +140,25 @@ class ModelSpec:
         """Whether decoder layer `layer`'s MLP is the sparse MoE block (`moe`)."""
         return self.moe is not None and self.moe.is_sparse(layer)
 
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of decoder layer `layer` as the paged kernels take it: the tokens a
+        query sees, itself included (transformers' sliding mask: key p is seen from query q when
+        q - window < p <= q); 0 for full attention, also where the window spans the whole
+        max_position_embeddings (then it never excludes a key)."""
+        if self.sliding_window is None or self.sliding_window >= self.max_position_embeddings:
+            return 0
+        return self.sliding_window if self.window_layers is None or self.window_layers[layer] else 0
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """`layer_window` of every decoder layer."""
+        return tuple(self.layer_window(layer) for layer in range(self.num_layers))
+
     def exact_context(self) -> tuple[int, str] | None:
         """`(tokens, reason)`: the longest context served exactly when something bounds it below
-        max_position_embeddings (a sliding window, which the paged kernels do not apply; longrope's
-        switch to its long factors); None when nothing does."""
+        max_position_embeddings (longrope's switch to its long factors; a sliding window does not:
+        the paged kernels apply it, `layer_window`); None when nothing does."""
         limits = []
-        if self.sliding_window is not None:
-            limits.append((self.sliding_window, f"the model's sliding window of {self.sliding_window} tokens"))
         if self.rope.get("rope_type") == "longrope":
             rope_limit = int(self.rope["original_max_position_embeddings"])
             limits.append((rope_limit, f"longrope's original_max_position_embeddings {rope_limit} (past it the "
@@ -193,6 +213,7 @@ class ModelSpec:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             sliding_window=_sliding_window(config),
+            window_layers=_window_layers(config),
             activation=activation,
             moe=moe,
             **_family_options(config),
@@ -275,3 +296,16 @@ def _sliding_window(config: Any) -> int | None:
         if layer_types is not None and "sliding_attention" not in layer_types:
             return None
     return int(window)
+
+
+def _window_layers(config: Any) -> tuple[bool, ...] | None:
+    """Per layer, whether it slides, for the families whose layers differ (transformers' modeling
+    code: `layer_types[i] == "sliding_attention"`; without `layer_types` Qwen2's layers from
+    `max_window_layers` on); None where every layer takes `sliding_window` (or none is set)."""
+    if _sliding_window(config) is None or config.model_type not in (*_LAYER_TYPED_WINDOW, "gemma3_text"):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        first = int(getattr(config, "max_window_layers", 0) or 0)
+        return tuple(i >= first for i in range(int(config.num_hidden_layers)))
+    return tuple(kind == "sliding_attention" for kind in layer_types)

@@ -18,8 +18,10 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Decode attention of one query token per sequence over its paged K/V (fp32 math)."""
+    """Decode attention of one query token per sequence over its paged K/V (fp32 math); with
+    ``window`` > 0 over its last ``window`` tokens only (query at ``len - 1`` sees ``p > len - 1 - window``)."""
     num_seqs, _, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     result = out if out is not None else torch.empty_like(query)
@@ -33,7 +35,7 @@ def paged_attention(
         stop = min(num_seqs, start + chunk)
         result[start:stop] = _attend_chunk(
             query[start:stop], key_cache, value_cache, block_tables[start:stop, :max_blocks],
-            lens[start:stop], scale,
+            lens[start:stop], scale, window,
         ).to(result.dtype)
     return result
 
@@ -45,6 +47,7 @@ def _attend_chunk(
     block_tables: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: int,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -53,8 +56,14 @@ def _attend_chunk(
     max_len = max_blocks * block_size
     pos = torch.arange(max_len, device=query.device)
     valid = pos[None, :] < lens[:, None]  # [S, L]
-    # Table entries past a sequence's context may hold anything: never dereference them.
-    needed = torch.arange(max_blocks, device=query.device)[None, :] * block_size < lens[:, None]
+    block_start = torch.arange(max_blocks, device=query.device)[None, :] * block_size
+    # Table entries past a sequence's context (or wholly before its window) may hold anything:
+    # never dereference them.
+    needed = block_start < lens[:, None]
+    if window > 0:
+        first = lens[:, None] - window  # the window's first position
+        valid &= pos[None, :] >= first
+        needed &= block_start + block_size > first
     table = block_tables.to(torch.int64).masked_fill(~needed, 0)
     keys = _gather(key_cache, table)  # [S, kvh, L, D]
     # Slots past the context may hold stale data, even NaN: zero them so 0 * NaN never leaks.
@@ -84,12 +93,14 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (fp32 math).
 
     Sequence ``s`` owns ``query[query_start_loc[s]:query_start_loc[s + 1]]``: the last ``q_len``
     tokens of its ``context_lens[s]``, so query ``i`` sits at position ``context_len - q_len + i``
-    and sees keys ``0 ..`` that position, all read from the cache through ``block_tables[s]``.
+    and sees keys ``0 ..`` that position, all read from the cache through ``block_tables[s]``;
+    with ``window`` > 0 only keys ``p > q_pos - window`` of them (transformers' sliding mask).
     """
     result = out if out is not None else torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -98,14 +109,24 @@ def paged_prefill_attention(
         lo, hi = starts[s], starts[s + 1]
         if hi == lo:
             continue
-        table = block_tables[s : s + 1].to(torch.int64)
-        num_blocks = (context_len + key_cache.shape[2] - 1) // key_cache.shape[2]
-        keys = _gather(key_cache, table[:, :num_blocks])[0, :, :context_len]  # [kvh, ctx, D]
-        values = _gather(value_cache, table[:, :num_blocks])[0, :, :context_len]
+        block_size = key_cache.shape[2]
+        num_blocks = (context_len + block_size - 1) // block_size
+        table = block_tables[s : s + 1, :num_blocks].to(torch.int64)
+        first_seen = max(0, context_len - (hi - lo) - window + 1) if window > 0 else 0
+        if first_seen:  # blocks wholly before the first query's window may hold anything: never read
+            table = table.clone()
+            table[:, : first_seen // block_size] = 0
+        keys = _gather(key_cache, table)[0, :, :context_len]  # [kvh, ctx, D]
+        values = _gather(value_cache, table)[0, :, :context_len]
+        keys[:, :first_seen] = 0.0  # nor the slots before it in its first block (0 * NaN never leaks)
+        values[:, :first_seen] = 0.0
         q = query[lo:hi].float().transpose(0, 1)  # [H, q, D]
         scores = q @ keys.repeat_interleave(group, 0).transpose(1, 2) * scale  # [H, q, ctx]
         q_pos = torch.arange(context_len - (hi - lo), context_len, device=query.device)
-        visible = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+        key_pos = torch.arange(context_len, device=query.device)[None, :]
+        visible = key_pos <= q_pos[:, None]
+        if window > 0:
+            visible &= key_pos > q_pos[:, None] - window
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         result[lo:hi] = (probs @ values.repeat_interleave(group, 0)).transpose(0, 1).to(result.dtype)
     return result

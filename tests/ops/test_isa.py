@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CAPPED_TESTS = ["tests/ops/test_attention.py", "tests/ops/test_prefill_attention.py", "tests/ops/test_kv_int8.py",
                 "tests/ops/test_linear.py", "tests/ops/test_fused.py", "tests/ops/test_quant_linear.py",
                 "tests/ops/test_screen.py", "tests/engine/model/test_gguf_screen.py",
+                "tests/ops/test_window_attention.py::test_cpu_decode_half_precision",
+                "tests/ops/test_window_attention.py::test_cpu_prefill_other_shapes",
+                "tests/ops/test_window_attention.py::test_cpu_int8_cache_with_a_window",
                 "tests/engine/test_batch_invariance.py::test_one_request_gets_the_same_bits_in_any_step",
                 "tests/engine/test_batch_invariance.py::test_preemption_changes_no_bit"]
 

@@ -88,7 +88,7 @@ def test_spec_reads_each_family() -> None:
     assert (gemma.embedding_multiplier, gemma.attention_multiplier) == (8.0, 0.25)
     with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):
         spec("gemma3_text", final_logit_softcapping=30.0)
-    # Qwen3's window routes through EngineConfig.resolve_max_model_len like Mistral's
+    # Qwen3's window applies where use_sliding_window is on (the kernels apply it, like Mistral's)
     assert spec("qwen3", sliding_window=24).sliding_window is None  # use_sliding_window off
     assert spec("qwen3", sliding_window=24, use_sliding_window=True, max_window_layers=0).sliding_window == 24
     # SmolLM3 slides on its NoPE layers when use_sliding_window is on
@@ -141,17 +141,15 @@ def test_engine_greedy_matches_hf(family_dir: Path) -> None:
     assert_no_leaks(llm)
 
 
-def test_qwen3_sliding_window_is_served_within_it(tmp_path: Path) -> None:
+def test_qwen3_sliding_window_is_served_past_it(tmp_path: Path) -> None:
     directory = make_family_dir(tmp_path, "qwen3", seed=4, sliding_window=24, use_sliding_window=True,
                                 max_window_layers=0)
     prompts = [prompt_ids(n, seed) for seed, n in enumerate((6, 15))]
-    expected = [hf_greedy(directory, [p], 24 - len(p))[0] for p in prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=24 - len(p), min_tokens=24 - len(p)) for p in prompts]
-    llm = LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20)
-    assert llm.engine.max_model_len == 24
+    expected = [hf_greedy(directory, [p], 48 - len(p))[0] for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=48 - len(p), min_tokens=48 - len(p)) for p in prompts]
+    assert LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20).engine.max_model_len == 256
+    llm = LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, max_model_len=48)
     assert generated(llm.generate(prompts, params)) == expected
-    with pytest.raises(ValueError, match="sliding window of 24 tokens"):
-        LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, max_model_len=48)
 
 
 def test_longrope_is_served_within_its_short_factors(tmp_path: Path) -> None:

@@ -1,6 +1,9 @@
-"""A sliding window is never served wrong: the paged kernels attend to every cached token, so the
-engine serves a windowed model only within its window (context clamped to it when max_model_len
-is not given, a longer max_model_len refused at start-up), and there it equals HF generate."""
+"""Sliding-window models served past their window: the paged kernels attend each query to the last
+`sliding_window` positions (transformers' sliding mask) on the layers that slide (every layer of
+Mistral; the `layer_types` ones of Qwen2/Qwen3 and Gemma 3), so the context is
+max_position_embeddings and greedy decoding equals HF generate token for token in fp32, also with
+chunked prefill, prefix hits, swap and recompute preemption, speculative decoding and the fused
+CPU decoder."""
 
 from __future__ import annotations
 
@@ -11,20 +14,28 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model.spec import ModelSpec
-from engine.sched.admission import RequestRejected
 from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
 from tests.fixtures.models import _byte_tokenizer
 
-WINDOW = 24
+WINDOW = 16
 TINY: dict[str, Any] = {
     "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
     "rms_norm_eps": 1e-5, "initializer_range": 0.2, "tie_word_embeddings": False,
     "bos_token_id": 256, "eos_token_id": 259, "pad_token_id": 257,
 }
+# families whose windows differ per layer, each with a full and a sliding layer
+LAYERED: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2": ("qwen2", {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {"sliding_window": WINDOW, "use_sliding_window": True,
+                        "layer_types": ["sliding_attention", "full_attention"]}),
+    "gemma3": ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": WINDOW,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                               "num_hidden_layers": 3}),
+}
+NEW_TOKENS = 24
 
 
 def make_family_dir(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
@@ -51,63 +62,134 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+# prompts past the window (one over several of them), one within it that generates past it
+PROMPTS = [prompt_ids(n, seed) for seed, n in enumerate((40, 9, 70))]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
+
+
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_family_dir(tmp_path_factory.mktemp("mistral-window"), "mistral", seed=3, sliding_window=WINDOW)
 
 
-def test_spec_reads_the_window_of_sliding_layers_only(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def mistral_expected(mistral_dir: Path) -> list[list[int]]:
+    return hf_greedy(mistral_dir, PROMPTS, NEW_TOKENS)
+
+
+def test_spec_reads_each_layers_window() -> None:
     from transformers import AutoConfig
 
-    def window(model_type: str, **kw: Any) -> int | None:
-        return ModelSpec.from_hf_config(AutoConfig.for_model(model_type, **{**TINY, **kw})).sliding_window
+    def spec(model_type: str, **kw: Any) -> ModelSpec:
+        return ModelSpec.from_hf_config(AutoConfig.for_model(model_type, **{**TINY, **kw}))
 
-    assert window("mistral", sliding_window=WINDOW) == WINDOW
-    assert window("mistral", sliding_window=None) is None
-    assert window("qwen2", sliding_window=WINDOW) is None  # use_sliding_window off
-    assert window("qwen2", sliding_window=WINDOW, use_sliding_window=True, max_window_layers=0) == WINDOW
-    # every layer below max_window_layers keeps full attention: none slides
-    assert window("qwen2", sliding_window=WINDOW, use_sliding_window=True, max_window_layers=2) is None
+    mistral = spec("mistral", sliding_window=WINDOW)
+    assert (mistral.sliding_window, mistral.layer_windows, mistral.exact_context()) == (WINDOW, (WINDOW, WINDOW), None)
+    assert spec("mistral", sliding_window=None).layer_windows == (0, 0)
+    assert spec("mistral", sliding_window=256).layer_windows == (0, 0)  # spans max_position_embeddings: no bound
+    assert spec("qwen2", sliding_window=WINDOW).layer_windows == (0, 0)  # use_sliding_window off
+    # Qwen2: the layers from max_window_layers on slide
+    def qwen2(first: int) -> ModelSpec:
+        return spec("qwen2", sliding_window=WINDOW, use_sliding_window=True, max_window_layers=first)
 
-
-def test_context_is_clamped_to_the_window_unless_asked_for() -> None:
-    window = (WINDOW, f"the model's sliding window of {WINDOW} tokens")
-    assert EngineConfig(model="m").resolve_max_model_len(256, window) == WINDOW
-    assert EngineConfig(model="m").resolve_max_model_len(256, None) == 256
-    assert EngineConfig(model="m").resolve_max_model_len(16, window) == 16  # the window never binds
-    assert EngineConfig(model="m", max_model_len=20).resolve_max_model_len(256, window) == 20
-    assert EngineConfig(model="m", max_model_len=WINDOW).resolve_max_model_len(256, window) == WINDOW
-    with pytest.raises(ValueError, match=f"sliding window of {WINDOW} tokens"):
-        EngineConfig(model="m", max_model_len=WINDOW + 1).resolve_max_model_len(256, window)
-
-
-def test_engine_refuses_a_context_longer_than_the_window(mistral_dir: Path) -> None:
-    with pytest.raises(ValueError, match=f"max_model_len 64 exceeds the model's sliding window of {WINDOW}"):
-        LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, max_model_len=64)
+    assert qwen2(1).layer_windows == (0, WINDOW) and qwen2(0).layer_windows == (WINDOW, WINDOW)
+    assert qwen2(2).sliding_window is None and qwen2(2).layer_windows == (0, 0)
+    assert spec("qwen3", sliding_window=WINDOW, use_sliding_window=True,
+                layer_types=["full_attention", "sliding_attention"]).layer_windows == (0, WINDOW)
+    gemma = spec("gemma3_text", sliding_window=WINDOW, num_hidden_layers=3,
+                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    assert gemma.layer_windows == (WINDOW, 0, WINDOW) and gemma.local_layers == (True, False, True)
 
 
-def test_greedy_within_the_window_equals_hf(mistral_dir: Path) -> None:
-    """Prompts of 5-12 tokens, generation up to the window: HF (windowed) and the engine (full
-    attention) attend to the same tokens. Chunked prefill and a prefix hit on the second pass."""
-    prompts = [prompt_ids(n, seed) for seed, n in enumerate((5, 12, 9))]
-    params = [SamplingParams(temperature=0.0, max_tokens=WINDOW - len(p), min_tokens=WINDOW - len(p))
-              for p in prompts]
-    expected = [hf_greedy(mistral_dir, [p], WINDOW - len(p))[0] for p in prompts]
-    llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, block_size=8, max_num_batched_tokens=8)
-    assert llm.engine.max_model_len == WINDOW
-    assert generated(llm.generate(prompts, params)) == expected
-    assert generated(llm.generate(prompts, params)) == expected
+def test_context_is_max_position_embeddings(mistral_dir: Path) -> None:
+    assert LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20).engine.max_model_len == 256
+    llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, max_model_len=200)
+    assert llm.engine.max_model_len == 200
+    assert [layer.self_attn.attn.window for layer in llm.engine.model.model.layers] == [WINDOW, WINDOW]
+
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"block_size": 8, "max_num_batched_tokens": 8},  # chunked prefill, chunks shorter than the window
+    {"block_size": 16, "max_num_batched_tokens": 24, "kv_cache_dtype": "float32"},
+], ids=["whole", "chunks-of-8", "chunks-of-24"])
+def test_mistral_greedy_past_the_window_equals_hf(mistral_dir: Path, mistral_expected: list[list[int]],
+                                                  config: dict[str, Any]) -> None:
+    llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, **config)
+    assert generated(llm.generate(PROMPTS, GREEDY)) == mistral_expected
+    assert generated(llm.generate(PROMPTS, GREEDY)) == mistral_expected  # the prompts now hit the prefix cache
     assert llm.stats()["prefix_hits"] > 0
     assert_no_leaks(llm)
 
 
-def test_requests_past_the_window_are_refused_or_stopped_at_it(mistral_dir: Path) -> None:
+def test_the_window_matters(mistral_dir: Path, mistral_expected: list[list[int]]) -> None:
+    """Without the window (every layer full) the same model answers otherwise: the comparisons
+    above can fail."""
     llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20)
-    with pytest.raises(RequestRejected, match=f"does not fit max_model_len {WINDOW}") as refused:
-        llm.engine.add_request("long", prompt_ids(40, 0), SamplingParams(temperature=0.0, max_tokens=4))
-    assert refused.value.code == "context_length_exceeded"
-    prompt = prompt_ids(20, 1)  # 20 + 10 > 24: generation ends at the window, within exact attention
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, min_tokens=4))[0]
-    assert out.outputs[0].finish_reason == "length"
-    assert out.outputs[0].token_ids == hf_greedy(mistral_dir, [prompt], WINDOW - 20)[0]
+    for layer in llm.engine.model.model.layers:
+        layer.self_attn.attn.window = 0
+    assert generated(llm.generate(PROMPTS, GREEDY)) != mistral_expected
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_past_the_window_equals_hf(mistral_dir: Path, mistral_expected: list[list[int]],
+                                              mode: str) -> None:
+    llm = LLM(str(mistral_dir), dtype="float32", block_size=8, num_gpu_blocks=16, num_cpu_blocks=64,
+              max_model_len=128, preemption_mode=mode)
+    assert generated(llm.generate(PROMPTS, GREEDY)) == mistral_expected
+    assert llm.stats()["preemptions"].get(mode, 0) > 0, "the small pool was meant to force preemption"
     assert_no_leaks(llm)
+
+
+def test_speculative_decoding_past_the_window_equals_hf(mistral_dir: Path) -> None:
+    """Verified positions attend as decode rows (the same windowed kernel): exact."""
+    prompts = [[5, 6, 7, 8, 9] * 8, [33] * 30]
+    expected = hf_greedy(mistral_dir, prompts, NEW_TOKENS)
+    llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3, "min_acceptance_rate": 0.0})
+    assert generated(llm.generate(prompts, GREEDY)) == expected
+    assert llm.engine.stats()["spec"]["verified_rows"] > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("family", sorted(LAYERED))
+def test_layered_windows_past_the_window_equal_hf(family: str, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    model_type, overrides = LAYERED[family]
+    directory = make_family_dir(tmp_path, model_type, seed=5, **overrides)
+    windows = ModelSpec.from_hf_config(AutoConfig.from_pretrained(directory)).layer_windows
+    assert 0 in windows and WINDOW in windows
+    expected = hf_greedy(directory, PROMPTS, NEW_TOKENS)
+    for config in ({}, {"block_size": 8, "max_num_batched_tokens": 8}):
+        llm = LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, **config)
+        assert generated(llm.generate(PROMPTS, GREEDY)) == expected, config
+        assert generated(llm.generate(PROMPTS, GREEDY)) == expected, config
+        assert llm.stats()["prefix_hits"] > 0
+        assert_no_leaks(llm)
+
+
+def test_fused_decoder_applies_each_layers_window(mistral_dir: Path) -> None:
+    """The one-call C++ decoder (quantized linears) takes the layers' windows: bit for bit the
+    module path, which differs from the same layers without windows."""
+    from ops.quant import Q4_1
+    from tests.engine.model.test_fused_decoder import _quantized, _run
+
+    model = _quantized(mistral_dir, [Q4_1], True)
+    fused = model.fused_decoder()
+    assert fused is not None and fused.windows == [WINDOW, WINDOW]
+    with_fused, modules = _run(model, True, torch.float32), _run(model, False, torch.float32)
+    for step, (x, y) in enumerate(zip(with_fused, modules, strict=True)):
+        assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item()}"
+    for layer in model.model.layers:
+        layer.self_attn.attn.window = 0
+    fused.windows = [0, 0]
+    assert not torch.equal(_run(model, True, torch.float32)[-1], with_fused[-1])
+
+
+def test_tensor_parallel_past_the_window_equals_hf(mistral_dir: Path, mistral_expected: list[list[int]]) -> None:
+    """Two ranks (gloo, spawned): each rank's heads take the layer's window."""
+    with LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2,
+             tensor_parallel_threads=1, block_size=8, max_num_batched_tokens=24) as llm:
+        assert generated(llm.generate(PROMPTS, GREEDY)) == mistral_expected
