@@ -43,7 +43,8 @@ _CACHE_BYTES = 256 << 20  # estimated bytes the compiled grammars (and their tex
 _ENTRY_BASE_BYTES = 64 << 10  # a compiled matcher's fixed cost (lexer tables, token trie views)
 _BYTES_PER_CHAR = 64  # what a compiled matcher holds per character of grammar text, estimated
 COMPILE_WORKERS = 2  # compile threads: two slow grammars at once leave later ones queued, not the engine
-_JOIN_S = 2.0  # how long `close` waits for a compile thread still busy (it is a daemon: it cannot block exit)
+_JOIN_S = 30.0  # how long `close` waits for a compile still running (the size limits keep one to ~2 s;
+# the threads are daemons: one still running cannot block the exit)
 
 
 def entry_bytes(text: str) -> int:
