@@ -18,6 +18,7 @@ from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.outputs import RequestOutput
+from engine.sample.grammar import GrammarCompiler, entry_bytes
 from engine.worker.engine_thread import AddJob, EngineThread
 from tests.engine.helpers import assert_no_leaks
 
@@ -140,6 +141,32 @@ def test_requests_for_one_grammar_share_one_compile(llm: LLM) -> None:
     texts = {llm.tokenizer.decode(t, skip_special_tokens=True) for t in tokens.values()}
     assert texts <= set(words)
     assert_no_leaks(llm)
+
+
+def test_threads_asking_for_one_grammar_at_once_get_one_compile(llm: LLM) -> None:
+    """Six threads released together ask for one new grammar: one compile, one cache entry (its
+    bytes counted once), the same pristine matcher for all."""
+    engine = llm.engine
+    compiler = GrammarCompiler(engine.tokenizer_dir, engine.vocab_size, sorted(engine.eos_token_ids), 8, 1 << 30)
+    spec, _ = big_grammar("threads", 60_000)
+    barrier = threading.Barrier(6)
+    got: list[object] = []
+
+    def ask() -> None:
+        barrier.wait()
+        got.append(compiler.compiled(spec))
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(got) == 6 and all(m is got[0] for m in got)
+        assert compiler.num_compiled == 1 and compiler.compiling() == 0
+        assert len(compiler._compiled) == 1 and compiler._compiled.bytes == entry_bytes(compiler._text(spec))
+    finally:
+        compiler.close()
 
 
 def test_abort_while_compiling_frees_everything(llm: LLM) -> None:
