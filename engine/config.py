@@ -63,6 +63,9 @@ class EngineConfig:
     tensor_parallel_threads: int | None = None  # torch threads per rank; None: this process's threads / N
     master_addr: str = "127.0.0.1"  # where ranks meet (rank 0's TCP store)
     master_port: int | None = None  # None: a free port
+    # Seconds a request's grammar (structured output) may take to compile, off the engine thread,
+    # before the request is refused with a 400; the compile itself runs on (it cannot be interrupted)
+    grammar_compile_timeout: float = 10.0
 
     @property
     def serves_quantized_weights(self) -> bool:
@@ -98,6 +101,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1 and tensor_parallel_timeout > 0")
         if self.tensor_parallel_threads is not None and self.tensor_parallel_threads < 1:
             raise ValueError("tensor_parallel_threads must be >= 1")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("grammar_compile_timeout must be > 0 seconds")
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         elif self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -36,6 +36,7 @@ class LLM:
 
     @property
     def tokenizer(self) -> Any:
+        self.engine.check_open()
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -49,7 +50,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results in input order. A prompt the engine refuses
-        raises ValueError before anything runs; a closed LLM raises EngineClosedError."""
+        (its grammar too, compiled by the engine's compile threads and waited for here) raises
+        ValueError before anything runs; a closed LLM raises EngineClosedError."""
         self.engine.check_open()
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
@@ -61,6 +63,12 @@ class LLM:
             for request_id, tokens, p in zip(ids, token_lists, params_list, strict=True):
                 self.engine.add_request(request_id, tokens, p)
                 added.append(request_id)
+            self.engine.wait_compiled(added)
+            refused = self.engine.take_refused()
+            mine = [refused.pop(request_id) for request_id in added if request_id in refused]
+            self.engine.refused.update(refused)  # others' refusals stay for whoever added them
+            if mine:
+                raise ValueError(mine[0][0])
         except ValueError:
             for request_id in added:
                 self.engine.abort_request(request_id)
@@ -100,6 +108,7 @@ class LLM:
         return outputs
 
     def stats(self) -> dict[str, Any]:
+        """The engine's figures (`LLMEngine.stats`)."""
         return self.engine.stats()
 
     def reset_prefix_cache(self) -> int:

@@ -8,6 +8,9 @@ import gc
 import time
 import weakref
 from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,20 @@ log = get_logger("engine")
 
 class EngineClosedError(RuntimeError):
     """The engine was closed (`LLMEngine.close`); it takes no more requests or steps."""
+
+
+COMPILE_POLL_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one of them
+
+
+@dataclass(slots=True)
+class Compiling:
+    """A request whose grammar is being compiled: queued in the scheduler once it is ready."""
+
+    request: Request
+    seq: Sequence
+    generated: list[int]
+    future: Future[Any]
+    deadline: float  # time.monotonic() after which it is refused (`EngineConfig.grammar_compile_timeout`)
 
 
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (Python's default: 700)
@@ -144,6 +161,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.vocab_size, sorted(self.eos_token_ids))
         self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
         self.requests: dict[str, Request] = {}
+        self.compiling: dict[str, Compiling] = {}  # request id -> its grammar's compile (not in the scheduler yet)
+        self.refused: dict[str, tuple[str, str]] = {}  # request id -> (why, code): refused after add_request
         self.counters: Counter[str] = Counter()
         self.step_seconds = 0.0  # cumulative wall time in step(); runner.model_seconds is the model's share
         self.num_steps = 0
@@ -154,6 +173,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, generated: list[int] | None = None) -> None:
         """Queue a request; raises RequestRejected (a ValueError; nothing is queued) when it can never run.
+
+        A grammar (`structured_output`) not compiled yet is compiled off this thread
+        (`GrammarCompiler.submit`): the request waits in `compiling`, holding no blocks, and
+        `step` queues it in the scheduler once its matcher is ready, or refuses it (a bad
+        grammar, or past `grammar_compile_timeout` seconds): `take_refused` says which and why.
+        A cached grammar is applied here (and a bad one raises here when its error is known).
 
         `generated`: tokens a previous engine already sent to the client (resume after
         failover, one sequence only). The request continues after them, by recompute, with its
@@ -171,14 +196,81 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         seq = Sequence(request, 0, list(prompt_token_ids) + generated, len(prompt_token_ids))
-        if params.structured_output is not None:
-            seq.grammar = self.grammars.grammar(params.structured_output, generated)
         seq.num_emitted = len(generated)  # the client has them
         request.prompt_logprobs_sent = bool(generated)  # they came with the first delta
         request.seqs.append(seq)
-        self.requests[request_id] = request
+        if params.structured_output is not None:
+            future = self.grammars.submit(params.structured_output)
+            if not future.done():
+                deadline = time.monotonic() + self.config.grammar_compile_timeout
+                self.compiling[request_id] = Compiling(request, seq, generated, future, deadline)
+                self.requests[request_id] = request
+                return
+            seq.grammar = self.grammars.follow(future.result(), generated)
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
+        self.requests[request.request_id] = request
         self.scheduler.add(request)
-        self.counters["prompt_tokens"] += len(prompt_token_ids)
+        self.counters["prompt_tokens"] += len(request.prompt_token_ids)
+
+    def _admit_compiled(self, wait_s: float) -> None:
+        """Queue the requests whose grammar is ready; refuse those whose compile failed or ran
+        past its deadline. With `wait_s`, first wait that long (or to the nearest deadline) for
+        one compile to end when none has."""
+        if not self.compiling:
+            return
+        pending = list(self.compiling.values())
+        if wait_s > 0 and not any(c.future.done() for c in pending):
+            nearest = min(c.deadline for c in pending) - time.monotonic()
+            wait_futures([c.future for c in pending], timeout=max(0.0, min(wait_s, nearest)),
+                         return_when=FIRST_COMPLETED)
+        now = time.monotonic()
+        for c in pending:
+            request_id = c.request.request_id
+            if c.future.done():
+                del self.compiling[request_id]
+                try:
+                    c.seq.grammar = self.grammars.follow(c.future.result(), c.generated)
+                except ValueError as exc:
+                    self._refuse(request_id, str(exc), "invalid_parameter")
+                    continue
+                except Exception as exc:  # not the grammar's fault: say so, without a backtrace
+                    self._refuse(request_id, f"structured_output: the grammar could not be compiled "
+                                             f"({type(exc).__name__})", "engine_error")
+                    continue
+                self._queue(c.request)
+            elif now >= c.deadline:
+                del self.compiling[request_id]
+                self.grammars.release(c.request.params.structured_output or {}, c.future)
+                self.counters["grammar_timeouts"] += 1
+                budget = self.config.grammar_compile_timeout
+                self._refuse(request_id, f"structured_output: compiling the grammar took longer than this engine's "
+                                         f"budget of {budget:g} s (--grammar-compile-timeout); use a smaller grammar "
+                                         f"(fewer choices, a simpler schema or regex)", "grammar_compile_timeout")
+
+    def _refuse(self, request_id: str, message: str, code: str) -> None:
+        self.requests.pop(request_id, None)
+        self.refused[request_id] = (message, code)
+
+    def wait_compiled(self, request_ids: list[str] | None = None) -> None:
+        """Block until these requests (default: all) are past their compile: queued or refused."""
+        self.check_open()
+        wanted = set(self.compiling) if request_ids is None else set(request_ids)
+        while wanted & set(self.compiling):
+            self._admit_compiled(COMPILE_POLL_S)
+
+    def take_refused(self) -> dict[str, tuple[str, str]]:
+        """Requests refused since the last call, after `add_request` returned: request id ->
+        (message, error code). They are gone from the engine; their clients get a 400."""
+        self.check_open()
+        refused, self.refused = self.refused, {}
+        return refused
+
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile."""
+        self.check_open()
+        return len(self.compiling)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when it is unknown or already done."""
@@ -186,7 +278,11 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
-        self.scheduler.abort(request)
+        compiling = self.compiling.pop(request_id, None)
+        if compiling is not None:  # nothing held but a wait on the compile: give that up
+            self.grammars.release(request.params.structured_output or {}, compiling.future)
+        else:
+            self.scheduler.abort(request)
         self.counters["finished_abort"] += 1
         return True
 
@@ -196,29 +292,35 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
+        """Requests queued, running or waiting for their grammar."""
         self.check_open()
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
 
     # ----- queries (what a driver may ask; it never reaches into the scheduler) ------------
     def queue_lengths(self) -> tuple[int, int, int]:
         """Requests (running, waiting, swapped) right now."""
+        self.check_open()
         s = self.scheduler
         return len(s.running), len(s.waiting), len(s.swapped)
 
     def has_request(self, request_id: str) -> bool:
-        """Whether the request is queued or running here (not finished, not aborted)."""
+        """Whether the request is queued, running or compiling its grammar here (not finished, not aborted)."""
+        self.check_open()
         return request_id in self.requests
 
     def running_request_ids(self) -> list[str]:
         """Requests holding device blocks now: what the next step runs first."""
+        self.check_open()
         return [request.request_id for request in self.scheduler.running]
 
     def waiting_request_ids(self) -> list[str]:
         """Requests not admitted yet (new, or preempted by recompute)."""
+        self.check_open()
         return [request.request_id for request in self.scheduler.waiting]
 
     def block_tables(self, max_seqs: int = 64) -> list[dict[str, Any]]:
         """Run-length encoded block tables of up to `max_seqs` running and swapped sequences."""
+        self.check_open()
         s = self.scheduler
         seqs = ((req.request_id, seq.index, seq.seq_id) for queue in (s.running, s.swapped)
                 for req in queue for seq in req.unfinished_seqs())
@@ -226,16 +328,23 @@ class LLMEngine:
 
     def cached_keys(self, limit: int) -> list[int]:
         """The prefix-cache keys held, most recently used first (`BlockManager.cached_keys`)."""
+        self.check_open()
         return self.block_manager.cached_keys(limit)
 
     def pool_snapshot(self) -> list[list[int]]:
         """Run-length encoded state of every device block (see `engine.kv.block_stats`)."""
+        self.check_open()
         return pool_snapshot(self.block_manager)
 
     # ----- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns the deltas of every request that changed."""
+        """Run one iteration; returns the deltas of every request that changed. First the
+        requests whose grammar compiled are queued (`_admit_compiled`); with nothing else to
+        run, it waits up to COMPILE_POLL_S for a compile and returns."""
         self.check_open()
+        self._admit_compiled(0.0 if self.scheduler.has_unfinished() else COMPILE_POLL_S)
+        if self.compiling and not self.scheduler.has_unfinished():
+            return []
         start = time.perf_counter()
         ops.set_backend(self.config.attention_backend)  # the process-wide kernel choices are this
         ops.set_fixed_order(self.fixed_order)  # engine's, whatever another engine in the process set
@@ -298,6 +407,9 @@ class LLMEngine:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "swapped": len(s.swapped),
+            "compiling": len(self.compiling),
+            "grammars_compiled": self.grammars.num_compiled,
+            "grammar_timeouts": self.counters["grammar_timeouts"],
             "preemptions": dict(s.num_preemptions),
             "finished": dict(self.scheduler.post.finished) | {"abort": self.counters["finished_abort"]},
             "prompt_tokens": self.counters["prompt_tokens"],
@@ -322,6 +434,9 @@ class LLMEngine:
             return
         self.closed = True
         self._finalizer()  # the group's close, once
+        grammars = self.__dict__.get("grammars")
+        if grammars is not None:
+            grammars.close()  # its compile threads
         for name in _RELEASED:
             self.__dict__.pop(name, None)
         _collect()
@@ -335,7 +450,8 @@ class LLMEngine:
 
 
 # what close() drops: every holder of the weights, the KV caches and request state
-_RELEASED = ("runner", "model", "block_manager", "scheduler", "sampler", "grammars", "speculator", "requests")
+_RELEASED = ("runner", "model", "block_manager", "scheduler", "sampler", "grammars", "speculator", "requests",
+             "compiling", "refused")
 
 
 def _close_group(group: TensorParallelGroup | None) -> None:

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch threads per rank (default: this process's threads / N)")
     parser.add_argument("--master-addr", default="127.0.0.1", help="where the ranks meet (default %(default)s)")
     parser.add_argument("--master-port", type=int, help="the ranks' rendezvous port (default: a free one)")
+    parser.add_argument("--grammar-compile-timeout", type=_positive_seconds, default=10.0,
+                        help="seconds a request's grammar (guided_choice, regex, JSON schema) may take to compile, "
+                             "off the step path, before the request is refused with a 400 (default %(default)s)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between heartbeats; a silent engine's requests move after 5 intervals")
     parser.add_argument("--max-claims", type=int, default=3,
@@ -125,7 +128,7 @@ def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = 
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_timeout=args.tensor_parallel_timeout,
         tensor_parallel_threads=args.tensor_parallel_threads, master_addr=args.master_addr,
-        master_port=args.master_port,
+        master_port=args.master_port, grammar_compile_timeout=args.grammar_compile_timeout,
     )
 
 

@@ -4,6 +4,11 @@ Every engine call (construction included) runs on one dedicated thread, so the a
 loop stays free for Redis while a model step runs, and the engine is never touched from
 two threads.
 
+Grammars compile off this thread (`engine.sample.grammar`): a request whose grammar is not
+ready waits in the engine's `compiling` set, counted in `Queues.compiling`, while the other
+streams step on; the engine refuses it after `grammar_compile_timeout`, and that refusal comes
+back with the step that made it (`StepResult.rejected`, a 400 for its client).
+
 Containment: a step that raises fails only the requests that step ran (they are aborted,
 their blocks freed, their clients get an error); the engine keeps serving the others. The
 figures the heartbeat sends are cached at the end of every trip, so a heartbeat never waits
@@ -45,10 +50,11 @@ class Queues:
     running: int = 0
     waiting: int = 0
     swapped: int = 0
+    compiling: int = 0  # waiting for their grammar (not in the scheduler: no reason to stop pulling)
 
     @property
     def total(self) -> int:
-        return self.running + self.waiting + self.swapped
+        return self.running + self.waiting + self.swapped + self.compiling
 
 
 @dataclass(slots=True)
@@ -94,6 +100,7 @@ class EngineThread:
         from engine.llm_engine import LLMEngine
 
         self.engine = LLMEngine(config)
+        self.engine.grammars.prewarm()  # the grammar tokenizer: at start-up, not under the first request's neighbours
         if self.engine.parallel is not None:  # a failed rank ends this process: its requests move elsewhere
             self.engine.parallel.exit_on_failure = True
         self.snapshot_cache = self.snapshot()
@@ -125,7 +132,9 @@ class EngineThread:
                 outputs = self.engine.step()
             except Exception as exc:
                 failed = self._fail_step(in_step, exc)
-        queues = Queues(*self.engine.queue_lengths())
+        rejected.update(self.engine.take_refused())  # grammars that failed or ran out of time
+        running, waiting, swapped = self.engine.queue_lengths()
+        queues = Queues(running, waiting, swapped, self.engine.num_compiling())
         return StepResult(outputs, rejected, aborted, self._refresh_cache(), queues, failed)
 
     def _refresh_cache(self) -> dict[str, Any]:

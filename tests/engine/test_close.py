@@ -140,3 +140,39 @@ def test_worker_engine_thread_closes_through_the_same_path(model_dir: Path) -> N
     host.close()
     assert host.engine.closed
     _assert_released(baseline)
+
+
+# every public method of a closed engine and LLM, with arguments it would accept when open
+ENGINE_CALLS = {
+    "add_request": ("late", [1, 2, 3], PARAMS), "abort_request": ("late",), "reset_prefix_cache": (),
+    "has_unfinished_requests": (), "queue_lengths": (), "has_request": ("late",), "running_request_ids": (),
+    "waiting_request_ids": (), "block_tables": (), "cached_keys": (4,), "pool_snapshot": (), "step": (),
+    "stats": (), "wait_compiled": (), "take_refused": (), "num_compiling": (),
+}
+LLM_CALLS = {"generate": (PROMPTS, PARAMS), "chat": ([[{"role": "user", "content": "hi"}]],), "stats": (),
+             "reset_prefix_cache": ()}
+
+
+def _public_methods(obj: object) -> set[str]:
+    return {name for name in dir(type(obj)) if not name.startswith("_") and callable(getattr(type(obj), name))}
+
+
+def test_every_public_method_of_a_closed_engine_raises_engine_closed(model_dir: Path) -> None:
+    """Read-only queries too (they raised AttributeError on the released parts); a method added
+    later without an entry here fails this test, so it cannot be forgotten."""
+    llm = LLM(str(model_dir), **CONFIG)
+    engine = llm.engine
+    llm.close()
+    assert _public_methods(engine) - {"close", "check_open"} == set(ENGINE_CALLS)
+    assert _public_methods(llm) - {"close"} == set(LLM_CALLS)
+    for name, args in ENGINE_CALLS.items():
+        with pytest.raises(EngineClosedError, match="closed"):
+            getattr(engine, name)(*args)
+    for name, args in LLM_CALLS.items():
+        with pytest.raises(EngineClosedError, match="closed"):
+            getattr(llm, name)(*args)
+    with pytest.raises(EngineClosedError):
+        _ = llm.tokenizer
+    with pytest.raises(EngineClosedError):
+        engine.check_open()
+    engine.close()  # still idempotent

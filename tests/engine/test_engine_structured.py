@@ -1,6 +1,6 @@
 """Structured output (llguidance) through the engine: sampled answers of a random model parse and
 validate against the schema over several seeds, with n > 1, under forced preemption, and when
-resumed from tokens already sent; every kind compiles; a bad spec is refused at add_request."""
+resumed from tokens already sent; every kind compiles; a bad spec is refused before it runs."""
 
 from __future__ import annotations
 
@@ -136,8 +136,17 @@ def test_every_kind_constrains_the_output(llm: LLM, spec: dict[str, Any]) -> Non
     ({"kind": "grammar", "spec": "start: undefined_rule"}, "undefined_rule"),
     ({"kind": "regex", "spec": "(unclosed"}, "regex"),
 ])
-def test_bad_specs_are_refused_at_add_request(llm: LLM, spec: dict[str, Any], message: str) -> None:
+def test_bad_specs_are_refused_before_anything_runs(llm: LLM, spec: dict[str, Any], message: str) -> None:
+    """The grammar compiles off the engine thread (issue 41): the engine refuses the request
+    once the compile failed (`take_refused`); the offline `generate` waits for it and raises."""
+    params = SamplingParams(max_tokens=4, structured_output=spec)
     with pytest.raises(ValueError, match=message):
-        llm.engine.add_request("bad-spec", PROMPT, SamplingParams(max_tokens=4, structured_output=spec))
+        llm.generate([PROMPT], params)
+    assert_no_leaks(llm)
+    llm.engine.add_request("bad-spec", PROMPT, params)
+    llm.engine.wait_compiled()
+    refused = llm.engine.take_refused()
+    assert list(refused) == ["bad-spec"] and message in refused["bad-spec"][0]
+    assert refused["bad-spec"][1] == "invalid_parameter"
     assert "bad-spec" not in llm.engine.requests
     assert_no_leaks(llm)
