@@ -210,6 +210,7 @@ async def test_a_pause_past_the_grace_ends_each_stream_with_an_error_event(stack
     finally:
         gateway.stop()
     whole, errors = _count_errors(outcomes, reference, "gateway_gone")
+    print(f"past the grace: {whole} whole, {errors} gateway_gone, engine aborted {aborted:.0f}")
     assert errors == aborted == COUNT and whole == 0, (whole, errors, aborted)
     since = time.time()
     await _until(lambda: _drained(stack.engine, since), "the engine's blocks back on the free list")
@@ -222,6 +223,7 @@ async def test_lost_abort_notices_end_each_stream_by_the_watchdog(stack: Stack, 
     finally:
         gateway.stop()
     whole, errors = _count_errors(outcomes, reference, "request_lost")
+    print(f"notices lost: {whole} whole, {errors} request_lost, engine aborted {aborted:.0f}")
     assert errors == aborted == COUNT and whole == 0, (whole, errors, aborted)
 
 
@@ -258,6 +260,8 @@ async def test_a_gateway_restarted_under_its_id_stops_the_old_requests_at_once(s
         if new is not None:
             new.stop()
     assert sum(o.dropped for o in old_outcomes) == COUNT, old_outcomes  # their gateway died under them
+    print(f"restart: {sum(o.dropped for o in old_outcomes)} old streams dropped, {generated:.0f} tokens generated "
+          f"for them (of {COUNT * MAX_TOKENS}), {len(new_outcomes)} new requests")
     assert generated < COUNT * MAX_TOKENS / 2, generated  # the old requests did not run on to max_tokens
     assert (_stat(engine, "gateway_restart_aborted") or 0.0) - restarted_before == COUNT
     assert [o.text for o in new_outcomes] == reference
