@@ -24,6 +24,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -165,10 +166,29 @@ async def test_a_pause_longer_than_the_old_window_within_the_grace_loses_nothing
     assert _stat(stack.engine, "gateway_gone_aborted") == gone_before
 
 
-async def _past_the_grace(stack: Stack, gateway: GatewayProcess, lose_notices: bool) -> tuple[list[Outcome], float]:
+async def _plain(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
+    """A non-streaming request, long enough to be running when the engine is frozen."""
+    body = {"model": MODEL, "prompt": "a plain request", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def _queued(stack: Stack) -> int:
+    with stack.client() as client:
+        return int(client.xlen(KEYS.requests(MODEL))) + sum(
+            int(client.xlen(m)) for m in client.smembers(KEYS.routed_streams(MODEL)))
+
+
+async def _past_the_grace(stack: Stack, gateway: GatewayProcess, lose_notices: bool,
+                          plain: list[tuple[int, Any]] | None = None) -> tuple[list[Outcome], float]:
+    """With `plain`, a non-streaming request runs along (submitted first) and its answer is appended."""
     engine = stack.engine
     gone_before = _stat(engine, "gateway_gone_aborted") or 0.0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        whole_task = None
+        if plain is not None:
+            whole_task = asyncio.create_task(_plain(session, gateway.url))
+            await _until(lambda: _queued(stack) >= 1, "the plain request on the stream")
         tasks = await _streams_started(session, gateway.url)
 
         async def past_the_grace() -> None:
@@ -184,6 +204,8 @@ async def _past_the_grace(stack: Stack, gateway: GatewayProcess, lose_notices: b
 
         await _pause_gateway(stack, gateway, past_the_grace)
         outcomes = list(await asyncio.gather(*tasks))
+        if whole_task is not None and plain is not None:
+            plain.append(await whole_task)
     return outcomes, (_stat(engine, "gateway_gone_aborted") or 0.0) - gone_before
 
 
@@ -206,12 +228,15 @@ async def test_a_pause_past_the_grace_ends_each_stream_with_an_error_event(stack
                                                                            reference: list[str]) -> None:
     gateway = stack.gateway("live-gone")
     try:
-        outcomes, aborted = await _past_the_grace(stack, gateway, lose_notices=False)
+        plain: list[tuple[int, Any]] = []
+        outcomes, aborted = await _past_the_grace(stack, gateway, lose_notices=False, plain=plain)
     finally:
         gateway.stop()
     whole, errors = _count_errors(outcomes, reference, "gateway_gone")
-    print(f"past the grace: {whole} whole, {errors} gateway_gone, engine aborted {aborted:.0f}")
-    assert errors == aborted == COUNT and whole == 0, (whole, errors, aborted)
+    [(status, body)] = plain
+    print(f"past the grace: {whole} whole, {errors} gateway_gone, engine aborted {aborted:.0f}; plain {status}")
+    assert status == 503 and body["error"]["code"] == "gateway_gone", (status, body)
+    assert errors + 1 == aborted == COUNT + 1 and whole == 0, (whole, errors, aborted)
     since = time.time()
     await _until(lambda: _drained(stack.engine, since), "the engine's blocks back on the free list")
 
