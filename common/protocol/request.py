@@ -32,7 +32,10 @@ class EngineRequest:
     often a draining engine put the request back on the stream (the reader then resumes it from
     its progress checkpoint). `epoch` is the dataset token the gateway saw when it submitted: an
     engine reading a request of a newer epoch knows Redis lost its data and drops what it was
-    running before admitting it."""
+    running before admitting it. `gateway_token` is the submitting gateway process's liveness
+    token (the value of its ``{prefix}:gateway:<id>`` key): an engine stops the request at once
+    when that key holds another token (the gateway restarted under the same id); empty: an older
+    gateway, only the key's presence counts."""
 
     id: str
     gateway: str
@@ -43,13 +46,14 @@ class EngineRequest:
     deadline: float | None = None
     handoffs: int = 0
     epoch: str = ""
+    gateway_token: str = ""
 
     def encode(self) -> bytes:
         return pack({
             "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
             "prompt_token_ids": list(self.prompt_token_ids), "params": self.params.to_dict(),
             "arrival": self.arrival, "deadline": self.deadline, "handoffs": self.handoffs,
-            "epoch": self.epoch,
+            "epoch": self.epoch, "gateway_token": self.gateway_token,
         })
 
     @classmethod
@@ -65,6 +69,7 @@ class EngineRequest:
                 arrival=number(obj, "arrival", what), deadline=optional_number(obj, "deadline", what),
                 handoffs=integer(obj, "handoffs", what, hi=1 << 20, default=0),
                 epoch=text(obj, "epoch", what, default=""),
+                gateway_token=text(obj, "gateway_token", what, default=""),
             )
         if not request.id:
             raise ProtocolError("request: empty id")

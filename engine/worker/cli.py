@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="after SIGTERM, seconds to finish running requests before handing the rest back "
                              "to the stream (default %(default)s)")
+    parser.add_argument("--gateway-grace", type=float, default=30.0,
+                        help="seconds a gateway's liveness key may stay gone (a pause, a cut to Redis) before its "
+                             "requests are stopped, each with an error record for the gateway (default %(default)s)")
     parser.add_argument("--redis-pool-size", type=int, default=16, help="Redis connections (default %(default)s)")
     parser.add_argument("--no-routing", action="store_true",
                         help="read only the model's shared request stream and do not announce a routed stream "
@@ -188,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or served_name(model),
         redis_url=args.redis_url, redis=redis_spec, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval, max_claims=args.max_claims,
-        drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size,
+        drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size, gateway_grace_s=args.gateway_grace,
         routing=not args.no_routing, steal_after_s=args.steal_after,
     ), config)
     try:

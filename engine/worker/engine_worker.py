@@ -28,7 +28,7 @@ from common.shutdown import shut_down
 from engine.config import EngineConfig
 from engine.worker.checkpoints import CheckpointLog
 from engine.worker.engine_thread import EngineThread, Queues, StepResult
-from engine.worker.guards import Guards
+from engine.worker.guards import GATEWAY_GRACE_S, Guards
 from engine.worker.heartbeat import Heartbeat, model_config_hash
 from engine.worker.intake import Intake
 from engine.worker.metrics import EngineMetrics, start_metrics_server
@@ -60,7 +60,7 @@ class WorkerConfig:
     max_pull: int = 64
     idle_block_ms: int = 500
     max_claims: int = 3
-    gateway_grace_s: float = 3.0
+    gateway_grace_s: float = GATEWAY_GRACE_S  # --gateway-grace
     drain_timeout_s: float = 30.0
     redis_pool_size: int = 16
     redis_pool_timeout_s: float = 10.0

@@ -66,6 +66,9 @@ class Intake:
         self._pending = Outbox()  # errors and acks produced between two steps
         self.dead_lettered = 0  # entries moved to the dead-letter stream (metric)
         self.readopted = 0  # own entries found pending but untracked after Redis trouble (metric)
+        self.gateway_gone = 0  # requests ended: their gateway's liveness key stayed gone past the grace (metric)
+        self.gateway_restarted = 0  # requests ended: their gateway restarted under the same id (metric)
+        self.gateways_missing = 0  # gateways of tracked requests whose liveness key is gone, within the grace
         self._admitting = asyncio.Lock()  # pull, takeovers and re-adoption may see one entry at once
 
     # ----- the table and the pending outbox ----------------------------------------------------
@@ -83,7 +86,10 @@ class Intake:
         """What the intake refused so far (for metrics and heartbeats)."""
         return {"dead_lettered": float(self.dead_lettered), "bad_aborts": float(self.bad_aborts),
                 "readopted": float(self.readopted), "in_flight": float(len(self._tracked)),
-                "routed_taken": float(self.routed_taken), "stolen": float(self.stolen)}
+                "routed_taken": float(self.routed_taken), "stolen": float(self.stolen),
+                "gateway_gone_aborted": float(self.gateway_gone),
+                "gateway_restart_aborted": float(self.gateway_restarted),
+                "gateways_missing": float(self.gateways_missing)}
 
     def take_pending(self) -> Outbox:
         """What was produced since the last call, to publish with the next step's outputs."""

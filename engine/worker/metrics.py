@@ -56,7 +56,11 @@ class _StatsCollector(Collector):
                                 ("dead_lettered", "dead_lettered", "request entries moved to the dead-letter stream"),
                                 ("bad_abort_messages", "bad_aborts", "undecodable abort messages ignored"),
                                 ("readopted_entries", "readopted",
-                                 "own pending entries found untracked after Redis trouble, resumed or acknowledged")):
+                                 "own pending entries found untracked after Redis trouble, resumed or acknowledged"),
+                                ("gateway_gone_aborted", "gateway_gone_aborted",
+                                 "requests stopped: their gateway's liveness key stayed gone past --gateway-grace"),
+                                ("gateway_restart_aborted", "gateway_restart_aborted",
+                                 "requests stopped: their gateway restarted under the same id")):
             yield CounterMetricFamily(f"pagedserve_{name}", text, value=float(s.get(key, 0)))
         spec = s.get("spec") or {}
         method = str(s.get("spec_method") or "none")

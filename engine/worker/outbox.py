@@ -1,8 +1,8 @@
 """One MULTI/EXEC per engine step: an XADD per gateway output stream carrying every one of
 its requests' messages, the progress checkpoint of each message (so what a client saw is
 always recoverable), the XACK + XDEL of requests that ended, on the stream each came from (so the request streams hold
-only queued and running work), and two probes read back for free: which gateways are still
-alive and the dataset epoch.
+only queued and running work), and two probes read back for free: the liveness token each
+gateway's key holds (None: the key is gone) and the dataset epoch.
 
 The transaction is fenced by the engine's heartbeat key: other engines take over an engine's
 entries only once that key is gone, so the flush WATCHes it, checks that it still holds (and that
@@ -122,9 +122,10 @@ class Fence:
 
 @dataclass(slots=True)
 class FlushReply:
-    """What the probes of a flush read: gateways whose liveness key exists, the epoch."""
+    """What the probes of a flush read: each probed gateway's liveness token (the value of its
+    key; None when the key is gone), the epoch."""
 
-    alive: dict[str, bool]
+    alive: dict[str, str | None]
     epoch: str | None
 
 
@@ -181,7 +182,7 @@ async def _flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox
             pipe.xack(key, keys.group, *entry_ids)
             pipe.xdel(key, *entry_ids)
         for gateway in probe_gateways:
-            pipe.exists(keys.gateway(gateway))
+            pipe.get(keys.gateway(gateway))
         pipe.get(keys.epoch)
         replies = await pipe.execute()
     if log is not None:
@@ -189,5 +190,9 @@ async def _flush(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox
         log.forget(ended | set(outbox.forget_progress))
     probes = replies[len(replies) - len(probe_gateways) - 1:]
     epoch = probes[-1]
-    alive = {gateway: bool(found) for gateway, found in zip(probe_gateways, probes[:-1], strict=True)}
-    return FlushReply(alive, None if epoch is None else epoch.decode() if isinstance(epoch, bytes) else str(epoch))
+    alive = {gateway: _text(token) for gateway, token in zip(probe_gateways, probes[:-1], strict=True)}
+    return FlushReply(alive, _text(epoch))
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else value.decode() if isinstance(value, bytes) else str(value)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -101,6 +102,9 @@ class Broker:
         self._closing: set[asyncio.Task[None]] = set()
         self.keys = keys
         self.gateway_id = gateway_id
+        # this process's liveness token: the value of its liveness key and carried in each request, so a
+        # process restarted under the same id is a new client and engines stop the old one's requests at once
+        self.token = secrets.token_hex(8)
         self.max_queued = max_queued
         self.collectors: dict[str, RequestCollector] = {}
         self.subscribed = asyncio.Event()
@@ -139,6 +143,7 @@ class Broker:
     async def submit(self, request: EngineRequest, n: int) -> RequestCollector:
         """Register a collector, then XADD the request to the stream `route` chose (collector
         first: no lost output). Raises QueueFull, PoolBusy, BrokerUnavailable."""
+        request.gateway_token = self.token
         route = await self.route(request)
         collector = RequestCollector(request.id, n, request.model, route.stream)
         self.collectors[request.id] = collector

@@ -8,6 +8,7 @@ request with an error instead of silently losing text."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from common.protocol import ErrorInfo, OutputGap, OutputMessage, TokenLogprob, Usage, num_repeated
@@ -51,6 +52,7 @@ class RequestCollector:
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
         self._prompt_logprobs_seen = False  # a resuming engine sends them again: keep the first
         self._event = asyncio.Event()
+        self.last_output = time.monotonic()  # when a message last arrived (the watchdog's clock)
 
     @property
     def done(self) -> bool:
@@ -60,6 +62,7 @@ class RequestCollector:
         """Merge one message (called by the listener; never blocks)."""
         if self.done:
             return
+        self.last_output = time.monotonic()
         if out.seq > self.next_seq:
             self.fail(ErrorInfo(f"lost engine output (expected message {self.next_seq}, got {out.seq})",
                                 "server_error", "output_gap"))
