@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +62,7 @@ class Draws:
         self.rows: list[int] = []
         self.temperatures: list[float] = []
         self.uniforms: list[float] = []
-        self.filters: tuple[list[Any], ...] = tuple([] for _ in FILTERS)
+        self.filters: list[tuple[Any, ...]] = []  # per row, FILTERS' values
         self.filtered = False
 
     def add(self, row: int, params: SamplingParams, stream: str, token_index: int) -> None:
@@ -69,8 +70,7 @@ class Draws:
         self.rows.append(row)
         self.temperatures.append(params.temperature)
         self.uniforms.append(uniform(params.seed, stream, token_index))
-        for values, name in zip(self.filters, FILTERS, strict=True):
-            values.append(getattr(params, name))
+        self.filters.append(_filter_values(params))
         self.filtered = self.filtered or is_filtered(params)
 
     @classmethod
@@ -78,8 +78,7 @@ class Draws:
         """Draws given outright (tests of the runner's picker): rows, temperatures, uniforms, no filter."""
         out = cls()
         out.rows, out.temperatures, out.uniforms = rows, temperatures, uniforms
-        off = SamplingParams()  # every filter at its default: off
-        out.filters = tuple([getattr(off, name)] * len(rows) for name in FILTERS)
+        out.filters = [_filter_values(SamplingParams())] * len(rows)  # every filter at its default: off
         return out
 
     def renumbered(self) -> Draws:
@@ -94,7 +93,8 @@ class Draws:
         """On the CPU; `DrawTensors.to` moves a slice of them."""
         return DrawTensors(1.0 / torch.tensor(self.temperatures, dtype=torch.float32),
                            torch.tensor(self.uniforms, dtype=torch.float32),
-                           filter_tensors(self.filters) if self.filtered else None)
+                           filter_tensors(tuple(map(list, zip(*self.filters, strict=True)))) if self.filtered
+                           else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +221,7 @@ class Logprobs:
 
 
 FILTERS = ("top_k", "top_p", "min_p", "typical_p")  # SamplingParams' fields, in `ops.sample_filtered`'s order
+_filter_values = operator.attrgetter(*FILTERS)
 
 
 def is_filtered(p: SamplingParams) -> bool:
