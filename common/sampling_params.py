@@ -227,9 +227,11 @@ class SamplingParams:
             raise ParamError(
                 f"beam search is deterministic and needs temperature=0, got temperature={self.temperature}",
                 "temperature")
-        if self.top_p != 1.0 or self.top_k not in (-1, 0) or self.min_p != 0.0 or self.typical_p != 1.0:
+        used = [name for name, on in (("top_p", self.top_p != 1.0), ("top_k", self.top_k not in (-1, 0)),
+                                      ("min_p", self.min_p != 0.0), ("typical_p", self.typical_p != 1.0)) if on]
+        if used:
             raise ParamError("beam search does not use top_p, top_k, min_p or typical_p; leave them at their "
-                             "defaults", "top_p")
+                             "defaults", used[0])
 
     def _check_logit_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -50,7 +50,7 @@ BAD: list[tuple[str, str, Any, int, str | None]] = [
     ("typical_p > 1", COMP, {"model": MODEL, "prompt": "x", "typical_p": 1.01}, 400, "typical_p"),
     ("typical_p string", COMP, {"model": MODEL, "prompt": "x", "typical_p": "0.5"}, 400, "typical_p"),
     ("typical_p with beam search", COMP, {"model": MODEL, "prompt": "x", "use_beam_search": True, "temperature": 0,
-                                          "n": 2, "typical_p": 0.5}, 400, "top_p"),
+                                          "n": 2, "typical_p": 0.5}, 400, "typical_p"),
     ("seed not int", CHAT, {"model": MODEL, "messages": MSG, "seed": 1.5}, 400, "seed"),
     ("stop wrong type", CHAT, {"model": MODEL, "messages": MSG, "stop": 7}, 400, "stop"),
     ("too many stops", CHAT, {"model": MODEL, "messages": MSG, "stop": [str(i) for i in range(50)]}, 400, "stop"),
