@@ -15,16 +15,31 @@ MAX_LOGPROBS = 20
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries: a request is no place for a vocabulary
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 GRAMMAR_DIALECTS = ("lark", "gbnf")  # a grammar's "dialect", decided by the gateway (issue 41)
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+MAX_TOP_K = 1 << 20
+MAX_LENGTH_PENALTY = 10.0
+MAX_REPETITION_PENALTY = 1e6
 GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (argmax), as vLLM does
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1  # what msgpack can carry
 
 
 class ParamError(ValueError):
-    """An invalid sampling parameter; `param` names it (the gateway's 400 says which)."""
+    """An invalid sampling parameter; `param` names it and `code` says how (`invalid_type` or
+    `invalid_value`): the gateway's 400 carries both, the engine's admission refuses with it."""
 
-    def __init__(self, message: str, param: str) -> None:
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+# The fields an OpenAI request body carries under their own names (vLLM's extensions included),
+# passed to SamplingParams as they come: the gateway reads no rule of theirs. The other fields
+# (n, best_of, max_tokens, logprobs, logit_bias, prompt_logprobs, structured_output) depend on the
+# endpoint or need translating (`gateway.api.validation`).
+BODY_FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "min_tokens", "stop_token_ids",
+               "ignore_eos", "use_beam_search", "length_penalty", "presence_penalty", "frequency_penalty",
+               "repetition_penalty")
 
 
 def stable_seed(request_id: str) -> int:
@@ -37,7 +52,9 @@ def stable_seed(request_id: str) -> int:
 class SamplingParams:
     """How to pick the next tokens of one request (vLLM / OpenAI semantics).
 
-    `top_k` of 0 or -1 means off. `logprobs` None returns none, 0 the sampled token's
+    `top_k` of 0 or -1 means off; `typical_p` < 1 keeps the locally typical tokens (those whose
+    surprisal is nearest the distribution's entropy, until their mass reaches typical_p; Meister
+    et al. 2022), applied after top-k, top-p and min-p. `logprobs` None returns none, 0 the sampled token's
     logprob, k > 0 also the k most likely alternatives. `best_of` defaults to `n`; with
     beam search it is the beam width. `early_stopping` is False, True or "never" (the
     Hugging Face beam-search stopping rules).
@@ -61,6 +78,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    typical_p: float = 1.0
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -75,6 +93,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every rule of the request, in one place (the gateway's 400s and the engine's admission
+        both come from here): each field's type and range, then the combinations. Integral
+        numbers are taken for integers (JSON may write 2 as 2.0) and numbers for floats, so the
+        fields hold ints and floats after it. Raises ParamError naming the field."""
         self._check_counts()
         self._check_randomness()
         self._check_lengths()
@@ -116,7 +141,7 @@ class SamplingParams:
         """Inverse of `to_dict`; unknown keys are ignored (newer senders), values validated."""
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
-        if "stop_token_ids" in kwargs:
+        if isinstance(kwargs.get("stop_token_ids"), tuple):
             kwargs["stop_token_ids"] = list(kwargs["stop_token_ids"])
         if isinstance(kwargs.get("logit_bias"), dict):
             kwargs["logit_bias"] = dict(kwargs["logit_bias"])
@@ -128,59 +153,68 @@ class SamplingParams:
         return set(self.stop_token_ids) | set(self.logit_bias)
 
     def _check_counts(self) -> None:
-        _require_int("n", self.n)
+        self.n = _int("n", self.n)
         if self.n < 1:
             raise ParamError(f"n must be at least 1, got {self.n}", "n")
         if self.best_of is not None:
-            _require_int("best_of", self.best_of)
+            self.best_of = _int("best_of", self.best_of)
             if self.best_of < self.n:
                 raise ParamError(f"best_of must be >= n (got best_of={self.best_of}, n={self.n})", "best_of")
         if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs)
+            self.logprobs = _int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ParamError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
 
     def _check_randomness(self) -> None:
-        if not _is_real(self.temperature) or self.temperature < 0:
-            raise ParamError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ParamError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
-        _require_int("top_k", self.top_k)
-        if self.top_k < -1:
-            raise ParamError(f"top_k must be -1 or 0 (off) or a positive count, got {self.top_k}", "top_k")
-        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+        self.temperature = _real("temperature", self.temperature)
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ParamError(f"temperature must be a finite number >= 0 and at most {MAX_TEMPERATURE}, "
+                             f"got {self.temperature!r}", "temperature")
+        for name in ("top_p", "typical_p"):  # a probability mass kept: (0, 1], 1 is off
+            value = _real(name, getattr(self, name))
+            setattr(self, name, value)
+            if not 0 < value <= 1:
+                raise ParamError(f"{name} must be in (0, 1], got {value!r}", name)
+        self.top_k = _int("top_k", self.top_k)
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ParamError(f"top_k must be -1 or 0 (off) or a positive count up to {MAX_TOP_K}, got {self.top_k}",
+                             "top_k")
+        self.min_p = _real("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
             raise ParamError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if self.seed is not None:
-            _require_int("seed", self.seed)
+            self.seed = _int("seed", self.seed)
             if not _INT64_MIN <= self.seed <= _UINT64_MAX:
                 raise ParamError(f"seed must fit in 64 bits, got {self.seed}", "seed")
 
     def _check_lengths(self) -> None:
-        _require_int("max_tokens", self.max_tokens)
+        self.max_tokens = _int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ParamError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        _require_int("min_tokens", self.min_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ParamError(
                 f"min_tokens must be between 0 and max_tokens={self.max_tokens}, got {self.min_tokens}", "min_tokens"
             )
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ParamError("stop_token_ids must be a list of token ids", "stop_token_ids", "invalid_type")
         if len(self.stop_token_ids) > MAX_TOKEN_ID_LIST:
             raise ParamError(f"stop_token_ids accepts at most {MAX_TOKEN_ID_LIST} ids", "stop_token_ids")
+        self.stop_token_ids = [_int("stop_token_ids entries", t) for t in self.stop_token_ids]
         for token_id in self.stop_token_ids:
-            _require_int("stop_token_ids entries", token_id)
             if token_id < 0:
                 raise ParamError(f"stop_token_ids must be non-negative token ids, got {token_id}", "stop_token_ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise ParamError(f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos")
+        _require_bool("ignore_eos", self.ignore_eos)
 
     def _check_beam_search(self) -> None:
-        if not isinstance(self.use_beam_search, bool):
-            raise ParamError(f"use_beam_search must be true or false, got {self.use_beam_search!r}", "use_beam_search")
-        if self.early_stopping not in (False, True, "never"):
+        _require_bool("use_beam_search", self.use_beam_search)
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ParamError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}',
                              "early_stopping")
-        if not _is_real(self.length_penalty):
-            raise ParamError(f"length_penalty must be a finite number, got {self.length_penalty!r}", "length_penalty")
+        self.length_penalty = _real("length_penalty", self.length_penalty)
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            raise ParamError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                             f"got {self.length_penalty!r}", "length_penalty")
         if not self.use_beam_search:
             if self.early_stopping is not False:
                 raise ParamError("early_stopping only applies to beam search; set use_beam_search=true",
@@ -193,38 +227,62 @@ class SamplingParams:
             raise ParamError(
                 f"beam search is deterministic and needs temperature=0, got temperature={self.temperature}",
                 "temperature")
-        if self.top_p != 1.0 or self.top_k not in (-1, 0) or self.min_p != 0.0:
-            raise ParamError("beam search does not use top_p, top_k or min_p; leave them at their defaults", "top_p")
-
+        used = [name for name, on in (("top_p", self.top_p != 1.0), ("top_k", self.top_k not in (-1, 0)),
+                                      ("min_p", self.min_p != 0.0), ("typical_p", self.typical_p != 1.0)) if on]
+        if used:
+            raise ParamError("beam search does not use top_p, top_k, min_p or typical_p; leave them at their "
+                             "defaults", used[0])
 
     def _check_logit_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value) or not -2.0 <= value <= 2.0:
+            value = _real(name, getattr(self, name))
+            setattr(self, name, value)
+            if not -2.0 <= value <= 2.0:
                 raise ParamError(f"{name} must be in [-2, 2], got {value!r}", name)
-        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ParamError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}", "repetition_penalty")
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ParamError(f"repetition_penalty must be > 0 and at most {MAX_REPETITION_PENALTY:g}, "
+                             f"got {self.repetition_penalty!r}", "repetition_penalty")
         self._check_logit_bias()
         if self.prompt_logprobs is not None:
-            _require_int("prompt_logprobs", self.prompt_logprobs)
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise ParamError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}", "prompt_logprobs")
         if self.structured_output is not None:
             _check_structured(self.structured_output)
-            if self.use_beam_search:
+        if self.use_beam_search:
+            if self.structured_output is not None:
                 raise ParamError("structured output does not combine with beam search", "structured_output")
+            if (self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0):
+                raise ParamError("penalties and logit_bias do not apply to beam search", "use_beam_search")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):
-            raise ParamError("logit_bias must map token ids to numbers", "logit_bias")
+            raise ParamError("logit_bias must map token ids to numbers", "logit_bias", "invalid_type")
         if len(self.logit_bias) > MAX_TOKEN_ID_LIST:
             raise ParamError(f"logit_bias accepts at most {MAX_TOKEN_ID_LIST} entries", "logit_bias")
+        checked: dict[int, float] = {}
         for token_id, bias in self.logit_bias.items():
-            _require_int("logit_bias keys", token_id)
-            if token_id < 0:
-                raise ParamError(f"logit_bias keys must be non-negative token ids, got {token_id}", "logit_bias")
-            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+            key = _int("logit_bias keys", token_id)
+            if key < 0:
+                raise ParamError(f"logit_bias keys must be non-negative token ids, got {key}", "logit_bias")
+            value = _real("logit_bias values", bias)
+            if not -100.0 <= value <= 100.0:
                 raise ParamError(f"logit_bias values must be in [-100, 100], got {bias!r}", "logit_bias")
+            checked[key] = value
+        self.logit_bias = checked
+
+
+def check_limits(params: SamplingParams, max_n: int, max_tokens: int, max_logprobs: int) -> None:
+    """A server's caps (the gateway's --max-n, --max-tokens-limit, --max-top-logprobs) on
+    parameters that `SamplingParams.validate` already accepted; ParamError naming the field."""
+    caps = (("n", params.n, max_n), ("best_of", params.best_of, max_n), ("max_tokens", params.max_tokens, max_tokens),
+            ("logprobs", params.logprobs, max_logprobs),
+            ("prompt_logprobs", params.prompt_logprobs, max_logprobs))
+    for name, value, cap in caps:
+        if value is not None and value > cap:
+            raise ParamError(f"{name} must be at most {cap} on this server, got {value}", name)
 
 
 def _check_structured(spec: Any) -> None:
@@ -258,10 +316,22 @@ def grammar_dialect(structured: dict[str, Any]) -> str:
     return "gbnf" if "::=" in str(structured.get("spec") or "") else "lark"
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def _real(name: str, value: Any) -> float:
+    """A finite number (not a bool), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ParamError(f"{name} must be a finite number, got {value!r}"[:200], name.split()[0], "invalid_type")
+    return float(value)
 
 
-def _require_int(name: str, value: Any) -> None:
+def _int(name: str, value: Any) -> int:
+    """An integer (not a bool); an integral float (JSON's 2.0) counts."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ParamError(f"{name} must be an integer, got {value!r}", name.split()[0])
+        raise ParamError(f"{name} must be an integer, got {value!r}"[:200], name.split()[0], "invalid_type")
+    return value
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ParamError(f"{name} must be true or false, got {value!r}"[:200], name, "invalid_type")

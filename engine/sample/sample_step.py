@@ -21,9 +21,18 @@ from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.penalty_counts import PenaltyCounts
 from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.prompt_logprobs import chunk_prompt_logprobs
-from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, is_filtered, uniform
+from engine.sample.sampler import Draws, Logprobs, Sampler, SamplingBatch, TokenPlan
 from engine.sched.output import ScheduledSeq, StepSamples
 from engine.sched.sequence import Sequence, sample_stream
+
+
+def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
+    """Whether a row's token must come from its logits through the full path (`SampleStage`, or
+    for a speculative row `engine.spec.verify.draw_from_logits`) rather than a `TokenPlan`: more
+    than one candidate or beams, logprobs, a grammar, or a processor changing its logits now."""
+    p = seq.request.params
+    return (p.num_candidates != 1 or p.use_beam_search or p.logprobs is not None or seq.grammar is not None
+            or changes_logits(seq, eos_token_ids))
 
 
 class SampleStage:
@@ -40,33 +49,20 @@ class SampleStage:
 
     def token_picker(self, rows: list[ScheduledSeq]) -> TokenPlan | None:
         """How to take these rows' tokens straight from their logits (`TokenPlan`), or None when
-        every row needs the logits themselves. A row needs them (`logit_rows`) when it has more
-        than one candidate or beams, wants logprobs, has a processor changing its logits now or a
-        grammar. `rows` are in the runner's order (`engine.model.runner.sampling_rows`)."""
-        random_rows: list[int] = []  # positions among the picked rows
-        temperatures: list[float] = []
-        uniforms: list[float] = []
-        filters: tuple[list[int], list[float], list[float]] = ([], [], [])
-        filtered = False
+        every row needs the logits themselves (`needs_logits`). `rows` are in the runner's order
+        (`engine.model.runner.sampling_rows`)."""
+        draws = Draws()  # rows numbered among the picked rows
         logit_rows: list[int] = []
         for i, item in enumerate(rows):
             seq = item.seq
             p = seq.request.params
-            if (p.num_candidates != 1 or p.use_beam_search or p.logprobs is not None or seq.grammar is not None
-                    or changes_logits(seq, self.eos_list)):
+            if needs_logits(seq, self.eos_list):
                 logit_rows.append(i)
-                continue
-            if not p.is_greedy:
-                random_rows.append(i - len(logit_rows))
-                temperatures.append(p.temperature)
-                uniforms.append(uniform(p.seed, seq.stream, seq.num_output_tokens))
-                filters[0].append(p.top_k)
-                filters[1].append(p.top_p)
-                filters[2].append(p.min_p)
-                filtered = filtered or is_filtered(p)
+            elif not p.is_greedy:
+                draws.add(i - len(logit_rows), p, seq.stream, seq.num_output_tokens)
         if len(logit_rows) == len(rows):
             return None
-        return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None, logit_rows)
+        return TokenPlan(draws, logit_rows)
 
     def __call__(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
                  prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]],

@@ -1,4 +1,4 @@
-"""Turn a batch of logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded.
+"""Turn a batch of logits into tokens: greedy, temperature, top-k, top-p, min-p, typical-p, seeded.
 
 Every random row draws one uniform number derived only from (seed, sample stream, token index)
 and inverts the CDF of its filtered distribution in token-id order. Filters are value
@@ -9,7 +9,9 @@ A preempted or resumed request therefore continues exactly as it would have.
 The per-row parameters travel as tensors (`SamplingBatch`); a batch of greedy rows is one
 argmax, with no softmax; random rows go to one inverse-CDF kernel that never writes the
 probabilities out (`ops.sample_from_logits`, or `ops.sample_filtered` when a row has top-k,
-top-p or min-p).
+top-p, min-p or typical-p). The random rows' parameters are gathered in one place (`Draws`) and
+drawn by one function (`draw`), whoever asks: this sampler, the runner's `TokenPlan`, the
+speculative verifier.
 
 Logprobs (`Logprobs`) are log_softmax of the logits *before* any processor (penalties, bias,
 grammar mask, temperature, filters), as the OpenAI API and vLLM report them: the model's own
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,26 +52,90 @@ class SeedKey:
         return uniform(self.seed, self.stream, self.token_index)
 
 
+class Draws:
+    """The random rows of a batch, gathered the one way every caller takes them (the sampler's
+    batch, `SampleStage.token_picker`, `engine.spec.verify.verify_plan`): per row its temperature,
+    its uniform keyed by (seed, stream, token index) and, when some row is filtered, the filters
+    (`FILTERS`) in the order `ops.sample_filtered` takes them. `rows` says which rows they are."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.temperatures: list[float] = []
+        self.uniforms: list[float] = []
+        self.filters: list[tuple[Any, ...]] = []  # per row, FILTERS' values
+        self.filtered = False
+
+    def add(self, row: int, params: SamplingParams, stream: str, token_index: int) -> None:
+        """Row `row` draws at random (the caller knows `params` is not greedy)."""
+        self.rows.append(row)
+        self.temperatures.append(params.temperature)
+        self.uniforms.append(uniform(params.seed, stream, token_index))
+        self.filters.append(_filter_values(params))
+        self.filtered = self.filtered or is_filtered(params)
+
+    @classmethod
+    def unfiltered(cls, rows: list[int], temperatures: list[float], uniforms: list[float]) -> Draws:
+        """Draws given outright (tests of the runner's picker): rows, temperatures, uniforms, no filter."""
+        out = cls()
+        out.rows, out.temperatures, out.uniforms = rows, temperatures, uniforms
+        out.filters = [_filter_values(SamplingParams())] * len(rows)  # every filter at its default: off
+        return out
+
+    def renumbered(self) -> Draws:
+        """The same draws as rows 0, 1, ... in their order."""
+        out = Draws()
+        out.rows = list(range(len(self.rows)))
+        out.temperatures, out.uniforms, out.filters, out.filtered = (self.temperatures, self.uniforms, self.filters,
+                                                                     self.filtered)
+        return out
+
+    def tensors(self) -> DrawTensors:
+        """On the CPU; `DrawTensors.to` moves a slice of them."""
+        return DrawTensors(1.0 / torch.tensor(self.temperatures, dtype=torch.float32),
+                           torch.tensor(self.uniforms, dtype=torch.float32),
+                           filter_tensors(tuple(map(list, zip(*self.filters, strict=True)))) if self.filtered
+                           else None)
+
+
+@dataclass(frozen=True, slots=True)
+class DrawTensors:
+    """`Draws` as `draw` takes them: fp32 inverse temperatures and uniforms, and the filters or None."""
+
+    inv_temperature: torch.Tensor
+    uniforms: torch.Tensor
+    filters: tuple[torch.Tensor, ...] | None
+
+    def slice(self, lo: int, hi: int, device: torch.device | str) -> DrawTensors:
+        filters = None if self.filters is None else tuple(t[lo:hi].to(device) for t in self.filters)
+        return DrawTensors(self.inv_temperature[lo:hi].to(device), self.uniforms[lo:hi].to(device), filters)
+
+
+def draw(logits: torch.Tensor, draws: DrawTensors) -> torch.Tensor:
+    """The inverse-CDF token of each row of `logits` (the random rows only, `draws`' device): one
+    kernel, `ops.sample_filtered` when some row has a filter, else `ops.sample_from_logits` (the
+    same draw for a row without filters, so a row's token never depends on its batch-mates)."""
+    if draws.filters is None:
+        return ops.sample_from_logits(logits, draws.inv_temperature, draws.uniforms)
+    top_k, top_p, min_p, typical_p = draws.filters
+    return ops.sample_filtered(logits, draws.inv_temperature, top_k, top_p, min_p, draws.uniforms, typical_p)
+
+
 class SamplingBatch:
-    """The parameters of a step's sampling rows as tensors; random-row tensors exist only when
-    some row is random, and hold those rows only (`random_rows` says which)."""
+    """The parameters of a step's sampling rows: which rows draw at random (`random_rows`, their
+    `Draws` as tensors), which report logprobs and how many."""
 
     def __init__(self, params: list[SamplingParams], streams: list[str], token_indices: list[int],
                  device: torch.device | str = "cpu") -> None:
         self.size = len(params)
-        self.random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         self.logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None or p.num_candidates > p.n]
         self.num_logprobs = [params[i].logprobs or 0 for i in self.logprob_rows]
+        random = Draws()
+        for i, p in enumerate(params):
+            if not p.is_greedy:
+                random.add(i, p, streams[i], token_indices[i])
+        self.random_rows = random.rows
         if self.random_rows:
-            chosen = [params[i] for i in self.random_rows]
-            self.temperature = torch.tensor([p.temperature for p in chosen], device=device).unsqueeze(1)
-            self.top_k = [p.top_k for p in chosen]
-            self.top_p = [p.top_p for p in chosen]
-            self.min_p = [p.min_p for p in chosen]
-            self.uniforms = torch.tensor([uniform(chosen[j].seed, streams[i], token_indices[i])
-                                          for j, i in enumerate(self.random_rows)], device=device).unsqueeze(1)
-            # positions in random_rows of the rows with no top-k / top-p / min-p filter
-            self.unfiltered = [j for j, p in enumerate(chosen) if not is_filtered(p)]
+            self.draws = random.tensors().slice(0, len(self.random_rows), device)
 
 
 def argmax_tokens(logits: torch.Tensor, first_row: int = 0) -> torch.Tensor:
@@ -77,25 +145,20 @@ def argmax_tokens(logits: torch.Tensor, first_row: int = 0) -> torch.Tensor:
 
 class TokenPlan:
     """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
-    without keeping the logits: the argmax, and for `random_rows` (sorted) the inverse-CDF draw
-    that `Sampler` makes for a random row, with the same temperatures, filters and uniforms, so a
-    row gets the same token either way. Every other row is greedy. The plan's rows are the step's
-    rows minus `logit_rows`, which need their logits and take `SampleStage`'s full path."""
+    without keeping the logits: the argmax, and for the rows of `draws` (sorted) the inverse-CDF
+    draw that `Sampler` makes for a random row (`draw`, the same `Draws`), so a row gets the same
+    token either way. Every other row is greedy. The plan's rows are the step's rows minus
+    `logit_rows`, which need their logits and take `SampleStage`'s full path."""
 
-    def __init__(self, random_rows: list[int], temperatures: list[float], uniforms: list[float],
-                 filters: tuple[list[int], list[float], list[float]] | None = None,
-                 logit_rows: list[int] | None = None) -> None:
-        self.random_rows = random_rows
+    def __init__(self, draws: Draws, logit_rows: list[int] | None = None) -> None:
+        self.draws = draws
+        self.random_rows = draws.rows
         self.logit_rows = logit_rows or []  # rows of the step that need their logits (not this plan's)
-        self.temperatures, self.uniform_values, self.filters = temperatures, uniforms, filters
-        self.inv_temperature = 1.0 / torch.tensor(temperatures)  # fp32, as `_draw` computes it
-        self.uniforms = torch.tensor(uniforms)
-        # (top_k, top_p, min_p) per random row, when some row has a filter
-        self.filter_tensors = filter_tensors(*filters) if filters else None
+        self.tensors = draws.tensors()
 
     def only_random(self) -> TokenPlan:
         """The plan of the random rows alone, renumbered from 0 in their order."""
-        return TokenPlan(list(range(len(self.random_rows))), self.temperatures, self.uniform_values, self.filters)
+        return TokenPlan(self.draws.renumbered())
 
     def __call__(self, logits: torch.Tensor, first_row: int) -> torch.Tensor:
         lo = bisect.bisect_left(self.random_rows, first_row)
@@ -103,20 +166,11 @@ class TokenPlan:
         if hi == lo:
             return argmax_tokens(logits)
         if hi - lo == logits.shape[0]:
-            return self._draw(logits, lo, hi)
+            return draw(logits, self.tensors.slice(lo, hi, logits.device))
         tokens = argmax_tokens(logits)
         local = torch.tensor([r - first_row for r in self.random_rows[lo:hi]], dtype=torch.long, device=logits.device)
-        tokens[local] = self._draw(logits.index_select(0, local), lo, hi)
+        tokens[local] = draw(logits.index_select(0, local), self.tensors.slice(lo, hi, logits.device))
         return tokens
-
-    def _draw(self, logits: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Random rows lo..hi of the plan, as `_draw` draws them."""
-        device = logits.device
-        inv_t, uniforms = self.inv_temperature[lo:hi].to(device), self.uniforms[lo:hi].to(device)
-        if self.filter_tensors is None:
-            return ops.sample_from_logits(logits, inv_t, uniforms)
-        k, p, m = (t[lo:hi].to(device) for t in self.filter_tensors)
-        return ops.sample_filtered(logits, inv_t, k, p, m, uniforms)
 
 
 class Sampler:
@@ -126,11 +180,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.size:
             raise ValueError(f"logits must be [{batch.size}, vocab], one row per spec; got {list(logits.shape)}")
         if len(batch.random_rows) == batch.size:
-            return _draw(logits, batch)
+            return draw(logits, batch.draws)
         tokens = argmax_tokens(logits)  # greedy rows
         if batch.random_rows:
             rows = _rows(batch.random_rows, batch.size, logits.device)
-            tokens[rows] = _draw(logits[rows], batch)
+            tokens[rows] = draw(logits[rows], batch.draws)
         return tokens
 
 
@@ -166,28 +220,20 @@ class Logprobs:
         return values, tops
 
 
+FILTERS = ("top_k", "top_p", "min_p", "typical_p")  # SamplingParams' fields, in `ops.sample_filtered`'s order
+_filter_values = operator.attrgetter(*FILTERS)
+
+
 def is_filtered(p: SamplingParams) -> bool:
-    """True when a random row's distribution is cut by top-k, top-p or min-p."""
-    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+    """True when a random row's distribution is cut by top-k, top-p, min-p or typical-p."""
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 or p.typical_p < 1.0
 
 
-def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Tokens for the random rows (`logits` holds those rows only), by one inverse-CDF kernel:
-    `ops.sample_filtered` when some row has top-k/top-p/min-p, else `ops.sample_from_logits`
-    (the same draw for a row without filters, so a row's token never depends on its batch-mates)."""
-    inv_t = 1.0 / batch.temperature.squeeze(1)
-    uniforms = batch.uniforms.squeeze(1)
-    if len(batch.unfiltered) == len(batch.top_k):
-        return ops.sample_from_logits(logits, inv_t, uniforms)
-    return ops.sample_filtered(logits, inv_t, *filter_tensors(batch.top_k, batch.top_p, batch.min_p, logits.device),
-                               uniforms)
-
-
-def filter_tensors(top_k: list[int], top_p: list[float], min_p: list[float],
-                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-row filters as `ops.sample_filtered` takes them."""
-    return (torch.tensor(top_k, dtype=torch.int64, device=device), torch.tensor(top_p, device=device),
-            torch.tensor(min_p, device=device))
+def filter_tensors(filters: tuple[list[Any], ...], device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """The per-row filters (`FILTERS`' values) as `ops.sample_filtered` takes them: int64 top-k, fp32 others."""
+    top_k, *masses = filters
+    return (torch.tensor(top_k, dtype=torch.int64, device=device),
+            *(torch.tensor(values, dtype=torch.float32, device=device) for values in masses))
 
 
 def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | slice:

@@ -4,7 +4,7 @@ that fails here is refused with the numbers, never queued to hang or to crash a 
 
 from __future__ import annotations
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import ParamError, SamplingParams
 from engine.kv.block_manager import BlockManager
 
 
@@ -19,7 +19,13 @@ class RequestRejected(ValueError):
 
 def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
                   block_manager: BlockManager, max_num_seqs: int | None = None) -> None:
-    """Raise RequestRejected (message and code for the client) when the request can never run."""
+    """Raise RequestRejected (message and code for the client) when the request can never run.
+    The parameters' own rules are `SamplingParams.validate` (run again here: the object may have
+    been changed since it was built); the rest is what this engine can hold."""
+    try:
+        params.validate()
+    except ParamError as exc:
+        raise RequestRejected(str(exc), "invalid_parameter") from exc
     _check_prompt(prompt, vocab_size, max_model_len, block_manager)
     if max_num_seqs is not None and params.num_candidates > max_num_seqs:
         raise RequestRejected(
@@ -29,9 +35,6 @@ def check_request(prompt: list[int], params: SamplingParams, vocab_size: int, ma
     if outside:
         raise RequestRejected(f"token ids {outside[:5]} are outside the vocabulary [0, {vocab_size})",
                               "invalid_token_id")
-    if params.use_beam_search and (params.logit_bias or params.presence_penalty or params.frequency_penalty
-                                   or params.repetition_penalty != 1.0):
-        raise RequestRejected("penalties and logit_bias do not apply to beam search", "invalid_parameter")
     _check_fits_pool(len(prompt), params, max_model_len, block_manager)
 
 

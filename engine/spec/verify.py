@@ -29,45 +29,30 @@ import torch
 from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.penalty_counts import PenaltyCounts
 from engine.sample.processors import apply_processors, changes_logits
-from engine.sample.sampler import Logprobs, Sampler, SamplingBatch, TokenPlan, is_filtered, uniform
+from engine.sample.sample_step import needs_logits
+from engine.sample.sampler import Draws, Logprobs, Sampler, SamplingBatch, TokenPlan
 from engine.sched.output import ScheduledSeq, SpecResult
 from engine.sched.sequence import Sequence, TokenConstraint
 
 
 def verify_plan(items: list[ScheduledSeq]) -> TokenPlan:
-    """How to take the target's token at every position of the speculative rows (in order)."""
-    random_rows: list[int] = []
-    temperatures: list[float] = []
-    uniforms: list[float] = []
-    filters: tuple[list[int], list[float], list[float]] = ([], [], [])
-    filtered = False
+    """How to take the target's token at every position of the speculative rows (in order): the
+    draw a plain row makes at the output-token index the position will have."""
+    draws = Draws()
     row = 0
     for item in items:
         seq = item.seq
         p = seq.request.params
         for j in range(item.num_spec + 1):
             if not p.is_greedy:
-                random_rows.append(row)
-                temperatures.append(p.temperature)
-                uniforms.append(uniform(p.seed, seq.stream, seq.num_output_tokens + j))
-                filters[0].append(p.top_k)
-                filters[1].append(p.top_p)
-                filters[2].append(p.min_p)
-                filtered = filtered or is_filtered(p)
+                draws.add(row, p, seq.stream, seq.num_output_tokens + j)
             row += 1
-    return TokenPlan(random_rows, temperatures, uniforms, filters if filtered else None)
-
-
-def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
-    """Whether a speculative row's tokens must come from its positions' logits (`draw_from_logits`)."""
-    p = seq.request.params
-    return (p.logprobs is not None or p.num_candidates != 1 or seq.grammar is not None
-            or changes_logits(seq, eos_token_ids))
+    return TokenPlan(draws)
 
 
 def logit_ranges(items: list[ScheduledSeq], eos_token_ids: list[int]) -> dict[int, tuple[int, int]]:
     """Item index -> its positions' range among the speculative rows, for the rows that need their
-    logits (`needs_logits`)."""
+    logits (`needs_logits`, the rule plain rows follow; beams never speculate)."""
     ranges: dict[int, tuple[int, int]] = {}
     offset = 0
     for i, item in enumerate(items):

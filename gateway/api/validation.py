@@ -8,19 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from common.sampling_params import ParamError, SamplingParams
+from common.sampling_params import BODY_FIELDS, ParamError, SamplingParams, check_limits
 from gateway.api.endpoint import Endpoint
-from gateway.api.fields import (
-    as_bool,
-    as_float,
-    as_int,
-    opt_int,
-    parse_logit_bias,
-    parse_prompt,
-    parse_stop,
-    reject_unsupported,
-    token_id_list,
-)
+from gateway.api.fields import as_bool, parse_logit_bias, parse_prompt, parse_stop, reject_unsupported
 from gateway.api.messages import parse_messages
 from gateway.api.structured import parse_structured
 from gateway.api.tools import ToolConfig, parse_tools
@@ -66,14 +56,15 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _logprobs(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig) -> int | None:
+def _logprobs(body: dict[str, Any], kind: Endpoint) -> Any:
+    """The count of alternatives per token (unchecked: SamplingParams' `logprobs` rule), None for none."""
     if kind is Endpoint.COMPLETION:
-        return opt_int(body, "logprobs", 0, cfg.max_top_logprobs)
+        return body.get("logprobs")
     wanted = as_bool(body, "logprobs", False)
-    top = opt_int(body, "top_logprobs", 0, cfg.max_top_logprobs)
+    top = body.get("top_logprobs")
     if top is not None and not wanted:
         raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-    return (top or 0) if wanted else None
+    return (0 if top is None else top) if wanted else None
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -88,44 +79,37 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, as_bool(options, "include_usage", False, prefix="stream_options.")
 
 
-def _params(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig, logprobs: int | None
-            ) -> tuple[SamplingParams, bool]:
-    """The engine's SamplingParams (its own checks run too: a ParamError becomes a 400), and
-    whether max_tokens was given."""
-    n = as_int(body, "n", 1, 1, cfg.max_n)
-    best_of = opt_int(body, "best_of", 1, cfg.max_n) if kind is Endpoint.COMPLETION else None
+def _params(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig) -> tuple[SamplingParams, bool]:
+    """The engine's SamplingParams from the body, and whether max_tokens was given. Every rule is
+    SamplingParams' own (`common.sampling_params`) and the server's caps `check_limits`; the
+    gateway only finds the values and turns a ParamError into a 400 naming the body's field."""
     name = "max_completion_tokens" if kind is Endpoint.CHAT and "max_completion_tokens" in body else "max_tokens"
-    max_tokens = opt_int(body, name, 1, cfg.max_tokens_limit)
-    min_tokens = as_int(body, "min_tokens", 0, 0, cfg.max_tokens_limit)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise bad_request("'min_tokens' must not exceed 'max_tokens'", "min_tokens")
-    top_k = as_int(body, "top_k", -1, -1, 1 << 20)
+    body_names = {"max_tokens": name, "logprobs": "logprobs" if kind is Endpoint.COMPLETION else "top_logprobs"}
+    max_tokens = body.get(name)
+    given = {key: body[key] for key in BODY_FIELDS if body.get(key) is not None}
     try:
         params = SamplingParams(
-            n=n, best_of=best_of, use_beam_search=as_bool(body, "use_beam_search", False),
-            length_penalty=as_float(body, "length_penalty", 1.0, -10.0, 10.0),
-            temperature=as_float(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=as_float(body, "top_p", 1.0, 0.0, 1.0, open_low=True),
-            top_k=-1 if top_k == 0 else top_k, min_p=as_float(body, "min_p", 0.0, 0.0, 1.0),
-            seed=opt_int(body, "seed", -(1 << 63), (1 << 64) - 1),
+            **given, n=_or(body.get("n"), 1), best_of=body.get("best_of") if kind is Endpoint.COMPLETION else None,
             # without max_tokens, check_context fills in the default once the prompt is known
-            max_tokens=max_tokens or cfg.max_tokens_limit, min_tokens=min_tokens,
-            stop_token_ids=token_id_list(body, "stop_token_ids"), ignore_eos=as_bool(body, "ignore_eos", False),
-            logprobs=logprobs, presence_penalty=as_float(body, "presence_penalty", 0.0, -2.0, 2.0),
-            frequency_penalty=as_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-            repetition_penalty=as_float(body, "repetition_penalty", 1.0, 0.0, 1e6, open_low=True),
-            logit_bias=parse_logit_bias(body.get("logit_bias")), prompt_logprobs=_prompt_logprobs(body, kind, cfg),
+            max_tokens=_or(max_tokens, cfg.max_tokens_limit), logprobs=_logprobs(body, kind),
+            logit_bias=parse_logit_bias(body.get("logit_bias")), prompt_logprobs=_prompt_logprobs(body, kind),
         )
+        check_limits(params, cfg.max_n, cfg.max_tokens_limit, cfg.max_top_logprobs)
     except ParamError as exc:
-        raise bad_request(str(exc), exc.param) from exc
+        raise bad_request(str(exc), body_names.get(exc.param, exc.param), exc.code) from exc
     return params, max_tokens is not None
 
 
-def _prompt_logprobs(body: dict[str, Any], kind: Endpoint, cfg: GatewayConfig) -> int | None:
+def _or(value: Any, default: Any) -> Any:
+    """JSON's null is the default."""
+    return default if value is None else value
+
+
+def _prompt_logprobs(body: dict[str, Any], kind: Endpoint) -> Any:
     """vLLM's `prompt_logprobs` extra; for completions `echo` with `logprobs` asks for them too."""
-    given = opt_int(body, "prompt_logprobs", 0, cfg.max_top_logprobs)
+    given = body.get("prompt_logprobs")
     if given is None and kind is Endpoint.COMPLETION and as_bool(body, "echo", False):
-        return opt_int(body, "logprobs", 0, cfg.max_top_logprobs)
+        return body.get("logprobs")
     return given
 
 
@@ -175,9 +159,9 @@ def parse_request(body: Any, kind: Endpoint, cfg: GatewayConfig) -> GenerationRe
     else:
         req.prompt = parse_prompt(body.get("prompt"))
         req.echo = as_bool(body, "echo", False)
-    req.top_logprobs = _logprobs(body, kind, cfg)
     req.tokens_as_ids = as_bool(body, "return_tokens_as_token_ids", False)
-    req.params, req.max_tokens_given = _params(body, kind, cfg, req.top_logprobs)
+    req.params, req.max_tokens_given = _params(body, kind, cfg)
+    req.top_logprobs = req.params.logprobs
     _constraint(body, req)
     req.stop = parse_stop(body.get("stop"), cfg.max_stop_strings, cfg.max_stop_length)
     req.stream, req.include_usage = _stream(body)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import ParamError, SamplingParams, check_limits
 
 
 @pytest.mark.parametrize(
@@ -34,11 +34,45 @@ from common.sampling_params import SamplingParams
         ({"early_stopping": True}, "early_stopping only applies to beam search"),
         ({"length_penalty": 2.0}, "length_penalty only applies to beam search"),
         ({"use_beam_search": True, "temperature": 0, "early_stopping": "sometimes"}, "early_stopping must be"),
+        ({"typical_p": 0.0}, r"typical_p must be in \(0, 1\]"),
+        ({"typical_p": 1.5}, "typical_p"),
+        ({"use_beam_search": True, "temperature": 0, "typical_p": 0.5}, "beam search does not use"),
+        ({"temperature": 2.5}, "temperature must be a finite number >= 0 and at most 2"),
+        ({"use_beam_search": True, "temperature": 0, "presence_penalty": 0.5}, "do not apply to beam search"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+        ({"early_stopping": 1}, "early_stopping must be"),
     ],
 )
 def test_invalid_params_say_what_to_fix(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "param", "code"), [
+    ({"n": "2"}, "n", "invalid_type"), ({"temperature": float("inf")}, "temperature", "invalid_type"),
+    ({"ignore_eos": 1}, "ignore_eos", "invalid_type"), ({"logit_bias": {3: "x"}}, "logit_bias", "invalid_type"),
+    ({"top_p": 0}, "top_p", "invalid_value"), ({"stop_token_ids": [-1]}, "stop_token_ids", "invalid_value"),
+])
+def test_errors_name_the_field_and_say_type_or_value(kwargs: dict[str, Any], param: str, code: str) -> None:
+    with pytest.raises(ParamError) as error:
+        SamplingParams(**kwargs)
+    assert (error.value.param, error.value.code) == (param, code)
+
+
+def test_integral_numbers_are_integers_and_numbers_floats() -> None:
+    params = SamplingParams(n=2.0, max_tokens=8.0, seed=5.0, temperature=1, top_p=1, logit_bias={3.0: 2})
+    assert (params.n, params.max_tokens, params.seed) == (2, 8, 5) and isinstance(params.n, int)
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+    assert params.logit_bias == {3: 2.0} and isinstance(params.logit_bias[3], float)
+
+
+def test_check_limits_caps_what_validation_accepted() -> None:
+    check_limits(SamplingParams(n=4, max_tokens=100, logprobs=5), max_n=4, max_tokens=100, max_logprobs=5)
+    for kwargs, param in (({"n": 5}, "n"), ({"n": 2, "best_of": 5}, "best_of"), ({"max_tokens": 101}, "max_tokens"),
+                          ({"logprobs": 6}, "logprobs"), ({"prompt_logprobs": 6}, "prompt_logprobs")):
+        with pytest.raises(ParamError) as error:
+            check_limits(SamplingParams(**kwargs), max_n=4, max_tokens=100, max_logprobs=5)
+        assert error.value.param == param
 
 
 def test_defaults_and_properties() -> None:
@@ -70,6 +104,7 @@ params_strategy = st.builds(
     stop_token_ids=st.lists(st.integers(0, 50000), max_size=4),
     ignore_eos=st.booleans(),
     logprobs=st.none() | st.integers(0, 20),
+    typical_p=st.floats(0.01, 1),
 )
 
 

@@ -32,7 +32,8 @@ BASE: dict[str, dict[str, Any]] = {
     "/detokenize": {"model": MODEL, "tokens": [104, 105]},
 }
 FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "min_tokens", "temperature",
-          "top_p", "top_k", "min_p", "n", "best_of", "seed", "stop", "stop_token_ids", "stream", "stream_options",
+          "top_p", "top_k", "min_p", "typical_p", "n", "best_of", "seed", "stop", "stop_token_ids", "stream",
+          "stream_options",
           "logprobs", "top_logprobs", "echo", "prompt_logprobs", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "response_format",
           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "ignore_eos",
@@ -56,7 +57,7 @@ VALID: dict[str, list[Any]] = {
                                     {"role": "tool", "tool_call_id": "c", "content": "1"}]],
     "prompt": ["hi", [104, 105], ["once"]], "max_tokens": [1, 4, 16], "max_completion_tokens": [2, 8],
     "min_tokens": [0, 2], "temperature": [0, 0.7, 2], "top_p": [0.5, 1], "top_k": [-1, 0, 5], "min_p": [0, 0.2],
-    "n": [1, 2, 4], "best_of": [2, 4], "seed": [0, 7, 2**63], "stop": ["a", ["x", "y"]],
+    "typical_p": [0.5, 1], "n": [1, 2, 4], "best_of": [2, 4], "seed": [0, 7, 2**63], "stop": ["a", ["x", "y"]],
     "stop_token_ids": [[], [104], [259]], "stream": [True, False], "stream_options": [{"include_usage": True}],
     "logprobs": [0, 2, True], "top_logprobs": [0, 3], "echo": [True], "prompt_logprobs": [0, 1],
     "presence_penalty": [0.5, -2], "frequency_penalty": [1.0], "repetition_penalty": [1.2],

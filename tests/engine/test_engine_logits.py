@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import ParamError, SamplingParams
 from engine.llm import LLM
+from engine.sched.admission import RequestRejected
 from tests.engine.helpers import assert_no_leaks
 
 REPETITIVE = [40, 41, 42, 43] * 6  # the same four tokens over and over
@@ -130,9 +131,16 @@ def test_prompt_logprobs_come_once_on_the_first_delta(llm: LLM) -> None:
 
 
 def test_penalties_with_beam_search_are_refused(llm: LLM) -> None:
-    params = SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=4, repetition_penalty=1.2)
-    with pytest.raises(ValueError, match="beam search"):
+    """One rule (`SamplingParams.validate`): refused when the parameters are built, and by the
+    engine's admission for parameters changed after they were built."""
+    with pytest.raises(ParamError, match="do not apply to beam search") as built:
+        SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=4, repetition_penalty=1.2)
+    assert built.value.param == "use_beam_search"
+    params = SamplingParams(n=2, use_beam_search=True, temperature=0.0, max_tokens=4)
+    params.repetition_penalty = 1.2
+    with pytest.raises(RequestRejected, match="do not apply to beam search") as refused:
         llm.engine.add_request("beam-pen", REPETITIVE, params)
+    assert refused.value.code == "invalid_parameter"
     assert "beam-pen" not in llm.engine.requests
 
 

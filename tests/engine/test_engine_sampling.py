@@ -150,3 +150,24 @@ def test_prefix_cache_hits_are_reported_as_cached_prompt_tokens(llm: LLM) -> Non
     assert again.num_cached_tokens == 48
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert_no_leaks(llm)
+
+
+def test_typical_p_reproduces_whatever_the_batch_and_path(llm: LLM) -> None:
+    """A seeded typical_p request gives the same tokens again, in a crowd, and on the full sampler
+    path (logprobs: the logits kept) as on the runner's picker path; typical_p=1.0 is no filter."""
+    def tokens(params: SamplingParams) -> list[int]:
+        return llm.generate([PROMPT], params)[0].outputs[0].token_ids
+
+    params = SamplingParams(temperature=1.0, typical_p=0.3, seed=77, max_tokens=16, ignore_eos=True)
+    alone = tokens(params)
+    assert tokens(params) == alone
+    others = [list(range(40, 40 + k)) for k in (3, 30, 50)]
+    crowd = llm.generate([*others, PROMPT], [SamplingParams(temperature=1.0, max_tokens=20, top_k=5)] * 3 + [params])
+    assert crowd[-1].outputs[0].token_ids == alone
+    assert tokens(SamplingParams(temperature=1.0, typical_p=0.3, seed=77, max_tokens=16, ignore_eos=True,
+                                 logprobs=1)) == alone
+    plain = SamplingParams(temperature=1.0, seed=77, max_tokens=16, ignore_eos=True)
+    assert tokens(SamplingParams(temperature=1.0, typical_p=1.0, seed=77, max_tokens=16, ignore_eos=True)) \
+        == tokens(plain)
+    assert tokens(plain) != alone  # the filter does cut
+    assert_no_leaks(llm)

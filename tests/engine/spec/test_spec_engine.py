@@ -163,6 +163,24 @@ def test_penalties_bias_and_min_tokens_give_plain_decodings_tokens(markov_llama_
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"top_k": 20, "min_p": 0.02}])
+def test_typical_p_gives_plain_decodings_tokens(markov_llama_dir: Path, cycle_prompt: list[int],
+                                                spec: dict[str, Any], extra: dict[str, Any]) -> None:
+    """typical_p is verified as it is sampled: on the verifier's picker (`verify_plan`) and, with
+    logprobs, from the positions' logits (`draw_from_logits`); the seeded tokens are plain
+    decoding's, and the filter changes them."""
+    prompts = [cycle_prompt] * 3 + PROMPTS[:2]
+    params = [SamplingParams(**({"temperature": 1.0, "seed": s, "typical_p": 0.2 + 0.15 * s, "max_tokens": 40,
+                                 "ignore_eos": True} | extra)) for s in range(len(prompts))]
+    plain = generated(_llm(markov_llama_dir, None).generate(prompts, params))
+    llm = _llm(markov_llama_dir, {**spec, "disable_by_batch_size": 16})
+    assert generated(llm.generate(prompts, params)) == plain
+    assert llm.engine.stats()["spec"]["accepted_tokens"] > 0, llm.engine.stats()["spec"]
+    untyped = [SamplingParams(**{**p.to_dict(), "typical_p": 1.0}) for p in params]
+    assert generated(llm.generate(prompts, untyped)) != plain
+    assert_no_leaks(llm)
+
+
 def test_parallel_samples_and_best_of_give_plain_decodings_outputs(markov_llama_dir: Path, cycle_prompt: list[int],
                                                                   spec: dict[str, Any]) -> None:
     """n > 1 and best_of: each forked candidate speculates on its own stream; every candidate's

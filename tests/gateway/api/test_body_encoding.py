@@ -38,7 +38,7 @@ BASE: dict[str, dict[str, Any]] = {
     CHAT: {"model": MODEL, "messages": MSG, "max_tokens": 4, "tools": [TOOL], "stop": ["x"]},
     COMP: {"model": MODEL, "prompt": "hi", "max_tokens": 4, "logit_bias": {"5": 1}, "stop": ["x"]},
 }
-FIELDS = ["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "logprobs",
+FIELDS = ["max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "n", "seed", "logprobs",
           "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
           "stop_token_ids", "prompt", "stop", "user", "tool_choice", "guided_json", "length_penalty"]
 HUGE = "1" + "0" * 5000  # past int()'s 4300-digit limit

@@ -38,6 +38,14 @@ async def test_penalties_and_logit_bias_pass_through(gateway: Gateway) -> None:
     assert params["logit_bias"] == {65: -100.0, 66: 2.5}
 
 
+async def test_typical_p_and_integral_numbers_pass_through(gateway: Gateway) -> None:
+    params = await _params(gateway, "/v1/chat/completions", {
+        "messages": MSG, "typical_p": 0.7, "seed": 3, "n": 1.0, "max_tokens": 4.0, "temperature": 1})
+    assert params["typical_p"] == 0.7 and params["seed"] == 3
+    assert params["n"] == 1 and isinstance(params["n"], int) and params["max_tokens"] == 4
+    assert params["temperature"] == 1.0 and isinstance(params["temperature"], float)
+
+
 CONSTRAINTS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("json_object", {"response_format": {"type": "json_object"}}, {"kind": "json_object", "spec": None}),
     ("json_schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA,
