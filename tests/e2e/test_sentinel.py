@@ -99,7 +99,7 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory,
 
 
 def _report(request: pytest.FixtureRequest) -> None:
-    lines = ["| fault | requests | completed identical | clean errors | lost | duplicated | kill → next token |",
+    lines = ["| fault | requests | completed identical | clean errors | lost | duplicated | fault → next token |",
              "|---|---|---|---|---|---|---|", *ROWS]
     out = ROOT / "artifacts" / "sentinel.md"
     out.parent.mkdir(parents=True, exist_ok=True)
