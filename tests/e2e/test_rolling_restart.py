@@ -4,7 +4,8 @@ clients stream greedy completions through up's port while SIGHUP makes `up` repl
 its gateway (a new one on the same port with --reuse-port, then SIGTERM: the old one drains its
 streams to their end). Twice, so the second restart goes back to the first engine id. Every
 request's outcome is counted: none may fail, and every one must be exactly the text the same
-prompt produced before the restart. Conditions are polled; no duration is asserted."""
+prompt produced before the restart. And a replacement that cannot start (its metrics port held)
+leaves the old processes serving. Conditions are polled; no duration is asserted."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,7 +43,7 @@ GATEWAY_STOP = "stopping the old gateway"
 class Up:
     """`pagedserve up` on a test Redis, the tiny model, logging to a file."""
 
-    def __init__(self, model: Path, redis_url: str, log_path: Path) -> None:
+    def __init__(self, model: Path, redis_url: str, log_path: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -51,7 +53,7 @@ class Up:
             [sys.executable, "-m", "pagedserve.cli", "up", "--port", str(self.port), "--model", str(model),
              "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-memory", "16MiB", "--redis-url", redis_url,
              "--ready-timeout", "240", "--engine-args", engine_args,
-             "--gateway-args", "--request-timeout 300 --drain-timeout 120"],
+             "--gateway-args", "--request-timeout 300 --drain-timeout 120", *extra],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def text(self) -> str:
@@ -142,14 +144,20 @@ def _engine_ids(redis_url: str) -> list[str]:
         return sorted(k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=KEYS.engine("*")))
 
 
-async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) -> None:
-    up, redis_url = stack
+async def _same_answers(up: Up, reference: list[str] | None = None) -> list[str]:
+    """Each prompt once, concurrently: all must finish whole (and equal `reference` when given)."""
     timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        undisturbed = await asyncio.gather(*(stream_one(session, up.url, prompt(i), MAX_TOKENS)
-                                             for i in range(PROMPTS)))
-    assert all(o.done and o.error is None and o.tokens == MAX_TOKENS for o in undisturbed), undisturbed
-    reference = [o.text for o in undisturbed]
+        outs = await asyncio.gather(*(stream_one(session, up.url, prompt(i), MAX_TOKENS) for i in range(PROMPTS)))
+    assert all(o.done and o.error is None and o.tokens == MAX_TOKENS for o in outs), outs
+    texts = [o.text for o in outs]
+    assert reference is None or texts == reference
+    return texts
+
+
+async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) -> None:
+    up, redis_url = stack
+    reference = await _same_answers(up)  # the undisturbed run
     assert _engine_ids(redis_url) == ["up-engine-0"]
 
     load = Load(up.url)
@@ -177,3 +185,46 @@ async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) ->
     with redis.Redis.from_url(redis_url) as client:  # nothing left queued, pending or checkpointed
         assert client.xlen(KEYS.requests(MODEL)) == 0
         assert not list(client.scan_iter(match=f"{KEYS.prefix}:progress:*"))
+
+
+def _port_pair() -> tuple[int, socket.socket]:
+    """A free port N and a socket listening on N+1 (the replacement engine's metrics port)."""
+    while True:
+        port = free_port()
+        blocker = socket.socket()
+        try:
+            blocker.bind(("0.0.0.0", port + 1))
+        except OSError:
+            blocker.close()
+            continue
+        blocker.listen()
+        return port, blocker
+
+
+async def test_a_replacement_that_cannot_start_leaves_the_old_one_serving(tiny_llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """The replacement engine cannot bind its metrics port (N+1, held by this test): the restart
+    stops, the old engine and gateway keep serving the same answers; once the port is free a
+    second SIGHUP restarts everything."""
+    metrics_port, blocker = _port_pair()
+    with RedisServer() as server:
+        up = Up(tiny_llama_dir, server.url, tmp_path / "up.log", "--metrics-port", str(metrics_port))
+        try:
+            up.wait_for("Ctrl-C stops everything")
+            reference = await _same_answers(up)
+            up.proc.send_signal(signal.SIGHUP)
+            await asyncio.to_thread(up.wait_for, "rolling restart: failed")
+            log = up.text()
+            assert "up-engine-1" in log and "exited with code 1" in log, log[-3000:]
+            assert "old engine exited" not in log and "gateway replacement started" not in log, log[-3000:]
+            assert _engine_ids(server.url) == ["up-engine-0"]
+            await _same_answers(up, reference)
+            blocker.close()
+            up.proc.send_signal(signal.SIGHUP)
+            await asyncio.to_thread(up.wait_for, "rolling restart: done")
+            assert _engine_ids(server.url) == ["up-engine-1"]
+            await _same_answers(up, reference)
+        finally:
+            blocker.close()
+            code = up.stop()
+        assert code == 0, up.text()[-3000:]
