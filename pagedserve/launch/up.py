@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-limits", metavar="FILE",
                         help="per-API-key requests/tokens per minute for the gateway (see `pagedserve gateway`; "
                              "reloaded when the file changes)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for /health (at start, and for each replacement in a rolling restart)")
     parser.add_argument("--sse-keepalive", type=float, default=0.0, metavar="SECONDS",
                         help="SSE comment frames on streams idle this long (default 0 = never)")
     parser.add_argument("--engine-args", default="", metavar="ARGS",
