@@ -10,7 +10,7 @@ from gateway.api.tokenize_routes import add_routes as add_tokenize_routes
 from gateway.broker.broker import BrokerUnavailable
 from gateway.drain import DRAIN_CODE
 from gateway.errors import OpenAIError, redis_unavailable
-from gateway.state import BROKER, DRAIN, METRICS, REGISTRY
+from gateway.state import BROKER, CONFIG, DRAIN, METRICS, REGISTRY
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -28,7 +28,9 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """200 when Redis answers, this gateway reads its output stream and at least one engine
     that is not draining can consume, else 503 with the reason (code "draining" while this
-    gateway drains: load balancers stop sending). `redis` says which master is in use and whether
+    gateway drains: load balancers stop sending). `gateway` is this gateway's id and
+    `engine_ids` the consuming engines it sees (`pagedserve up`'s rolling restart waits on both).
+    `redis` says which master is in use and whether
     writes are acknowledged by a replica."""
     broker = request.app[BROKER]
     if request.app[DRAIN].draining:
@@ -49,7 +51,8 @@ async def health(request: web.Request) -> web.Response:
     models: dict[str, list[str]] = {}
     for engine in engines:
         models.setdefault(engine.model, []).append(engine.engine_id)
-    return web.json_response({"status": "ok", "engines": len(engines), "models": sorted(models),
+    return web.json_response({"status": "ok", "gateway": request.app[CONFIG].gateway_id, "engines": len(engines),
+                              "engine_ids": sorted(e.engine_id for e in engines), "models": sorted(models),
                               "conflicts": request.app[REGISTRY].conflicts(engines), "redis": broker.redis_status()})
 
 

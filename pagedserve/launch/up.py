@@ -4,11 +4,19 @@ Starts an embedded `redis-server` on a free loopback port (unless `--redis-url` 
 `--redis-sentinel`: then the children follow the master the sentinels report), fetches the
 default model on first run (with progress), then runs `pagedserve engine` and
 `pagedserve gateway` as child processes in their own sessions. Ctrl-C (or SIGTERM) stops the
-gateway, then the engine, then Redis."""
+gateway, then the engine, then Redis.
+
+SIGHUP restarts the children one at a time, replacement first (`Stack.rolling_restart`): a new
+engine (the other of two engine ids) until the gateway sees it consuming, then SIGTERM to the old
+one, which drains and hands back what it still runs (resumed exactly by the new one); then a new
+gateway on the same port (every gateway of `up` listens with `--reuse-port`) until it answers
+/health itself, then SIGTERM to the old one, which drains its open streams to their end."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shlex
 import signal
@@ -17,7 +25,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from common.log import get_logger
 from common.redis_conn import redact_url
@@ -66,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-limits", metavar="FILE",
                         help="per-API-key requests/tokens per minute for the gateway (see `pagedserve gateway`; "
                              "reloaded when the file changes)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for /health (at start, and for each replacement in a rolling restart)")
     parser.add_argument("--sse-keepalive", type=float, default=0.0, metavar="SECONDS",
                         help="SSE comment frames on streams idle this long (default 0 = never)")
     parser.add_argument("--engine-args", default="", metavar="ARGS",
@@ -84,23 +96,190 @@ def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
                             env={**os.environ, **env})
 
 
-def _healthy(url: str) -> bool:
+def _health(url: str) -> dict[str, Any] | None:
+    """/health's body when it answers 200, else None. Each call opens a new connection, so with
+    several gateways on one SO_REUSEPORT port each call may reach another of them."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
+            if resp.status != 200:
+                return None
+            body = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
-def _stop(proc: subprocess.Popen[bytes], name: str, timeout: float = 15.0) -> None:
+def _stop(proc: subprocess.Popen[bytes], name: str, timeout: float = 15.0) -> int:
+    """SIGTERM, wait up to `timeout` (the child drains meanwhile), then SIGKILL; its exit status."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            log.warning("killing", process=name)
+            log.warning("killing", process=name, after_s=timeout)
             proc.kill()
             proc.wait()
+    return int(proc.returncode)
+
+
+def _flag(argv: list[str], name: str, default: float) -> float:
+    """The value of `name` (a number) in `argv`, the last one given; `default` if absent."""
+    value = default
+    for i, arg in enumerate(argv):
+        text = arg.split("=", 1)[1] if arg.startswith(f"{name}=") else \
+            argv[i + 1] if arg == name and i + 1 < len(argv) else None
+        if text is not None:
+            with contextlib.suppress(ValueError):  # the child refuses it at startup, with its own message
+                value = float(text)
+    return value
+
+
+@dataclass
+class Child:
+    """One process `up` runs: an engine or a gateway, in slot 0 or 1 (its replacement takes the
+    other slot, so the two never share an engine id, a gateway id or a metrics port)."""
+
+    kind: str
+    ident: str
+    slot: int
+    proc: subprocess.Popen[bytes]
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.ident} (pid {self.proc.pid})"
+
+
+class RestartFailed(RuntimeError):
+    """A replacement did not come up; the process it was to replace still serves."""
+
+
+class Stack:
+    """The engine and the gateway `up` runs, how to start each again, and the rolling restart.
+    `engine_argv` / `gateway_argv` are the children's arguments without their ids (and, for the
+    engine, without its metrics port): a replacement is the same command in the other slot."""
+
+    def __init__(self, engine_argv: list[str], gateway_argv: list[str], engine_env: dict[str, str],
+                 gateway_env: dict[str, str], url: str, metrics_port: int | None, ready_timeout: float) -> None:
+        self.engine_argv = engine_argv
+        self.gateway_argv = gateway_argv
+        self.engine_env = engine_env
+        self.gateway_env = gateway_env
+        self.url = url
+        self.metrics_port = metrics_port
+        self.ready_timeout = ready_timeout
+        self.tag = f"up{os.getpid()}"  # gateway ids unique per `up`: two of them may share one Redis
+        self.engine: Child | None = None
+        self.gateway: Child | None = None
+        self.starting: list[Child] = []  # replacements not yet serving (stopped too by stop_all)
+        # how long a SIGTERMed child may take: its drain timeout and a margin (model-free shutdown)
+        self.engine_stop_s = _flag(engine_argv, "--drain-timeout", 30.0) + 30.0
+        self.gateway_stop_s = max(GATEWAY_STOP_S, _flag(gateway_argv, "--drain-timeout", 30.0) + 15.0)
+        self.restarts = 0
+
+    def start_engine(self, slot: int) -> Child:
+        engine_id = f"up-engine-{slot}"
+        argv = [*self.engine_argv, "--engine-id", engine_id]
+        if self.metrics_port:
+            argv += ["--metrics-port", str(self.metrics_port + slot)]
+        child = Child("engine", engine_id, slot, _child(argv, self.engine_env))
+        if self.engine is None:
+            self.engine = child
+        else:
+            self.starting.append(child)
+        return child
+
+    def start_gateway(self, slot: int) -> Child:
+        gateway_id = f"{self.tag}-gateway-{slot}"
+        child = Child("gateway", gateway_id, slot,
+                      _child([*self.gateway_argv, "--reuse-port", "--gateway-id", gateway_id], self.gateway_env))
+        if self.gateway is None:
+            self.gateway = child
+        else:
+            self.starting.append(child)
+        return child
+
+    def serving(self) -> list[Child]:
+        return [c for c in (self.gateway, self.engine) if c is not None]
+
+    def dead(self) -> list[Child]:
+        """Serving children that exited on their own."""
+        return [c for c in self.serving() if c.proc.poll() is not None]
+
+    def wait_ready(self) -> None:
+        """Until the gateway answers /health and sees the engine consuming (first start)."""
+        assert self.engine is not None and self.gateway is not None
+        self._wait(self.gateway, "the gateway healthy with its engine",
+                   lambda body: self.engine is not None and self.engine.ident in body.get("engine_ids", ()),
+                   watch=[self.engine])
+
+    def _wait(self, child: Child, what: str, condition: Callable[[dict[str, Any]], bool],
+              watch: Iterable[Child] = ()) -> None:
+        """Poll /health until a 200 body meets `condition`; RestartFailed if `child` (or one of
+        `watch`) exits or `ready_timeout` passes."""
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            body = _health(self.url)
+            if body is not None and condition(body):
+                return
+            for proc in (child, *watch):
+                if proc.proc.poll() is not None:
+                    raise RestartFailed(f"{proc.describe()} exited with code {proc.proc.returncode} while waiting "
+                                        f"for {what}")
+            if time.monotonic() > deadline:
+                raise RestartFailed(f"timed out after {self.ready_timeout:.0f}s waiting for {what} (at {self.url})")
+            time.sleep(0.2)
+
+    def rolling_restart(self) -> bool:
+        """Replace the engine, then the gateway, each replacement serving before the old one is
+        stopped. False (logged) when a replacement did not come up: it is stopped and the old
+        process keeps serving; the rest of the restart is skipped."""
+        self.restarts += 1
+        started = time.monotonic()
+        log.info("rolling restart: begin", restart=self.restarts)
+        try:
+            self._replace_engine()
+            self._replace_gateway()
+        except RestartFailed as exc:
+            log.error("rolling restart: failed; the old process keeps serving", reason=str(exc))
+            for child in self.starting:
+                _stop(child.proc, child.describe(), self.engine_stop_s)
+            self.starting.clear()
+            return False
+        log.info("rolling restart: done", restart=self.restarts, seconds=round(time.monotonic() - started, 1))
+        return True
+
+    def _replace_engine(self) -> None:
+        old = self.engine
+        assert old is not None
+        new = self.start_engine(1 - old.slot)
+        log.info("rolling restart: engine replacement started", old=old.describe(), new=new.describe())
+        self._wait(new, f"engine {new.ident} consuming",
+                   lambda body: new.ident in body.get("engine_ids", ()), watch=[old])
+        log.info("rolling restart: engine replacement ready; stopping the old engine (drain)", old=old.describe())
+        self.engine = new
+        self.starting.remove(new)
+        code = _stop(old.proc, old.describe(), self.engine_stop_s)
+        log.info("rolling restart: old engine exited", old=old.describe(), code=code)
+
+    def _replace_gateway(self) -> None:
+        old = self.gateway
+        assert old is not None
+        new = self.start_gateway(1 - old.slot)
+        log.info("rolling restart: gateway replacement started", old=old.describe(), new=new.describe())
+        self._wait(new, f"gateway {new.ident} healthy on {self.url}",
+                   lambda body: body.get("gateway") == new.ident, watch=[old])
+        log.info("rolling restart: gateway replacement healthy; stopping the old gateway (drain)",
+                 old=old.describe())
+        self.gateway = new
+        self.starting.remove(new)
+        code = _stop(old.proc, old.describe(), self.gateway_stop_s)
+        log.info("rolling restart: old gateway exited", old=old.describe(), code=code)
+
+    def stop_all(self) -> None:
+        """Gateways first (they drain their open streams), then engines."""
+        children = [*self.starting, *self.serving()]
+        for child in sorted(children, key=lambda c: c.kind != "gateway"):
+            _stop(child.proc, child.describe(), self.gateway_stop_s if child.kind == "gateway" else 15.0)
+        self.starting.clear()
 
 
 def up_kv_cache_dtype(requested: str, model: str, quantization: str) -> str:
@@ -115,17 +294,6 @@ def up_kv_cache_dtype(requested: str, model: str, quantization: str) -> str:
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise Stop
-
-
-def _wait_ready(url: str, children: dict[str, subprocess.Popen[bytes]], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not _healthy(url):
-        for name, proc in children.items():
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} during startup")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the gateway at {url} was not healthy within {timeout:.0f}s")
-        time.sleep(0.5)
 
 
 def _banner(url: str, model: str, api_key: str | None) -> str:
@@ -150,14 +318,17 @@ def _sentinel_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start everything, print the URL, wait for Ctrl-C; exit 1 if a child dies."""
+    """Start everything, print the URL, wait for Ctrl-C (SIGHUP: a rolling restart); exit 1 if a
+    child dies."""
     from engine.model.fetch import FetchError
     from engine.worker.cli import resolve_model, served_name
 
+    hangups: list[int] = []
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)  # also when started with SIGINT ignored (background job)
+    previous_hup = signal.signal(signal.SIGHUP, lambda signum, frame: hangups.append(signum))
     redis: RedisServer | None = None
-    children: dict[str, subprocess.Popen[bytes]] = {}
+    stack: Stack | None = None
     try:
         model, tokenizer = resolve_model(args.model, args.tokenizer, args.quantization)
         name = args.served_model_name or served_name(model)
@@ -178,25 +349,29 @@ def run(args: argparse.Namespace) -> int:
         tls = ["--redis-tls"] if args.redis_tls else []
         engine_args = ["engine", "--model", model, "--served-model-name", name, "--quantization", args.quantization,
                        "--kv-cache-dtype", kv_cache_dtype, *(["--tokenizer", tokenizer] if tokenizer else []),
-                       "--engine-id", "up-engine-0", "--device", args.device,
+                       "--device", args.device,
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
                        "--tensor-parallel-size", str(args.tensor_parallel_size)]
-        if args.metrics_port:
-            engine_args += ["--metrics-port", str(args.metrics_port)]
-        children["engine"] = _child(engine_args + tls + shlex.split(args.engine_args), secrets)
         gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), *tls,
                         "--sse-keepalive", str(args.sse_keepalive),
                         *(["--rate-limits", os.path.abspath(args.rate_limits)] if args.rate_limits else []),
                         *shlex.split(args.gateway_args)]
-        children["gateway"] = _child(gateway_args, secrets | (
-            {"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}))
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{host}:{args.port}"
-        _wait_ready(url, children, args.ready_timeout)
+        stack = Stack(engine_args + tls + shlex.split(args.engine_args), gateway_args, secrets,
+                      secrets | ({"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}),
+                      url, args.metrics_port, args.ready_timeout)
+        stack.start_engine(0)
+        stack.start_gateway(0)
+        stack.wait_ready()
         print(_banner(url, name, args.api_key[0] if args.api_key else None), flush=True)
-        while all(proc.poll() is None for proc in children.values()):
+        while not stack.dead():
+            if hangups:
+                hangups.clear()  # SIGHUPs during a restart ask for one more, not one each
+                stack.rolling_restart()
+                continue
             time.sleep(0.5)
-        dead = [f"{n} (code {p.returncode})" for n, p in children.items() if p.poll() is not None]
+        dead = [f"{c.describe()} (code {c.proc.returncode})" for c in stack.dead()]
         print(f"pagedserve up: {', '.join(dead)} exited; stopping", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, Stop):
@@ -207,11 +382,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not interrupt the cleanup
-        for child_name in ("gateway", "engine"):
-            if child_name in children:
-                # the gateway drains its open streams first (its --drain-timeout, 30 s by default)
-                _stop(children[child_name], child_name, GATEWAY_STOP_S if child_name == "gateway" else 15.0)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        if stack is not None:
+            stack.stop_all()  # the gateway drains its open streams first (its --drain-timeout)
         if redis is not None:
             redis.stop()
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGHUP, previous_hup)
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -23,7 +23,10 @@ async def test_health_503_without_engine(redis_server: str, tiny_tokenizer_dir: 
         resp = await gw.client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
         assert resp.status == 503
         await gw.engine.beat()
-        assert (await gw.client.get("/health")).status == 200
+        resp = await gw.client.get("/health")
+        assert resp.status == 200
+        body = await resp.json()  # who answered and which engines it sees (up's rolling restart waits on both)
+        assert body["gateway"] == gw.config.gateway_id and body["engine_ids"] == [gw.engine.engine_id]
 
 
 async def test_models_lists_live_engines_only(gateway: Gateway) -> None:

@@ -1,0 +1,230 @@
+"""A rolling restart of a real `pagedserve up` under steady streaming load (issue 40): looping
+clients stream greedy completions through up's port while SIGHUP makes `up` replace its engine
+(replacement first, then SIGTERM: the old one drains and hands back what it still runs) and then
+its gateway (a new one on the same port with --reuse-port, then SIGTERM: the old one drains its
+streams to their end). Twice, so the second restart goes back to the first engine id. Every
+request's outcome is counted: none may fail, and every one must be exactly the text the same
+prompt produced before the restart. And a replacement that cannot start (its metrics port held)
+leaves the old processes serving. Conditions are polled; no duration is asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis
+
+from common.ports import free_port
+from common.protocol import Keys
+from pagedserve.launch.redis_server import RedisServer
+from tests.e2e.faults import MODEL, Outcome, prompt, stream_one
+from tests.e2e.support import ROOT
+
+pytestmark = pytest.mark.slow
+PROMPTS = 12
+CLIENTS = 6
+MAX_TOKENS = 64
+KEYS = Keys()
+ENGINE_STOP = "stopping the old engine"
+GATEWAY_STOP = "stopping the old gateway"
+
+
+class Up:
+    """`pagedserve up` on a test Redis, the tiny model, logging to a file."""
+
+    def __init__(self, model: Path, redis_url: str, log_path: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        engine_args = "--dtype float32 --heartbeat-interval 0.5 --drain-timeout 1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve.cli", "up", "--port", str(self.port), "--model", str(model),
+             "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-memory", "16MiB", "--redis-url", redis_url,
+             "--ready-timeout", "240", "--engine-args", engine_args,
+             "--gateway-args", "--request-timeout 300 --drain-timeout 120", *extra],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def count(self, needle: str) -> int:
+        return self.text().count(needle)
+
+    def wait_for(self, needle: str, times: int = 1, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.count(needle) < times:
+            assert self.proc.poll() is None, f"up exited ({self.proc.returncode}): {self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {needle!r} x{times} in up's log: {self.text()[-3000:]}"
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+@dataclass
+class Load:
+    """Looping clients; every request's prompt index and outcome, and how many are open now."""
+
+    url: str
+    results: list[tuple[int, Outcome]] = field(default_factory=list)
+    open_now: int = 0
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def client(self, k: int) -> None:
+        timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:  # keep-alive, as real clients
+            i = 0
+            while not self.stop.is_set():
+                index = (k * 5 + i) % PROMPTS
+                i += 1
+                self.open_now += 1
+                try:
+                    out = await stream_one(session, self.url, prompt(index), MAX_TOKENS)
+                finally:
+                    self.open_now -= 1
+                self.results.append((index, out))
+
+
+@pytest.fixture
+def stack(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[tuple[Up, str]]:
+    with RedisServer() as server:
+        up = Up(tiny_llama_dir, server.url, tmp_path / "up.log")
+        try:
+            up.wait_for("Ctrl-C stops everything")
+            yield up, server.url
+        finally:
+            code = up.stop()
+            assert code == 0, up.text()[-3000:]
+
+
+async def _restart_under_load(up: Up, load: Load, restarts: int) -> dict[str, int]:
+    """SIGHUP `restarts` times (each after the previous one is done) while `load` runs; returns
+    the requests open at the moment each old process was told to stop (as seen in up's log)."""
+    seen: dict[str, int] = {}
+    for n in range(1, restarts + 1):
+        up.proc.send_signal(signal.SIGHUP)
+        while up.count("rolling restart: done") < n:
+            assert up.proc.poll() is None, up.text()[-3000:]
+            assert "rolling restart: failed" not in up.text(), up.text()[-3000:]
+            for step in (ENGINE_STOP, GATEWAY_STOP):
+                key = f"{step} #{n}"
+                if key not in seen and up.count(step) >= n:
+                    seen[key] = load.open_now
+            await asyncio.sleep(0.05)
+        before = len(load.results)
+        while len(load.results) < before + 2 * CLIENTS:  # the restarted stack serves
+            assert up.proc.poll() is None, up.text()[-3000:]
+            await asyncio.sleep(0.05)
+    return seen
+
+
+def _engine_ids(redis_url: str) -> list[str]:
+    with redis.Redis.from_url(redis_url) as client:
+        return sorted(k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=KEYS.engine("*")))
+
+
+async def _same_answers(up: Up, reference: list[str] | None = None) -> list[str]:
+    """Each prompt once, concurrently: all must finish whole (and equal `reference` when given)."""
+    timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        outs = await asyncio.gather(*(stream_one(session, up.url, prompt(i), MAX_TOKENS) for i in range(PROMPTS)))
+    assert all(o.done and o.error is None and o.tokens == MAX_TOKENS for o in outs), outs
+    texts = [o.text for o in outs]
+    assert reference is None or texts == reference
+    return texts
+
+
+async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) -> None:
+    up, redis_url = stack
+    reference = await _same_answers(up)  # the undisturbed run
+    assert _engine_ids(redis_url) == ["up-engine-0"]
+
+    load = Load(up.url)
+    clients = [asyncio.create_task(load.client(k)) for k in range(CLIENTS)]
+    try:
+        while len(load.results) < 2 * CLIENTS:
+            await asyncio.sleep(0.05)
+        in_flight = await _restart_under_load(up, load, restarts=2)
+    finally:
+        load.stop.set()
+        await asyncio.gather(*clients)
+
+    failed = [(i, o) for i, o in load.results
+              if not (o.done and o.error is None and o.tokens == MAX_TOKENS and o.text == reference[i])]
+    print(f"\nrolling restart x2 under {CLIENTS} looping clients: {len(load.results)} requests, "
+          f"{len(load.results) - len(failed)} identical to the undisturbed run, {len(failed)} not; "
+          f"open when each old process was stopped: {in_flight}")
+    assert failed == [], failed[:5]
+    assert len(in_flight) == 4 and all(n > 0 for n in in_flight.values()), in_flight  # the restarts met load
+    log = up.text()
+    assert re.findall(r"engine replacement started.*?new='?engine (up-engine-\d)", log) == ["up-engine-1",
+                                                                                          "up-engine-0"], log[-3000:]
+    assert log.count("old engine exited") == 2 and log.count("old gateway exited") == 2, log[-3000:]
+    assert _engine_ids(redis_url) == ["up-engine-0"]  # the old engine left; the second restart came back
+    with redis.Redis.from_url(redis_url) as client:  # nothing left queued, pending or checkpointed
+        assert client.xlen(KEYS.requests(MODEL)) == 0
+        assert not list(client.scan_iter(match=f"{KEYS.prefix}:progress:*"))
+
+
+def _port_pair() -> tuple[int, socket.socket]:
+    """A free port N and a socket listening on N+1 (the replacement engine's metrics port)."""
+    while True:
+        port = free_port()
+        blocker = socket.socket()
+        try:
+            blocker.bind(("0.0.0.0", port + 1))
+        except OSError:
+            blocker.close()
+            continue
+        blocker.listen()
+        return port, blocker
+
+
+async def test_a_replacement_that_cannot_start_leaves_the_old_one_serving(tiny_llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    """The replacement engine cannot bind its metrics port (N+1, held by this test): the restart
+    stops, the old engine and gateway keep serving the same answers; once the port is free a
+    second SIGHUP restarts everything."""
+    metrics_port, blocker = _port_pair()
+    with RedisServer() as server:
+        up = Up(tiny_llama_dir, server.url, tmp_path / "up.log", "--metrics-port", str(metrics_port))
+        try:
+            up.wait_for("Ctrl-C stops everything")
+            reference = await _same_answers(up)
+            up.proc.send_signal(signal.SIGHUP)
+            await asyncio.to_thread(up.wait_for, "rolling restart: failed")
+            log = up.text()
+            assert "up-engine-1" in log and "exited with code 1" in log, log[-3000:]
+            assert "old engine exited" not in log and "gateway replacement started" not in log, log[-3000:]
+            assert _engine_ids(server.url) == ["up-engine-0"]
+            await _same_answers(up, reference)
+            blocker.close()
+            up.proc.send_signal(signal.SIGHUP)
+            await asyncio.to_thread(up.wait_for, "rolling restart: done")
+            assert _engine_ids(server.url) == ["up-engine-1"]
+            await _same_answers(up, reference)
+        finally:
+            blocker.close()
+            code = up.stop()
+        assert code == 0, up.text()[-3000:]
