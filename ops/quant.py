@@ -1,4 +1,4 @@
-"""``quant_linear``: a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1), read in place.
+"""``quant_linear``: a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), read in place.
 
 A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / 32 * fmt.block_bytes]`` (layout in
 :mod:`ops.reference.quant`). On the CPU:
@@ -53,7 +53,9 @@ class QuantFormat:
 Q8_0 = QuantFormat("Q8_0", ref.Q8_0, ref.BLOCK_BYTES[ref.Q8_0])
 Q4_0 = QuantFormat("Q4_0", ref.Q4_0, ref.BLOCK_BYTES[ref.Q4_0])
 Q4_1 = QuantFormat("Q4_1", ref.Q4_1, ref.BLOCK_BYTES[ref.Q4_1])
-FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
+Q5_0 = QuantFormat("Q5_0", ref.Q5_0, ref.BLOCK_BYTES[ref.Q5_0])
+Q5_1 = QuantFormat("Q5_1", ref.Q5_1, ref.BLOCK_BYTES[ref.Q5_1])
+FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)}
 # The CPU kernel's eight-row interleaved layouts of the Q4 formats (ops/reference/quant.py, interleave).
 Q4_0R8 = QuantFormat("Q4_0r8", ref.Q4_0R8, ref.BLOCK_BYTES[ref.Q4_0R8])
 Q4_1R8 = QuantFormat("Q4_1r8", ref.Q4_1R8, ref.BLOCK_BYTES[ref.Q4_1R8])

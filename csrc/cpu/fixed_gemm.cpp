@@ -161,7 +161,9 @@ void dequant_rows_of(const uint8_t* w, int64_t format, int64_t k_len, int64_t n0
     case kQuantQ8_0: return dequant_plain_rows<kQuantQ8_0>(w, k_len, n0, n1, out);
     case kQuantQ4_0: return dequant_plain_rows<kQuantQ4_0>(w, k_len, n0, n1, out);
     case kQuantQ4_1: return dequant_plain_rows<kQuantQ4_1>(w, k_len, n0, n1, out);
-    default: TORCH_CHECK(false, "quant_fixed_gemm: unknown format ", format);
+    case kQuantQ5_0: return dequant_plain_rows<kQuantQ5_0>(w, k_len, n0, n1, out);
+    case kQuantQ5_1: return dequant_plain_rows<kQuantQ5_1>(w, k_len, n0, n1, out);
+    default: TORCH_CHECK(false, "quant_fixed_gemm: format id ", format, " has no packed kernel");
   }
 }
 

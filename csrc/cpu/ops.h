@@ -81,6 +81,8 @@ void screened_argmax(const at::Tensor& out, const at::Tensor& approx, const at::
 // GGUF block formats, by ggml type id (csrc/cpu/quant_gemm.cpp, ops/reference/quant.py).
 constexpr int64_t kQuantQ4_0 = 2;
 constexpr int64_t kQuantQ4_1 = 3;
+constexpr int64_t kQuantQ5_0 = 6;
+constexpr int64_t kQuantQ5_1 = 7;
 constexpr int64_t kQuantQ8_0 = 8;
 // Q4_0 / Q4_1 repacked eight rows at a time (csrc/cpu/quant_interleaved.cpp): 1000 + the GGUF id.
 constexpr int64_t kQuantInterleaved = 1000;

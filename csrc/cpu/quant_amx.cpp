@@ -232,6 +232,8 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
       case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ4_1: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ5_0: dequant_row_bf16<kQuantQ5_0>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ5_1: dequant_row_bf16<kQuantQ5_1>(row, nb, panel_at(panel, nb, r)); break;
       default: TORCH_CHECK(false, "quant_linear_bf16: unknown format ", format);
     }
   }

@@ -1,4 +1,4 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1) as the CPU kernels read them: the block structs, the
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) as the CPU kernels read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
 // quant_screen.cpp (the exact logits of a screened quantized lm_head), so both compute a logit
@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -38,7 +39,19 @@ struct BlockQ4_1 {
   uint16_t d, m;
   uint8_t q[kBlock / 2];
 };
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20,
+// Q5: qh bit j is element j's fifth bit (element j < 16: low nibble of q[j], else high of q[j - 16]).
+struct BlockQ5_0 {
+  uint16_t d;
+  uint8_t qh[4];
+  uint8_t q[kBlock / 2];
+};
+struct BlockQ5_1 {
+  uint16_t d, m;
+  uint8_t qh[4];
+  uint8_t q[kBlock / 2];
+};
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
+                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24,
               "GGUF block sizes");
 
 inline float half_to_float(uint16_t h) {
@@ -54,7 +67,11 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ8_0: return sizeof(BlockQ8_0);
     case kQuantQ4_0: case kQuantQ4_0R8: return sizeof(BlockQ4_0);
     case kQuantQ4_1: case kQuantQ4_1R8: return sizeof(BlockQ4_1);
-    default: TORCH_CHECK(false, "quant: unknown format ", format, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_0r8=1002, Q4_1r8=1003)");
+    case kQuantQ5_0: return sizeof(BlockQ5_0);
+    case kQuantQ5_1: return sizeof(BlockQ5_1);
+    default:
+      TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
+                  "Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
@@ -151,42 +168,104 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// The block struct of format F; void (no build) for an id without one. Every per-format helper
+// below names each format it handles and fails to compile for any other: none defaults.
 template <int64_t F>
 using BlockOf = std::conditional_t<
     F == kQuantQ8_0, BlockQ8_0,
-    std::conditional_t<F == kQuantQ4_0, BlockQ4_0,
-                       std::conditional_t<F == kQuantQ4_1, BlockQ4_1, void>>>;  // void: no such block, no build
+    std::conditional_t<
+        F == kQuantQ4_0, BlockQ4_0,
+        std::conditional_t<F == kQuantQ4_1, BlockQ4_1,
+                           std::conditional_t<F == kQuantQ5_0, BlockQ5_0,
+                                              std::conditional_t<F == kQuantQ5_1, BlockQ5_1, void>>>>>;
 
-// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4, signed for Q8_0).
+template <int64_t F>
+inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
+template <int64_t F>
+inline constexpr bool kNoFormat = false;  // static_assert(kNoFormat<F>): an id with no block
+
+// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4 / Q5, signed for Q8_0).
 template <int64_t F>
 inline void block_affine(const void* wb, float& d, float& m) {
+  static_assert(!std::is_void_v<BlockOf<F>>, "block_affine: no block for this format id");
+  const auto* blk = static_cast<const BlockOf<F>*>(wb);
+  d = half_to_float(blk->d);
   if constexpr (F == kQuantQ8_0) {
-    d = half_to_float(static_cast<const BlockQ8_0*>(wb)->d);
     m = 0.f;
   } else if constexpr (F == kQuantQ4_0) {
-    d = half_to_float(static_cast<const BlockQ4_0*>(wb)->d);
     m = -8.f * d;
+  } else if constexpr (F == kQuantQ5_0) {
+    m = -16.f * d;
+  } else if constexpr (F == kQuantQ4_1 || F == kQuantQ5_1) {
+    m = half_to_float(blk->m);
   } else {
-    d = half_to_float(static_cast<const BlockQ4_1*>(wb)->d);
-    m = half_to_float(static_cast<const BlockQ4_1*>(wb)->m);
+    static_assert(kNoFormat<F>, "block_affine: unhandled format");
   }
 }
 
 template <int64_t F>
 inline const uint8_t* block_quants(const void* wb) {
-  if constexpr (F == kQuantQ8_0) return reinterpret_cast<const uint8_t*>(static_cast<const BlockQ8_0*>(wb)->q);
-  if constexpr (F == kQuantQ4_0) return static_cast<const BlockQ4_0*>(wb)->q;
-  return static_cast<const BlockQ4_1*>(wb)->q;
+  static_assert(!std::is_void_v<BlockOf<F>>, "block_quants: no block for this format id");
+  return reinterpret_cast<const uint8_t*>(static_cast<const BlockOf<F>*>(wb)->q);
 }
 
-// fp32 values of weight block `wb` into dst[32].
+// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0).
+template <int64_t F>
+inline int block_q(const void* wb, int i) {
+  const uint8_t* q = block_quants<F>(wb);
+  if constexpr (F == kQuantQ8_0) {
+    return static_cast<int8_t>(q[i]);
+  } else {
+    const int nibble = i < kBlock / 2 ? (q[i] & 0x0F) : (q[i - kBlock / 2] >> 4);
+    if constexpr (kIsQ5<F>) {
+      uint32_t qh;
+      std::memcpy(&qh, static_cast<const BlockOf<F>*>(wb)->qh, sizeof(qh));
+      return nibble | static_cast<int>(((qh >> i) & 1u) << 4);
+    } else {
+      return nibble;
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// The fifth bits of a Q5 block as 0x10 in byte j where qh bit j is set.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  // byte j <- qh byte j / 8 (each 128-bit lane holds all four bytes), then test bit j % 8
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// The 32 unsigned quants of a Q4 / Q5 block in element order.
+template <int64_t F>
+inline __m256i unsigned_quants(const void* wb) {
+  static_assert(F == kQuantQ4_0 || F == kQuantQ4_1 || kIsQ5<F>, "unsigned_quants: Q4_0, Q4_1, Q5_0, Q5_1");
+  const __m256i low = unpack_nibbles(block_quants<F>(wb));
+  if constexpr (kIsQ5<F>) {
+    return _mm256_or_si256(low, fifth_bits(static_cast<const BlockOf<F>*>(wb)->qh));
+  } else {
+    return low;
+  }
+}
+#endif
+
+// fp32 values of weight block `wb` into dst[32]: d q + m with d q exact in fp32 (an fp16 d times a
+// quant of at most 8 bits), so fused or not it is one rounding: the reference's values.
 template <int64_t F>
 inline void dequant_block(const void* wb, float* dst) {
   float d, m;
   block_affine<F>(wb, d, m);
-  const uint8_t* q = block_quants<F>(wb);
 #if defined(__AVX2__)
-  const __m256i bytes = F == kQuantQ8_0 ? load32(reinterpret_cast<const int8_t*>(q)) : unpack_nibbles(q);
+  __m256i bytes;
+  if constexpr (F == kQuantQ8_0) {
+    bytes = load32(reinterpret_cast<const int8_t*>(block_quants<F>(wb)));
+  } else {
+    bytes = unsigned_quants<F>(wb);
+  }
   const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
   const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
   const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -196,14 +275,7 @@ inline void dequant_block(const void* wb, float* dst) {
     _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
   }
 #else
-  if constexpr (F == kQuantQ8_0) {
-    for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(q[i]));
-  } else {
-    for (int i = 0; i < kBlock / 2; ++i) {
-      dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
-      dst[i + kBlock / 2] = d * static_cast<float>(q[i] >> 4) + m;
-    }
-  }
+  for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(block_q<F>(wb, i)) + m;
 #endif
 }
 

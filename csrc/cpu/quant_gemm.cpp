@@ -1,12 +1,13 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1), read in their packed blocks.
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), read in their packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
 // At small M a layer is bound by reading the weight, so the packed bytes (4.5-8.5 bits per weight
 // instead of 32) are streamed once, row by row, like gemv.cpp does in fp32. Two inner loops:
 //
 // - int8 activations (the default): each activation row is quantized per 32-block to int8 with an
-//   fp32 scale (and the block's scaled sum, for the Q4_0 offset and the Q4_1 min), then each block
-//   pair is one integer dot product: VNNI dpbusd where the CPU has it, maddubs + madd on AVX2.
+//   fp32 scale (and the block's scaled sum, for the Q4_0 / Q5_0 offset and the Q4_1 / Q5_1 min),
+//   then each block pair is one integer dot product (unsigned Q4 / Q5 quants, at most 31, so AVX2's
+//   int16 pair sums stay below 2 * 31 * 127): VNNI dpbusd where the CPU has it, maddubs + madd on AVX2.
 // - fp32 activations: each weight block is widened to fp32 and FMA'd with the fp32 activations.
 //
 // Large M (prefill) goes through `dequantize_weight` and oneDNN instead (ops/quant.py).
@@ -31,11 +32,7 @@ using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
 template <int64_t F>
 inline int32_t block_idot(const BlockOf<F>& blk, const int8_t* a) {
   int32_t sum = 0;
-  if constexpr (F == kQuantQ8_0) {
-    for (int i = 0; i < kBlock; ++i) sum += blk.q[i] * a[i];
-  } else {
-    for (int i = 0; i < kBlock / 2; ++i) sum += (blk.q[i] & 0x0F) * a[i] + (blk.q[i] >> 4) * a[i + kBlock / 2];
-  }
+  for (int i = 0; i < kBlock; ++i) sum += block_q<F>(&blk, i) * a[i];
   return sum;
 }
 
@@ -51,16 +48,14 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
   const int64_t k_len = nb * kBlock;
 #if defined(__AVX2__)
   const auto step = [&](const Block& blk, int64_t b, __m256* acc, float* extra) {
-    const float wd = half_to_float(blk.d);
-    [[maybe_unused]] float wm = 0.f;
-    if constexpr (F == kQuantQ4_0) wm = -8.f * wd;
-    if constexpr (F == kQuantQ4_1) wm = half_to_float(blk.m);
+    float wd, wm;
+    block_affine<F>(&blk, wd, wm);
     __m256i wu, wsign;
     if constexpr (F == kQuantQ8_0) {
       wsign = load32(blk.q);
       wu = _mm256_sign_epi8(wsign, wsign);  // |w|, and the sign moves onto the activations
     } else {
-      wu = unpack_nibbles(blk.q);
+      wu = unsigned_quants<F>(&blk);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -76,7 +71,7 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
     const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
 #if defined(__AVX2__)
     __m256 acc0[M], acc1[M];
-    float extra0[M] = {}, extra1[M] = {};  // the Q4_0 offset and Q4_1 min terms
+    float extra0[M] = {}, extra1[M] = {};  // the Q4_0 / Q5_0 offset and Q4_1 / Q5_1 min terms
     for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
@@ -90,10 +85,8 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 #else
     float acc[M] = {}, extra[M] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const float wd = half_to_float(row[b].d);
-      float wm = 0.f;
-      if constexpr (F == kQuantQ4_0) wm = -8.f * wd;
-      if constexpr (F == kQuantQ4_1) wm = half_to_float(row[b].m);
+      float wd, wm;
+      block_affine<F>(&row[b], wd, wm);
       for (int m = 0; m < M; ++m) {
         acc[m] += wd * ad[m * nb + b] * static_cast<float>(block_idot<F>(row[b], q + m * k_len + b * kBlock));
         if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
@@ -201,7 +194,9 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ8_0: return run_format<kQuantQ8_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_0: return run_format<kQuantQ4_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_1: return run_format<kQuantQ4_1>(out, x, w, n_len, k_len, b, exact);
-    default: TORCH_CHECK(false, "quant_linear: unknown format ", format);
+    case kQuantQ5_0: return run_format<kQuantQ5_0>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
+    default: TORCH_CHECK(false, "quant_linear: format id ", format, " has no packed kernel");
   }
 }
 
@@ -220,7 +215,9 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ8_0: return dequant_rows<kQuantQ8_0>(w, nb, op, k_len, begin, end);
       case kQuantQ4_0: return dequant_rows<kQuantQ4_0>(w, nb, op, k_len, begin, end);
       case kQuantQ4_1: return dequant_rows<kQuantQ4_1>(w, nb, op, k_len, begin, end);
-      default: TORCH_CHECK(false, "dequantize: unknown format ", format);
+      case kQuantQ5_0: return dequant_rows<kQuantQ5_0>(w, nb, op, k_len, begin, end);
+      case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, nb, op, k_len, begin, end);
+      default: TORCH_CHECK(false, "dequantize: format id ", format, " has no packed kernel");
     }
   }, /*openmp=*/true);
 }

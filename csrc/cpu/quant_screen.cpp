@@ -108,8 +108,10 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous() &&
                   qweight.size(0) == vocab && qweight.size(1) == k_len / kBlock * block_bytes(format),
               "quant_screened_argmax: qweight must be contiguous uint8 [vocab, K / 32 * block_bytes]");
-  TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1,
-              "quant_screened_argmax: the lm_head must be in a GGUF block order (Q8_0, Q4_0, Q4_1); got ", format);
+  TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1 || format == kQuantQ5_0 ||
+                  format == kQuantQ5_1,
+              "quant_screened_argmax: the lm_head must be in a GGUF block order (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); got ",
+              format);
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == vocab,
               "quant_screened_argmax: norms must be fp32 [vocab]");
   TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows &&
@@ -152,7 +154,9 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
         case kQuantQ8_0: tokens[r] = row_token<kQuantQ8_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ4_0: tokens[r] = row_token<kQuantQ4_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ4_1: tokens[r] = row_token<kQuantQ4_1>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
-        default: TORCH_CHECK(false, "quant_screened_argmax: unknown format ", format);
+        case kQuantQ5_0: tokens[r] = row_token<kQuantQ5_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        case kQuantQ5_1: tokens[r] = row_token<kQuantQ5_1>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        default: TORCH_CHECK(false, "quant_screened_argmax: format id ", format, " has no packed kernel");
       }
     }
   }, rows >= openmp_rows());

@@ -6,6 +6,8 @@ output feature) is K / 32 blocks of 32 consecutive weights along K, in ggml's by
 - Q8_0 (34 bytes): fp16 scale d, 32 int8 q; w = d * q.
 - Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles; w = d * (q - 8).
 - Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m.
+- Q5_0 (22 bytes): fp16 d, uint32 qh (bit j: element j's fifth bit), nibbles; w = d * (q - 16).
+- Q5_1 (24 bytes): fp16 d, fp16 m, qh, nibbles; w = d * q + m.
 
 Nibbles: byte j holds element j in its low four bits and element j + 16 in its high four bits.
 Format ids, block sizes and the blocks' dequantization are the format table's (ops/reference/formats.py).
@@ -24,10 +26,10 @@ import torch
 from ops.reference import formats
 
 BLOCK = 32
-Q4_0, Q4_1, Q8_0 = (formats.by_name(name).type_id for name in ("Q4_0", "Q4_1", "Q8_0"))
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (formats.by_name(name).type_id for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
-BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes for f in (Q4_0, Q4_1, Q8_0, Q4_0R8, Q4_1R8)}
+BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_0R8, Q4_1R8)}
 ROWS_PER_GROUP = 8
 
 
@@ -108,10 +110,31 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         q = ((w - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2),
                 q[..., :16] | (q[..., 16:] << 4)]
+    elif fmt == Q5_0:
+        idx = w.abs().argmax(-1, keepdim=True)
+        d = (w.gather(-1, idx) / -16).to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = (w * inv + 16).round().clamp(0, 31).to(torch.uint8)
+        body = [d.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
+                (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
+    elif fmt == Q5_1:
+        lo = w.amin(-1, keepdim=True)
+        d = ((w.amax(-1, keepdim=True) - lo) / 31).to(torch.float16)
+        m = lo.to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = ((w - m.float()) * inv).round().clamp(0, 31).to(torch.uint8)
+        body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
+                (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
     else:
-        raise formats.UnsupportedFormatError(f"quantize packs Q8_0, Q4_0 and Q4_1 (ids {Q8_0}, {Q4_0}, {Q4_1}); "
-                                             f"got id {fmt}")
+        raise formats.UnsupportedFormatError(f"quantize packs Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 (ids {Q8_0}, {Q4_0}, "
+                                             f"{Q4_1}, {Q5_0}, {Q5_1}); got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)
+
+
+def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 4]``: the little-endian uint32 whose bit j is bit 4 of ``q[..., j]`` (``[..., 32]``)."""
+    bits = (q >> 4).reshape(*q.shape[:-1], 4, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)
+    return bits.sum(-1).to(torch.uint8)
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:

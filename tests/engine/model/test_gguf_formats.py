@@ -1,5 +1,5 @@
-"""GGUF files in the formats without kernels (Q5_0, Q5_1, K-quants, IQ4) and in mixes of them with
-packed ones, written here from a tiny random Llama (hidden 256: K-quant rows are 256-weight
+"""GGUF files in the formats without kernels (K-quants, IQ4), in the 5-bit legacy ones (packed), and
+in mixes of them with packed ones, written here from a tiny random Llama (hidden 256: K-quant rows are 256-weight
 blocks) with gguf's quantizers and ours (ops/reference/quantizers.py): the loaded weights are
 exactly transformers' dequantized load of the same file (gguf.quants.dequantize), modules mixing
 formats run in fp32, the log names each format's path, and greedy decoding equals transformers'."""
@@ -240,13 +240,45 @@ def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> lis
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "IQ4_NL"])
 def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, fmt: str) -> None:
     """All weights dequantized at load (fp32 everywhere): the engine's greedy tokens (a batch of
     three) are transformers' on the same file."""
     file = write_gguf(model_dir, f"greedy-{fmt}", lambda kind, layer: fmt)
     hf = _transformers_model(model_dir, file)
     assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1"])
+def test_5bit_formats_run_packed(model_dir: Path, fmt: str) -> None:
+    """Every tensor in a 5-bit legacy format: every linear one packed `QuantLinear` in that format
+    (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
+    weights exactly transformers' dequantized load. With fp32 activations greedy equals
+    transformers'; with int8 activations (the default) the engine's first token of each prompt
+    (prompt rows keep fp32 activations) is transformers', and a batch of three decodes token for
+    token as each prompt alone."""
+    from structlog.testing import capture_logs
+
+    from benchmarks.quality.quant_quality import greedy, set_int8_activations
+
+    file = write_gguf(model_dir, f"packed-{fmt}", lambda kind, layer: fmt)
+    with capture_logs() as logs:
+        ours = load_model(file)
+    hf = _transformers_model(model_dir, file)
+    _assert_weights_equal(ours, hf)
+    linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    assert all(isinstance(m, QuantLinear) and m.formats == [ops.quant.FORMATS[fmt]] for m in linears)
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding)
+    assert isinstance(ours.logit_screen(), QuantLogitScreen) and ours.fused_decoder() is not None
+    [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
+    assert f"{fmt}: 16 tensors, packed (quantized kernels)" in line["formats"]
+    expected = [_hf_greedy(hf, p, 10) for p in PROMPTS]
+    set_int8_activations(ours, False)
+    with torch.inference_mode():
+        assert [greedy(ours, p, 10) for p in PROMPTS] == expected
+    together = _engine_greedy(file, PROMPTS, 10)
+    assert [t[0] for t in together] == [e[0] for e in expected]
+    assert together == [_engine_greedy(file, [p], 10)[0] for p in PROMPTS]
 
 
 def test_mix_greedy_equals_transformers_with_fp32_activations(model_dir: Path) -> None:
@@ -277,8 +309,10 @@ def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
 def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
     """`quantization="requantize"` (`--quantization requantize`): the mix's tensors without a
     kernel become Q8_0 blocks of their dequantized weights (exactly `ref.quantize` of transformers'
-    load), every linear is packed, the fused decoder applies, the log says so; with fp32
-    activations greedy equals transformers holding the requantized weights."""
+    load), every linear is packed, the log says so; with fp32 activations greedy equals
+    transformers holding the requantized weights. A packed format
+    (Q5_0) stays as stored, so a module mixing it with requantized shards runs on the module path
+    (the fused decoder takes one format per linear)."""
     from structlog.testing import capture_logs
 
     from benchmarks.quality.quant_quality import greedy, set_int8_activations
@@ -289,15 +323,20 @@ def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
         ours = load_model(file, quantization="requantize")
     hf = _transformers_model(model_dir, file)
     state = hf.state_dict()
-    requantized = [f"model.layers.0.{_HF[kind]}.weight" for kind, fmt in MIX.items() if fmt not in ("Q8_0", "Q4_1")]
+    requantized = [f"model.layers.0.{_HF[kind]}.weight" for kind, fmt in MIX.items()
+                   if formats.by_name(fmt).runs == formats.DEQUANTIZED]
     for name in [*requantized, "model.embed_tokens.weight"]:
         state[name] = ref.dequantize(ref.quantize(state[name], ref.Q8_0), ref.Q8_0)
     hf.load_state_dict(state)
     _assert_weights_equal(ours, hf)
     linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, QuantLinear))]
     assert all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
-    assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.fused_decoder() is not None
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding)
+    # layer 0's qkv holds Q5_0 (packed as stored) beside requantized Q8_0 shards: the module path
+    assert ours.model.layers[0].self_attn.qkv_proj.formats == [ops.quant.Q8_0, ops.quant.Q5_0, ops.quant.Q8_0]
+    assert ours.fused_decoder() is None
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
+    assert "Q5_0: 1 tensors, packed (quantized kernels)" in line["formats"]
     assert "Q4_K: 1 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
     assert "Q6_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
     set_int8_activations(ours, False)
@@ -341,13 +380,14 @@ def test_smollm2_q4_k_m_mix(tmp_path: Path) -> None:
     with capture_logs() as logs:
         mix = load_model(file)
     [line] = [e["formats"] for e in logs if e["event"] == "GGUF tensor formats"]
-    assert "Q5_0: 166 tensors, dequantized at load to float32" in line
-    assert "Q8_0: 1 tensors, packed (quantized kernels)" in line  # the tied embedding; attn_v's 14 sit in fp32 qkv
+    assert "Q5_0: 166 tensors, packed (quantized kernels)" in line
+    assert "Q8_0: 15 tensors, packed (quantized kernels)" in line  # the tied embedding, attn_v's 14 in packed qkv
     with torch.inference_mode():
         reference = mean_nll(load_model(source), passage)
         dequantized = mean_nll(mix, passage)
         requantized_model = load_model(file, quantization="requantize")
-        assert requantized_model.fused_decoder() is not None
+        linears = [m for m in requantized_model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+        assert all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
         requantized = mean_nll(requantized_model, passage)
     assert abs(dequantized - reference) <= 0.05 * reference, (dequantized, reference)
     assert abs(requantized - dequantized) <= 0.002 * dequantized, (requantized, dequantized)
