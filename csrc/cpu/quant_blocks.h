@@ -305,6 +305,18 @@ inline void q4k_sub_affine(const BlockQ4_K& blk, int j, float& d, float& m) {
   m = -(half_to_float(blk.dmin) * static_cast<float>(mn));
 }
 
+// q4k_sub_affine of all eight sub-blocks (the fp16 fields converted once).
+inline void q4k_affines(const BlockQ4_K& blk, float* d, float* m) {
+  const float scale = half_to_float(blk.d), min_scale = half_to_float(blk.dmin);
+  const uint8_t* s = blk.scales;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    d[j] = scale * static_cast<float>(sc);
+    m[j] = -(min_scale * static_cast<float>(mn));
+  }
+}
+
 // Quant l of sub-block j: Q4_K's unsigned nibble, Q6_K's signed q - 32.
 template <int64_t F>
 inline int ksub_q(const BlockOf<F>& blk, int j, int l) {

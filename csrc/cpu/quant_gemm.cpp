@@ -116,21 +116,25 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const Block& blk = row[sb];
+      [[maybe_unused]] float wd[kSubs], wm[kSubs];
+      [[maybe_unused]] float scale = 0.f;
+      if constexpr (F == kQuantQ4_K) {
+        q4k_affines(blk, wd, wm);
+      } else {
+        scale = half_to_float(blk.d);
+      }
       for (int j = 0; j < kSubs; ++j) {
         const int64_t b = sb * kSubs + j;
         const int par = j & 1;
         if constexpr (F == kQuantQ4_K) {
-          float wd, wm;
-          q4k_sub_affine(blk, j, wd, wm);
           const __m256i wu = ksub_quants<F>(blk, j);
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) {
             const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, load32(q + m * k_len + b * kBlock)));
-            acc[par][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd * ad[m * nb + b]), acc[par][m]);
-            extra[par][m] += wm * as[m * nb + b];
+            acc[par][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd[j] * ad[m * nb + b]), acc[par][m]);
+            extra[par][m] += wm[j] * as[m * nb + b];
           }
         } else {
-          const float scale = half_to_float(blk.d);
           const __m256 sv = _mm256_setr_m128(_mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j])),
                                              _mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j + 1])));
           const __m256i ws = ksub_quants<F>(blk, j);
