@@ -1,6 +1,7 @@
-"""``quant_linear``: a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1), read in place.
+"""``quant_linear``: a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+Q6_K), read in place.
 
-A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / 32 * fmt.block_bytes]`` (layout in
+A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / fmt.block_size * fmt.block_bytes]`` (layout in
 :mod:`ops.reference.quant`). On the CPU:
 
 - up to ``QUANT_GEMV_MAX_ROWS`` rows (decode) the C++ kernel streams the packed blocks once, with
@@ -40,21 +41,32 @@ QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, measured one-thre
 
 @dataclass(frozen=True, slots=True)
 class QuantFormat:
-    """A GGUF block format: its name, ggml type id and bytes per 32-weight block."""
+    """A GGUF block format: its name, ggml type id, bytes per block and weights per block (32, or
+    256 for the K-quants)."""
 
     name: str
     type_id: int
     block_bytes: int
+    block_size: int = ref.BLOCK
 
     def row_bytes(self, in_features: int) -> int:
         """Packed bytes of one weight row of ``in_features`` weights."""
-        return in_features // ref.BLOCK * self.block_bytes
+        return in_features // self.block_size * self.block_bytes
 
 
 Q8_0 = QuantFormat("Q8_0", ref.Q8_0, ref.BLOCK_BYTES[ref.Q8_0])
 Q4_0 = QuantFormat("Q4_0", ref.Q4_0, ref.BLOCK_BYTES[ref.Q4_0])
 Q4_1 = QuantFormat("Q4_1", ref.Q4_1, ref.BLOCK_BYTES[ref.Q4_1])
-FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
+Q5_0 = QuantFormat("Q5_0", ref.Q5_0, ref.BLOCK_BYTES[ref.Q5_0])
+Q5_1 = QuantFormat("Q5_1", ref.Q5_1, ref.BLOCK_BYTES[ref.Q5_1])
+Q4_K = QuantFormat("Q4_K", ref.Q4_K, ref.BLOCK_BYTES[ref.Q4_K], 256)
+Q6_K = QuantFormat("Q6_K", ref.Q6_K, ref.BLOCK_BYTES[ref.Q6_K], 256)
+FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K)}
+# The layouts whose bf16 panels csrc/cpu/quant_bf16.cpp dequantizes (for AMX tiles and AVX512-BF16
+# alike); the K-quants' are not written yet, so `quant_linear_bf16` runs those dequantized in torch
+# (the same rounding), a model's prompt rows in them keep fp32 activations (`QuantLinear`), and the
+# fused decoder, which calls the AMX kernel for every linear, declines a model holding them there.
+BF16_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_0r8", "Q4_1r8"})
 # The CPU kernel's eight-row interleaved layouts of the Q4 formats (ops/reference/quant.py, interleave).
 Q4_0R8 = QuantFormat("Q4_0r8", ref.Q4_0R8, ref.BLOCK_BYTES[ref.Q4_0R8])
 Q4_1R8 = QuantFormat("Q4_1r8", ref.Q4_1R8, ref.BLOCK_BYTES[ref.Q4_1R8])
@@ -72,8 +84,8 @@ def check_qweight(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> 
     """ValueError unless ``qweight`` is a contiguous uint8 ``[N, in_features / 32 * block_bytes]``."""
     if not isinstance(fmt, QuantFormat):
         raise ValueError(f"fmt must be a QuantFormat (ops.quant.Q4_1, ...); got {fmt!r}")
-    if in_features % ref.BLOCK:
-        raise ValueError(f"in_features must be a multiple of {ref.BLOCK} for {fmt.name}; got {in_features}")
+    if in_features % fmt.block_size:
+        raise ValueError(f"in_features must be a multiple of {fmt.block_size} for {fmt.name}; got {in_features}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or not qweight.is_contiguous():
         raise ValueError(f"qweight must be a contiguous 2-D uint8 tensor; got {tuple(qweight.shape)} "
                          f"{qweight.dtype}")
@@ -96,7 +108,7 @@ def interleave(qweight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, Q
 
 def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None = None) -> torch.Tensor:
     """fp32 ``[N, K]`` of a packed weight (K from the row bytes unless given)."""
-    k = in_features if in_features is not None else qweight.shape[1] // fmt.block_bytes * ref.BLOCK
+    k = in_features if in_features is not None else qweight.shape[1] // fmt.block_bytes * fmt.block_size
     check_qweight(qweight, fmt, k)
     if use_reference() or qweight.device.type != "cpu":
         return ref.dequantize(qweight, fmt.type_id)
@@ -170,7 +182,7 @@ def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
     check_qweight(qweight, fmt, k)
     n = qweight.shape[0]
     flat = x.reshape(-1, k)
-    if use_reference() or not x.is_cpu or bf16_kernel() is None:
+    if use_reference() or not x.is_cpu or bf16_kernel() is None or fmt.name not in BF16_FORMATS:
         return ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], n)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()

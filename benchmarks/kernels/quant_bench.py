@@ -1,9 +1,11 @@
 """Speed of the GGUF-quantized linear layers and of the engine on the quantized model, JSON lines.
 
-- ``kernel``: one SmolLM2 decoder layer's linear layers (qkv, o, gate_up, down) per format at
-  M = 1, 4, 32, 256 rows: the packed-block kernel with int8 activations, with fp32 activations,
-  dequantize + oneDNN, and fp32 ``ops.linear`` (oneDNN-packed from 4 rows); GB/s of weight bytes
-  read (packed bytes for the quantized paths) and GFLOP/s.
+- ``kernel``: one SmolLM2 decoder layer's linear layers (qkv, o, gate_up, down; for the K-quants
+  down only, ``layers`` = 1: the others' K = 576 is not whole 256-weight blocks) per format at
+  M = 1, 4, 32, 256 rows (``--formats``: any of ``ops.quant.FORMATS``, e.g. Q5_0,Q4_K,Q6_K): the
+  packed-block kernel with int8 activations, with fp32 activations, dequantize + oneDNN, and fp32
+  ``ops.linear`` (oneDNN-packed from 4 rows: what a format dequantized at load runs); GB/s of
+  weight bytes read (packed bytes for the quantized paths) and GFLOP/s.
 - ``engine``: greedy decode tok/s of ``engine.llm.LLM`` at one stream and a batch of 32 on the Q4_1
   GGUF against the fp32 directory (the fetched default model) or with fp32 activations in the
   quantized kernels (``--variants``), and of llama.cpp on the same file with the same prompts,
@@ -42,13 +44,20 @@ from ops.reference.quant import quantize
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, o, gate_up, down
 
 
+def layer_shapes(fmt: QuantFormat) -> tuple[tuple[int, int], ...]:
+    """The layer's (N, K) shapes whose K is whole blocks of ``fmt``: a K-quant (256-weight blocks)
+    gets only down (K = 1536; SmolLM2's K = 576 rows are Q5_0 / Q8_0 in llama.cpp's files)."""
+    return tuple((n, k) for n, k in LAYER_SHAPES if k % fmt.block_size == 0)
+
+
 def _layer_calls(fmt: QuantFormat, rows: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in LAYER_SHAPES]
+    shapes = layer_shapes(fmt)
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for n, k in shapes]
     packed = [quantize(w, fmt.type_id) for w in weights]
     onednn = [ops.pack_weight(w) for w in weights]
-    xs = [torch.randn(rows, k, generator=gen) for _, k in LAYER_SHAPES]
-    outs = [torch.empty(rows, n) for n, _ in LAYER_SHAPES]
+    xs = [torch.randn(rows, k, generator=gen) for _, k in shapes]
+    outs = [torch.empty(rows, n) for n, _ in shapes]
     lib = cpu_ops()
 
     def gemv(int8: bool) -> Callable[[], object]:
@@ -68,13 +77,14 @@ def _layer_calls(fmt: QuantFormat, rows: int) -> tuple[dict[str, Callable[[], ob
 
 
 def bench_kernels(formats: list[QuantFormat], rows_list: list[int], budget: float) -> None:
-    flops_per_row = 2.0 * sum(n * k for n, k in LAYER_SHAPES)
     for fmt in formats:
+        flops_per_row = 2.0 * sum(n * k for n, k in layer_shapes(fmt))
         for rows in rows_list:
             calls, sizes = _layer_calls(fmt, rows)
             best = best_seconds(calls, "cpu", budget)
             for name, seconds in best.items():
-                print(json.dumps({"part": "kernel", "format": fmt.name, "rows": rows, "impl": name,
+                print(json.dumps({"part": "kernel", "format": fmt.name, "layers": len(layer_shapes(fmt)),
+                                  "rows": rows, "impl": name,
                                   "us": round(seconds * 1e6, 1), "gbps": round(sizes[name] / seconds / 1e9, 2),
                                   "gflops": round(flops_per_row * rows / seconds / 1e9, 2)}), flush=True)
 

@@ -149,9 +149,10 @@ void panel_rows(const float* x, int64_t ldx, int64_t m_len, const float* panels,
 
 template <int64_t F>
 void dequant_plain_rows(const uint8_t* w, int64_t k_len, int64_t n0, int64_t n1, float* out) {
-  const int64_t nb = k_len / kBlock, bsize = block_bytes(F);
+  constexpr int64_t kW = quant::kWeightsOf<F>;
+  const int64_t nb = k_len / kW, bsize = block_bytes(F);
   for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < nb; ++b) dequant_block<F>(w + (n * nb + b) * bsize, out + (n - n0) * k_len + b * kBlock);
+    for (int64_t b = 0; b < nb; ++b) dequant_block<F>(w + (n * nb + b) * bsize, out + (n - n0) * k_len + b * kW);
 }
 
 // Rows [n0, n1) of the packed weight as fp32 [n1 - n0][K].
@@ -161,7 +162,11 @@ void dequant_rows_of(const uint8_t* w, int64_t format, int64_t k_len, int64_t n0
     case kQuantQ8_0: return dequant_plain_rows<kQuantQ8_0>(w, k_len, n0, n1, out);
     case kQuantQ4_0: return dequant_plain_rows<kQuantQ4_0>(w, k_len, n0, n1, out);
     case kQuantQ4_1: return dequant_plain_rows<kQuantQ4_1>(w, k_len, n0, n1, out);
-    default: TORCH_CHECK(false, "quant_fixed_gemm: unknown format ", format);
+    case kQuantQ5_0: return dequant_plain_rows<kQuantQ5_0>(w, k_len, n0, n1, out);
+    case kQuantQ5_1: return dequant_plain_rows<kQuantQ5_1>(w, k_len, n0, n1, out);
+    case kQuantQ4_K: return dequant_plain_rows<kQuantQ4_K>(w, k_len, n0, n1, out);
+    case kQuantQ6_K: return dequant_plain_rows<kQuantQ6_K>(w, k_len, n0, n1, out);
+    default: TORCH_CHECK(false, "quant_fixed_gemm: format id ", format, " has no packed kernel");
   }
 }
 
@@ -209,7 +214,7 @@ void quant_fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tens
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "quant_fixed_gemm: qweight must be a contiguous 2-D uint8 tensor");
   const int64_t m_len = x.size(0), k_len = x.size(1), n_len = qweight.size(0);
-  TORCH_CHECK(k_len % kBlock == 0 && qweight.size(1) == k_len / kBlock * block_bytes(format),
+  TORCH_CHECK(k_len % quant::block_weights(format) == 0 && qweight.size(1) == quant::row_bytes_of(format, k_len),
               "quant_fixed_gemm: qweight rows do not hold K = ", k_len, " weights");
   TORCH_CHECK(!is_interleaved(format) || n_len % 8 == 0, "quant_fixed_gemm: an interleaved weight has 8n rows");
   TORCH_CHECK(out.size(0) == m_len && out.size(1) == n_len, "quant_fixed_gemm: out must be [M, N]");

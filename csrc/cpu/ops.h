@@ -83,13 +83,17 @@ void screened_argmax(const at::Tensor& out, const at::Tensor& approx, const at::
 // GGUF block formats, by ggml type id (csrc/cpu/quant_gemm.cpp, ops/reference/quant.py).
 constexpr int64_t kQuantQ4_0 = 2;
 constexpr int64_t kQuantQ4_1 = 3;
+constexpr int64_t kQuantQ5_0 = 6;
+constexpr int64_t kQuantQ5_1 = 7;
 constexpr int64_t kQuantQ8_0 = 8;
+constexpr int64_t kQuantQ4_K = 12;  // 256-weight blocks (quant_blocks.h)
+constexpr int64_t kQuantQ6_K = 14;
 // Q4_0 / Q4_1 repacked eight rows at a time (csrc/cpu/quant_interleaved.cpp): 1000 + the GGUF id.
 constexpr int64_t kQuantInterleaved = 1000;
 constexpr int64_t kQuantQ4_0R8 = kQuantInterleaved + kQuantQ4_0;
 constexpr int64_t kQuantQ4_1R8 = kQuantInterleaved + kQuantQ4_1;
 
-// out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight uint8 [N, K / 32 * block_bytes])^T (+ bias [N]);
+// out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight uint8 [N, K / block_weights * block_bytes])^T (+ bias [N]);
 // int8_activations quantizes x per 32-block to int8 first (integer dot products), except for the
 // first exact_rows rows (a step's prompt tokens), which keep fp32 activations.
 void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,

@@ -191,6 +191,8 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
       case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ4_1: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ5_0: dequant_row_bf16<kQuantQ5_0>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ5_1: dequant_row_bf16<kQuantQ5_1>(row, nb, panel_at(panel, nb, r)); break;
       default: TORCH_CHECK(false, "quant_linear_bf16: unknown format ", format);
     }
   }
@@ -229,6 +231,9 @@ void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Ten
   const int64_t m_len = x.size(0), k_len = x.size(1), n_len = qweight.size(0);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "quant_linear_bf16: qweight must be a contiguous 2-D uint8 tensor");
+  TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1 || format == kQuantQ5_0 ||
+                  format == kQuantQ5_1 || is_interleaved(format),
+              "quant_linear_bf16: format id ", format, " has no bf16 panels (ops.quant.BF16_FORMATS)");
   TORCH_CHECK(k_len % quant::kBlock == 0 && qweight.size(1) == k_len / quant::kBlock * quant::block_bytes(format),
               "quant_linear_bf16: qweight has ", qweight.size(1), " bytes per row; K=", k_len, " needs ",
               k_len / quant::kBlock * quant::block_bytes(format));

@@ -1,4 +1,5 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1) as the CPU kernels read them: the block structs, the
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q6_K in 256-weight blocks) as the CPU kernels
+// read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
 // quant_screen.cpp (the exact logits of a screened quantized lm_head), so both compute a logit
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -38,7 +40,37 @@ struct BlockQ4_1 {
   uint16_t d, m;
   uint8_t q[kBlock / 2];
 };
-static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20,
+// Q5: qh bit j is element j's fifth bit (element j < 16: low nibble of q[j], else high of q[j - 16]).
+struct BlockQ5_0 {
+  uint16_t d;
+  uint8_t qh[4];
+  uint8_t q[kBlock / 2];
+};
+struct BlockQ5_1 {
+  uint16_t d, m;
+  uint8_t qh[4];
+  uint8_t q[kBlock / 2];
+};
+// K-quants: 256 weights a block, read as eight sub-blocks of 32 (one activation block each).
+// Q4_K sub-block j: weights are the nibbles of q[32 (j / 2) + l] (low for even j), w = d sc_j q - dmin m_j,
+// sc_j / m_j the 6-bit fields of `scales` (ops/reference/formats.py: _scales_mins_k4).
+// Q6_K sub-block s (half h = s / 4, g = s % 4): q = low | high << 4 with low the nibble g / 2 of
+// ql[64 h + 32 (g % 2) + l], high bits 2g..2g+1 of qh[32 h + l]; w = d scales[2 s + l / 16] (q - 32).
+constexpr int kSuperBlock = 256;
+struct BlockQ4_K {
+  uint16_t d, dmin;
+  uint8_t scales[12];
+  uint8_t q[kSuperBlock / 2];
+};
+struct BlockQ6_K {
+  uint8_t ql[kSuperBlock / 2];
+  uint8_t qh[kSuperBlock / 4];
+  int8_t scales[kSuperBlock / 16];
+  uint16_t d;
+};
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "GGUF K-quant block sizes");
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
+                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24,
               "GGUF block sizes");
 
 inline float half_to_float(uint16_t h) {
@@ -54,10 +86,24 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ8_0: return sizeof(BlockQ8_0);
     case kQuantQ4_0: case kQuantQ4_0R8: return sizeof(BlockQ4_0);
     case kQuantQ4_1: case kQuantQ4_1R8: return sizeof(BlockQ4_1);
-    default: TORCH_CHECK(false, "quant: unknown format ", format, " (Q4_0=2, Q4_1=3, Q8_0=8, Q4_0r8=1002, Q4_1r8=1003)");
+    case kQuantQ5_0: return sizeof(BlockQ5_0);
+    case kQuantQ5_1: return sizeof(BlockQ5_1);
+    case kQuantQ4_K: return sizeof(BlockQ4_K);
+    case kQuantQ6_K: return sizeof(BlockQ6_K);
+    default:
+      TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
+                  "Q4_K=12, Q6_K=14, Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
+
+// Weights per block of `format` (256 for the K-quants, else 32; block_bytes refuses unknown ids).
+inline int64_t block_weights(int64_t format) {
+  return format == kQuantQ4_K || format == kQuantQ6_K ? kSuperBlock : kBlock;
+}
+
+// Packed bytes of a row of k_len weights (k_len a multiple of block_weights(format)).
+inline int64_t row_bytes_of(int64_t format, int64_t k_len) { return k_len / block_weights(format) * block_bytes(format); }
 
 // Activation row x[K] quantized per 32-block for the int8 path: x ~= d[b] * q[b * 32 + i], with
 // d = max|x| / 127 and q rounded to nearest even (ops/reference/quant.py: int8_activations), and
@@ -151,42 +197,213 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+// The block struct of format F; void (no build) for an id without one. Every per-format helper
+// below names each format it handles and fails to compile for any other: none defaults.
 template <int64_t F>
 using BlockOf = std::conditional_t<
     F == kQuantQ8_0, BlockQ8_0,
-    std::conditional_t<F == kQuantQ4_0, BlockQ4_0,
-                       std::conditional_t<F == kQuantQ4_1, BlockQ4_1, void>>>;  // void: no such block, no build
+    std::conditional_t<
+        F == kQuantQ4_0, BlockQ4_0,
+        std::conditional_t<F == kQuantQ4_1, BlockQ4_1,
+                           std::conditional_t<
+                               F == kQuantQ5_0, BlockQ5_0,
+                               std::conditional_t<
+                                   F == kQuantQ5_1, BlockQ5_1,
+                                   std::conditional_t<F == kQuantQ4_K, BlockQ4_K,
+                                                      std::conditional_t<F == kQuantQ6_K, BlockQ6_K, void>>>>>>>;
 
-// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4, signed for Q8_0).
+template <int64_t F>
+inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
+template <int64_t F>
+inline constexpr bool kIsK = F == kQuantQ4_K || F == kQuantQ6_K;
+template <int64_t F>
+inline constexpr int64_t kWeightsOf = kIsK<F> ? kSuperBlock : kBlock;  // weights per block
+template <int64_t F>
+inline constexpr bool kNoFormat = false;  // static_assert(kNoFormat<F>): an id with no block
+
+// Scale d and offset m of a weight block (w = d * q + m, q unsigned for Q4 / Q5, signed for Q8_0).
 template <int64_t F>
 inline void block_affine(const void* wb, float& d, float& m) {
+  static_assert(!std::is_void_v<BlockOf<F>>, "block_affine: no block for this format id");
+  const auto* blk = static_cast<const BlockOf<F>*>(wb);
+  d = half_to_float(blk->d);
   if constexpr (F == kQuantQ8_0) {
-    d = half_to_float(static_cast<const BlockQ8_0*>(wb)->d);
     m = 0.f;
   } else if constexpr (F == kQuantQ4_0) {
-    d = half_to_float(static_cast<const BlockQ4_0*>(wb)->d);
     m = -8.f * d;
+  } else if constexpr (F == kQuantQ5_0) {
+    m = -16.f * d;
+  } else if constexpr (F == kQuantQ4_1 || F == kQuantQ5_1) {
+    m = half_to_float(blk->m);
   } else {
-    d = half_to_float(static_cast<const BlockQ4_1*>(wb)->d);
-    m = half_to_float(static_cast<const BlockQ4_1*>(wb)->m);
+    static_assert(kNoFormat<F>, "block_affine: unhandled format");
   }
 }
 
 template <int64_t F>
 inline const uint8_t* block_quants(const void* wb) {
-  if constexpr (F == kQuantQ8_0) return reinterpret_cast<const uint8_t*>(static_cast<const BlockQ8_0*>(wb)->q);
-  if constexpr (F == kQuantQ4_0) return static_cast<const BlockQ4_0*>(wb)->q;
-  return static_cast<const BlockQ4_1*>(wb)->q;
+  static_assert(!std::is_void_v<BlockOf<F>>, "block_quants: no block for this format id");
+  return reinterpret_cast<const uint8_t*>(static_cast<const BlockOf<F>*>(wb)->q);
 }
 
-// fp32 values of weight block `wb` into dst[32].
+// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0).
 template <int64_t F>
-inline void dequant_block(const void* wb, float* dst) {
+inline int block_q(const void* wb, int i) {
+  const uint8_t* q = block_quants<F>(wb);
+  if constexpr (F == kQuantQ8_0) {
+    return static_cast<int8_t>(q[i]);
+  } else {
+    const int nibble = i < kBlock / 2 ? (q[i] & 0x0F) : (q[i - kBlock / 2] >> 4);
+    if constexpr (kIsQ5<F>) {
+      uint32_t qh;
+      std::memcpy(&qh, static_cast<const BlockOf<F>*>(wb)->qh, sizeof(qh));
+      return nibble | static_cast<int>(((qh >> i) & 1u) << 4);
+    } else {
+      return nibble;
+    }
+  }
+}
+
+#if defined(__AVX2__)
+// The fifth bits of a Q5 block as 0x10 in byte j where qh bit j is set.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  // byte j <- qh byte j / 8 (each 128-bit lane holds all four bytes), then test bit j % 8
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// The 32 unsigned quants of a Q4 / Q5 block in element order.
+template <int64_t F>
+inline __m256i unsigned_quants(const void* wb) {
+  static_assert(F == kQuantQ4_0 || F == kQuantQ4_1 || kIsQ5<F>, "unsigned_quants: Q4_0, Q4_1, Q5_0, Q5_1");
+  const __m256i low = unpack_nibbles(block_quants<F>(wb));
+  if constexpr (kIsQ5<F>) {
+    return _mm256_or_si256(low, fifth_bits(static_cast<const BlockOf<F>*>(wb)->qh));
+  } else {
+    return low;
+  }
+}
+#endif
+
+// Scale d and offset m of Q4_K sub-block j (w = d q + m, q the unsigned nibble).
+inline void q4k_sub_affine(const BlockQ4_K& blk, int j, float& d, float& m) {
+  const uint8_t* s = blk.scales;
+  int sc, mn;
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+  d = half_to_float(blk.d) * static_cast<float>(sc);  // exact: an fp16 times a 6-bit integer
+  m = -(half_to_float(blk.dmin) * static_cast<float>(mn));
+}
+
+// q4k_sub_affine of all eight sub-blocks (the fp16 fields converted once).
+inline void q4k_affines(const BlockQ4_K& blk, float* d, float* m) {
+  const float scale = half_to_float(blk.d), min_scale = half_to_float(blk.dmin);
+  const uint8_t* s = blk.scales;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    d[j] = scale * static_cast<float>(sc);
+    m[j] = -(min_scale * static_cast<float>(mn));
+  }
+}
+
+// Quant l of sub-block j: Q4_K's unsigned nibble, Q6_K's signed q - 32.
+template <int64_t F>
+inline int ksub_q(const BlockOf<F>& blk, int j, int l) {
+  if constexpr (F == kQuantQ4_K) {
+    const uint8_t byte = blk.q[32 * (j / 2) + l];
+    return j % 2 ? byte >> 4 : byte & 0x0F;
+  } else if constexpr (F == kQuantQ6_K) {
+    const int h = j / 4, g = j % 4;
+    const int low = (blk.ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0x0F;
+    const int high = (blk.qh[32 * h + l] >> (2 * g)) & 3;
+    return (low | (high << 4)) - 32;
+  } else {
+    static_assert(kNoFormat<F>, "ksub_q: Q4_K, Q6_K");
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256i shift_right16(__m256i v, int bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
+
+// The 32 quants of sub-block j in element order (ksub_q), as bytes: Q4_K unsigned, Q6_K signed.
+template <int64_t F>
+inline __m256i ksub_quants(const BlockOf<F>& blk, int j) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  if constexpr (F == kQuantQ4_K) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q + 32 * (j / 2)));
+    return _mm256_and_si256(shift_right16(raw, 4 * (j % 2)), nibble);
+  } else if constexpr (F == kQuantQ6_K) {
+    const int h = j / 4, g = j % 4;
+    const __m256i lraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * h + 32 * (g % 2)));
+    const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh + 32 * h));
+    const __m256i low = _mm256_and_si256(shift_right16(lraw, 4 * (g / 2)), nibble);
+    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, 2 * g), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+  } else {
+    static_assert(kNoFormat<F>, "ksub_quants: Q4_K, Q6_K");
+  }
+}
+#endif
+
+// fp32 values of K-quant block `wb` into dst[256]: Q4_K d_j q + m_j (d_j q exact: one rounding),
+// Q6_K (d sc) q (one rounding of the exact product): the reference's values.
+template <int64_t F>
+inline void dequant_kblock(const void* wb, float* dst) {
+  const auto& blk = *static_cast<const BlockOf<F>*>(wb);
+  for (int j = 0; j < kSuperBlock / kBlock; ++j) {
+    float d[2], m = 0.f;  // d[0]: weights 0..15 of the sub-block, d[1]: 16..31
+    if constexpr (F == kQuantQ4_K) {
+      q4k_sub_affine(blk, j, d[0], m);
+      d[1] = d[0];
+    } else {
+      const float scale = half_to_float(blk.d);
+      d[0] = scale * static_cast<float>(blk.scales[2 * j]);
+      d[1] = scale * static_cast<float>(blk.scales[2 * j + 1]);
+    }
+    float* out = dst + j * kBlock;
+#if defined(__AVX2__)
+    const __m256i bytes = ksub_quants<F>(blk, j);
+    const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int u = 0; u < 4; ++u) {
+      const __m256 vd = _mm256_set1_ps(d[u / 2]);
+      if constexpr (F == kQuantQ4_K) {
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[u]));
+        _mm256_storeu_ps(out + 8 * u, _mm256_fmadd_ps(q, vd, _mm256_set1_ps(m)));
+      } else {
+        _mm256_storeu_ps(out + 8 * u, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[u])), vd));
+      }
+    }
+#else
+    for (int l = 0; l < kBlock; ++l) out[l] = d[l / 16] * static_cast<float>(ksub_q<F>(blk, j, l)) + m;
+#endif
+  }
+}
+
+// fp32 values of weight block `wb` into dst[kWeightsOf<F>]: d q + m with d q exact in fp32 (an fp16 d times a
+// quant of at most 8 bits), so fused or not it is one rounding: the reference's values.
+template <int64_t F>
+inline void dequant_block32(const void* wb, float* dst) {
   float d, m;
   block_affine<F>(wb, d, m);
-  const uint8_t* q = block_quants<F>(wb);
 #if defined(__AVX2__)
-  const __m256i bytes = F == kQuantQ8_0 ? load32(reinterpret_cast<const int8_t*>(q)) : unpack_nibbles(q);
+  __m256i bytes;
+  if constexpr (F == kQuantQ8_0) {
+    bytes = load32(reinterpret_cast<const int8_t*>(block_quants<F>(wb)));
+  } else {
+    bytes = unsigned_quants<F>(wb);
+  }
   const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
   const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
   const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
@@ -196,33 +413,40 @@ inline void dequant_block(const void* wb, float* dst) {
     _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
   }
 #else
-  if constexpr (F == kQuantQ8_0) {
-    for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(static_cast<int8_t>(q[i]));
-  } else {
-    for (int i = 0; i < kBlock / 2; ++i) {
-      dst[i] = d * static_cast<float>(q[i] & 0x0F) + m;
-      dst[i + kBlock / 2] = d * static_cast<float>(q[i] >> 4) + m;
-    }
-  }
+  for (int i = 0; i < kBlock; ++i) dst[i] = d * static_cast<float>(block_q<F>(wb, i)) + m;
 #endif
 }
 
-// The M fp32-activation dot products of packed weight row `row` (nb blocks of `bsize` bytes) with
-// x[m][K] (row stride ldx), before any bias: each weight block widened, then FMA'd.
+// fp32 values of any format's block `wb` into dst[kWeightsOf<F>].
+template <int64_t F>
+inline void dequant_block(const void* wb, float* dst) {
+  if constexpr (kIsK<F>) {
+    dequant_kblock<F>(wb, dst);
+  } else {
+    dequant_block32<F>(wb, dst);
+  }
+}
+
+// The M fp32-activation dot products of packed weight row `row` (nb blocks of `bsize` bytes, each
+// kWeightsOf<F> weights) with x[m][K] (row stride ldx), before any bias: each weight block widened,
+// then FMA'd 32 weights at a time (one FMA chain per eighth of 32, whatever the block size).
 template <int64_t F, int M>
 inline void fp32_row_dots(const float* x, int64_t ldx, int64_t nb, const uint8_t* row, int64_t bsize, float* dots) {
   using vec::Vec;
   constexpr int U = kBlock / vec::kWidth;
+  constexpr int64_t kW = kWeightsOf<F>;
   static_assert(U == 4, "fp32_row_dots sums four vectors per block");
   Vec acc[M][U] = {};  // one FMA chain per eighth of a block
-  alignas(32) float wf[kBlock];
+  alignas(32) float wf[kW];
   for (int64_t b = 0; b < nb; ++b) {
     dequant_block<F>(row + b * bsize, wf);
+    for (int64_t c = 0; c < kW; c += kBlock) {
 #pragma GCC unroll 4
-    for (int u = 0; u < U; ++u) {
-      const Vec wv = vec::load(wf + u * vec::kWidth);
+      for (int u = 0; u < U; ++u) {
+        const Vec wv = vec::load(wf + c + u * vec::kWidth);
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[m][u] += wv * vec::load(x + m * ldx + b * kBlock + u * vec::kWidth);
+        for (int m = 0; m < M; ++m) acc[m][u] += wv * vec::load(x + m * ldx + b * kW + c + u * vec::kWidth);
+      }
     }
   }
   for (int m = 0; m < M; ++m) dots[m] = vec::hsum((acc[m][0] + acc[m][1]) + (acc[m][2] + acc[m][3]));

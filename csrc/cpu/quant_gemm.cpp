@@ -1,12 +1,13 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1), read in their packed blocks.
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), read in their packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
 // At small M a layer is bound by reading the weight, so the packed bytes (4.5-8.5 bits per weight
 // instead of 32) are streamed once, row by row, like gemv.cpp does in fp32. Two inner loops:
 //
 // - int8 activations (the default): each activation row is quantized per 32-block to int8 with an
-//   fp32 scale (and the block's scaled sum, for the Q4_0 offset and the Q4_1 min), then each block
-//   pair is one integer dot product: VNNI dpbusd where the CPU has it, maddubs + madd on AVX2.
+//   fp32 scale (and the block's scaled sum, for the Q4_0 / Q5_0 offset and the Q4_1 / Q5_1 min),
+//   then each block pair is one integer dot product (unsigned Q4 / Q5 quants, at most 31, so AVX2's
+//   int16 pair sums stay below 2 * 31 * 127): VNNI dpbusd where the CPU has it, maddubs + madd on AVX2.
 // - fp32 activations: each weight block is widened to fp32 and FMA'd with the fp32 activations.
 //
 // Large M (prefill) goes through `dequantize_weight` and oneDNN instead (ops/quant.py).
@@ -31,11 +32,7 @@ using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
 template <int64_t F>
 inline int32_t block_idot(const BlockOf<F>& blk, const int8_t* a) {
   int32_t sum = 0;
-  if constexpr (F == kQuantQ8_0) {
-    for (int i = 0; i < kBlock; ++i) sum += blk.q[i] * a[i];
-  } else {
-    for (int i = 0; i < kBlock / 2; ++i) sum += (blk.q[i] & 0x0F) * a[i] + (blk.q[i] >> 4) * a[i + kBlock / 2];
-  }
+  for (int i = 0; i < kBlock; ++i) sum += block_q<F>(&blk, i) * a[i];
   return sum;
 }
 
@@ -51,16 +48,14 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
   const int64_t k_len = nb * kBlock;
 #if defined(__AVX2__)
   const auto step = [&](const Block& blk, int64_t b, __m256* acc, float* extra) {
-    const float wd = half_to_float(blk.d);
-    [[maybe_unused]] float wm = 0.f;
-    if constexpr (F == kQuantQ4_0) wm = -8.f * wd;
-    if constexpr (F == kQuantQ4_1) wm = half_to_float(blk.m);
+    float wd, wm;
+    block_affine<F>(&blk, wd, wm);
     __m256i wu, wsign;
     if constexpr (F == kQuantQ8_0) {
       wsign = load32(blk.q);
       wu = _mm256_sign_epi8(wsign, wsign);  // |w|, and the sign moves onto the activations
     } else {
-      wu = unpack_nibbles(blk.q);
+      wu = unsigned_quants<F>(&blk);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -76,7 +71,7 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
     const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
 #if defined(__AVX2__)
     __m256 acc0[M], acc1[M];
-    float extra0[M] = {}, extra1[M] = {};  // the Q4_0 offset and Q4_1 min terms
+    float extra0[M] = {}, extra1[M] = {};  // the Q4_0 / Q5_0 offset and Q4_1 / Q5_1 min terms
     for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
@@ -90,13 +85,96 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 #else
     float acc[M] = {}, extra[M] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const float wd = half_to_float(row[b].d);
-      float wm = 0.f;
-      if constexpr (F == kQuantQ4_0) wm = -8.f * wd;
-      if constexpr (F == kQuantQ4_1) wm = half_to_float(row[b].m);
+      float wd, wm;
+      block_affine<F>(&row[b], wd, wm);
       for (int m = 0; m < M; ++m) {
         acc[m] += wd * ad[m * nb + b] * static_cast<float>(block_idot<F>(row[b], q + m * k_len + b * kBlock));
         if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * ldo + n] = acc[m] + extra[m] + (bias != nullptr ? bias[n] : 0.f);
+#endif
+  }
+}
+
+// int8_rows for a K-quant weight (256-weight blocks of eight 32-weight sub-blocks, each against
+// one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K: its
+// scale d sc_j and min term) or Q8_0 block (Q6_K: the signed q - 32, the sign moved onto the
+// activations; the dot product's lanes 0-3 are the sub-block's first 16 weights, 4-7 the next 16,
+// each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
+template <int64_t F, int M>
+void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
+                 const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
+  using Block = BlockOf<F>;
+  constexpr int kSubs = kSuperBlock / kBlock;
+  const int64_t k_len = nb * kBlock, nsb = nb / kSubs;
+  for (int64_t n = begin; n < end; ++n) {
+    const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
+#if defined(__AVX2__)
+    __m256 acc[2][M];
+    float extra[2][M] = {};  // the Q4_K min terms
+    for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const Block& blk = row[sb];
+      [[maybe_unused]] float wd[kSubs], wm[kSubs];
+      [[maybe_unused]] float scale = 0.f;
+      if constexpr (F == kQuantQ4_K) {
+        q4k_affines(blk, wd, wm);
+      } else {
+        scale = half_to_float(blk.d);
+      }
+      for (int j = 0; j < kSubs; ++j) {
+        const int64_t b = sb * kSubs + j;
+        const int par = j & 1;
+        if constexpr (F == kQuantQ4_K) {
+          const __m256i wu = ksub_quants<F>(blk, j);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, load32(q + m * k_len + b * kBlock)));
+            acc[par][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd[j] * ad[m * nb + b]), acc[par][m]);
+            extra[par][m] += wm[j] * as[m * nb + b];
+          }
+        } else {
+          const __m256 sv = _mm256_setr_m128(_mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j])),
+                                             _mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j + 1])));
+          const __m256i ws = ksub_quants<F>(blk, j);
+          const __m256i wu = _mm256_sign_epi8(ws, ws);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const __m256i xs = _mm256_sign_epi8(load32(q + m * k_len + b * kBlock), ws);
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
+            acc[par][m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv, _mm256_set1_ps(ad[m * nb + b])), acc[par][m]);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      out[m * ldo + n] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + extra[0][m] + extra[1][m] +
+                         (bias != nullptr ? bias[n] : 0.f);
+#else
+    float acc[M] = {}, extra[M] = {};
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const Block& blk = row[sb];
+      for (int j = 0; j < kSubs; ++j) {
+        const int64_t b = sb * kSubs + j;
+        for (int m = 0; m < M; ++m) {
+          const int8_t* a = q + m * k_len + b * kBlock;
+          if constexpr (F == kQuantQ4_K) {
+            float wd, wm;
+            q4k_sub_affine(blk, j, wd, wm);
+            int32_t sum = 0;
+            for (int l = 0; l < kBlock; ++l) sum += ksub_q<F>(blk, j, l) * a[l];
+            acc[m] += wd * ad[m * nb + b] * static_cast<float>(sum);
+            extra[m] += wm * as[m * nb + b];
+          } else {
+            const float scale = half_to_float(blk.d);
+            for (int half = 0; half < 2; ++half) {
+              int32_t sum = 0;
+              for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l];
+              acc[m] += scale * static_cast<float>(blk.scales[2 * j + half]) * ad[m * nb + b] * static_cast<float>(sum);
+            }
+          }
+        }
       }
     }
     for (int m = 0; m < M; ++m) out[m * ldo + n] = acc[m] + extra[m] + (bias != nullptr ? bias[n] : 0.f);
@@ -124,14 +202,18 @@ template <int64_t F, int M>
 void int8_group(const at::Tensor& out, const ActPlanes& act, int64_t row0, const uint8_t* w, const float* bias,
                 int64_t begin, int64_t end) {
   const int64_t nb = act.nb, ldo = out.stride(0);
-  int8_rows<F, M>(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nb, w,
-                  nb * block_bytes(F), bias, out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
+  const auto rows = [&] {
+    if constexpr (kIsK<F>) return int8_rows_k<F, M>;
+    else return int8_rows<F, M>;
+  }();
+  rows(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nb, w,
+       row_bytes_of(F, nb * kBlock), bias, out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
 }
 
 template <int64_t F, int M>
 void fp32_group(const at::Tensor& out, const at::Tensor& x, int64_t row0, const uint8_t* w, int64_t k_len,
                 const float* bias, int64_t begin, int64_t end) {
-  const int64_t nb = k_len / kBlock, bsize = block_bytes(F), ldo = out.stride(0);
+  const int64_t nb = k_len / kWeightsOf<F>, bsize = block_bytes(F), ldo = out.stride(0);
   fp32_rows<F, M>(x.data_ptr<float>() + row0 * x.stride(0), x.stride(0), nb, w, nb * bsize, bsize, bias,
                   out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
 }
@@ -156,13 +238,13 @@ void fp32_chunk(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, in
 template <int64_t F>
 void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n_len, int64_t k_len,
                 const float* bias, int64_t exact) {
-  const int64_t m_len = x.size(0), nb = k_len / kBlock;
+  const int64_t m_len = x.size(0);
   const at::Tensor x_exact = x.narrow(0, 0, exact), out_exact = out.narrow(0, 0, exact);
   const at::Tensor x_int8 = x.narrow(0, exact, m_len - exact), out_int8 = out.narrow(0, exact, m_len - exact);
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x_int8, k_len);
   // Chunks of at least ~64 KiB of packed weights, about eight per thread.
-  const int64_t chunk = row_chunk(n_len, nb * block_bytes(F), 64 * 1024);
+  const int64_t chunk = row_chunk(n_len, row_bytes_of(F, k_len), 64 * 1024);
   parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
     if (exact) fp32_chunk<F>(out_exact, x_exact, w, k_len, bias, begin, end);
     if (act) int8_chunk<F>(out_int8, *act, m_len - exact, w, bias, begin, end);
@@ -170,18 +252,19 @@ void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, in
 }
 
 template <int64_t F>
-void dequant_rows(const uint8_t* w, int64_t nb, float* out, int64_t k_len, int64_t begin, int64_t end) {
-  const int64_t bsize = block_bytes(F);
+void dequant_rows(const uint8_t* w, float* out, int64_t k_len, int64_t begin, int64_t end) {
+  const int64_t bsize = block_bytes(F), nb = k_len / kWeightsOf<F>;
   for (int64_t n = begin; n < end; ++n)
-    for (int64_t b = 0; b < nb; ++b) dequant_block<F>(w + (n * nb + b) * bsize, out + n * k_len + b * kBlock);
+    for (int64_t b = 0; b < nb; ++b) dequant_block<F>(w + (n * nb + b) * bsize, out + n * k_len + b * kWeightsOf<F>);
 }
 
 void check_packed(const at::Tensor& qweight, int64_t format, int64_t k_len) {
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "quant: qweight must be a contiguous 2-D uint8 tensor");
-  TORCH_CHECK(k_len % kBlock == 0, "quant: K must be a multiple of 32; got ", k_len);
-  TORCH_CHECK(qweight.size(1) == k_len / kBlock * block_bytes(format), "quant: qweight has ", qweight.size(1),
-              " bytes per row; K=", k_len, " needs ", k_len / kBlock * block_bytes(format));
+  TORCH_CHECK(k_len % block_weights(format) == 0, "quant: K must be a multiple of ", block_weights(format), "; got ",
+              k_len);
+  TORCH_CHECK(qweight.size(1) == row_bytes_of(format, k_len), "quant: qweight has ", qweight.size(1),
+              " bytes per row; K=", k_len, " needs ", row_bytes_of(format, k_len));
 }
 
 }  // namespace
@@ -201,13 +284,17 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ8_0: return run_format<kQuantQ8_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_0: return run_format<kQuantQ4_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_1: return run_format<kQuantQ4_1>(out, x, w, n_len, k_len, b, exact);
-    default: TORCH_CHECK(false, "quant_linear: unknown format ", format);
+    case kQuantQ5_0: return run_format<kQuantQ5_0>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ6_K: return run_format<kQuantQ6_K>(out, x, w, n_len, k_len, b, exact);
+    default: TORCH_CHECK(false, "quant_linear: format id ", format, " has no packed kernel");
   }
 }
 
 void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t format) {
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2, "dequantize: fp32 [N, K] out");
-  const int64_t n_len = out.size(0), k_len = out.size(1), nb = k_len / kBlock;
+  const int64_t n_len = out.size(0), k_len = out.size(1);
   check_packed(qweight, format, k_len);
   TORCH_CHECK(qweight.size(0) == n_len, "dequantize: out has ", n_len, " rows, qweight ", qweight.size(0));
   const uint8_t* w = qweight.data_ptr<uint8_t>();
@@ -217,10 +304,14 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
   // Runs just before a oneDNN GEMM: share OpenMP's threads (parallel.h).
   parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
     switch (format) {
-      case kQuantQ8_0: return dequant_rows<kQuantQ8_0>(w, nb, op, k_len, begin, end);
-      case kQuantQ4_0: return dequant_rows<kQuantQ4_0>(w, nb, op, k_len, begin, end);
-      case kQuantQ4_1: return dequant_rows<kQuantQ4_1>(w, nb, op, k_len, begin, end);
-      default: TORCH_CHECK(false, "dequantize: unknown format ", format);
+      case kQuantQ8_0: return dequant_rows<kQuantQ8_0>(w, op, k_len, begin, end);
+      case kQuantQ4_0: return dequant_rows<kQuantQ4_0>(w, op, k_len, begin, end);
+      case kQuantQ4_1: return dequant_rows<kQuantQ4_1>(w, op, k_len, begin, end);
+      case kQuantQ5_0: return dequant_rows<kQuantQ5_0>(w, op, k_len, begin, end);
+      case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, op, k_len, begin, end);
+      case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
+      case kQuantQ6_K: return dequant_rows<kQuantQ6_K>(w, op, k_len, begin, end);
+      default: TORCH_CHECK(false, "dequantize: format id ", format, " has no packed kernel");
     }
   }, /*openmp=*/true);
 }

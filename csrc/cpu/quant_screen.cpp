@@ -70,7 +70,7 @@ int64_t row_token(const float* approx, int64_t vocab, const float* norms, const 
     floor = std::max(floor, approx[j] - scale * norms[j]);
   }
   if (!finite || !std::isfinite(floor)) return -1;
-  const int64_t nb = k_len / kBlock, bsize = block_bytes(F), row_bytes = nb * bsize;
+  const int64_t nb = k_len / kWeightsOf<F>, bsize = block_bytes(F), row_bytes = nb * bsize;
   int64_t best = -1;
   float best_logit = 0.f;
   const Vec vfloor = vec::splat(floor);
@@ -106,10 +106,14 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
               "quant_screened_argmax: hidden must be contiguous fp32 [rows, K], K a multiple of 32");
   const int64_t k_len = hidden.size(1);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous() &&
-                  qweight.size(0) == vocab && qweight.size(1) == k_len / kBlock * block_bytes(format),
-              "quant_screened_argmax: qweight must be contiguous uint8 [vocab, K / 32 * block_bytes]");
-  TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1,
-              "quant_screened_argmax: the lm_head must be in a GGUF block order (Q8_0, Q4_0, Q4_1); got ", format);
+                  qweight.size(0) == vocab,
+              "quant_screened_argmax: qweight must be contiguous uint8 [vocab, row bytes]");
+  TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1 || format == kQuantQ5_0 ||
+                  format == kQuantQ5_1 || format == kQuantQ4_K || format == kQuantQ6_K,
+              "quant_screened_argmax: the lm_head must be in a GGUF block order (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+              "Q6_K); got ", format);
+  TORCH_CHECK(k_len % block_weights(format) == 0 && qweight.size(1) == row_bytes_of(format, k_len),
+              "quant_screened_argmax: qweight rows do not hold K = ", k_len, " weights");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == vocab,
               "quant_screened_argmax: norms must be fp32 [vocab]");
   TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == rows &&
@@ -152,7 +156,11 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
         case kQuantQ8_0: tokens[r] = row_token<kQuantQ8_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ4_0: tokens[r] = row_token<kQuantQ4_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ4_1: tokens[r] = row_token<kQuantQ4_1>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
-        default: TORCH_CHECK(false, "quant_screened_argmax: unknown format ", format);
+        case kQuantQ5_0: tokens[r] = row_token<kQuantQ5_0>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        case kQuantQ5_1: tokens[r] = row_token<kQuantQ5_1>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        case kQuantQ4_K: tokens[r] = row_token<kQuantQ4_K>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        case kQuantQ6_K: tokens[r] = row_token<kQuantQ6_K>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        default: TORCH_CHECK(false, "quant_screened_argmax: format id ", format, " has no packed kernel");
       }
     }
   }, rows >= openmp_rows());

@@ -64,6 +64,8 @@ class FusedDecoder:
             if not all(isinstance(m, QuantLinear) and len(m.formats) == 1 and m.formats[0] is not None
                        and m.shards()[0][1].is_cpu for m in linears):
                 return None
+            if ops.quant.amx_bf16() and any(m.formats[0].name not in ops.quant.BF16_FORMATS for m in linears):
+                return None  # its bf16 steps would call the AMX kernel on a format it has no panels for
             eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
             if eps != {layers[0].input_layernorm.eps}:
                 return None

@@ -3,12 +3,13 @@
 Tensors are read with `gguf.GGUFReader` (memory-mapped); what each format becomes is the format
 table's (`ops.reference.formats`: `runs`), and a format not in it is refused by name:
 
-- weights in a packed format (Q8_0, Q4_0, Q4_1) become `QuantLinear` modules; q/k/v and gate/up are
-  stacked as packed row shards (one buffer when their formats agree); Q4_0 / Q4_1 decoder weights
+- weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K) become `QuantLinear`
+  modules; q/k/v and gate/up are stacked as packed row shards (one buffer when their formats
+  agree); Q4_0 / Q4_1 decoder weights
   are repacked eight rows at a time (`ops.quant.interleave`: the same bytes in the order the CPU
   kernel reads fastest);
 - F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32, and tensors in a
-  format without a kernel (Q5_0, Q5_1, the K-quants, IQ4_NL/IQ4_XS) are dequantized to fp32 at load
+  format without a kernel (Q2_K, Q3_K, Q5_K, IQ4_NL/IQ4_XS) are dequantized to fp32 at load
   with the table's reference dequantization (the `gguf` package's bits);
 - a linear layer whose shards are not all packed (e.g. Q4_K q beside Q8_0 v) stays the model's fp32
   `Linear` with every shard dequantized, so one module runs one path (the deterministic mode's
@@ -30,9 +31,9 @@ Any other tensor type raises `ModelLoadError` naming the tensor and its type. On
 the formats found and the path each took ("Q4_K: 16 tensors, dequantized at load to float32").
 
 Under tensor parallelism (`model.shard`) each rank keeps its slices only (`_rank_slices`): packed
-rows are whole 32-weight blocks along the input dimension, so column-parallel cuts (q/k/v,
+rows are whole blocks (32 or 256 weights) along the input dimension, so column-parallel cuts (q/k/v,
 gate/up, embedding rows) take whole rows, and row-parallel cuts (o, down) cut every row at a block
-boundary; a rank share that is not a multiple of 32 input features is refused.
+boundary; a rank share that is not a whole number of blocks is refused.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def _shards(stored: list[Stored], in_features: int) -> list[tuple[QuantFormat | 
         else:
             merged.append((s.fmt, [s.data]))
     for fmt, _ in merged:
-        if fmt is not None and in_features % 32:
-            raise GGUFWeightError(f"in_features {in_features} is not a multiple of 32 for {fmt.name}")
+        if fmt is not None and in_features % fmt.block_size:
+            raise GGUFWeightError(f"in_features {in_features} is not a multiple of {fmt.block_size} for {fmt.name}")
     return [(fmt, torch.cat(parts) if len(parts) > 1 else parts[0]) for fmt, parts in merged]
 
 
@@ -269,7 +270,7 @@ def _hf_name(path: str, index: int, what: str) -> str:
 def cut_stored(model: LlamaForCausalLM, name: str, stored: Stored) -> Stored | None:
     """This rank's part of `stored` (HF name `name`), None when the rank does not hold it."""
     data, fmt = stored.data, stored.fmt
-    features = data.shape[1] // fmt.block_bytes * 32 if fmt is not None and data.dim() == 2 else None
+    features = data.shape[1] // fmt.block_bytes * fmt.block_size if fmt is not None and data.dim() == 2 else None
     shape = tuple(data.shape) if features is None else (data.shape[0], features)
     cut = model.shard.weight_slice(name, shape, model.spec)
     if cut is None:
@@ -278,12 +279,12 @@ def cut_stored(model: LlamaForCausalLM, name: str, stored: Stored) -> Stored | N
     if length == shape[dim]:
         return stored
     if dim == 1 and fmt is not None:
-        if start % 32 or length % 32:
+        if start % fmt.block_size or length % fmt.block_size:
             raise GGUFWeightError(f"{name}: rank {model.shard.rank}'s input features [{start}, {start + length}) "
-                                  f"do not fall on 32-weight block boundaries, so tensor_parallel_size "
+                                  f"do not fall on {fmt.block_size}-weight block boundaries, so tensor_parallel_size "
                                   f"{model.shard.size} cannot split this {fmt.name} matrix (pass "
                                   "quantization='dequantize')")
-        start, length = start // 32 * fmt.block_bytes, length // 32 * fmt.block_bytes
+        start, length = start // fmt.block_size * fmt.block_bytes, length // fmt.block_size * fmt.block_bytes
     return Stored(fmt, data.narrow(dim, start, length).contiguous(), stored.source)
 
 

@@ -82,7 +82,7 @@ class QuantLinear(nn.Module):
         assert t is not None
         if fmt is None:
             return ops.linear(x, t, bias)
-        if BF16_LINEARS.get():
+        if BF16_LINEARS.get() and fmt.name in ops.quant.BF16_FORMATS:  # others: as with fp32 linears
             if ops.quant.bf16_all_rows() or x.dim() != 2:
                 return ops.quant.quant_linear_bf16(x, t, fmt, bias)
             exact_bf16 = min(EXACT_ROWS.get(), x.shape[0])

@@ -1,11 +1,14 @@
 """GGUF block formats in plain torch: the oracle of the quantized-linear kernels.
 
-A quantized weight ``[N, K]`` is stored as uint8 ``[N, K / 32 * block_bytes]``: each row (one
-output feature) is K / 32 blocks of 32 consecutive weights along K, in ggml's byte layout:
+A quantized weight ``[N, K]`` is stored as uint8 ``[N, K / block_size * block_bytes]``: each row
+(one output feature) is blocks of 32 (256 for Q4_K / Q6_K) consecutive weights along K, in ggml's
+byte layout (the K-quants' in ops/reference/formats.py):
 
 - Q8_0 (34 bytes): fp16 scale d, 32 int8 q; w = d * q.
 - Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles; w = d * (q - 8).
 - Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m.
+- Q5_0 (22 bytes): fp16 d, uint32 qh (bit j: element j's fifth bit), nibbles; w = d * (q - 16).
+- Q5_1 (24 bytes): fp16 d, fp16 m, qh, nibbles; w = d * q + m.
 
 Nibbles: byte j holds element j in its low four bits and element j + 16 in its high four bits.
 Format ids, block sizes and the blocks' dequantization are the format table's (ops/reference/formats.py).
@@ -21,13 +24,15 @@ from __future__ import annotations
 
 import torch
 
-from ops.reference import formats
+from ops.reference import formats, quantizers
 
 BLOCK = 32
-Q4_0, Q4_1, Q8_0 = (formats.by_name(name).type_id for name in ("Q4_0", "Q4_1", "Q8_0"))
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = (formats.by_name(name).type_id
+                                            for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"))
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
-BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes for f in (Q4_0, Q4_1, Q8_0, Q4_0R8, Q4_1R8)}
+BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes
+               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q4_0R8, Q4_1R8)}
 ROWS_PER_GROUP = 8
 
 
@@ -82,8 +87,11 @@ def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: int,
 
 
 def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
-    """Pack fp32 ``[N, K]`` (K a multiple of 32) into ``fmt`` blocks, rounding to nearest (for tests
-    and tools; gguf's own quantizer is what the model files use)."""
+    """Pack fp32 ``[N, K]`` (K a multiple of the block size) into ``fmt`` blocks, rounding to nearest
+    (for tests and tools; gguf's own quantizer is what the model files use; the K-quants through
+    ``ops.reference.quantizers``)."""
+    if fmt in (Q4_K, Q6_K):
+        return quantizers.quantize(weight.float(), formats.by_id(fmt).name)
     rows, cols = weight.shape
     w = weight.float().reshape(rows, cols // BLOCK, BLOCK)
     if fmt == Q8_0:
@@ -108,10 +116,31 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         q = ((w - m.float()) * inv).round().clamp(0, 15).to(torch.uint8)
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2),
                 q[..., :16] | (q[..., 16:] << 4)]
+    elif fmt == Q5_0:
+        idx = w.abs().argmax(-1, keepdim=True)
+        d = (w.gather(-1, idx) / -16).to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = (w * inv + 16).round().clamp(0, 31).to(torch.uint8)
+        body = [d.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
+                (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
+    elif fmt == Q5_1:
+        lo = w.amin(-1, keepdim=True)
+        d = ((w.amax(-1, keepdim=True) - lo) / 31).to(torch.float16)
+        m = lo.to(torch.float16)
+        inv = torch.where(d == 0, 0.0, 1.0 / d.float())
+        q = ((w - m.float()) * inv).round().clamp(0, 31).to(torch.uint8)
+        body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
+                (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
     else:
-        raise formats.UnsupportedFormatError(f"quantize packs Q8_0, Q4_0 and Q4_1 (ids {Q8_0}, {Q4_0}, {Q4_1}); "
-                                             f"got id {fmt}")
+        raise formats.UnsupportedFormatError(f"quantize packs Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K (ids "
+                                             f"{Q8_0}, {Q4_0}, {Q4_1}, {Q5_0}, {Q5_1}, {Q4_K}, {Q6_K}); got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)
+
+
+def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 4]``: the little-endian uint32 whose bit j is bit 4 of ``q[..., j]`` (``[..., 32]``)."""
+    bits = (q >> 4).reshape(*q.shape[:-1], 4, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32)
+    return bits.sum(-1).to(torch.uint8)
 
 
 def int8_activations(x: torch.Tensor) -> torch.Tensor:

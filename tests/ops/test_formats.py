@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+import ops
+from ops.quant import FORMATS
 from ops.reference import formats, quantizers
 from ops.reference import quant as ref
 
@@ -28,7 +30,8 @@ def test_table_ids_and_sizes_are_ggmls() -> None:
         qtype = gguf.GGMLQuantizationType[fmt.name]
         assert fmt.type_id == qtype.value
         assert (fmt.block_size, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[qtype]
-    assert {f.name for f in formats.TABLE if f.runs == formats.PACKED} == {"Q4_0", "Q4_1", "Q8_0"}
+    packed = {f.name for f in formats.TABLE if f.runs == formats.PACKED}
+    assert packed == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"}
     assert set(SCALES) == {f.name for f in QUANTIZED}
 
 
@@ -41,7 +44,8 @@ def test_cpp_format_ids_equal_the_table() -> None:
     for r8 in ("Q4_0", "Q4_1"):
         assert ids.pop(f"{r8}R8") == f"kQuantInterleaved + kQuant{r8}"
     assert ids == {f.name: f.type_id for f in formats.TABLE if f.runs == formats.PACKED}
-    assert (ids["Q4_0"], ids["Q4_1"], ids["Q8_0"]) == (ref.Q4_0, ref.Q4_1, ref.Q8_0)
+    assert (ids["Q4_0"], ids["Q4_1"], ids["Q5_0"], ids["Q5_1"], ids["Q8_0"]) == (ref.Q4_0, ref.Q4_1, ref.Q5_0, ref.Q5_1,
+                                                                             ref.Q8_0)
 
 
 def _finite_fp16(rng: np.random.Generator, count: int) -> np.ndarray:
@@ -68,8 +72,10 @@ def test_dequantize_equals_gguf_reference(fmt: formats.GGMLFormat) -> None:
     np.testing.assert_array_equal(got, expected)
     rows = fmt.dequantize(torch.from_numpy(raw.reshape(64, -1))).numpy()  # rows of many blocks
     np.testing.assert_array_equal(rows, expected.reshape(64, -1))
-    if fmt.runs == formats.PACKED:
+    if fmt.runs == formats.PACKED:  # the oracle, and the kernels' dequantization (every fp16 scale class)
         np.testing.assert_array_equal(ref.dequantize(torch.from_numpy(raw.reshape(64, -1)), fmt.type_id).numpy(),
+                                      expected.reshape(64, -1))
+        np.testing.assert_array_equal(ops.dequantize(torch.from_numpy(raw.reshape(64, -1)), FORMATS[fmt.name]).numpy(),
                                       expected.reshape(64, -1))
 
 
@@ -101,12 +107,12 @@ def test_unknown_formats_are_refused_by_name() -> None:
                 formats.by_name(qtype.name)
             with pytest.raises(formats.UnsupportedFormatError, match=f"id {qtype.value} is not supported"):
                 formats.by_id(qtype.value)
-    with pytest.raises(formats.UnsupportedFormatError, match="Q4_K has no quantized kernel"):
-        formats.packed(formats.by_name("Q4_K").type_id)
-    with pytest.raises(formats.UnsupportedFormatError, match="no packed layout with id 12"):
-        ref.dequantize(torch.zeros(1, 144, dtype=torch.uint8), 12)
-    with pytest.raises(formats.UnsupportedFormatError, match="got id 6"):
-        ref.quantize(torch.zeros(1, 32), 6)
+    with pytest.raises(formats.UnsupportedFormatError, match="Q5_K has no quantized kernel"):
+        formats.packed(formats.by_name("Q5_K").type_id)
+    with pytest.raises(formats.UnsupportedFormatError, match="no packed layout with id 13"):
+        ref.dequantize(torch.zeros(1, 176, dtype=torch.uint8), 13)
+    with pytest.raises(formats.UnsupportedFormatError, match="got id 20"):
+        ref.quantize(torch.zeros(1, 32), 20)
     with pytest.raises(formats.UnsupportedFormatError, match="blocks of 256 weights"):
         formats.by_name("Q6_K").row_bytes(576)
 

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # invariance run at the machine's own level in the rest of the suite.
 CAPPED_TESTS = ["tests/ops/test_attention.py", "tests/ops/test_prefill_attention.py", "tests/ops/test_kv_int8.py",
                 "tests/ops/test_linear.py", "tests/ops/test_fused.py", "tests/ops/test_quant_linear.py",
+                "tests/ops/test_kquant_linear.py",
                 "tests/ops/test_screen.py", "tests/engine/model/test_gguf_screen.py",
                 "tests/ops/test_window_attention.py::test_cpu_decode_half_precision",
                 "tests/ops/test_window_attention.py::test_cpu_prefill_other_shapes",

@@ -12,12 +12,13 @@ from ops.quant import FORMATS, INTERLEAVED, Q4_0, Q4_1, Q4_1R8, Q8_0, QUANT_GEMV
 from ops.reference import quant as ref
 
 gguf = pytest.importorskip("gguf")
-GGML = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_0": gguf.GGMLQuantizationType.Q4_0,
-        "Q4_1": gguf.GGMLQuantizationType.Q4_1}
+GGML = {name: gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
 SHAPES = [(576, 576), (192, 576), (576, 1536), (1536, 576), (32, 32), (96, 160)]  # (N, K)
 ROWS = [1, 2, 3, 4, 7, 16, 64, 130]
+# The 32-weight-block formats (the K-quants' grid is tests/ops/test_kquant_linear.py).
+BLOCK32 = {name: fmt for name, fmt in FORMATS.items() if fmt.block_size == 32}
 # The kernel's layouts: GGUF order, and the Q4 formats repacked eight rows at a time.
-LAYOUTS = {**FORMATS, **{r8.name: r8 for r8 in INTERLEAVED.values()}}
+LAYOUTS = {**BLOCK32, **{r8.name: r8 for r8 in INTERLEAVED.values()}}
 BASE = {r8.name: base for base, r8 in INTERLEAVED.items()}
 
 
@@ -57,7 +58,7 @@ def test_interleaved_layout_keeps_every_byte(base: QuantFormat) -> None:
         ops.quant_linear(torch.randn(1, 96), r8[:44], fmt)
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("name", sorted(BLOCK32))
 def test_reference_matches_gguf_dequantize(name: str) -> None:
     fmt = FORMATS[name]
     rng = np.random.default_rng(1)
@@ -65,7 +66,7 @@ def test_reference_matches_gguf_dequantize(name: str) -> None:
     for b in range(4):  # keep the fp16 scales finite and moderate
         off = b * fmt.block_bytes
         raw[:, off:off + 2] = np.float16(rng.uniform(-0.1, 0.1, (24, 1))).view(np.uint8)
-        if name == "Q4_1":
+        if name in ("Q4_1", "Q5_1"):
             raw[:, off + 2:off + 4] = np.float16(rng.uniform(-1, 1, (24, 1))).view(np.uint8)
     expected = gguf.quants.dequantize(raw, GGML[name])
     got = ref.dequantize(torch.from_numpy(raw), fmt.type_id).numpy()
@@ -73,7 +74,7 @@ def test_reference_matches_gguf_dequantize(name: str) -> None:
     np.testing.assert_array_equal(ops.dequantize(torch.from_numpy(raw), fmt).numpy(), expected)
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("name", sorted(BLOCK32))
 def test_reference_quantize_round_trips_like_gguf(name: str) -> None:
     fmt = FORMATS[name]
     packed, data = _packed(fmt, 64, 128, 2)
@@ -262,7 +263,7 @@ def test_r8_groups_in_pairs_equal_groups_alone(name: str, m: int, with_bias: boo
         assert torch.equal(whole[:, 8 * g:8 * g + 8], alone), g
 
 
-@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, FORMATS["Q5_0"], FORMATS["Q5_1"], Q8_0], ids=lambda f: f.name)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(24, 64), (200, 96), (72, 576)])
 def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantFormat, interleaved: bool, n: int,

@@ -16,7 +16,7 @@ from engine.model.kv_cache import allocate_kv_caches
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.quant_linear import QuantLinear
-from ops.quant import Q4_0, Q4_1, Q8_0, QuantFormat, interleave
+from ops.quant import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, QuantFormat, interleave
 from ops.reference import quant as ref
 from tests.fixtures.models import PagedHarness, Seq
 
@@ -63,6 +63,7 @@ def _run(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype, exact_prom
 
 @pytest.mark.parametrize("formats,repack,bias", [
     ([Q4_1], True, False), ([Q4_0, Q4_1, Q8_0], True, True), ([Q4_1, Q8_0], False, False),
+    ([Q5_0, Q5_1], False, True),
 ])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("exact_prompt_rows", [True, False])

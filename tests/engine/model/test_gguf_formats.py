@@ -1,5 +1,5 @@
-"""GGUF files in the formats without kernels (Q5_0, Q5_1, K-quants, IQ4) and in mixes of them with
-packed ones, written here from a tiny random Llama (hidden 256: K-quant rows are 256-weight
+"""GGUF files in the formats without kernels (K-quants, IQ4), in the 5-bit legacy ones (packed), and
+in mixes of them with packed ones, written here from a tiny random Llama (hidden 256: K-quant rows are 256-weight
 blocks) with gguf's quantizers and ours (ops/reference/quantizers.py): the loaded weights are
 exactly transformers' dequantized load of the same file (gguf.quants.dequantize), modules mixing
 formats run in fp32, the log names each format's path, and greedy decoding equals transformers'."""
@@ -28,10 +28,10 @@ _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "se
        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
        "ffn_down": "mlp.down_proj"}
 DEQUANTIZED = [f.name for f in formats.TABLE if f.runs == formats.DEQUANTIZED]
-# A Q4_K_M-like mix: layer 0 mixes formats inside q/k/v (so that module runs in fp32), keeps gate/up
-# packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); a Q6_K embedding, a Q8_0 lm_head.
-MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_K", "ffn_gate": "Q8_0",
-       "ffn_up": "Q8_0", "ffn_down": "Q6_K"}
+# A mix: layer 0 mixes formats inside q/k/v (one without a kernel, so that module runs in fp32), keeps
+# gate/up packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); an IQ4_XS embedding, a Q8_0 lm_head.
+MIX = {"attn_q": "Q5_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_K", "ffn_gate": "Q8_0",
+       "ffn_up": "Q8_0", "ffn_down": "Q3_K"}
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
 
 
@@ -109,7 +109,7 @@ def write_gguf(model_dir: Path, name: str, fmt_of: Callable[[str, int], str], ti
 
 
 def _mix(kind: str, layer: int) -> str:
-    return {"token_embd": "Q6_K", "output": "Q8_0"}[kind] if layer < 0 else MIX[kind] if layer == 0 else "Q4_1"
+    return {"token_embd": "IQ4_XS", "output": "Q8_0"}[kind] if layer < 0 else MIX[kind] if layer == 0 else "Q4_1"
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -171,32 +171,32 @@ def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path) -> None:
     assert isinstance(layer0.mlp.gate_up_proj, QuantLinear) and layer0.mlp.gate_up_proj.formats == [ops.quant.Q8_0]
     assert all(isinstance(m, QuantLinear) for m in (layer1.self_attn.qkv_proj, layer1.mlp.down_proj))
     assert layer1.self_attn.qkv_proj.formats == [ops.quant.Q4_1R8]
-    assert isinstance(ours.model.embed_tokens, nn.Embedding)  # Q6_K: dequantized
+    assert isinstance(ours.model.embed_tokens, nn.Embedding)  # IQ4_XS: dequantized
     assert isinstance(ours.logit_screen(), QuantLogitScreen)  # the Q8_0 lm_head keeps its int8 screen
     assert ours.fused_decoder() is None  # layer 0 is not all packed
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
-    assert line["formats"] == ("F32: 5 tensors, float32; Q4_1: 7 tensors, packed (quantized kernels); "
-                               "Q4_K: 1 tensors, dequantized at load to float32; "
+    assert line["formats"] == ("F32: 5 tensors, float32; IQ4_XS: 1 tensors, dequantized at load to float32; "
+                               "Q3_K: 1 tensors, dequantized at load to float32; "
+                               "Q4_1: 7 tensors, packed (quantized kernels); "
                                "Q5_0: 1 tensors, dequantized at load to float32; "
-                               "Q5_K: 1 tensors, dequantized at load to float32; "
-                               "Q6_K: 2 tensors, dequantized at load to float32; "
+                               "Q5_K: 2 tensors, dequantized at load to float32; "
                                "Q8_0: 1 tensors, dequantized at load to float32; "
                                "Q8_0: 3 tensors, packed (quantized kernels)")
 
 
-@pytest.mark.parametrize("embedding", ["Q6_K", "Q8_0"])
+@pytest.mark.parametrize("embedding", ["Q5_K", "Q6_K"])
 def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -> None:
-    """No output.weight: the lm_head is the embedding, a Q6_K one dequantized (an fp32 `Linear`
-    sharing the embedding's storage, the bf16 screen's kind) or a Q8_0 one packed (`QuantLinear`
+    """No output.weight: the lm_head is the embedding, a Q5_K one dequantized (an fp32 `Linear`
+    sharing the embedding's storage, the bf16 screen's kind) or a Q6_K one packed (`QuantLinear`
     on the same bytes and its int8 screen); weights equal transformers' tied load, and so do greedy tokens."""
     from benchmarks.quality.quant_quality import greedy
 
-    file = write_gguf(model_dir, f"tied-{embedding}", lambda kind, layer: embedding if layer < 0 else "Q4_K",
+    file = write_gguf(model_dir, f"tied-{embedding}", lambda kind, layer: embedding if layer < 0 else "Q5_K",
                       tied=True)
     ours = load_model(file)
     assert ours.spec.tie_word_embeddings
     _assert_weights_equal(ours, _transformers_model(model_dir, file))
-    if embedding == "Q6_K":
+    if embedding == "Q5_K":
         assert type(ours.lm_head).__name__ == "Linear" and isinstance(ours.model.embed_tokens, nn.Embedding)
         assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
         assert not isinstance(ours.logit_screen(), QuantLogitScreen)
@@ -240,13 +240,48 @@ def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> lis
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("fmt", ["Q5_K", "Q3_K", "IQ4_NL"])
 def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, fmt: str) -> None:
     """All weights dequantized at load (fp32 everywhere): the engine's greedy tokens (a batch of
     three) are transformers' on the same file."""
     file = write_gguf(model_dir, f"greedy-{fmt}", lambda kind, layer: fmt)
     hf = _transformers_model(model_dir, file)
     assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
+    """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, the K-quants
+    Q4_K / Q6_K): every linear one packed `QuantLinear` in that format
+    (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
+    weights exactly transformers' dequantized load. With fp32 activations greedy equals
+    transformers'; with int8 activations (the default) the engine's first token of each prompt
+    (prompt rows keep fp32 activations) is transformers', and a batch of three decodes token for
+    token as each prompt alone."""
+    from structlog.testing import capture_logs
+
+    from benchmarks.quality.quant_quality import greedy, set_int8_activations
+
+    file = write_gguf(model_dir, f"packed-{fmt}", lambda kind, layer: fmt)
+    with capture_logs() as logs:
+        ours = load_model(file)
+    hf = _transformers_model(model_dir, file)
+    _assert_weights_equal(ours, hf)
+    linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    assert all(isinstance(m, QuantLinear) and m.formats == [ops.quant.FORMATS[fmt]] for m in linears)
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding)
+    assert isinstance(ours.logit_screen(), QuantLogitScreen)
+    # the fused decoder, except where AMX runs and the format has no AMX panels (its bf16 steps)
+    assert (ours.fused_decoder() is not None) == (fmt in ops.quant.BF16_FORMATS or not ops.quant.amx_bf16())
+    [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
+    assert f"{fmt}: 16 tensors, packed (quantized kernels)" in line["formats"]
+    expected = [_hf_greedy(hf, p, 10) for p in PROMPTS]
+    set_int8_activations(ours, False)
+    with torch.inference_mode():
+        assert [greedy(ours, p, 10) for p in PROMPTS] == expected
+    together = _engine_greedy(file, PROMPTS, 10)
+    assert [t[0] for t in together] == [e[0] for e in expected]
+    assert together == [_engine_greedy(file, [p], 10)[0] for p in PROMPTS]
 
 
 def test_mix_greedy_equals_transformers_with_fp32_activations(model_dir: Path) -> None:
@@ -270,15 +305,17 @@ def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
 
     file = write_gguf(model_dir, "copies", _mix)
     tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
-    for name in ("blk.1.attn_q.weight", "blk.0.attn_q.weight", "output_norm.weight"):  # Q4_1, Q4_K, F32
+    for name in ("blk.1.attn_q.weight", "blk.0.attn_q.weight", "output_norm.weight"):  # Q4_1, Q5_K, F32
         assert read_tensor(tensors[name]).data.numpy().flags.writeable, name
 
 
 def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
     """`quantization="requantize"` (`--quantization requantize`): the mix's tensors without a
     kernel become Q8_0 blocks of their dequantized weights (exactly `ref.quantize` of transformers'
-    load), every linear is packed, the fused decoder applies, the log says so; with fp32
-    activations greedy equals transformers holding the requantized weights."""
+    load), every linear is packed, the log says so; with fp32 activations greedy equals
+    transformers holding the requantized weights. A packed format
+    (Q5_0) stays as stored, so a module mixing it with requantized shards runs on the module path
+    (the fused decoder takes one format per linear)."""
     from structlog.testing import capture_logs
 
     from benchmarks.quality.quant_quality import greedy, set_int8_activations
@@ -289,17 +326,23 @@ def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
         ours = load_model(file, quantization="requantize")
     hf = _transformers_model(model_dir, file)
     state = hf.state_dict()
-    requantized = [f"model.layers.0.{_HF[kind]}.weight" for kind, fmt in MIX.items() if fmt not in ("Q8_0", "Q4_1")]
+    requantized = [f"model.layers.0.{_HF[kind]}.weight" for kind, fmt in MIX.items()
+                   if formats.by_name(fmt).runs == formats.DEQUANTIZED]
     for name in [*requantized, "model.embed_tokens.weight"]:
         state[name] = ref.dequantize(ref.quantize(state[name], ref.Q8_0), ref.Q8_0)
     hf.load_state_dict(state)
     _assert_weights_equal(ours, hf)
     linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, QuantLinear))]
     assert all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
-    assert isinstance(ours.model.embed_tokens, QuantEmbedding) and ours.fused_decoder() is not None
+    assert isinstance(ours.model.embed_tokens, QuantEmbedding)
+    # layer 0's qkv holds Q5_0 (packed as stored) beside requantized Q8_0 shards: the module path
+    assert ours.model.layers[0].self_attn.qkv_proj.formats == [ops.quant.Q8_0, ops.quant.Q5_0, ops.quant.Q8_0]
+    assert ours.fused_decoder() is None
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
-    assert "Q4_K: 1 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
-    assert "Q6_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
+    assert "Q5_0: 1 tensors, packed (quantized kernels)" in line["formats"]
+    assert "Q5_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
+    assert "Q3_K: 1 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
+    assert "IQ4_XS: 1 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
     set_int8_activations(ours, False)
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -320,9 +363,10 @@ def _smollm2_q4_k_m(kind: str, layer: int) -> str:
 
 def test_smollm2_q4_k_m_mix(tmp_path: Path) -> None:
     """The default model (when fetched) written as llama.cpp's Q4_K_M mix (the formats and counts of llama.cpp's
-    own file: Q5_0 166, Q4_K 16, Q8_0 15, Q6_K 14) from its fp32 checkpoint: it loads with each
-    format on its path, its passage NLL is within 5% of the fp32 model's (measured: 3.658 vs 3.565;
-    our round-to-nearest K-quantizers), and requantized to Q8_0 within 0.2% of that (3.660)."""
+    own file: Q5_0 166, Q4_K 16, Q8_0 15, Q6_K 14) from its fp32 checkpoint: every format is packed
+    (every linear a `QuantLinear`), its passage NLL is within 5% of the fp32 model's (our
+    round-to-nearest K-quantizers), and within 0.5% of the same file dequantized to fp32 at load
+    (what int8 activations cost)."""
     from structlog.testing import capture_logs
     from transformers import AutoTokenizer
 
@@ -341,16 +385,16 @@ def test_smollm2_q4_k_m_mix(tmp_path: Path) -> None:
     with capture_logs() as logs:
         mix = load_model(file)
     [line] = [e["formats"] for e in logs if e["event"] == "GGUF tensor formats"]
-    assert "Q5_0: 166 tensors, dequantized at load to float32" in line
-    assert "Q8_0: 1 tensors, packed (quantized kernels)" in line  # the tied embedding; attn_v's 14 sit in fp32 qkv
+    for fmt, count in (("Q5_0", 166), ("Q4_K", 16), ("Q6_K", 14), ("Q8_0", 15)):  # Q8_0: the tied embedding, attn_v
+        assert f"{fmt}: {count} tensors, packed (quantized kernels)" in line
+    linears = [m for m in mix.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    assert all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
     with torch.inference_mode():
         reference = mean_nll(load_model(source), passage)
-        dequantized = mean_nll(mix, passage)
-        requantized_model = load_model(file, quantization="requantize")
-        assert requantized_model.fused_decoder() is not None
-        requantized = mean_nll(requantized_model, passage)
-    assert abs(dequantized - reference) <= 0.05 * reference, (dequantized, reference)
-    assert abs(requantized - dequantized) <= 0.002 * dequantized, (requantized, dequantized)
+        packed = mean_nll(mix, passage)
+        dequantized = mean_nll(load_model(file, quantization="dequantize"), passage)
+    assert abs(packed - reference) <= 0.05 * reference, (packed, reference)
+    assert abs(packed - dequantized) <= 0.005 * dequantized, (packed, dequantized)
 
 
 def test_read_tensor_float_types(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import torch
 import ops
 from engine.model.quant_linear import QuantLinear
 from engine.model.quant_screen import BF16_SCREEN_MIN_ROWS, NORM_SLACK, ROUNDING, QuantLogitScreen, bf16_row_scales
-from ops.quant import Q4_0, Q4_1, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.quant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import quant as ref
 from ops.screen import bf16_packing_available, native_bf16, screen_logits
 
@@ -41,9 +41,12 @@ def _exact_tokens(lm_head: QuantLinear, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([lm_head(part).max(dim=-1).indices for part in hidden.split(QUANT_GEMV_MAX_ROWS)])
 
 
-@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0], ids=lambda f: f.name)
-@pytest.mark.parametrize(("vocab", "hidden", "rows"), [(4099, 576, 1), (1000, 64, 40), (2048, 96, 64)])
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q4_K, Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize(("vocab", "hidden", "rows"),
+                         [(4099, 576, 1), (1000, 64, 40), (2048, 96, 64), (4099, 256, 1), (1000, 512, 40)])
 def test_screen_picks_the_fp32_activation_argmax(fmt: QuantFormat, vocab: int, hidden: int, rows: int) -> None:
+    if hidden % fmt.block_size:
+        pytest.skip(f"{fmt.name} rows are blocks of {fmt.block_size}")
     lm_head = _lm_head(fmt, vocab, hidden, seed=vocab + rows)
     screen = QuantLogitScreen.for_lm_head(lm_head)
     assert screen is not None and screen.serves(lm_head)
@@ -78,16 +81,16 @@ def test_no_screen_for_shards_or_bias() -> None:
     assert all(QuantLogitScreen.for_lm_head(m) is None for m in (two, biased, plain))
 
 
-@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q4_K, Q6_K], ids=lambda f: f.name)
 def test_fused_screen_matches_its_torch_reference(fmt: QuantFormat) -> None:
     """The fused C++ pass (`ops.quant.screened_argmax`) against `ops.reference.quant.screened_argmax`:
     the same tokens, about the same number of candidates (the bound is the same; fp32 rounding of
     `approx +- slack` may move a token on the edge), -1 for non-finite rows."""
-    lm_head = _lm_head(fmt, 3001, 128, seed=5)
+    lm_head = _lm_head(fmt, 3001, 256, seed=5)
     screen = QuantLogitScreen.for_lm_head(lm_head)
     assert screen is not None
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(11, 128, generator=gen)
+    x = torch.randn(11, 256, generator=gen)
     x[2, 3] = 25.0
     x[4] = lm_head.dequantized_weight()[7] * 80  # tokens 3, 7 and the last tie: the first wins
     x[9, 1] = float("nan")

@@ -1,0 +1,124 @@
+"""ops.quant on the K-quants kept packed (Q4_K, Q6_K: 256-weight blocks the kernels read as eight
+32-weight sub-blocks, one activation block each): the kernels' dequantization is gguf's reference
+bit for bit over random blocks (every scale, min and fp16 class), the int8-activation rows equal
+the reference on the int8-rounded activations and the fp32 rows the fp32 product over odd row
+counts, odd N and K = 256 n, with and without bias; a row's output is the same bits alone and in
+any batch; the fixed-order GEMM is fixed_gemm on the dequantized weight. Run at every ISA level
+the machine has (tests/ops/test_isa.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import ops
+from ops.build import cpu_ops
+from ops.quant import FORMATS, Q4_K, Q6_K, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.reference import formats
+from ops.reference import quant as ref
+from tests.ops.test_formats import _random_blocks
+
+gguf = pytest.importorskip("gguf")
+KQUANTS = [Q4_K, Q6_K]
+SHAPES = [(37, 256), (130, 512), (96, 1536), (8, 768), (576, 256)]  # (N, K)
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, QUANT_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS + 3]
+
+
+def _qweight(fmt: QuantFormat, n: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    weight[0, 3] = 0.9  # an outlier: a coarse super-block scale
+    weight[n - 1, :256] = 0.0  # an all-zero block: zero scales
+    return ref.quantize(weight, fmt.type_id)
+
+
+def test_k_quants_are_packed_formats() -> None:
+    for fmt in KQUANTS:
+        table = formats.by_name(fmt.name)
+        assert table.runs == formats.PACKED and FORMATS[fmt.name] is fmt
+        assert (fmt.type_id, fmt.block_size, fmt.block_bytes) == (table.type_id, table.block_size, table.block_bytes)
+    with pytest.raises(ValueError, match="multiple of 256 for Q6_K"):
+        ops.quant_linear(torch.randn(1, 576), torch.zeros(2, 576 // 256 * 210, dtype=torch.uint8), Q6_K)
+    with pytest.raises(ValueError, match="Q4_K with K=512 needs 288"):
+        ops.quant_linear(torch.randn(1, 512), torch.zeros(2, 210, dtype=torch.uint8), Q4_K)
+    with pytest.raises(RuntimeError, match="multiple of 256"):  # the kernel's own check
+        cpu_ops().quant_linear(torch.empty(1, 2), torch.randn(1, 288), torch.zeros(2, 210, dtype=torch.uint8),
+                                         Q6_K.type_id, None, True, 0)
+
+
+@pytest.mark.parametrize("fmt", KQUANTS, ids=lambda f: f.name)
+def test_kernel_dequantize_equals_gguf(fmt: QuantFormat) -> None:
+    raw = _random_blocks(formats.by_name(fmt.name), 4096, seed=fmt.type_id + 100).reshape(64, -1)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.name]).reshape(64, -1)
+    np.testing.assert_array_equal(ops.dequantize(torch.from_numpy(raw), fmt).numpy(), expected)
+    np.testing.assert_array_equal(ref.dequantize(torch.from_numpy(raw), fmt.type_id).numpy(), expected)
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("fmt", KQUANTS, ids=lambda f: f.name)
+def test_kernel_matches_reference_at_every_row_count(fmt: QuantFormat, n: int, k: int) -> None:
+    """Every row count the kernel splits into passes (4 rows a pass, 5 when five are left), bias on
+    every other count: int8 activations equal the reference on the rounded activations (within
+    ~1% of the fp32 product), fp32 activations the reference itself; the last row (in the last
+    partial pass), and for the small batches of a speculative verify every row, is bit for bit the
+    same alone. Past `QUANT_GEMV_MAX_ROWS` rows GGUF order runs dequantize + oneDNN in fp32."""
+    qweight = _qweight(fmt, n, k, n + k)
+    weight = ref.dequantize(qweight, fmt.type_id)
+    gen = torch.Generator().manual_seed(n * k)
+    x = torch.randn(max(ROWS), k, generator=gen)
+    x[:, 3] *= 20  # an outlier in the first block of every row
+    bias = torch.randn(n, generator=gen)
+    for i, m in enumerate(ROWS):
+        b = bias if i % 2 else None
+        rows = x[:m]
+        expected = rows @ weight.T + (0 if b is None else b)
+        fp32 = ops.quant_linear(rows, qweight, fmt, b, int8_activations=False)
+        torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)
+        got = ops.quant_linear(rows, qweight, fmt, b)
+        if m > QUANT_GEMV_MAX_ROWS:
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            continue
+        as_int8 = ref.int8_activations(rows) @ weight.T + (0 if b is None else b)
+        torch.testing.assert_close(got, as_int8, rtol=1e-4, atol=1e-4)
+        assert (got - expected).abs().max() <= 0.02 * expected.abs().max() + 1e-4
+        for j in range(m) if m <= 9 else [m - 1]:
+            alone = rows[j:j + 1]
+            assert torch.equal(got[j:j + 1], ops.quant_linear(alone, qweight, fmt, b)), (m, j)
+            assert torch.equal(fp32[j:j + 1], ops.quant_linear(alone, qweight, fmt, b, int8_activations=False))
+
+
+@pytest.mark.parametrize("fmt", KQUANTS, ids=lambda f: f.name)
+@pytest.mark.parametrize(("m", "exact"), [(1, 1), (5, 2), (9, 8), (40, 37)])
+def test_exact_rows_keep_fp32_activations(fmt: QuantFormat, m: int, exact: int) -> None:
+    qweight = _qweight(fmt, 64, 512, m)
+    gen = torch.Generator().manual_seed(m + exact)
+    x = torch.randn(m, 512, generator=gen)
+    bias = torch.randn(64, generator=gen)
+    got = ops.quant_linear(x, qweight, fmt, bias, exact_rows=exact)
+    assert torch.equal(got[:exact], ops.quant_linear(x[:exact], qweight, fmt, bias, int8_activations=False))
+    assert torch.equal(got[exact:], ops.quant_linear(x[exact:], qweight, fmt, bias))
+
+
+@pytest.mark.parametrize("fmt", KQUANTS, ids=lambda f: f.name)
+@pytest.mark.parametrize(("n", "k"), [(24, 256), (200, 512), (37, 768)])
+def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantFormat, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    qweight = _qweight(fmt, n, k, n)
+    weight = ops.quant.dequantize(qweight, fmt, k)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(37, k, generator=g)
+    for rows in (1, 5, 37):
+        got = ops.quant.quant_fixed_linear(x[:rows], qweight, fmt, bias)
+        assert torch.equal(got, ops.linear(x[:rows], weight, bias, fixed=ops.pack_fixed(weight))), rows
+        assert torch.equal(got, ops.quant.quant_fixed_linear(x, qweight, fmt, bias)[:rows]), rows
+
+
+@pytest.mark.parametrize("fmt", KQUANTS, ids=lambda f: f.name)
+def test_bf16_linear_runs_the_k_quants_in_torch_off_amx(fmt: QuantFormat) -> None:
+    """The AMX kernel has no K-quant panels: `quant_linear_bf16` gives the bf16 reference for them."""
+    qweight = _qweight(fmt, 40, 256, 3)
+    x = torch.randn(6, 256)
+    assert fmt.name not in ops.quant.BF16_FORMATS
+    torch.testing.assert_close(ops.quant.quant_linear_bf16(x, qweight, fmt),
+                               ref.quant_linear_bf16(x, qweight, fmt.type_id), rtol=0, atol=0)
