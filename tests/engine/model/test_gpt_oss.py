@@ -18,7 +18,7 @@ from engine.llm import LLM
 from engine.model import ModelSpec, UnsupportedModelError, load_model
 from engine.model.gpt_oss import GptOssAttention, GptOssForCausalLM, dequantize_mxfp4, mxfp4_to_float
 from engine.model.sharding import TPShard
-from tests.engine.helpers import assert_no_leaks, generated, hf_greedy, hf_logits
+from tests.engine.helpers import assert_bf16_within_hf_bf16, assert_no_leaks, generated, hf_greedy, hf_logits
 from tests.engine.model.test_sliding_window import prompt_ids
 from tests.fixtures.models import PagedHarness, Seq, _byte_tokenizer
 
@@ -124,6 +124,29 @@ def test_engine_greedy_equals_hf(gpt_oss_dir: Path, expected: list[list[int]], c
     assert generated(llm.generate(PROMPTS, GREEDY)) == expected  # the prompts now hit the prefix cache
     assert llm.stats()["prefix_hits"] > 0
     assert_no_leaks(llm)
+
+
+def test_engine_without_sinks_answers_otherwise(gpt_oss_dir: Path, expected: list[list[int]]) -> None:
+    """The greedy control: the engine with every sink at -inf does not give HF's tokens."""
+    llm = LLM(str(gpt_oss_dir), dtype="float32", kv_cache_memory=16 << 20)
+    with torch.no_grad():
+        for layer in llm.engine.model.model.layers:
+            layer.self_attn.sinks.fill_(float("-inf"))
+    assert generated(llm.generate(PROMPTS, GREEDY)) != expected
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_equals_hf(gpt_oss_dir: Path, expected: list[list[int]], mode: str) -> None:
+    llm = LLM(str(gpt_oss_dir), dtype="float32", block_size=8, num_gpu_blocks=16, num_cpu_blocks=64,
+              max_model_len=128, preemption_mode=mode)
+    assert generated(llm.generate(PROMPTS, GREEDY)) == expected
+    assert llm.stats()["preemptions"].get(mode, 0) > 0, "the small pool was meant to force preemption"
+    assert_no_leaks(llm)
+
+
+def test_bf16_error_is_within_hf_bf16s(gpt_oss_dir: Path) -> None:
+    """The paged model in bf16 (sinks cast to fp32 for the kernels) against HF fp32: within 1.5x HF bf16's error."""
+    assert_bf16_within_hf_bf16(gpt_oss_dir, prompt_ids(40, 5))
 
 
 def test_speculative_decoding_equals_hf(gpt_oss_dir: Path) -> None:
