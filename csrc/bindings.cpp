@@ -57,9 +57,19 @@ int64_t error_flag_address() { return reinterpret_cast<int64_t>(error_flag_host(
 
 bool is_int8(const at::Tensor& cache) { return cache.scalar_type() == at::kChar; }
 
+// The device data of optional attention sinks (fp32, contiguous, [num_heads], on the query's device), or null.
+const float* sinks_of(const std::optional<at::Tensor>& sinks, const at::Tensor& query) {
+  if (!sinks.has_value() || !sinks->defined()) return nullptr;
+  TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == query.size(1) &&
+                        sinks->is_contiguous() && sinks->device() == query.device(),
+                    "sinks must be a contiguous fp32 tensor of num_heads values on the query's device");
+  return sinks->data_ptr<float>();
+}
+
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens, double scale, int64_t window) {
+                     const at::Tensor& context_lens, double scale, int64_t window,
+                     const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = key_cache.size(2), max_blocks = block_tables.size(1);
@@ -101,6 +111,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   args.errors = error_flag_device();
   args.seq_begin = 0;
   args.window = static_cast<int>(std::max<int64_t>(window, 0));
+  args.sinks = sinks_of(sinks, query);
   check(pc::paged_attention(args, c10::cuda::getCurrentCUDAStream().stream()), "paged_attention");
 }
 
@@ -164,7 +175,7 @@ void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor&
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
-                             int64_t window, int64_t rows_per_warp) {
+                             int64_t window, int64_t rows_per_warp, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   pc::PrefillAttentionArgs args{};
   args.out = out.data_ptr();
@@ -191,6 +202,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
   args.kv_int8 = is_int8(key_cache);
   args.rows_per_warp = static_cast<int>(rows_per_warp);
   args.window = static_cast<int>(std::max<int64_t>(window, 0));
+  args.sinks = sinks_of(sinks, query);
   args.errors = error_flag_device();
   check(pc::paged_prefill_attention(args, c10::cuda::getCurrentCUDAStream().stream()), "paged_prefill_attention");
 }
@@ -257,7 +269,7 @@ void rotary_embedding_and_cache(const at::Tensor& positions, const at::Tensor& q
 TORCH_LIBRARY(pagedserve_cuda, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor context_lens, float scale, int window=0) -> ()");
+      "Tensor block_tables, Tensor context_lens, float scale, int window=0, Tensor? sinks=None) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
@@ -265,7 +277,8 @@ TORCH_LIBRARY(pagedserve_cuda, m) {
   m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, int window, int rows_per_warp) -> ()");
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, int window, int rows_per_warp, "
+      "Tensor? sinks=None) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");

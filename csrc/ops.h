@@ -48,6 +48,7 @@ struct PagedAttentionArgs {
   unsigned char* errors;  // device view of the error flag (ErrorKind bytes)
   int seq_begin;        // first sequence of this launch (set by the launcher: grids stop at 65,535)
   int window;           // > 0: a query sees only the last `window` tokens of its context; 0: all
+  const float* sinks;   // [num_heads] fp32 logits joining each head's softmax denominator (no value); null: none
 };
 
 struct PrefillAttentionArgs {
@@ -67,6 +68,7 @@ struct PrefillAttentionArgs {
   int rows_per_warp;    // 8, or 4 (head 256 only: the smaller tile for devices with 99 KiB of shared memory)
   unsigned char* errors;
   int window;           // > 0: query at q sees keys p with q - window < p <= q; 0: every p <= q
+  const float* sinks;   // [num_heads] fp32 logits joining each head's softmax denominator (no value); null: none
 };
 
 struct RotaryArgs {

@@ -193,7 +193,12 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const PagedAttentio
     float total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += work_s[(w * kMaxHeads + h) * HEAD_SIZE + d];
-    const float value = sum_s[h] > 0.f ? total / sum_s[h] : 0.f;  // empty context -> zeros
+    float value = sum_s[h] > 0.f ? total / sum_s[h] : 0.f;  // empty context -> zeros
+    if (a.sinks && !partitioned) {  // the sink's logit joins the denominator (no value)
+      const float sink = a.sinks[head0 + h], m = fmaxf(max_s[h], sink);
+      const float alpha = expf(max_s[h] - m);  // 0 for an empty context (max -inf)
+      value = total * alpha / (sum_s[h] * alpha + expf(sink - m));
+    }
     const int64_t row = static_cast<int64_t>(seq) * a.num_heads + head0 + h;
     if (partitioned) {
       a.tmp_out[(row * a.max_num_partitions + part) * HEAD_SIZE + d] = value;
@@ -243,7 +248,12 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(const PagedAttentionAr
     s += w;
   }
   s = block_reduce(s, false, scratch);  // its barriers also publish weights_s
-  const float inv = s > 0.f ? 1.f / s : 0.f;
+  float inv = s > 0.f ? 1.f / s : 0.f;
+  if (a.sinks) {  // the sink's logit joins the denominator of the partitions' combined softmax
+    const float sink = a.sinks[head], m_all = fmaxf(m, sink);
+    const float alpha = expf(m - m_all);  // 0 for an empty context (max -inf)
+    inv = alpha / (s * alpha + expf(sink - m_all));
+  }
   const float* partial = a.tmp_out + row * a.max_num_partitions * HEAD_SIZE;
   T* out = static_cast<T*>(a.out) + seq * a.out_stride_seq + head * a.out_stride_head;
   for (int d = threadIdx.x; d < HEAD_SIZE; d += kThreads) {

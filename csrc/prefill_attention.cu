@@ -202,7 +202,12 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const PrefillAttentio
     const int r = warp * kRowsPerWarp + j;
     if (r >= rows_here) break;
     const int row = row0 + r, token = row / group, head = kv_head * group + row % group;
-    const float inv = row_sum[j] > 0.f ? 1.f / row_sum[j] : 0.f;
+    float inv = row_sum[j] > 0.f ? 1.f / row_sum[j] : 0.f;
+    if (a.sinks) {  // the sink's logit joins the denominator (no value)
+      const float sink = a.sinks[head], m = fmaxf(row_max[j], sink);
+      const float alpha = expf(row_max[j] - m);  // 0 for a row that saw no key (max -inf)
+      inv = alpha / (row_sum[j] * alpha + expf(sink - m));
+    }
     T* dst = out + (q_start + token) * a.out_stride_token + head * a.out_stride_head;
 #pragma unroll
     for (int i = 0; i < kDimsPerLane; ++i) {

@@ -25,6 +25,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged K/V.
 
@@ -33,10 +34,13 @@ def paged_attention(
     ``window`` > 0: a sliding window, the query (at ``context_len - 1``) sees only the last
     ``window`` tokens, itself included (positions ``p > context_len - 1 - window``, transformers'
     sliding mask); 0 or -1: its whole context. Table entries of blocks wholly before the window are
-    never read. Returns ``out`` (allocated when not given), same shape and dtype as ``query``.
+    never read. ``sinks`` (fp32 ``[num_heads]``, gpt-oss): a learned logit per head that joins each
+    query's softmax denominator and carries no value (the weights sum to less than one); None: none.
+    Returns ``out`` (allocated when not given), same shape and dtype as ``query``.
     """
     window = check_window(window)
     check_attention(query, key_cache, value_cache, block_tables, context_lens, out)
+    check_sinks(sinks, query)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
@@ -44,15 +48,25 @@ def paged_attention(
     if use_reference():
         check_decode_lengths(key_cache, block_tables, context_lens)
         args = (query, key_cache, value_cache, block_tables, context_lens, scale, out)
-        return reference.paged_attention(*args, window=window)
+        return reference.paged_attention(*args, window=window, sinks=sinks)
     if query.is_cuda:
         raise_device_errors()  # what an earlier kernel flagged (a host read, no sync)
     lib = cuda_ops() if query.is_cuda else cpu_ops()
     lib.paged_attention(
         out, query, key_cache, value_cache, block_tables.contiguous(), context_lens.contiguous(), float(scale),
-        window,
+        window, sinks,
     )
     return out
+
+
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Attention sinks as the kernels take them: a contiguous fp32 ``[num_heads]`` tensor on the query's device."""
+    if sinks is None:
+        return
+    if (sinks.dtype != torch.float32 or sinks.dim() != 1 or sinks.shape[0] != query.shape[1]
+            or not sinks.is_contiguous() or sinks.device != query.device):
+        raise ValueError(f"sinks must be a contiguous fp32 tensor of num_heads ({query.shape[1]}) values on "
+                         f"{query.device}; got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
 
 
 def check_window(window: int) -> int:
@@ -73,6 +87,7 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Prefill attention of every sequence of a step in one call, K/V read from the paged cache.
 
@@ -83,10 +98,12 @@ def paged_prefill_attention(
     ``block_tables[s]`` (so their K/V, this chunk's included, must already be in the cache). Covers
     whole prompts, later chunks of a chunked prefill and prompts whose prefix hit the prefix cache.
     ``window`` > 0: query ``i`` sees only positions ``p`` with ``q_pos - window < p <= q_pos``
-    (``paged_attention``'s sliding window). Returns ``out`` (allocated when not given).
+    (``paged_attention``'s sliding window); ``sinks``: ``paged_attention``'s attention sinks.
+    Returns ``out`` (allocated when not given).
     """
     window = check_window(window)
     check_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out)
+    check_sinks(sinks, query)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0 or context_lens.shape[0] == 0:
@@ -94,18 +111,18 @@ def paged_prefill_attention(
     if use_reference():
         check_prefill_lengths(query, key_cache, block_tables, query_start_loc, context_lens)
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out)
-        return reference.paged_prefill_attention(*args, window=window)
+        return reference.paged_prefill_attention(*args, window=window, sinks=sinks)
     index_args = (block_tables.contiguous(), query_start_loc.contiguous(), context_lens.contiguous(), float(scale),
                   window)
     if not query.is_cuda and fixed_order():  # decode's per-row arithmetic (ops/attention_rows.py); pass
-        # the decode op the same options (the window) as this call
-        return prefill_as_decode(partial(paged_attention, window=window), query, key_cache, value_cache,
+        # the decode op the same options (the window, the sinks) as this call
+        return prefill_as_decode(partial(paged_attention, window=window, sinks=sinks), query, key_cache, value_cache,
                                  block_tables, query_start_loc, context_lens, scale, out)
     if not query.is_cuda:
-        cpu_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args)
+        cpu_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args, sinks)
         return out
     raise_device_errors()
     device = query.device
     rows = prefill_rows_per_warp(query.shape[2], optin_smem_bytes(device), torch.cuda.get_device_name(device))
-    cuda_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args, rows)
+    cuda_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args, rows, sinks)
     return out

@@ -30,6 +30,7 @@ struct Shape {
   int64_t q_stride_seq, q_stride_head, out_stride_seq, out_stride_head;
   float scale;
   int64_t window;  // tokens a query sees, itself included; 0: all of its context
+  const float* sinks;  // [num_heads] fp32 logits that join each head's softmax denominator; null: none
 };
 
 // Two independent 8-wide FMA chains, then one shuffle-tree horizontal sum.
@@ -419,7 +420,12 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
       for (; t < bs; t += 2) prefetch_rows(next_v + t * rs, std::min<int64_t>(2, bs - t) * rs);
   }
   for (int64_t h = 0; h < group; ++h) {
-    const float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;  // empty context -> zeros
+    float inv = sums[h] > 0.f ? 1.f / sums[h] : 0.f;  // empty context -> zeros
+    if (s.sinks) {  // the sink's logit joins the denominator (no value): rescale to max(max, sink)
+      const float sink = s.sinks[kv_head * group + h], m = std::max(maxes[h], sink);
+      const float a = std::exp(maxes[h] - m);  // 0 for an empty context (max -inf)
+      inv = a / (sums[h] * a + std::exp(sink - m));
+    }
     T* dst = out + (kv_head * group + h) * s.out_stride_head;
     for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[h * dim + d] * inv);
   }
@@ -466,14 +472,16 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
 
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens, double scale, int64_t window) {
+                     const at::Tensor& context_lens, double scale, int64_t window,
+                     const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
   TORCH_CHECK_VALUE(window >= -1, "window must be -1 or 0 (none) or the tokens a query sees; got ", window);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   const bool quantized = key_cache.scalar_type() == at::kChar;
+  const float* sink_ptr = check_sinks(sinks, query.size(1));
   const Shape s{query.size(1), key_cache.size(1), query.size(2), key_cache.size(3), key_cache.size(2),
                 key_cache.size(0), block_tables.size(1), query.stride(0), query.stride(1),
-                out.stride(0), out.stride(1), static_cast<float>(scale), std::max<int64_t>(window, 0)};
+                out.stride(0), out.stride(1), static_cast<float>(scale), std::max<int64_t>(window, 0), sink_ptr};
   const auto go = [&](auto tag) {
     using T = decltype(tag);
     if (quantized) return run<T, int8_t>(out, query, key_cache, value_cache, block_tables, context_lens, s);

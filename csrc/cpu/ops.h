@@ -10,14 +10,25 @@ namespace pagedserve::cpu {
 // window > 0: a query sees only the last `window` tokens of its context (itself included).
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& context_lens, double scale, int64_t window = 0);
+                     const at::Tensor& context_lens, double scale, int64_t window = 0,
+                     const std::optional<at::Tensor>& sinks = std::nullopt);
 
 // out/query [num_tokens, num_heads, head_size]; the tokens of sequence s are
 // query[query_start_loc[s] : query_start_loc[s + 1]], the last ones of its context_lens[s].
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
-                             int64_t window = 0);
+                             int64_t window = 0, const std::optional<at::Tensor>& sinks = std::nullopt);
+
+// The data of an optional attention-sinks tensor (fp32, contiguous, [num_heads], on the CPU), or null.
+inline const float* check_sinks(const std::optional<at::Tensor>& sinks, int64_t num_heads) {
+  if (!sinks.has_value() || !sinks->defined()) return nullptr;
+  TORCH_CHECK_VALUE(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == num_heads &&
+                        sinks->is_contiguous() && sinks->device().is_cpu(),
+                    "sinks must be a contiguous fp32 CPU tensor of num_heads (", num_heads, ") values; got ",
+                    sinks->scalar_type(), " of shape ", sinks->sizes());
+  return sinks->data_ptr<float>();
+}
 
 // key/value [T, num_kv_heads, head_size] (last dim contiguous); slots < 0 are skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,

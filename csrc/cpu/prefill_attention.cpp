@@ -46,6 +46,7 @@ struct Shape {
   int64_t q_stride_token, q_stride_head, out_stride_token, out_stride_head;
   float scale;
   int64_t window;  // tokens a query sees, itself included; 0: its whole causal context
+  const float* sinks;  // [num_heads] fp32 logits that join each head's softmax denominator; null: none
 };
 
 struct Task {
@@ -250,7 +251,12 @@ void run_task(const Task& task, const T* query, const C* key_cache, const C* val
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = task.row_begin + r, token = row / s.group, head = task.kv_head * s.group + row % s.group;
-    const float inv = w.sums[r] > 0.f ? 1.f / w.sums[r] : 0.f;
+    float inv = w.sums[r] > 0.f ? 1.f / w.sums[r] : 0.f;
+    if (s.sinks) {  // the sink's logit joins the denominator (no value): rescale to max(max, sink)
+      const float sink = s.sinks[head], m = std::max(w.maxes[r], sink);
+      const float a = std::exp(w.maxes[r] - m);  // 0 for a row that saw no key (max -inf)
+      inv = a / (w.sums[r] * a + std::exp(sink - m));
+    }
     float* a = w.acc.data() + r * dp;
     for (int64_t d = 0; d < dim; ++d) a[d] *= inv;
     vec::narrow(out + (q_begin + token) * s.out_stride_token + head * s.out_stride_head, a, dim);
@@ -309,7 +315,7 @@ void run(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_c
 void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                              const at::Tensor& value_cache, const at::Tensor& block_tables,
                              const at::Tensor& query_start_loc, const at::Tensor& context_lens, double scale,
-                             int64_t window) {
+                             int64_t window, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out head dim must be contiguous");
   TORCH_CHECK_VALUE(window >= -1, "window must be -1 or 0 (none) or the tokens a query sees; got ", window);
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
@@ -321,7 +327,7 @@ void paged_prefill_attention(const at::Tensor& out, const at::Tensor& query, con
                 vec::round_up(head_size, kWidth),
                 block_size, tile_keys, key_cache.size(0), block_tables.size(1),
                 query.stride(0), query.stride(1), out.stride(0), out.stride(1), static_cast<float>(scale),
-                std::max<int64_t>(window, 0)};
+                std::max<int64_t>(window, 0), check_sinks(sinks, num_heads)};
   if (query.size(0) == 0 || context_lens.size(0) == 0) return;
   const auto go = [&](auto tag) {
     using T = decltype(tag);

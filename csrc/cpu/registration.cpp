@@ -7,10 +7,11 @@
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor context_lens, float scale, int window=0) -> ()");
+      "Tensor block_tables, Tensor context_lens, float scale, int window=0, Tensor? sinks=None) -> ()");
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, int window=0) -> ()");
+      "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, int window=0, "
+      "Tensor? sinks=None) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import ops
 from ops.attention import check_window
+from ops.reference import attention as reference
 
 
 @dataclass
@@ -63,9 +64,10 @@ class PagedAttention(nn.Module):
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, kv_cache: tuple[Tensor, Tensor],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, sinks: Tensor | None = None,
     ) -> Tensor:
-        """`query [T, H, D]`, `key/value [T, KVH, D]` (used only without a cache) → `[T, H * D]`."""
+        """`query [T, H, D]`, `key/value [T, KVH, D]` (used only without a cache) → `[T, H * D]`.
+        `sinks` (fp32 `[H]`, gpt-oss): each head's learned logit in the softmax denominator."""
         key_cache, value_cache = kv_cache
         out = query.new_empty(query.shape)
         num_prefill = meta.num_prefill_tokens
@@ -73,17 +75,18 @@ class PagedAttention(nn.Module):
             ops.paged_prefill_attention(
                 query[:num_prefill], key_cache, value_cache, meta.prefill_block_tables,
                 meta.prefill_query_start_loc, meta.prefill_context_lens_tensor, self.scale, out=out[:num_prefill],
-                window=self.window,
+                window=self.window, sinks=sinks,
             )
         elif meta.num_prefills:
-            self._prefill_without_cache(query, key, value, meta, out)
+            self._prefill_without_cache(query, key, value, meta, out, sinks)
         if meta.num_decodes:
             ops.paged_attention(query[num_prefill:], key_cache, value_cache, meta.decode_block_tables,
-                                meta.decode_context_lens, self.scale, out=out[num_prefill:], window=self.window)
+                                meta.decode_context_lens, self.scale, out=out[num_prefill:], window=self.window,
+                                sinks=sinks)
         return out.flatten(1)
 
     def _prefill_without_cache(self, query: Tensor, key: Tensor, value: Tensor, meta: AttentionMetadata,
-                               out: Tensor) -> None:
+                               out: Tensor, sinks: Tensor | None = None) -> None:
         """Whole prompts attending over their own fresh K/V: the engine's profiling pass, which runs
         with an empty cache (every slot -1), so nothing can be read back from blocks."""
         starts = meta.prefill_query_start
@@ -93,10 +96,16 @@ class PagedAttention(nn.Module):
                 raise ValueError("a prefill over cached context needs a KV cache")
             q, k, v = (t[lo:hi].transpose(0, 1)[None] for t in (query, key, value))
             mask = None
-            if self.window:  # causal and within the window: key j seen from query i when i - window < j <= i
-                offsets = torch.arange(hi - lo, device=query.device)
+            if self.window or sinks is not None:  # causal, within the window: key j seen from query i when
+                offsets = torch.arange(hi - lo, device=query.device)  # i - window < j <= i
                 distance = offsets[:, None] - offsets[None, :]
-                mask = (distance >= 0) & (distance < self.window)
+                mask = (distance >= 0) & (distance < (self.window or hi - lo))
+            if sinks is not None and mask is not None:  # no fused form: the reference's arithmetic (ops/reference/attention.py)
+                group = self.num_heads // self.num_kv_heads
+                scores = q[0].float() @ k[0].float().repeat_interleave(group, 0).transpose(1, 2) * self.scale
+                probs = reference.softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks.view(-1, 1, 1))
+                out[lo:hi] = (probs @ v[0].float().repeat_interleave(group, 0)).transpose(0, 1).to(out.dtype)
+                continue
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                                   enable_gqa=self.num_heads != self.num_kv_heads)
             out[lo:hi] = attn[0].transpose(0, 1)

@@ -230,8 +230,13 @@ def load_model(
     if any(spec.layer_windows):
         log.info("sliding window attention", sliding_window=spec.sliding_window,
                  sliding_layers=sum(1 for w in spec.layer_windows if w), layers=spec.num_layers)
+    model_cls = LlamaForCausalLM
+    if spec.model_type == "gpt_oss":  # attention sinks; MXFP4 experts dequantized as they are read
+        from engine.model.gpt_oss import GptOssForCausalLM
+
+        model_cls = GptOssForCausalLM
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
-        model = LlamaForCausalLM(spec, shard).to(dtype=torch_dtype)
+        model = model_cls(spec, shard).to(dtype=torch_dtype)
     model.to_empty(device=device)
     if spec.tie_word_embeddings and shard.owns_lm_head:  # to_empty unties parameters; tie them again
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -9,7 +9,7 @@ from typing import Any
 from engine.model.moe_spec import MoEConfigError, MoESpec, moe_spec_from_hf_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text",
-                         "qwen2_moe", "qwen3_moe", "mixtral")
+                         "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
 # a dense model type's config that names experts (a Mixtral GGUF reads as llama) is refused
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")
 QK_NORMS = ("head", "projection")
@@ -94,6 +94,7 @@ class ModelSpec:
     local_rope: dict[str, Any] | None = None  # Gemma 3: the rope parameters of the `local_layers`
     local_layers: tuple[bool, ...] | None = None  # Gemma 3: per layer, whether it takes `local_rope`
     moe: MoESpec | None = None  # Qwen3-MoE, Mixtral: the sparse MLP of the layers `moe.sparse_layers` lists
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax denominator (`sinks`)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -193,7 +194,7 @@ class ModelSpec:
         experts = next((int(getattr(config, n)) for n in _EXPERT_COUNTS if getattr(config, n, None)), 0)
         if moe is None and experts > 0:
             raise UnsupportedModelError(f"model type {model_type!r} with {experts} experts: mixture-of-experts "
-                                        "layers are served for qwen2_moe, qwen3_moe and mixtral configs only")
+                                        "layers are served for qwen2_moe, qwen3_moe, mixtral and gpt_oss configs only")
         num_layers, num_kv_heads, head_dim = kv_geometry(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
@@ -237,6 +238,8 @@ def _family_options(config: Any) -> dict[str, Any]:
         return {"rope_layers": tuple(bool(flag) for flag in config.no_rope_layers)}
     if model_type == "gemma3_text":
         return _gemma3_options(config)
+    if model_type == "gpt_oss":  # q/k/v/o biases come from attention_bias; the MoE block from moe_spec
+        return {"attention_sinks": True}
     if model_type == "phi3":
         params = getattr(config, "rope_parameters", None) or {}
         factor = float(params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", 1.0) or 1.0)
@@ -279,6 +282,7 @@ def _rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[st
 # `layer_types` marks "sliding_attention" (transformers' modeling code); the others (Mistral)
 # apply `sliding_window`, when set, to every layer.
 _LAYER_TYPED_WINDOW = ("qwen2", "qwen2_moe", "qwen3", "smollm3")
+_LAYER_TYPED_ONLY = ("gemma3_text", "gpt_oss")  # no use_sliding_window switch: layer_types alone says
 
 
 def _sliding_window(config: Any) -> int | None:
@@ -287,7 +291,7 @@ def _sliding_window(config: Any) -> int | None:
     window = getattr(config, "sliding_window", None)
     if not window:
         return None
-    if config.model_type == "gemma3_text":  # no switch: the layers layer_types marks slide
+    if config.model_type in _LAYER_TYPED_ONLY:  # no switch: the layers layer_types marks slide
         return int(window) if "sliding_attention" in (getattr(config, "layer_types", None) or []) else None
     if config.model_type in _LAYER_TYPED_WINDOW:
         if not getattr(config, "use_sliding_window", False):
@@ -302,7 +306,7 @@ def _window_layers(config: Any) -> tuple[bool, ...] | None:
     """Per layer, whether it slides, for the families whose layers differ (transformers' modeling
     code: `layer_types[i] == "sliding_attention"`; without `layer_types` Qwen2's layers from
     `max_window_layers` on); None where every layer takes `sliding_window` (or none is set)."""
-    if _sliding_window(config) is None or config.model_type not in (*_LAYER_TYPED_WINDOW, "gemma3_text"):
+    if _sliding_window(config) is None or config.model_type not in (*_LAYER_TYPED_WINDOW, *_LAYER_TYPED_ONLY):
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:

@@ -19,9 +19,12 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V (fp32 math); with
-    ``window`` > 0 over its last ``window`` tokens only (query at ``len - 1`` sees ``p > len - 1 - window``)."""
+    ``window`` > 0 over its last ``window`` tokens only (query at ``len - 1`` sees ``p > len - 1 - window``);
+    ``sinks [num_heads]``: each head's extra logit in the softmax denominator (no value), as
+    transformers' gpt-oss computes it."""
     num_seqs, _, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     result = out if out is not None else torch.empty_like(query)
@@ -35,7 +38,7 @@ def paged_attention(
         stop = min(num_seqs, start + chunk)
         result[start:stop] = _attend_chunk(
             query[start:stop], key_cache, value_cache, block_tables[start:stop, :max_blocks],
-            lens[start:stop], scale, window,
+            lens[start:stop], scale, window, sinks,
         ).to(result.dtype)
     return result
 
@@ -48,6 +51,7 @@ def _attend_chunk(
     lens: torch.Tensor,
     scale: float,
     window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_size = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -71,8 +75,19 @@ def _attend_chunk(
     q = query.float().view(num_seqs, num_kv_heads, group, head_size)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, kvh, g, L]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty context -> zeros
+    if sinks is not None:
+        probs = softmax_with_sinks(scores, sinks.float().view(1, num_kv_heads, group, 1))
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty context -> zeros
     return torch.matmul(probs, values).view(num_seqs, num_heads, head_size)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim with one more logit, `sinks` (broadcast to `scores[..., :1]`), joined
+    to it and dropped after: transformers' gpt-oss eager attention (max-shifted, the sink included)."""
+    combined = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -94,13 +109,15 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (fp32 math).
 
     Sequence ``s`` owns ``query[query_start_loc[s]:query_start_loc[s + 1]]``: the last ``q_len``
     tokens of its ``context_lens[s]``, so query ``i`` sits at position ``context_len - q_len + i``
     and sees keys ``0 ..`` that position, all read from the cache through ``block_tables[s]``;
-    with ``window`` > 0 only keys ``p > q_pos - window`` of them (transformers' sliding mask).
+    with ``window`` > 0 only keys ``p > q_pos - window`` of them (transformers' sliding mask);
+    ``sinks``: ``paged_attention``'s.
     """
     result = out if out is not None else torch.empty_like(query)
     starts = query_start_loc.tolist()
@@ -127,6 +144,10 @@ def paged_prefill_attention(
         visible = key_pos <= q_pos[:, None]
         if window > 0:
             visible &= key_pos > q_pos[:, None] - window
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            probs = softmax_with_sinks(scores, sinks.float().view(-1, 1, 1))
+        else:
+            probs = torch.softmax(scores, dim=-1)
         result[lo:hi] = (probs @ values.repeat_interleave(group, 0)).transpose(0, 1).to(result.dtype)
     return result
