@@ -2,8 +2,8 @@
 
 For each variant (quantized with int8 activations for decode rows and fp32 ones for prompt rows, the
 float32 default; int8 for prompt rows too, `--int8-prompt-activations`; fp32 activations everywhere;
-bf16 linears, `dtype bfloat16` (auto on a CPU with AMX-BF16): steps of 32+ rows or 8+ prompt rows
-on bf16 AMX tiles, the passage's prefill among them)
+bf16 linears, `dtype bfloat16` (auto on a CPU with AVX512-BF16): prompt rows in bf16, on AMX tiles
+also steps of 32+ rows outside deterministic mode, the passage's prefill among them)
 against the fp32 model of the same weights (the fetched directory, which is the GGUF dequantized
 by transformers): mean NLL per token on a fixed English passage (as one prefill, and teacher-forced one token
 per step through the decode kernels), and greedy agreement over
