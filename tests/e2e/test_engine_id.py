@@ -5,12 +5,15 @@ model with distinct `--engine-id`, an in-process gateway routing by prefix.
   in every chunk's `system_fingerprint`; the engine named is the one whose own Prometheus
   counters show the tokens, the other's do not move;
 - with routing, a conversation's second turn names the engine of its first (routed by prefix),
-  and the gateway counts each finished request for its engine."""
+  and the gateway counts each finished request for its engine;
+- a stream whose engine freezes past its heartbeat window resumes on the other engine, and the
+  chunks from then on name that one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -157,3 +160,33 @@ async def test_a_second_turn_names_the_engine_of_the_first(stack: tuple[str, lis
     for engine_id in IDS:  # a fresh gateway: its counter holds this test's 8 requests
         expected = 2 * sum(e == engine_id for e, _ in firsts)
         assert metric(metrics_after, served, model=MODEL, engine=engine_id) == expected
+
+
+async def test_chunks_after_a_takeover_name_the_new_engine(stack: tuple[str, list[EngineProcess]]) -> None:
+    url, engines = stack
+    body = {"model": MODEL, "prompt": "Go on:", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    fingerprints: list[str] = []
+    async with aiohttp.ClientSession() as session, serve_gateway(url) as gateway, \
+            session.post(f"{gateway}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        frozen: EngineProcess | None = None
+        try:
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                fingerprints.append(json.loads(line.removeprefix("data: "))["system_fingerprint"])
+                if frozen is None:  # the first output is in: freeze its engine, hundreds of tokens early
+                    frozen = next(e for e in engines if fingerprints[0] == f"pagedserve-{e.engine_id}")
+                    frozen.proc.send_signal(signal.SIGSTOP)
+        finally:
+            if frozen is not None:
+                frozen.proc.send_signal(signal.SIGCONT)
+    assert frozen is not None
+    other = next(e for e in engines if e is not frozen)
+    switch = fingerprints.index(f"pagedserve-{other.engine_id}")  # ValueError: it never resumed elsewhere
+    assert set(fingerprints[:switch]) == {f"pagedserve-{frozen.engine_id}"}
+    assert set(fingerprints[switch:]) == {f"pagedserve-{other.engine_id}"}
+    assert "resuming request" in other.log_tail(400_000)
+    announced(engines)  # the thawed engine is back for whatever runs next
