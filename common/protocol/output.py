@@ -130,9 +130,10 @@ class OutputMessage:
     """One request's part of an output batch. `usage` comes with the message that finishes
     the last choice; `error` ends the request. `prompt_logprobs` (asked for with
     `SamplingParams.prompt_logprobs`) comes once, with the first message: one entry per prompt
-    token, None for the first (nothing predicts it). `engine` is the id of the engine that wrote
-    the message (optional on the wire: older engines omit it, older gateways ignore it; a
-    request resumed elsewhere after a failover or drain names its new engine from then on)."""
+    token, None for the first (nothing predicts it). `engine`: the id of the engine that wrote
+    it, on the first message each engine writes for a request (a request resumed elsewhere after
+    a failover or drain: the new engine's first names it); optional on the wire (older engines
+    omit it, older gateways ignore it)."""
 
     id: str
     seq: int

@@ -32,7 +32,8 @@ class Tracked:
     first_token_at: float | None = None
     resumed: bool = False
     stream: str = ""  # the request stream its entry is on (empty: the model's shared one)
-    engine: str = ""  # this engine's id, named on every message it writes (empty: none named)
+    engine: str = ""  # this engine's id, named on the first message it writes (empty: never named)
+    named: bool = False  # a message naming `engine` was written
 
     @property
     def request_id(self) -> str:
@@ -46,10 +47,15 @@ class Tracked:
         seq, self.seq = self.seq, self.seq + 1
         return seq
 
-    @property
     def engine_id(self) -> str | None:
-        """What its messages carry as `engine` (None: the field is left out)."""
-        return self.engine or None
+        """What the next message carries as `engine`: this engine's id on the first message it
+        writes for the request (after a takeover or hand-back, the new engine's first), None
+        (the field left out) on the rest, whose receiver already knows it: a one-token message
+        stays 110 bytes instead of 130."""
+        if self.named or not self.engine:
+            return None
+        self.named = True
+        return self.engine
 
 
 def _token_logprob(entry: dict[str, Any]) -> TokenLogprob:
@@ -75,14 +81,14 @@ def to_wire(tracked: Tracked, out: RequestOutput) -> OutputMessage:
                                                      out.error_code or "engine_error")
     prompt = None if out.prompt_logprobs is None else [
         None if e is None else _token_logprob(e) for e in out.prompt_logprobs]
-    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt, tracked.engine_id)
+    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt, tracked.engine_id())
 
 
 def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_error",
                  code: str | None = None) -> OutputMessage:
     """A message that ends the request with an error."""
     return OutputMessage(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code),
-                         engine=tracked.engine_id)
+                         engine=tracked.engine_id())
 
 
 def resume(request: EngineRequest, entry_id: str, progress: Progress,

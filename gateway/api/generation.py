@@ -107,9 +107,8 @@ class Generation:
         self.first_token_at: float | None = None
         self.finished = False
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for: set before any event
-        # the engine serving it, as the latest update's last message names it (None before any
-        # output, or from an engine too old to name itself; after a failover or drain, the one
-        # it resumed on)
+        # the engine serving it, as of the latest update (None before any output, or from an
+        # engine too old to name itself; after a failover or drain, the one it resumed on)
         self.engine: str | None = None
 
     @property

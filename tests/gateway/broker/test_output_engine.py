@@ -41,8 +41,9 @@ def test_a_mistyped_engine_id_is_a_protocol_error(bad: object) -> None:
         decode_outputs(msgpack.packb([message]))
 
 
-async def test_the_collector_names_the_engine_of_the_latest_message() -> None:
-    """None from an old engine; a request resumed on another engine names the new one."""
+async def test_the_collector_names_the_engine_that_named_itself_last() -> None:
+    """None from an old engine; an engine names itself on its first message only; a request
+    resumed on another engine names the new one."""
     collector = RequestCollector("r1", 1)
     collector.feed(decode_outputs(msgpack.packb([_old_style(0, [5], 0)]))[0])
     update = await collector.next_update(1.0)
@@ -50,8 +51,11 @@ async def test_the_collector_names_the_engine_of_the_latest_message() -> None:
     collector.feed(OutputMessage("r1", 1, [SeqOutput(0, [6], 1)], engine="engine-a"))
     update = await collector.next_update(1.0)
     assert update is not None and update.engine == "engine-a"
+    collector.feed(decode_outputs(msgpack.packb([_old_style(2, [7], 2)]))[0])  # engine-a's later messages
+    update = await collector.next_update(1.0)
+    assert update is not None and update.engine == "engine-a" and update.choices[0].token_ids == [7]
     # engine-a died; engine-b resumes from the checkpoint, repeating a token the gateway already has
-    collector.feed(OutputMessage("r1", 2, [SeqOutput(0, [6, 7], 1, "stop")], Usage(3, 3), engine="engine-b"))
+    collector.feed(OutputMessage("r1", 3, [SeqOutput(0, [7, 8], 2, "stop")], Usage(3, 4), engine="engine-b"))
     update = await collector.next_update(1.0)
     assert update is not None and update.engine == "engine-b" and update.done
-    assert update.choices[0].token_ids == [7]
+    assert update.choices[0].token_ids == [8]
