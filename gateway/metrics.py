@@ -118,8 +118,8 @@ class GatewayMetrics:
                 self.tpot.observe((end - first_token) / (completion_tokens - 1))
 
     def observe_served(self, model: str, engine: str | None) -> None:
-        """A finished request, counted for the engine that sent its last output (an engine too
-        old to name itself: not counted)."""
+        """A finished request, counted for the engine serving it at the end (the last that named
+        itself on its output; from an engine too old to name itself: not counted)."""
         if engine is not None:
             self.served.labels(model=model, engine=engine).inc()
 
