@@ -81,6 +81,9 @@ class GatewayMetrics:
                                     "per-API-key rate limits, by exhausted budget", ["type"], registry=r)
         self.success = Counter("pagedserve_request_success", "finished requests by finish reason",
                                ["finished_reason"], registry=r)
+        self.served = Counter("pagedserve_gateway_served_requests", "finished requests by model and by the "
+                              "engine that finished them (its id, as its output messages name it)",
+                              ["model", "engine"], registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "time to first token",
@@ -113,6 +116,12 @@ class GatewayMetrics:
             self.ttft.observe(first_token - start)
             if completion_tokens > 1:
                 self.tpot.observe((end - first_token) / (completion_tokens - 1))
+
+    def observe_served(self, model: str, engine: str | None) -> None:
+        """A finished request, counted for the engine serving it at the end (the last that named
+        itself on its output; from an engine too old to name itself: not counted)."""
+        if engine is not None:
+            self.served.labels(model=model, engine=engine).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -130,7 +130,10 @@ class OutputMessage:
     """One request's part of an output batch. `usage` comes with the message that finishes
     the last choice; `error` ends the request. `prompt_logprobs` (asked for with
     `SamplingParams.prompt_logprobs`) comes once, with the first message: one entry per prompt
-    token, None for the first (nothing predicts it)."""
+    token, None for the first (nothing predicts it). `engine`: the id of the engine that wrote
+    it, on the first message each engine writes for a request (a request resumed elsewhere after
+    a failover or drain: the new engine's first names it); optional on the wire (older engines
+    omit it, older gateways ignore it)."""
 
     id: str
     seq: int
@@ -138,6 +141,7 @@ class OutputMessage:
     usage: Usage | None = None
     error: ErrorInfo | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    engine: str | None = None
 
     def to_obj(self) -> dict[str, Any]:
         obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": self.id, "seq": self.seq,
@@ -150,6 +154,8 @@ class OutputMessage:
             obj["error"] = {"message": self.error.message, "type": self.error.type, "code": self.error.code}
         if self.prompt_logprobs is not None:
             obj["prompt_logprobs"] = [None if lp is None else lp.to_obj() for lp in self.prompt_logprobs]
+        if self.engine is not None:
+            obj["engine"] = self.engine
         return obj
 
     @classmethod
@@ -166,11 +172,13 @@ class OutputMessage:
                 error=None if error is None else _error(mapping(obj, "error", what)),
                 prompt_logprobs=None if prompt is None else [
                     None if lp is None else TokenLogprob.from_obj(lp) for lp in items(obj, "prompt_logprobs", what)],
+                engine=optional_text(obj, "engine", what),
             )
 
     def checkpoint(self) -> OutputMessage:
         """What a resuming engine needs of this message: tokens, offsets, finish state, usage
-        and error, without logprobs or prompt logprobs (which can be most of its bytes)."""
+        and error, without logprobs, prompt logprobs (which can be most of its bytes) or the
+        engine id."""
         return OutputMessage(self.id, self.seq, [o.without_logprobs() for o in self.outputs], self.usage, self.error)
 
     def encode(self) -> bytes:

@@ -218,7 +218,7 @@ class Intake:
 
     async def _start(self, request: EngineRequest, entry: StreamEntry, claimed: bool) -> None:
         progress = await self._progress(request.id) if claimed or request.handoffs else Progress()
-        resumed = resume(request, entry.entry_id, progress, entry.stream)
+        resumed = resume(request, entry.entry_id, progress, entry.stream, self.stream.consumer)
         if resumed is None:  # its client already got everything
             self._pending.end(request.id, entry.entry_id, entry.stream)
             return
@@ -262,7 +262,8 @@ class Intake:
                                                             "reason": f"taken over {claims} times"},
                                maxlen=DEAD_LETTER_MAXLEN, approximate=True)
         progress = await self._progress(request.id)
-        tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1, stream=entry.stream)
+        tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1, stream=entry.stream,
+                          engine=self.stream.consumer)
         message = (f"request abandoned after {claims} engine takeovers (each engine that ran it stopped); "
                    f"it was moved to {self.keys.dead(self.model)}")
         self._pending.add(request.gateway, error_output(tracked, message, "server_error", "request_dead_lettered"))

@@ -32,6 +32,8 @@ class Tracked:
     first_token_at: float | None = None
     resumed: bool = False
     stream: str = ""  # the request stream its entry is on (empty: the model's shared one)
+    engine: str = ""  # this engine's id, named on the first message it writes (empty: never named)
+    named: bool = False  # a message naming `engine` was written
 
     @property
     def request_id(self) -> str:
@@ -44,6 +46,16 @@ class Tracked:
     def next_seq(self) -> int:
         seq, self.seq = self.seq, self.seq + 1
         return seq
+
+    def engine_id(self) -> str | None:
+        """What the next message carries as `engine`: this engine's id on the first message it
+        writes for the request (after a takeover or hand-back, the new engine's first), None
+        (the field left out) on the rest, whose receiver already knows it: a one-token message
+        stays 110 bytes instead of 130."""
+        if self.named or not self.engine:
+            return None
+        self.named = True
+        return self.engine
 
 
 def _token_logprob(entry: dict[str, Any]) -> TokenLogprob:
@@ -69,22 +81,24 @@ def to_wire(tracked: Tracked, out: RequestOutput) -> OutputMessage:
                                                      out.error_code or "engine_error")
     prompt = None if out.prompt_logprobs is None else [
         None if e is None else _token_logprob(e) for e in out.prompt_logprobs]
-    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt)
+    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt, tracked.engine_id())
 
 
 def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_error",
                  code: str | None = None) -> OutputMessage:
     """A message that ends the request with an error."""
-    return OutputMessage(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code))
+    return OutputMessage(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code),
+                         engine=tracked.engine_id())
 
 
 def resume(request: EngineRequest, entry_id: str, progress: Progress,
-           stream: str = "") -> tuple[Tracked, AddJob] | None:
-    """Bookkeeping and engine job for a claimed request (its entry on `stream`); None when its
-    client already has it all."""
+           stream: str = "", engine: str = "") -> tuple[Tracked, AddJob] | None:
+    """Bookkeeping and engine job for a claimed request (its entry on `stream`, served by engine
+    `engine`); None when its client already has it all."""
     if progress.last_seq >= 0 and len(progress.finished) >= request.params.n:
         return None
-    tracked = Tracked(request, entry_id, seq=progress.last_seq + 1, resumed=progress.last_seq >= 0, stream=stream)
+    tracked = Tracked(request, entry_id, seq=progress.last_seq + 1, resumed=progress.last_seq >= 0, stream=stream,
+                      engine=engine)
     generated: list[int] = []
     if request.params.resumes_in_place:
         generated = list(progress.token_ids.get(0, []))

@@ -107,10 +107,19 @@ class Generation:
         self.first_token_at: float | None = None
         self.finished = False
         self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for: set before any event
+        # the engine serving it, as of the latest update (None before any output, or from an
+        # engine too old to name itself; after a failover or drain, the one it resumed on)
+        self.engine: str | None = None
 
     @property
     def request_id(self) -> str:
         return self.collector.request_id
+
+    @property
+    def system_fingerprint(self) -> str | None:
+        """OpenAI's `system_fingerprint` (the backend that answered): ``pagedserve-<engine id>``
+        once an engine named itself, else None."""
+        return None if self.engine is None else f"pagedserve-{self.engine}"
 
     @property
     def usage(self) -> Usage:
@@ -132,6 +141,7 @@ class Generation:
                 yield None
                 continue
             self.engine_usage = update.usage or self.engine_usage
+            self.engine = update.engine
             if update.prompt_logprobs is not None and self.prompt_logprobs is None:
                 self.prompt_logprobs = update.prompt_logprobs
             for index, delta in sorted(update.choices.items()):

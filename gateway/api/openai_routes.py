@@ -95,6 +95,7 @@ async def _run_generation(request: web.Request, kind: Endpoint) -> web.StreamRes
             usage = gen.usage
             metrics.observe_request(reasons, usage.prompt_tokens, usage.completion_tokens, start,
                                     gen.first_token_at, time.monotonic())
+            metrics.observe_served(model.name, gen.engine)
         return response
     finally:
         metrics.in_flight.dec()

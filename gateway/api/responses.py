@@ -8,6 +8,8 @@ from common.protocol import TokenLogprob, Usage
 from gateway.api.endpoint import Endpoint
 from gateway.text.tool_parser import ToolCall
 
+ENGINE_HEADER = "x-pagedserve-engine"  # the id of the engine that served a request
+
 
 class TokenNames(Protocol):
     """How logprobs name tokens: their text (a ModelTokenizer) or `TokenIdNames`."""
@@ -112,10 +114,12 @@ def tool_call_deltas(call: ToolCall, index: int) -> list[dict[str, Any]]:
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, Any],
                finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-               include_usage: bool = False) -> dict[str, Any]:
+               include_usage: bool = False, fingerprint: str | None = None) -> dict[str, Any]:
+    """`fingerprint` (here and below): `system_fingerprint`, which names the serving engine
+    (`Generation.system_fingerprint`); None until one is known."""
     chunk: dict[str, Any] = {
         "id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-        "system_fingerprint": None,
+        "system_fingerprint": fingerprint,
         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
@@ -125,10 +129,10 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
                      finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
-                     include_usage: bool = False) -> dict[str, Any]:
+                     include_usage: bool = False, fingerprint: str | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "system_fingerprint": None,
+        "system_fingerprint": fingerprint,
         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
@@ -136,14 +140,15 @@ def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
     return chunk
 
 
-def usage_chunk(kind: Endpoint, rid: str, created: int, model: str, usage: Usage) -> dict[str, Any]:
+def usage_chunk(kind: Endpoint, rid: str, created: int, model: str, usage: Usage,
+                fingerprint: str | None = None) -> dict[str, Any]:
     """The last chunk with stream_options.include_usage: empty choices, the usage."""
-    return {"id": rid, "object": kind.chunk_object, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [], "usage": usage_obj(usage)}
+    return {"id": rid, "object": kind.chunk_object, "created": created, "model": model,
+            "system_fingerprint": fingerprint, "choices": [], "usage": usage_obj(usage)}
 
 
 def full_response(kind: Endpoint, rid: str, created: int, model: str, choices: list[dict[str, Any]],
-                  usage: Usage) -> dict[str, Any]:
+                  usage: Usage, fingerprint: str | None = None) -> dict[str, Any]:
     """A non-streaming chat.completion or text_completion."""
-    return {"id": rid, "object": kind.object, "created": created, "model": model, "system_fingerprint": None,
-            "choices": choices, "usage": usage_obj(usage)}
+    return {"id": rid, "object": kind.object, "created": created, "model": model,
+            "system_fingerprint": fingerprint, "choices": choices, "usage": usage_obj(usage)}

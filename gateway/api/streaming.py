@@ -2,7 +2,13 @@
 
 A stream's response starts with its first event (or its first keepalive comment, when they
 are on): an engine error before that, such as an admission refusal, is raised as
-GenerationError and becomes an ordinary JSON error with its 4xx status."""
+GenerationError and becomes an ordinary JSON error with its 4xx status.
+
+The serving engine's id: a whole response names it in the `x-pagedserve-engine` header and in
+`system_fingerprint` ("pagedserve-<engine id>"); a stream in every chunk's `system_fingerprint`
+from the first output on (a request resumed on another engine names the new one from then on),
+and in the header when the engine was known as the response started (it starts with the first
+output, unless an `--sse-keepalive` comment started it earlier)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from gateway.api.choice_output import ChoiceOutput, Piece
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
 from gateway.api.responses import (
+    ENGINE_HEADER,
     chat_chunk,
     completion_chunk,
     full_response,
@@ -38,18 +45,19 @@ def _check_client(request: web.Request) -> None:
         raise ClientGone()
 
 
-def _chunks(req: GenerationRequest, rid: str, created: int, index: int, piece: Piece) -> list[dict[str, Any]]:
+def _chunks(req: GenerationRequest, rid: str, created: int, index: int, piece: Piece,
+            fingerprint: str | None) -> list[dict[str, Any]]:
     """The SSE chunks of one piece: logprobs on the first, finish_reason on the last."""
     usage = req.include_usage
     if req.kind is Endpoint.COMPLETION:
         return [completion_chunk(rid, created, req.model, index, piece.text, piece.finish_reason, piece.logprobs,
-                                 usage)]
+                                 usage, fingerprint)]
     deltas: list[dict[str, Any]] = [{"content": piece.text}] if piece.text else []
     for k, call in enumerate(piece.calls):
         deltas.extend(tool_call_deltas(call, piece.first_call_index + k))
     deltas = deltas or [{}]
     return [chat_chunk(rid, created, req.model, index, delta, piece.finish_reason if i == len(deltas) - 1 else None,
-                       piece.logprobs if i == 0 else None, usage) for i, delta in enumerate(deltas)]
+                       piece.logprobs if i == 0 else None, usage, fingerprint) for i, delta in enumerate(deltas)]
 
 
 async def stream(request: web.Request, req: GenerationRequest, gen: Generation, tok: ModelTokenizer,
@@ -62,11 +70,13 @@ async def stream(request: web.Request, req: GenerationRequest, gen: Generation, 
     last_write = time.monotonic()
 
     async def start() -> None:
+        if gen.engine is not None:
+            sse.response.headers[ENGINE_HEADER] = gen.engine
         await sse.start()
         if req.kind is Endpoint.CHAT:
             for i in range(req.params.n):
                 await sse.send(chat_chunk(rid, created, req.model, i, {"role": "assistant", "content": ""},
-                                          include_usage=req.include_usage))
+                                          include_usage=req.include_usage, fingerprint=gen.system_fingerprint))
 
     try:
         try:
@@ -84,7 +94,7 @@ async def stream(request: web.Request, req: GenerationRequest, gen: Generation, 
                     continue
                 if not sse.started:
                     await start()
-                for chunk in _chunks(req, rid, created, ev.index, piece):
+                for chunk in _chunks(req, rid, created, ev.index, piece, gen.system_fingerprint):
                     await sse.send(chunk)
                 last_write = time.monotonic()
         except GenerationError as exc:
@@ -96,7 +106,7 @@ async def stream(request: web.Request, req: GenerationRequest, gen: Generation, 
             if not sse.started:
                 await start()
             if req.include_usage:
-                await sse.send(usage_chunk(req.kind, rid, created, req.model, gen.usage))
+                await sse.send(usage_chunk(req.kind, rid, created, req.model, gen.usage, gen.system_fingerprint))
         await sse.done()
     except (ClientGone, ConnectionResetError):
         pass  # Generation.close() aborts the request on the engine
@@ -126,8 +136,10 @@ async def complete(request: web.Request, req: GenerationRequest, gen: Generation
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
         else:
             choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
-    body = full_response(req.kind, gen.request_id, int(time.time()), req.model, choices, gen.usage)
+    body = full_response(req.kind, gen.request_id, int(time.time()), req.model, choices, gen.usage,
+                         gen.system_fingerprint)
     if req.params.prompt_logprobs is not None and not req.echo:
         body["prompt_logprobs"] = vllm_prompt_logprobs(tok, req.prompt_token_ids, gen.prompt_logprobs,
                                                        req.params.prompt_logprobs)
-    return web.json_response(body), [o.finish_reason for o in outs if o.finish_reason is not None]
+    headers = {} if gen.engine is None else {ENGINE_HEADER: gen.engine}
+    return web.json_response(body, headers=headers), [o.finish_reason for o in outs if o.finish_reason is not None]

@@ -32,6 +32,7 @@ class Update:
     error: ErrorInfo | None = None
     done: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first update that has them
+    engine: str | None = None  # the engine serving it, as the latest message naming one said (None: none did)
 
 
 class RequestCollector:
@@ -51,6 +52,7 @@ class RequestCollector:
         self._error: ErrorInfo | None = None
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
         self._prompt_logprobs_seen = False  # a resuming engine sends them again: keep the first
+        self.engine: str | None = None  # the latest engine that named itself (older engines do not: None)
         self._event = asyncio.Event()
         self.last_output = time.monotonic()  # when a message last arrived (the watchdog's clock)
 
@@ -68,6 +70,8 @@ class RequestCollector:
                                 "server_error", "output_gap"))
             return
         self.next_seq = max(self.next_seq, out.seq + 1)
+        if out.engine is not None:  # an engine names itself on its first message for a request
+            self.engine = out.engine
         for seq_out in out.outputs:
             if seq_out.index in self.finished or not 0 <= seq_out.index < self.n:
                 continue
@@ -111,4 +115,4 @@ class RequestCollector:
         self._event.clear()
         pending, self._pending = self._pending, {}
         prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
-        return Update(pending, self._usage, self._error, self.done, prompt_logprobs)
+        return Update(pending, self._usage, self._error, self.done, prompt_logprobs, self.engine)
