@@ -19,7 +19,8 @@ since its last heartbeat; an engine whose KV pool is at least `KV_FULL` used cou
 `load_slack` more. Ties go to the lower engine id, so gateways with the same view agree.
 
 Hints: the prefix keys of each prompt sent to an engine, in a bounded LRU per model, count as
-that engine's until a heartbeat announces them (then the heartbeat speaks for them), the
+that engine's (a key may be hinted for several engines: conversations that open with the same
+system prompt share their first blocks, and each engine keeps its own copy) until a heartbeat announces them (then the heartbeat speaks for them), the
 engine stops being a candidate, or `hint_ttl_s` passes (an unconfirmed hint was evicted or
 stolen). Each gateway builds the same view from Redis; hints only make its own recent
 decisions visible sooner. Work stealing (engine side) keeps a routed request from waiting
@@ -63,15 +64,10 @@ class _Engine:
 
 
 @dataclass(slots=True)
-class _Hint:
-    engine_id: str
-    at: float  # time.time() when sent
-
-
-@dataclass(slots=True)
 class _ModelView:
     engines: dict[str, _Engine] = field(default_factory=dict)
-    hints: OrderedDict[int, _Hint] = field(default_factory=OrderedDict)
+    # prefix key -> {engine id: time.time() when a prompt holding it was sent there}
+    hints: OrderedDict[int, dict[str, float]] = field(default_factory=OrderedDict)
 
 
 def engine_load(beat: EngineHeartbeat, load_slack: float) -> float:
@@ -121,10 +117,13 @@ class Router:
         for model, view in list(self.models.items()):
             for engine_id in [e for e in view.engines if (model, e) not in seen]:
                 del view.engines[engine_id]  # its heartbeat is gone: dead or stopped
-            for key, hint in list(view.hints.items()):
-                engine = view.engines.get(hint.engine_id)
-                if (engine is None or now - hint.at > self.hint_ttl_s
-                        or (key in engine.cached and engine.beat_time > hint.at)):
+            for key, sent in list(view.hints.items()):
+                for engine_id, at in list(sent.items()):
+                    engine = view.engines.get(engine_id)
+                    if (engine is None or now - at > self.hint_ttl_s
+                            or (key in engine.cached and engine.beat_time > at)):
+                        del sent[engine_id]
+                if not sent:
                     del view.hints[key]
             if not view.engines and not view.hints:
                 del self.models[model]
@@ -159,10 +158,8 @@ class Router:
         """Leading keys found in the engine's announced set or in this gateway's hints for it."""
         count = 0
         for key in keys:
-            if key not in engine.cached:
-                hint = view.hints.get(key)
-                if hint is None or hint.engine_id != engine.engine_id:
-                    break
+            if key not in engine.cached and engine.engine_id not in view.hints.get(key, ()):
+                break
             count += 1
         return count
 
@@ -171,7 +168,7 @@ class Router:
             return
         now = time.time()
         for key in keys:
-            view.hints[key] = _Hint(engine_id, now)
+            view.hints.setdefault(key, {})[engine_id] = now
             view.hints.move_to_end(key)
         while len(view.hints) > self.hint_size:
             view.hints.popitem(last=False)
