@@ -100,7 +100,8 @@ class PagedAttention(nn.Module):
                 offsets = torch.arange(hi - lo, device=query.device)  # i - window < j <= i
                 distance = offsets[:, None] - offsets[None, :]
                 mask = (distance >= 0) & (distance < (self.window or hi - lo))
-            if sinks is not None and mask is not None:  # no fused form: the reference's arithmetic (ops/reference/attention.py)
+            # no fused form with sinks: the reference's arithmetic (ops/reference/attention.py)
+            if sinks is not None and mask is not None:
                 group = self.num_heads // self.num_kv_heads
                 scores = q[0].float() @ k[0].float().repeat_interleave(group, 0).transpose(1, 2) * self.scale
                 probs = reference.softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), sinks.view(-1, 1, 1))

@@ -22,9 +22,9 @@ Hints: the prefix keys of each prompt sent to an engine, in a bounded LRU per mo
 that engine's (a key may be hinted for several engines: conversations that open with the same
 system prompt share their first blocks, and each engine keeps its own copy) until a heartbeat
 announces them (then the heartbeat speaks for them), the engine stops being a candidate, or
-`hint_ttl_s` passes (an unconfirmed hint was evicted or stolen). Each gateway builds the same view from Redis; hints only make its own recent
-decisions visible sooner. Work stealing (engine side) keeps a routed request from waiting
-longer than the shared stream would make it."""
+`hint_ttl_s` passes (an unconfirmed hint was evicted or stolen). Each gateway builds the same
+view from Redis; hints only make its own recent decisions visible sooner. Work stealing (engine
+side) keeps a routed request from waiting longer than the shared stream would make it."""
 
 from __future__ import annotations
 
