@@ -6,6 +6,7 @@ the (src, dst) block copies the runner must perform."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from common.log import get_logger
@@ -126,7 +127,28 @@ class BlockManager:
 
     def can_append_slots(self, seq_ids: Sequence[int]) -> bool:
         """True when every listed sequence can take one more token at once."""
-        return sum(self.num_append_blocks(seq_id) for seq_id in seq_ids) <= self.num_free_blocks
+        return self.num_group_append_blocks(seq_ids) <= self.num_free_blocks
+
+    def num_group_append_blocks(self, seq_ids: Sequence[int]) -> int:
+        """Blocks one more token for each listed sequence takes, appended in turn (on device, or
+        as they will be once swapped in): 1 after a full last block; for a partial last block
+        shared by `r` sequences of which `k` are listed, min(k, r - 1) copies, since the last
+        holder to append finds it no longer shared and writes in place. Two samples forked
+        after a 17-token prompt (block size 8) need 1 block for their 18th tokens, not 2.
+        A swapped-in group holds its host blocks alone (`swap_in` gives them fresh device
+        blocks), so there `r` is the number of listed sequences."""
+        need = 0
+        sharers: Counter[tuple[bool, int]] = Counter()
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            if len(seq.token_ids) % self.block_size == 0:
+                need += 1
+            elif seq.on_host or self.blocks[seq.block_ids[-1]].ref_count > 1:
+                sharers[seq.on_host, seq.block_ids[-1]] += 1
+        for (on_host, block_id), listed in sharers.items():
+            holders = listed if on_host else self.blocks[block_id].ref_count
+            need += min(listed, holders - 1)
+        return need
 
     def append_slot(self, seq_id: int, token_id: int) -> tuple[int, int] | None:
         """Reserve the slot of one more token. Allocates when the last block is full; copies
@@ -315,7 +337,15 @@ class BlockManager:
         return list(mapping.items())
 
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        need = len(self._distinct_blocks(seq_ids)) + len(seq_ids)  # + room for each to grow
+        """Room, above the watermark, for the group's blocks plus one block per sequence to grow
+        on; where even an empty pool could not hold that headroom, for the blocks plus only what
+        the next token of each takes (`num_group_append_blocks`). A group that ran before it was
+        swapped out therefore always fits an empty pool again: asking for the headroom there
+        would leave it swapped out forever, and the waiting queue behind it (issue 43)."""
+        blocks = len(self._distinct_blocks(seq_ids))
+        need = blocks + len(seq_ids)
+        if need > self.num_blocks - self.watermark_blocks:
+            need = blocks + self.num_group_append_blocks(seq_ids)
         return self.num_free_blocks - need >= self.watermark_blocks
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
