@@ -114,6 +114,32 @@ class BlockManager:
             self.prefix_hits += hits * self.block_size
         return hits * self.block_size
 
+    def allocate_sharing(self, seq_id: int, token_ids: Sequence[int], donor_id: int, num_shared: int) -> None:
+        """Give a new sequence the donor's first `num_shared` blocks (full blocks of the very same
+        tokens, ref counts +1) and fresh blocks for the rest: a forked request recomputed without
+        prefix caching shares its prompt again. The caller must not run the new sequence's
+        tokens before the donor's K/V of the shared blocks is written."""
+        donor = self.seqs[donor_id]
+        shared = num_shared * self.block_size
+        if donor.on_host or len(donor.token_ids) < shared or len(token_ids) <= shared:
+            raise ValueError(f"sequence {donor_id} cannot share {num_shared} blocks with a {len(token_ids)}-token one")
+        if list(token_ids[:shared]) != donor.token_ids[:shared]:
+            raise ValueError("shared blocks must hold the same tokens")
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        seq = SeqBlocks(token_ids=list(token_ids))
+        self.seqs[seq_id] = seq
+        for block_id in donor.block_ids[:num_shared]:
+            self._add_ref(self.blocks[block_id], seq_id)
+            seq.block_ids.append(block_id)
+        remaining = len(token_ids) - shared
+        while remaining > 0:
+            block = self._take_free(seq_id)
+            block.num_tokens = min(remaining, self.block_size)
+            self.num_stored_tokens += block.num_tokens
+            seq.block_ids.append(block.block_id)
+            remaining -= block.num_tokens
+
     def can_append_slot(self, seq_id: int) -> bool:
         """True when one more token fits (a new block or a CoW copy may be needed)."""
         return self.num_append_blocks(seq_id) <= self.num_free_blocks

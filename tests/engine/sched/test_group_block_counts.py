@@ -4,6 +4,8 @@ sharer but the last, and a swap-in rule a group that ran before can always meet 
 
 from __future__ import annotations
 
+import pytest
+
 from engine.kv.block_manager import BlockManager
 
 
@@ -62,3 +64,21 @@ def test_swap_in_keeps_its_headroom_where_the_pool_can_hold_it() -> None:
     assert manager.can_swap_in(ids)
     manager.allocate(10, [3])  # 4 free: only without the headroom, which 6 blocks can hold
     assert not manager.can_swap_in(ids)
+
+
+def test_allocate_sharing_takes_the_donors_full_blocks_and_fresh_ones_for_the_rest() -> None:
+    manager = BlockManager(8, 4)
+    manager.allocate(0, [1] * 9 + [2])  # 3 blocks: 4, 4, 2
+    manager.allocate_sharing(1, [1] * 9 + [3], 0, 2)
+    assert manager.block_table(1)[:2] == manager.block_table(0)[:2]
+    assert manager.block_table(1)[2] != manager.block_table(0)[2] and manager.num_used_blocks == 4
+    manager.check_invariants()
+    manager.free(0)
+    manager.free(1)
+    assert manager.num_used_blocks == 0
+    manager.check_invariants()
+    manager.allocate(0, [1] * 10)
+    with pytest.raises(ValueError, match="same tokens"):
+        manager.allocate_sharing(1, [1] * 7 + [5, 5], 0, 2)
+    with pytest.raises(ValueError, match="cannot share"):
+        manager.allocate_sharing(1, [1] * 8, 0, 2)  # nothing of its own left to compute
