@@ -24,12 +24,15 @@ TAIL = ([9], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
 MAX_STEPS = 200  # the whole run takes about 20 steps; a stopped scheduler fails here instead of hanging
 
 
-def _run(llm: LLM) -> dict[str, dict[str, Any]]:
+Forked = tuple[list[int], SamplingParams]
+
+
+def _run(llm: LLM, forked: Forked = FORKED) -> dict[str, dict[str, Any]]:
     """Add the three requests and step to the end (at most MAX_STEPS): per request its tokens by
     sample index, or its error and code."""
     engine = llm.engine
     engine.add_request("filler", *FILLER)
-    engine.add_request("forked", *FORKED)
+    engine.add_request("forked", *forked)
     results: dict[str, dict[str, Any]] = {}
     for step in range(MAX_STEPS):
         if step == 2:  # forked has forked (step 0) and been preempted (step 1): tail queues behind it
@@ -57,10 +60,11 @@ def roomy(tiny_llama_dir: Path) -> dict[str, dict[str, Any]]:
     return results
 
 
-def _tight(model_dir: Path, num_cpu_blocks: int, prefix_caching: bool) -> tuple[dict[str, dict[str, Any]], Any]:
+def _tight(model_dir: Path, num_cpu_blocks: int, prefix_caching: bool,
+           forked: Forked = FORKED) -> tuple[dict[str, dict[str, Any]], Any]:
     with LLM(str(model_dir), block_size=8, num_gpu_blocks=5, num_cpu_blocks=num_cpu_blocks, watermark=0.0,
              preemption_mode="swap", enable_prefix_caching=prefix_caching) as llm:
-        return _run(llm), llm.stats()["preemptions"]
+        return _run(llm, forked), llm.stats()["preemptions"]
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
@@ -81,3 +85,17 @@ def test_a_swap_pool_too_small_falls_back_to_recompute(tiny_llama_dir: Path, roo
     results, preemptions = _tight(tiny_llama_dir, 1, prefix_caching)
     assert preemptions == {"recompute": 1}
     assert results == roomy
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_beams_preempted_keep_the_roomy_pools_beams(tiny_llama_dir: Path, prefix_caching: bool) -> None:
+    """Beam search (width 3) through the same squeeze: every beam must be scheduled in the step
+    its search advances, also while recomputed beams wait for the first one's prompt blocks."""
+    beams = ([40 + i for i in range(17)], SamplingParams(n=3, use_beam_search=True, temperature=0.0, max_tokens=6,
+                                                          ignore_eos=True))
+    with LLM(str(tiny_llama_dir), block_size=8, kv_cache_memory=16 << 20, watermark=0.0) as llm:
+        want = _run(llm, beams)
+        assert not llm.stats()["preemptions"]
+    results, preemptions = _tight(tiny_llama_dir, 1, prefix_caching, beams)
+    assert preemptions.get("recompute", 0) >= 1
+    assert results == want and len(want["forked"]["tokens"]) == 3
