@@ -267,9 +267,8 @@ class Scheduler:
             if not self._fits_apart(seqs):
                 self.waiting.popleft()
                 request.error = (
-                    f"preempted by recompute after it forked: its {len(seqs)} sequences no longer share the "
-                    f"prompt's blocks and cannot fit the KV cache together ({self.block_manager.num_blocks} "
-                    f"blocks); use swap preemption, prefix caching or a lower n")
+                    f"preempted by recompute after it forked: its {len(seqs)} sequences cannot fit the KV "
+                    f"cache together ({self.block_manager.num_blocks} blocks); lower n, best_of or max_tokens")
                 request.error_code = "context_length_exceeded"
                 out.rejected.append(request)
                 continue
