@@ -6,6 +6,7 @@ the (src, dst) block copies the runner must perform."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from common.log import get_logger
@@ -113,6 +114,32 @@ class BlockManager:
             self.prefix_hits += hits * self.block_size
         return hits * self.block_size
 
+    def allocate_sharing(self, seq_id: int, token_ids: Sequence[int], donor_id: int, num_shared: int) -> None:
+        """Give a new sequence the donor's first `num_shared` blocks (full blocks of the very same
+        tokens, ref counts +1) and fresh blocks for the rest: a forked request recomputed without
+        prefix caching shares its prompt again. The caller must not run the new sequence's
+        tokens before the donor's K/V of the shared blocks is written."""
+        donor = self.seqs[donor_id]
+        shared = num_shared * self.block_size
+        if donor.on_host or len(donor.token_ids) < shared or len(token_ids) <= shared:
+            raise ValueError(f"sequence {donor_id} cannot share {num_shared} blocks with a {len(token_ids)}-token one")
+        if list(token_ids[:shared]) != donor.token_ids[:shared]:
+            raise ValueError("shared blocks must hold the same tokens")
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        seq = SeqBlocks(token_ids=list(token_ids))
+        self.seqs[seq_id] = seq
+        for block_id in donor.block_ids[:num_shared]:
+            self._add_ref(self.blocks[block_id], seq_id)
+            seq.block_ids.append(block_id)
+        remaining = len(token_ids) - shared
+        while remaining > 0:
+            block = self._take_free(seq_id)
+            block.num_tokens = min(remaining, self.block_size)
+            self.num_stored_tokens += block.num_tokens
+            seq.block_ids.append(block.block_id)
+            remaining -= block.num_tokens
+
     def can_append_slot(self, seq_id: int) -> bool:
         """True when one more token fits (a new block or a CoW copy may be needed)."""
         return self.num_append_blocks(seq_id) <= self.num_free_blocks
@@ -126,7 +153,28 @@ class BlockManager:
 
     def can_append_slots(self, seq_ids: Sequence[int]) -> bool:
         """True when every listed sequence can take one more token at once."""
-        return sum(self.num_append_blocks(seq_id) for seq_id in seq_ids) <= self.num_free_blocks
+        return self.num_group_append_blocks(seq_ids) <= self.num_free_blocks
+
+    def num_group_append_blocks(self, seq_ids: Sequence[int]) -> int:
+        """Blocks one more token for each listed sequence takes, appended in turn (on device, or
+        as they will be once swapped in): 1 after a full last block; for a partial last block
+        shared by `r` sequences of which `k` are listed, min(k, r - 1) copies, since the last
+        holder to append finds it no longer shared and writes in place. Two samples forked
+        after a 17-token prompt (block size 8) need 1 block for their 18th tokens, not 2.
+        A swapped-in group holds its host blocks alone (`swap_in` gives them fresh device
+        blocks), so there `r` is the number of listed sequences."""
+        need = 0
+        sharers: Counter[tuple[bool, int]] = Counter()
+        for seq_id in seq_ids:
+            seq = self.seqs[seq_id]
+            if len(seq.token_ids) % self.block_size == 0:
+                need += 1
+            elif seq.on_host or self.blocks[seq.block_ids[-1]].ref_count > 1:
+                sharers[seq.on_host, seq.block_ids[-1]] += 1
+        for (on_host, block_id), listed in sharers.items():
+            holders = listed if on_host else self.blocks[block_id].ref_count
+            need += min(listed, holders - 1)
+        return need
 
     def append_slot(self, seq_id: int, token_id: int) -> tuple[int, int] | None:
         """Reserve the slot of one more token. Allocates when the last block is full; copies
@@ -315,7 +363,15 @@ class BlockManager:
         return list(mapping.items())
 
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        need = len(self._distinct_blocks(seq_ids)) + len(seq_ids)  # + room for each to grow
+        """Room, above the watermark, for the group's blocks plus one block per sequence to grow
+        on; where even an empty pool could not hold that headroom, for the blocks plus only what
+        the next token of each takes (`num_group_append_blocks`). A group that ran before it was
+        swapped out therefore always fits an empty pool again: asking for the headroom there
+        would leave it swapped out forever, and the waiting queue behind it (issue 43)."""
+        blocks = len(self._distinct_blocks(seq_ids))
+        need = blocks + len(seq_ids)
+        if need > self.num_blocks - self.watermark_blocks:
+            need = blocks + self.num_group_append_blocks(seq_ids)
         return self.num_free_blocks - need >= self.watermark_blocks
 
     def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:

@@ -148,9 +148,14 @@ class Scheduler:
                     out.blocks_to_copy.append(copy)
 
     def _schedule_tokens(self, seqs: list[Sequence], out: SchedulerOutput, budget: _Budget) -> None:
+        donor = self._prefix_donor(seqs)
         for seq in seqs:
+            if donor is not None and seq is not donor:
+                budget.seqs -= 1  # its first blocks are the donor's, not computed yet: it waits, its row kept
+                continue
             start = seq.num_computed
-            end = min(len(seq.token_ids), start + budget.tokens)
+            limit = len(seq.token_ids) if donor is None else seq.request.num_shared_prefix
+            end = min(limit, start + budget.tokens)
             if end <= start or budget.seqs <= 0:
                 continue
             prompt_rows = 0
@@ -170,6 +175,18 @@ class Scheduler:
                                                   end == len(seq.token_ids), seq.keep_kv_below, prompt_rows))
             budget.tokens -= end - start + len(proposals)
             budget.seqs -= 1
+
+    @staticmethod
+    def _prefix_donor(seqs: list[Sequence]) -> Sequence | None:
+        """The sequence that must compute a recomputed group's shared prompt blocks first (see
+        `_allocate`), or None once it has (or the group shares nothing)."""
+        if not seqs:
+            return None
+        request = seqs[0].request
+        donor = request.prefix_donor
+        if donor is not None and (donor.num_computed >= request.num_shared_prefix or donor not in seqs):
+            request.prefix_donor = donor = None
+        return donor
 
     def _num_seqs(self) -> int:
         """Sequences in every queue: what the next steps will batch."""
@@ -250,9 +267,8 @@ class Scheduler:
             if not self._fits_apart(seqs):
                 self.waiting.popleft()
                 request.error = (
-                    f"preempted by recompute after it forked: its {len(seqs)} sequences no longer share the "
-                    f"prompt's blocks and cannot fit the KV cache together ({self.block_manager.num_blocks} "
-                    f"blocks); use swap preemption, prefix caching or a lower n")
+                    f"preempted by recompute after it forked: its {len(seqs)} sequences cannot fit the KV "
+                    f"cache together ({self.block_manager.num_blocks} blocks); lower n, best_of or max_tokens")
                 request.error_code = "context_length_exceeded"
                 out.rejected.append(request)
                 continue
@@ -264,17 +280,28 @@ class Scheduler:
             self.running.append(request)
 
     def _fits_apart(self, seqs: list[Sequence]) -> bool:
-        """A recomputed request's forked sequences are allocated one by one, sharing no blocks
-        unless the prefix cache finds them: without it they must fit the pool side by side, or
-        the request would wait forever (known gap: recompute does not re-share the prompt)."""
+        """A recomputed request's forked sequences must fit the empty pool together (with a slot
+        for each one's next token), or the request would wait forever. With prefix caching they
+        find the prompt's blocks in the cache; without, `_allocate` shares them again, so a
+        request `check_request` admitted always fits: this refuses only what it never saw."""
         if len(seqs) < 2 or self.block_manager.enable_prefix_caching:
             return True
         size = self.block_manager.block_size
         need = sum(-(-(len(seq.token_ids) + 1) // size) for seq in seqs)
+        need -= self._num_shared_blocks(seqs) * (len(seqs) - 1)
         return need <= self.block_manager.num_blocks - self.block_manager.watermark_blocks
+
+    def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
+        """Full prompt blocks a recomputed forked group shares again without prefix caching (the
+        prefix cache shares them otherwise); none while prompt logprobs are still to come."""
+        if len(seqs) < 2 or self.block_manager.enable_prefix_caching or seqs[0].request.needs_prompt_logprobs:
+            return 0
+        return min(seq.num_prompt_tokens for seq in seqs) // self.block_manager.block_size
 
     def _allocate(self, seqs: list[Sequence]) -> bool:
         """Give every sequence of a request its blocks, or none of them."""
+        if self._num_shared_blocks(seqs):
+            return self._allocate_sharing(seqs)
         done: list[Sequence] = []
         for seq in seqs:
             if not self.block_manager.can_allocate(seq.token_ids):
@@ -291,4 +318,25 @@ class Scheduler:
                 seq.keep_kv_below, seq.num_computed = seq.num_computed, 0  # recompute, keep its K/V
             seq.status = SeqStatus.RUNNING
             done.append(seq)
+        return True
+
+    def _allocate_sharing(self, seqs: list[Sequence]) -> bool:
+        """A forked request recomputed without prefix caching: the first sequence gets its own
+        blocks, the others share its full prompt blocks (the same tokens, so the same K/V) and
+        run their own tokens only once it has computed those (`_prefix_donor`), as the group did
+        before it was preempted: it needs no more blocks than when it was admitted."""
+        manager = self.block_manager
+        shared = self._num_shared_blocks(seqs)
+        need = sum(-(-len(seq.token_ids) // manager.block_size) for seq in seqs) - shared * (len(seqs) - 1)
+        if manager.num_free_blocks - need < manager.watermark_blocks:
+            return False
+        donor = seqs[0]
+        manager.allocate(donor.seq_id, donor.token_ids)
+        for seq in seqs[1:]:
+            manager.allocate_sharing(seq.seq_id, seq.token_ids, donor.seq_id, shared)
+        for seq in seqs:
+            seq.num_computed = 0 if seq is donor else shared * manager.block_size
+            seq.keep_kv_below = 0
+            seq.status = SeqStatus.RUNNING
+        donor.request.prefix_donor, donor.request.num_shared_prefix = donor, shared * manager.block_size
         return True

@@ -124,6 +124,10 @@ class Request:
     # prompt logprobs (SamplingParams.prompt_logprobs): gathered chunk by chunk, sent once
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_logprobs_sent: bool = False
+    # recomputed forks without prefix caching: the others share the prompt's first full blocks of
+    # `prefix_donor` and run none of their tokens until it has computed those `num_shared_prefix`
+    prefix_donor: Sequence | None = None
+    num_shared_prefix: int = 0
 
     @property
     def needs_prompt_logprobs(self) -> bool:
