@@ -172,23 +172,43 @@ def bf16_kernel() -> str | None:
 
 
 def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, *, checked: bool = False,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``x [..., K] @ W.T + bias`` → ``[..., N]`` with ``x`` and the dequantized weights ``W``
     rounded to bf16 (nearest even) and the products summed in fp32: on the kernel ``bf16_kernel()``
-    names, else dequantized and multiplied by torch in bf16 (the reference backend too)."""
+    names, else dequantized and multiplied by torch in bf16 (the reference backend too).
+    ``checked``: the caller validated ``qweight`` against ``fmt`` (``QuantLinear`` does). ``out``
+    (fp32 ``[M, N]`` with contiguous rows, for a 2-D ``x``): written in place and returned."""
     if x.dtype != torch.float32:
         raise ValueError(f"x must be fp32; got {x.dtype}")
     k = x.shape[-1]
-    check_qweight(qweight, fmt, k)
+    if not checked:
+        check_qweight(qweight, fmt, k)
     n = qweight.shape[0]
     flat = x.reshape(-1, k)
     if use_reference() or not x.is_cpu or bf16_kernel() is None or fmt.name not in BF16_FORMATS:
-        return ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], n)
+        result = ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], n)
+        return result if out is None else out.copy_(result)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    out = flat.new_empty((flat.shape[0], n))
+    if out is None:
+        out = flat.new_empty((flat.shape[0], n))
+        cpu_ops().quant_linear_bf16(out, flat, qweight, fmt.type_id, bias)
+        return out.view(*x.shape[:-1], n)
     cpu_ops().quant_linear_bf16(out, flat, qweight, fmt.type_id, bias)
-    return out.view(*x.shape[:-1], n)
+    return out
+
+
+def quant_linear_int8_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+                           out: torch.Tensor) -> torch.Tensor:
+    """``quant_linear``'s int8-activation rows of a 2-D ``x`` straight into ``out`` (fp32 ``[M, N]``,
+    contiguous rows) on the C++ kernel, which gives a row the same bits at any row count; a
+    validated ``qweight`` (the reference backend and non-CPU tensors take ``quant_linear``)."""
+    if use_reference() or not x.is_cpu:
+        return out.copy_(quant_linear(x, qweight, fmt, bias, True, checked=True))
+    if x.shape[0]:
+        _kernel()(out, x, qweight, fmt.type_id, bias, True, 0)
+    return out
 
 
 def _fixed_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,

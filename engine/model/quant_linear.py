@@ -85,11 +85,7 @@ class QuantLinear(nn.Module):
         if BF16_LINEARS.get() and fmt.name in ops.quant.BF16_FORMATS:  # others: as with fp32 linears
             if ops.quant.bf16_all_rows() or x.dim() != 2:
                 return ops.quant.quant_linear_bf16(x, t, fmt, bias)
-            exact_bf16 = min(EXACT_ROWS.get(), x.shape[0])
-            given = EXACT_RANGES.get() if exact_bf16 else ()  # (): a step with no prompt rows
-            return _by_ranges(x, ((0, exact_bf16),) if given is None else given, lambda part, rows: (
-                ops.quant.quant_linear_bf16(part, t, fmt, bias) if rows
-                else ops.quant.quant_linear(part, t, fmt, bias, self.int8_activations, checked=True)))
+            return self._bf16_prompt_rows(x, fmt, t, bias)
         exact = EXACT_ROWS.get()
         ranges = EXACT_RANGES.get() if exact else None
         if ranges is not None and x.dim() == 2:
@@ -97,6 +93,27 @@ class QuantLinear(nn.Module):
                 part, t, fmt, bias, self.int8_activations, checked=True, exact_rows=rows))
         return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True,  # checked in __init__
                                       exact_rows=exact)
+
+    def _bf16_prompt_rows(self, x: torch.Tensor, fmt: QuantFormat, t: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+        """A step's exact rows (`EXACT_ROWS` / `EXACT_RANGES`: its prompt tokens) in bf16, the others
+        on the kernel's int8 rows (fp32 ones without `int8_activations`), each segment written
+        straight into one output: a concatenation copied a mixed step's decode rows per linear."""
+        rows = x.shape[0]
+        exact = min(EXACT_ROWS.get(), rows)
+        given = EXACT_RANGES.get() if exact else ()  # (): a step with no prompt rows
+        ranges = [(a, b) for a, b in (((0, exact),) if given is None else given) if b > a]
+        out = x.new_empty((rows, t.shape[0]))
+        row = 0
+        for start, end in [*ranges, (rows, rows)]:
+            if start > row and self.int8_activations:
+                ops.quant.quant_linear_int8_rows(x[row:start], t, fmt, bias, out[row:start])
+            elif start > row:  # fp32 activations for every row (`int8_activations` off)
+                out[row:start] = ops.quant.quant_linear(x[row:start], t, fmt, bias, False, checked=True)
+            if end > start:
+                ops.quant.quant_linear_bf16(x[start:end], t, fmt, bias, checked=True, out=out[start:end])
+            row = max(row, end)
+        return out
 
     def extra_repr(self) -> str:
         names = ",".join("F32" if f is None else f.name for f in self.formats)
