@@ -38,6 +38,7 @@ from common.protocol import (
 from common.redis_conn import Epoch, MasterView, NotReplicated, PoolBusy, ReplicaAck, pinned
 from gateway.broker.collector import RequestCollector
 from gateway.broker.engines import EngineRegistry
+from gateway.broker.reader import Reader, Subscribed
 from gateway.broker.redis_errors import CODE_UNAVAILABLE, redis_error
 from gateway.broker.router import Route, Router
 
@@ -94,10 +95,9 @@ class Broker:
         self.ack = ack or ReplicaAck(0, 1)
         self.mode = mode  # "url" or "sentinel", for /health
         self.master = MasterView()
-        self.reader = reader or client
-        self.new_reader = new_reader  # a fresh reader client, for `supervise` to replace a stuck one
-        self.read_at = time.monotonic()  # when the reader loop last made progress
-        self._generation = 0  # the reader loop that owns `reader`; an older one stops
+        self.new_reader = new_reader  # a fresh reader client, for `_swap` to replace a stuck or failed one
+        self._reader = Reader(0, reader or client)  # the current generation; written by `_swap` alone
+        self.subscribed = Subscribed(lambda: self._reader)  # the current generation reads the output stream
         self.stopped = False  # set by `stop`: every loop of this broker ends at its next turn
         self._closing: set[asyncio.Task[None]] = set()
         self.keys = keys
@@ -107,12 +107,25 @@ class Broker:
         self.token = secrets.token_hex(8)
         self.max_queued = max_queued
         self.collectors: dict[str, RequestCollector] = {}
-        self.subscribed = asyncio.Event()
         self.epoch = Epoch(keys.epoch)
-        self.last_id = "0-0"
         self._submit = client.register_script(_SUBMIT_SCRIPT)
         self.router: Router | None = None  # cache-aware routing (`use_router`); None: the shared stream
         self.registry: EngineRegistry | None = None
+
+    @property
+    def reader(self) -> aioredis.Redis:
+        """The current reader generation's connection."""
+        return self._reader.client
+
+    @property
+    def last_id(self) -> str:
+        """The last output-stream id the current reader generation handled."""
+        return self._reader.last_id
+
+    @property
+    def read_at(self) -> float:
+        """When the current reader generation last made progress (monotonic)."""
+        return self._reader.read_at
 
     def use_router(self, router: Router, registry: EngineRegistry) -> None:
         """Route each request by `router` over `registry`'s live heartbeats."""
@@ -316,10 +329,8 @@ class Broker:
                     log.error("output stream reader stalled; starting a new one",
                               stalled_s=round(time.monotonic() - self.read_at, 1), ended=task.done())
                     task.cancel()  # not awaited: a wedged task may never finish cancelling
-                    self._replace_reader()
-                    self.subscribed.clear()
-                    self.read_at = time.monotonic()
-                    task = asyncio.create_task(self.listen(block_ms=block_ms), name=f"reader-{self.gateway_id}")
+                    task = asyncio.create_task(self.listen(block_ms=block_ms, reader=self._swap(fresh=True)),
+                                               name=f"reader-{self.gateway_id}")
         finally:
             task.cancel()
 
@@ -327,74 +338,80 @@ class Broker:
         """End the supervisor and reader loops at their next turn, whether or not a cancellation
         reaches them (a library that swallows one must not keep the app's cleanup waiting)."""
         self.stopped = True
-        self._generation += 1
 
-    def _replace_reader(self) -> None:
-        """A fresh reader client (its old connection may be the trouble); the old one is closed
-        in the background."""
-        if self.new_reader is None:
-            return
-        old, self.reader = self.reader, self.new_reader()
-        self._closing.add(task := asyncio.create_task(_close_quietly(old)))
-        task.add_done_callback(self._closing.discard)
+    def _swap(self, fresh: bool) -> Reader:
+        """The one writer of the reader state: retire the current generation and make the next,
+        reading on from its last id; with `fresh` (and a `new_reader`), on a new client (the old
+        connection may be the trouble; it is closed in the background). Returns the new one."""
+        old = self._reader
+        client = self.new_reader() if fresh and self.new_reader is not None else old.client
+        self._reader = old.successor(client)
+        old.retire()
+        if client is not old.client:
+            self._closing.add(task := asyncio.create_task(_close_quietly(old.client)))
+            task.add_done_callback(self._closing.discard)
+        return self._reader
 
-    async def listen(self, retry_s: float = 0.5, block_ms: int = 1000, trim_every_s: float = 1.0) -> None:
-        """Run until a newer loop takes over: read this gateway's output stream from the last id
-        handled."""
+    async def listen(self, retry_s: float = 0.5, block_ms: int = 1000, trim_every_s: float = 1.0,
+                     reader: Reader | None = None) -> None:
+        """Read this gateway's output stream from the last id handled, as generation `reader`
+        (default: a new one, taking over from whatever loop ran), until a newer one takes over;
+        a failed read moves this loop to a new generation on a fresh connection."""
         key = self.keys.out(self.gateway_id)
         trimmed_at = 0.0
         failures = 0  # in a row: the retry delay doubles up to 4 s (a failover takes seconds)
-        self._generation += 1
-        mine = self._generation
+        reader = self._swap(fresh=False) if reader is None else reader
         try:
-            while mine == self._generation and not self.stopped:
-                self.read_at = time.monotonic()
+            while reader is self._reader and not self.stopped:
+                reader.touch()
                 try:
-                    if not self.subscribed.is_set():
-                        await self._start_reading(key)
+                    if not reader.subscribed.is_set():
+                        await self._start_reading(reader, key)
                     # bounded: a read that outlives its BLOCK by seconds is hung, not waiting
                     reply = await asyncio.wait_for(
-                        self.reader.xread({key: self.last_id}, count=512, block=block_ms),
+                        reader.client.xread({key: reader.last_id}, count=512, block=block_ms),
                         block_ms / 1000 + READ_GRACE_S)
-                    if mine != self._generation:
+                    if reader is not self._reader or self.stopped:
                         return  # replaced while it waited: what it read is the new loop's to read
                     for _stream, entries in _streams(reply):
                         for entry_id, fields in entries:
-                            self.last_id = _text(entry_id)
+                            reader.handled(_text(entry_id))
                             payload = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD))
                             if payload is not None:
                                 self._dispatch_guarded(payload)
-                    if time.monotonic() - trimmed_at > trim_every_s and self.last_id != "0-0":
+                    if time.monotonic() - trimmed_at > trim_every_s and reader.last_id != "0-0":
                         trimmed_at = time.monotonic()
-                        await self.client.xtrim(key, minid=self.last_id, approximate=False)
+                        await self.client.xtrim(key, minid=reader.last_id, approximate=False)
                     failures = 0
                 except (RedisError, OSError, BrokerUnavailable) as exc:  # TimeoutError included
-                    if self.subscribed.is_set():
+                    if reader is not self._reader:
+                        return  # a replaced loop's failure is not the current reader's
+                    if reader.subscribed.is_set():
                         log.warning("output stream read failed; reconnecting", error=str(exc) or repr(exc))
-                    self._replace_reader()
-                    self.subscribed.clear()
+                    reader = self._swap(fresh=True)
                     await asyncio.sleep(min(4.0, retry_s * 2 ** failures))
                     failures += 1
                 except Exception:  # this task serves every request of the gateway: it must not end
+                    if reader is not self._reader:
+                        return
                     log.exception("output stream reader failed; reconnecting")
-                    self._replace_reader()
-                    self.subscribed.clear()
+                    reader = self._swap(fresh=True)
                     await asyncio.sleep(retry_s)
         finally:
-            if mine == self._generation:
-                self.subscribed.clear()
+            if reader is self._reader and not self.stopped:
+                reader.subscribed.clear()  # this loop ended without a successor: nothing reads
 
-    async def _start_reading(self, key: str) -> None:
+    async def _start_reading(self, reader: Reader, key: str) -> None:
         """(Re)connect: check the epoch (a lost dataset fails what was in flight and resets
         the read position), and on the first start skip what an earlier run left."""
         if await self.sync_epoch():
-            self.last_id = "0-0"
-        if self.last_id == "0-0" and not self.collectors:
+            reader.start_at("0-0")
+        if reader.last_id == "0-0" and not self.collectors:
             newest = await self.client.xrevrange(key, count=1)
             if newest:
-                self.last_id = _text(newest[0][0])
-        self.subscribed.set()
-        log.info("reading output stream", stream=key, from_id=self.last_id)
+                reader.start_at(_text(newest[0][0]))
+        reader.subscribed.set()
+        log.info("reading output stream", stream=key, from_id=reader.last_id)
 
 
 async def _close_quietly(client: aioredis.Redis) -> None:
