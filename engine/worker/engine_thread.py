@@ -28,6 +28,7 @@ from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
 from engine.sched.admission import RequestRejected
+from engine.worker.recovery import RecoveryState
 
 T = TypeVar("T")
 log = get_logger("worker.engine")
@@ -70,15 +71,16 @@ class StepResult:
 
 
 class EngineThread:
-    """Owns the `LLMEngine` and the single thread it lives on."""
+    """Owns the `LLMEngine` and the single thread it lives on. Whether the next trip takes a full
+    snapshot is asked of `recovery` (the heartbeat requests one there; this thread takes it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, recovery: RecoveryState | None = None) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Any = None
         # (figures, pool snapshot) as of the end of the last trip; replaced, never mutated.
         # The pool snapshot and block tables are rebuilt only when the heartbeat asked.
         self.snapshot_cache: tuple[dict[str, Any], list[list[int]]] = ({}, [])
-        self.want_snapshot = True
+        self.recovery = recovery if recovery is not None else RecoveryState()
         self.cached_limit = 0  # prefix-cache keys each snapshot lists (``cached_keys``); 0: none (no routing)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -137,10 +139,10 @@ class EngineThread:
         queues = Queues(running, waiting, swapped, self.engine.num_compiling())
         return StepResult(outputs, rejected, aborted, self._refresh_cache(), queues, failed)
 
-    def _refresh_cache(self) -> dict[str, Any]:
+    def _refresh_cache(self, full: bool = False) -> dict[str, Any]:
         # idle after this trip: no later step would refresh it, so take the full snapshot now
-        if self.want_snapshot or not self.engine.has_unfinished_requests():
-            self.want_snapshot = False
+        # (the request is taken first: a full snapshot for any reason answers it)
+        if self.recovery.take_snapshot() or full or not self.engine.has_unfinished_requests():
             self.snapshot_cache = self.snapshot()
         else:
             old_stats, pool = self.snapshot_cache
@@ -166,8 +168,7 @@ class EngineThread:
     def abort_all(self, request_ids: list[str]) -> list[str]:
         """Abort these requests (lost ownership, Redis lost its data); returns those aborted."""
         aborted = [rid for rid in request_ids if self.engine.abort_request(rid)]
-        self.want_snapshot = True
-        self._refresh_cache()
+        self._refresh_cache(full=True)
         return aborted
 
     def snapshot(self) -> tuple[dict[str, Any], list[list[int]]]:

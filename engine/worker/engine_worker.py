@@ -26,13 +26,13 @@ from common.redis_conn import Epoch, NotReplicated, ReplicaAck, pooled_client
 from common.redis_spec import RedisSpec
 from common.shutdown import shut_down
 from engine.config import EngineConfig
-from engine.worker.checkpoints import CheckpointLog
 from engine.worker.engine_thread import EngineThread, Queues, StepResult
 from engine.worker.guards import GATEWAY_GRACE_S, Guards
 from engine.worker.heartbeat import Heartbeat, model_config_hash
 from engine.worker.intake import Intake
 from engine.worker.metrics import EngineMetrics, start_metrics_server
 from engine.worker.outbox import Fence, FenceLost, Outbox, flush
+from engine.worker.recovery import RecoveryState
 from engine.worker.request_stream import RequestStream
 
 FENCE_TRIES = 8  # flush attempts per step when the heartbeat key changes under one
@@ -83,16 +83,15 @@ class EngineWorker:
         self.config = config
         self.engine_config = engine_config
         self.keys = Keys(config.redis_prefix)
-        self.thread = EngineThread()
+        # unsent outputs, checkpoints, readopt due, snapshot wanted: asked of it, never written here
+        self.recovery = RecoveryState()
+        self.thread = EngineThread(self.recovery)
         self.stop = asyncio.Event()
         self.closing = False  # set on the way out: the side tasks' loops end at their next turn
         self.stats: dict[str, Any] = {}  # the engine's figures after the last step (metrics, heartbeat)
         self.queues = Queues()
         self.metrics: EngineMetrics | None = None
         self.epoch = Epoch(self.keys.epoch)
-        self.unsent = Outbox()  # outboxes whose flush failed (or was not confirmed by a replica), retried first
-        self.readopt_due = False  # Redis failed us since the last check of what we own (`Intake.readopt`)
-        self.checkpoints = CheckpointLog()  # keeps each request's progress list bounded
         self.ack = ReplicaAck.of(config.redis_spec)
         self._drain_deadline: float | None = None
 
@@ -195,7 +194,7 @@ class EngineWorker:
 
     def _done(self, intake: Intake) -> bool:
         """Stopping and nothing left to run (or hand back)."""
-        return self.stop.is_set() and intake.is_empty and not self.unsent
+        return self.stop.is_set() and intake.is_empty and not self.recovery.has_unsent
 
     def _drain_due(self, intake: Intake, outbox: Outbox) -> bool:
         """After SIGTERM: past the drain timeout, hand every tracked request back."""
@@ -223,7 +222,7 @@ class EngineWorker:
             await intake.pull(count, self.config.idle_block_ms if block else None)
         except (RedisError, OSError) as exc:
             log.warning("cannot read the request stream", error=str(exc))
-            self.readopt_due = True
+            self.recovery.note_redis_trouble()
             await asyncio.sleep(0.5)
 
     def _collect(self, intake: Intake, result: StepResult, outbox: Outbox) -> None:
@@ -237,15 +236,16 @@ class EngineWorker:
                        outbox: Outbox) -> None:
         """Flush (after any earlier outbox that failed), unless the heartbeat lapsed: then first
         drop what other engines took over. Reads back gateway liveness and the epoch."""
-        self.unsent.merge(outbox)
+        self.recovery.note_unsent(outbox)
         margin = min(1.0, beat.ttl_s / 4)
         fence = Fence(beat.key, lambda: beat.fresh(margin_s=margin))
         try:
             for _ in range(FENCE_TRIES):
                 try:
-                    reply = await flush(client, self.keys, intake.stream.key, self.unsent,
+                    unsent = self.recovery.unsent
+                    reply = await flush(client, self.keys, intake.stream.key, unsent,
                                         self.config.progress_ttl_s, guards.gateways_to_probe(), fence, self.ack,
-                                        self.checkpoints)
+                                        self.recovery.checkpoints)
                     break
                 except FenceLost:  # silent for too long: drop what other engines took over, then flush
                     await self._check_ownership(intake, guards, beat)
@@ -256,16 +256,16 @@ class EngineWorker:
                 return
         except NotReplicated as exc:  # written, but maybe lost with its master: send it again (repeats are dropped)
             log.warning("outputs not confirmed by a replica; will send them again", error=str(exc))
-            self.readopt_due = True
+            self.recovery.note_redis_trouble()
             await asyncio.sleep(0.2)
             return
         except (RedisError, OSError) as exc:
             log.warning("could not publish outputs; will retry", error=str(exc))
-            self.readopt_due = True
+            self.recovery.note_redis_trouble()
             await asyncio.sleep(0.2)
             return
-        self.unsent = Outbox()
-        if self.readopt_due:  # writes the old master acknowledged may be missing from this one
+        self.recovery.sent(unsent)
+        if self.recovery.take_readopt():  # writes the old master acknowledged may be missing from this one
             await self._readopt(intake)
         if self.epoch.token is not None and reply.epoch != self.epoch.token:
             await self._redis_lost(client, intake, reply.epoch)
@@ -273,13 +273,12 @@ class EngineWorker:
         guards.on_probe(reply.alive)
 
     async def _readopt(self, intake: Intake) -> None:
-        """`Intake.readopt` once Redis answers again (kept due while it fails)."""
+        """`Intake.readopt` once Redis answers again (due again when it fails)."""
         try:
             await intake.readopt()
         except (RedisError, OSError) as exc:
             log.warning("cannot check this engine's pending entries; will retry", error=str(exc))
-            return
-        self.readopt_due = False
+            self.recovery.note_redis_trouble()
 
     async def _check_ownership(self, intake: Intake, guards: Guards, beat: Heartbeat) -> None:
         """Our heartbeat may have expired: rewrite it (from now on nobody can take our entries),
@@ -293,9 +292,7 @@ class EngineWorker:
             owned = await intake.stream_for(key).owned(list(entries))
             lost |= {rid for entry, rid in entries.items() if entry not in owned}
         guards.lose(lost, "taken over by another engine while this one was silent")
-        if lost:
-            self.unsent = self.unsent.without(lost)
-            self.checkpoints.forget(lost)
+        self.recovery.lose(lost)
         beat.suspect = False
 
     def _forget_everything(self, intake: Intake) -> None:
@@ -303,8 +300,7 @@ class EngineWorker:
         gateway fails it with a clear error), so drop them all and publish nothing for them."""
         lost = intake.forget_all()
         log.error("Redis lost its data (epoch changed): dropped in-flight requests", requests=len(lost))
-        self.unsent = Outbox()
-        self.checkpoints = CheckpointLog()
+        self.recovery.data_lost()
 
     async def _redis_lost(self, client: aioredis.Redis, intake: Intake, seen: str | None) -> None:
         """Drop everything once, adopt the epoch the flush read (`seen`), then set one up when there
@@ -333,11 +329,11 @@ class EngineWorker:
                 await self._beat(beat, intake)
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed", error=str(exc))
-                self.readopt_due = True
+                self.recovery.note_redis_trouble()
 
     async def _beat(self, beat: Heartbeat, intake: Intake) -> None:
         stats, pool = self.thread.snapshot_cache
-        self.thread.want_snapshot = True  # the next step refreshes pool and block tables
+        self.recovery.request_snapshot()  # the next step refreshes pool and block tables
         await beat.beat(stats, pool, intake.counters())
 
     async def _takeovers(self, intake: Intake) -> None:
