@@ -64,7 +64,8 @@ def quantize(source: Path, target: str, dest: Path, threads: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", type=Path, help="GGUF to quantize from (default: the most precise in the model folder)")
+    parser.add_argument("--source", type=Path,
+                        help="GGUF to quantize from (default: the most precise in the model folder)")
     parser.add_argument("--types", default=",".join(TARGETS), help="llama.cpp ftypes (LLAMA_FTYPE_MOSTLY_<TYPE>)")
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
     parser.add_argument("--threads", type=int, default=2)
