@@ -23,10 +23,13 @@ from engine.config import EngineConfig
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_stats import block_tables, pool_snapshot
 from engine.model.capacity import (
+    kv_layers,
     log_capacity,
+    log_kv_layers,
     num_device_blocks,
     num_host_blocks,
     profile_peak,
+    release_window,
     resolve_compute,
     resolve_device,
 )
@@ -142,9 +145,13 @@ class LLMEngine:
         self.block_bytes = block_bytes * shard.size  # the group's bytes per block (every rank holds its heads')
         log_capacity(num_blocks, config.block_size, block_bytes, self.max_model_len, kv_dtype_name(self.kv_dtype),
                      shard.size)
+        windows = self.model.spec.layer_windows
+        self.kv_layers = kv_layers(windows, self.max_model_len, config.block_size)
+        log_kv_layers(self.kv_layers)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, num_cpu, watermark=config.watermark,
             enable_prefix_caching=config.enable_prefix_caching, debug=config.debug_blocks,
+            window=release_window(windows),
         )
         kv = allocate_kv_caches(kv_spec, num_blocks, config.block_size, self.kv_dtype, self.device)
         host = allocate_kv_caches(kv_spec, num_cpu, config.block_size, self.kv_dtype, "cpu")
@@ -404,6 +411,7 @@ class LLMEngine:
         s = self.scheduler
         return {
             **self.block_manager.stats().to_dict(),
+            "kv_layers": dict(self.kv_layers),
             "running": len(s.running),
             "waiting": len(s.waiting),
             "swapped": len(s.swapped),

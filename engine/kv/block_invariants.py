@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.kv.block_pool import PoolView
+from engine.kv.block_pool import NULL_BLOCK, PoolView
 
 
 def check_invariants(manager: PoolView) -> None:
-    """free + used == total; every ref count equals the number of tables holding the block;
+    """free + used == total; every ref count equals the number of tables holding the block (released
+    entries, NULL_BLOCK, only leading a table and only with a sliding window);
     no block both free and referenced; cache entries and token counts agree."""
     free = list(manager.free_queue)
     free_ids = {block.block_id for block in free}
@@ -17,8 +18,12 @@ def check_invariants(manager: PoolView) -> None:
     host_refs: Counter[int] = Counter()
     for seq_id, seq in manager.seqs.items():
         assert len(seq.block_ids) == -(-len(seq.token_ids) // manager.block_size), f"seq {seq_id}: table size"
-        assert len(set(seq.block_ids)) == len(seq.block_ids), f"seq {seq_id} holds a block twice"
-        (host_refs if seq.on_host else device_refs).update(seq.block_ids)
+        live = seq.live_ids()
+        assert all(b == NULL_BLOCK for b in seq.block_ids[:seq.num_released]), f"seq {seq_id}: released entries"
+        assert NULL_BLOCK not in live, f"seq {seq_id}: a released entry past the leading ones"
+        assert not seq.num_released or manager.window, f"seq {seq_id}: released blocks without a window"
+        assert len(set(live)) == len(live), f"seq {seq_id} holds a block twice"
+        (host_refs if seq.on_host else device_refs).update(live)
     for block in manager.blocks:
         assert block.ref_count == device_refs.get(block.block_id, 0), f"block {block.block_id} ref count"
         assert (block.ref_count == 0) == (block.block_id in free_ids), f"block {block.block_id} free/used"

@@ -1,7 +1,14 @@
 """The paged KV block manager: per-sequence block tables over a pool of device blocks and a
 pool of host (swap) blocks, with on-demand allocation, copy-on-write forks, swapping and
 prefix caching. Sequences are plain int ids; no tensor is touched here: the manager returns
-the (src, dst) block copies the runner must perform."""
+the (src, dst) block copies the runner must perform.
+
+With a sliding `window` (every attention layer of the model slides), the blocks of a sequence
+that lie wholly behind the window of the step's first query go back to the pool
+(`release_behind`); their table entries become `NULL_BLOCK`, so positions keep their blocks'
+indices and the kernels, which never read entries before a query's window, take the tables
+unchanged. A prompt is still allocated whole at admission; its blocks are released as its
+chunks pass."""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from collections.abc import Sequence
 
 from common.log import get_logger
 from engine.kv.block_invariants import check_invariants
-from engine.kv.block_pool import Block, FreeBlockQueue, SeqBlocks, hash_block
+from engine.kv.block_pool import NULL_BLOCK, Block, FreeBlockQueue, SeqBlocks, hash_block
 from engine.kv.block_stats import BlockStats, compute_stats
 
 log = get_logger("blocks")
@@ -29,14 +36,19 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         debug: bool = False,
+        window: int = 0,
     ) -> None:
-        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
-            raise ValueError("num_blocks and block_size must be >= 1, num_cpu_blocks >= 0")
+        """`window`: the tokens a query sees (itself included) in every layer, so that the blocks
+        behind it can be released; 0 when some layer attends its whole context (nothing is)."""
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0 or window < 0:
+            raise ValueError("num_blocks and block_size must be >= 1, num_cpu_blocks and window >= 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.debug = debug
+        self.window = window
+        self.released_blocks = 0  # table entries released behind the window so far
         self.watermark_blocks = int(watermark * num_blocks)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -81,8 +93,48 @@ class BlockManager:
 
     def slot(self, seq_id: int, position: int) -> int:
         """The flat cache slot holding token `position` of a sequence."""
-        table = self.seqs[seq_id].block_ids
-        return table[position // self.block_size] * self.block_size + position % self.block_size
+        block_id = self.seqs[seq_id].block_ids[position // self.block_size]
+        if block_id == NULL_BLOCK:
+            raise ValueError(f"position {position} of sequence {seq_id} lies in a block released behind the window")
+        return block_id * self.block_size + position % self.block_size
+
+    def num_live_blocks(self, seq_id: int) -> int:
+        """Blocks a sequence holds (its table less the entries released behind the window)."""
+        seq = self.seqs[seq_id]
+        return len(seq.block_ids) - seq.num_released
+
+    # ----- sliding window ------------------------------------------------------------------
+    def release_behind(self, seq_id: int, first_position: int) -> int:
+        """Release the blocks no query at `first_position` or later sees: those whose last token
+        lies at or before `first_position - window` (a query at q sees q - window < p <= q).
+        The caller passes the first position a step computes for the sequence, which never
+        decreases (chunks advance; a speculative step's rollback keeps its first token), so no
+        later step, swap or rollback needs a released block. Returns the blocks released.
+
+            window 6, block size 4, first_position 13: keys 8.. are seen
+            before   [3 | 5 | 8 | 9]        after   [NULL | 5 | 8 | 9]    (block 3 held 0..3)
+
+        A shared block (forks, beams, prefix hits) loses only this table's reference; a hashed
+        block keeps its prefix-cache entry in the free list (its K/V stay exact)."""
+        if not self.window:
+            return 0
+        seq = self.seqs[seq_id]
+        behind = max(0, first_position - self.window + 1) // self.block_size
+        behind = min(behind, len(seq.block_ids) - 1)  # the block being written is never behind
+        released = 0
+        for i in range(seq.num_released, behind):
+            block_id = seq.block_ids[i]
+            if seq.on_host:
+                self._drop_cpu_ref(block_id)
+            else:
+                self._drop_ref(self.blocks[block_id], seq_id)
+            seq.block_ids[i] = NULL_BLOCK
+            released += 1
+        if released:
+            seq.num_released = behind
+            self.released_blocks += released
+            self._event("release", seq=seq_id, num_blocks=released, first_position=first_position)
+        return released
 
     # ----- allocation ----------------------------------------------------------------------
     def can_allocate(self, token_ids: Sequence[int]) -> bool:
@@ -121,7 +173,7 @@ class BlockManager:
         tokens before the donor's K/V of the shared blocks is written."""
         donor = self.seqs[donor_id]
         shared = num_shared * self.block_size
-        if donor.on_host or len(donor.token_ids) < shared or len(token_ids) <= shared:
+        if donor.on_host or donor.num_released or len(donor.token_ids) < shared or len(token_ids) <= shared:
             raise ValueError(f"sequence {donor_id} cannot share {num_shared} blocks with a {len(token_ids)}-token one")
         if list(token_ids[:shared]) != donor.token_ids[:shared]:
             raise ValueError("shared blocks must hold the same tokens")
@@ -239,6 +291,8 @@ class BlockManager:
         if num_tokens < len(seq.hashes) * self.block_size:
             raise ValueError("cannot truncate into a prefix-cached block")
         keep = self._num_blocks_for(num_tokens)
+        if seq.num_released and keep <= seq.num_released:
+            raise ValueError("cannot truncate into a block released behind the window")
         for block_id in reversed(seq.block_ids[keep:]):
             self._drop_ref(self.blocks[block_id], seq_id)
         del seq.block_ids[keep:]
@@ -259,8 +313,9 @@ class BlockManager:
             raise ValueError("cannot fork a swapped-out sequence")
         if child_id in self.seqs:
             raise ValueError(f"sequence {child_id} already has blocks")
-        self.seqs[child_id] = SeqBlocks(list(parent.block_ids), list(parent.token_ids), list(parent.hashes))
-        for block_id in parent.block_ids:
+        self.seqs[child_id] = SeqBlocks(list(parent.block_ids), list(parent.token_ids), list(parent.hashes),
+                                        num_released=parent.num_released)
+        for block_id in parent.live_ids():
             block = self.blocks[block_id]
             block.ref_count += 1
             self._event("ref", block=block_id, seq=child_id, ref_count=block.ref_count)
@@ -269,10 +324,10 @@ class BlockManager:
         """Release a sequence's blocks; last block first so tails are evicted before heads."""
         seq = self.seqs.pop(seq_id)
         if seq.on_host:
-            for cpu_id in seq.block_ids:
+            for cpu_id in seq.live_ids():
                 self._drop_cpu_ref(cpu_id)
             return
-        for block_id in reversed(seq.block_ids):
+        for block_id in reversed(seq.live_ids()):
             self._drop_ref(self.blocks[block_id], seq_id)
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
@@ -298,6 +353,8 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             key = hash_block(parent, tokens)
             seq.hashes.append(key)
+            if seq.block_ids[i] == NULL_BLOCK:  # released: the chain goes on, the block is not ours to publish
+                continue
             block = self.blocks[seq.block_ids[i]]
             if block.hash is None and key not in self.cached:
                 block.hash, block.parent_hash, block.token_ids = key, parent, tokens
@@ -346,15 +403,15 @@ class BlockManager:
         mapping: dict[int, int] = {}
         for seq_id in seq_ids:
             seq = self.seqs[seq_id]
-            table: list[int] = []
-            for block_id in seq.block_ids:
+            table: list[int] = [NULL_BLOCK] * seq.num_released
+            for block_id in seq.live_ids():
                 if block_id not in mapping:
                     mapping[block_id] = self.free_cpu.pop()
                     self.cpu_tokens[mapping[block_id]] = self.blocks[block_id].num_tokens
                 cpu_id = mapping[block_id]
                 self.cpu_ref[cpu_id] += 1
                 table.append(cpu_id)
-            for block_id in reversed(seq.block_ids):
+            for block_id in reversed(seq.live_ids()):
                 self._drop_ref(self.blocks[block_id], seq_id)
             seq.block_ids, seq.on_host = table, True
         self.swapped_out_blocks += len(mapping)
@@ -379,8 +436,8 @@ class BlockManager:
         mapping: dict[int, int] = {}
         for seq_id in seq_ids:
             seq = self.seqs[seq_id]
-            table: list[int] = []
-            for cpu_id in seq.block_ids:
+            table: list[int] = [NULL_BLOCK] * seq.num_released
+            for cpu_id in seq.live_ids():
                 if cpu_id not in mapping:
                     block = self._take_free(seq_id)
                     block.num_tokens = self.cpu_tokens[cpu_id]
@@ -465,7 +522,7 @@ class BlockManager:
             self.free_cpu.append(cpu_id)
 
     def _distinct_blocks(self, seq_ids: Sequence[int]) -> set[int]:
-        return {b for seq_id in seq_ids for b in self.seqs[seq_id].block_ids}
+        return {b for seq_id in seq_ids for b in self.seqs[seq_id].live_ids()}
 
     def _event(self, kind: str, **fields: object) -> None:
         if self.debug:

@@ -14,7 +14,11 @@ from typing import Protocol
 
 from common.block_hash import hash_block
 
-__all__ = ["Block", "FreeBlockQueue", "PoolView", "SeqBlocks", "hash_block"]
+__all__ = ["NULL_BLOCK", "Block", "FreeBlockQueue", "PoolView", "SeqBlocks", "hash_block"]
+
+# The table entry of a block released behind a sliding window (`BlockManager.release_behind`): the
+# kernels never read the entries of blocks wholly before every query's window.
+NULL_BLOCK = -1
 
 
 @dataclass(slots=True, eq=False)
@@ -95,6 +99,11 @@ class SeqBlocks:
     token_ids: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks
     on_host: bool = False
+    num_released: int = 0  # leading entries released behind a sliding window (NULL_BLOCK)
+
+    def live_ids(self) -> list[int]:
+        """The block ids it holds: its table past the released entries."""
+        return self.block_ids[self.num_released:]
 
 
 class PoolView(Protocol):
@@ -138,3 +147,7 @@ class PoolView(Protocol):
     def swapped_out_blocks(self) -> int: ...
     @property
     def swapped_in_blocks(self) -> int: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def released_blocks(self) -> int: ...

@@ -32,6 +32,8 @@ class BlockStats:
     prefix_hits: int
     swapped_out_blocks: int
     swapped_in_blocks: int
+    window: int  # tokens a query sees in every layer when blocks behind it are released; 0: none are
+    released_blocks: int  # table entries released behind the window so far
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -60,6 +62,8 @@ def compute_stats(manager: PoolView) -> BlockStats:
         prefix_hits=manager.prefix_hits,
         swapped_out_blocks=manager.swapped_out_blocks,
         swapped_in_blocks=manager.swapped_in_blocks,
+        window=manager.window,
+        released_blocks=manager.released_blocks,
     )
 
 
@@ -97,12 +101,14 @@ def block_id_runs(block_ids: list[int], max_runs: int) -> list[list[int]]:
 def block_tables(manager: PoolView, seqs: Iterable[tuple[str, int, int]], max_seqs: int = 64,
                  max_runs: int = 64) -> list[dict[str, Any]]:
     """Block tables of up to `max_seqs` sequences given as (request_id, sample index, seq_id):
-    ``{"id", "index", "host" (swapped out: host block ids), "num_blocks", "runs"}`` with the
-    ids run-length encoded, so a view of a 100k-block pool stays a few kilobytes."""
+    ``{"id", "index", "host" (swapped out: host block ids), "num_blocks", "runs", "released"}`` with
+    the ids it holds run-length encoded, so a view of a 100k-block pool stays a few kilobytes;
+    `released` counts the leading entries given back behind a sliding window (not in the runs)."""
     tables = []
     for request_id, index, seq_id in itertools.islice(seqs, max_seqs):
         entry = manager.seqs.get(seq_id)
         if entry is not None:
-            tables.append({"id": request_id, "index": index, "host": entry.on_host,
-                           "num_blocks": len(entry.block_ids), "runs": block_id_runs(entry.block_ids, max_runs)})
+            live = entry.live_ids()
+            tables.append({"id": request_id, "index": index, "host": entry.on_host, "num_blocks": len(live),
+                           "runs": block_id_runs(live, max_runs), "released": entry.num_released})
     return tables

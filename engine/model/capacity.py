@@ -126,3 +126,39 @@ def profile_peak(model: Any, num_tokens: int, max_num_seqs: int, kv_spec: Any, b
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
     return int(peak)
+
+
+def kv_layers(windows: tuple[int, ...], max_model_len: int, block_size: int) -> dict[str, Any]:
+    """Per-layer KV bound of one sequence: sliding layers (`ModelSpec.layer_windows`) need at most
+    their window of tokens, full-attention layers the whole context. The pool shares one block
+    table across layers, so blocks behind the window are released (`release_window`) only where
+    every layer slides; a mixed model (Gemma 3, gpt-oss) keeps every block until the sequence ends."""
+    window = release_window(windows)
+    sliding = [w for w in windows if w]
+    return {
+        "layers": len(windows),
+        "sliding_layers": len(sliding),
+        "window": max(sliding, default=0),
+        "sliding_layer_tokens": min(max(sliding, default=max_model_len), max_model_len),
+        "full_layer_tokens": max_model_len if len(sliding) < len(windows) else 0,
+        "release_behind_window": bool(window),
+        # blocks one decoding sequence holds once the window releases its past (its step's tokens aside)
+        "max_blocks_per_seq": (window - 1) // block_size + 2 if window else -(-max_model_len // block_size),
+    }
+
+
+def release_window(windows: tuple[int, ...]) -> int:
+    """The window behind which a sequence's blocks may go back to the pool: the widest of the
+    layers' windows when every layer slides, else 0 (a full-attention layer reads every block)."""
+    return max(windows) if windows and all(windows) else 0
+
+
+def log_kv_layers(layers: dict[str, Any]) -> None:
+    """The startup line of the per-layer KV bound (only for a model with sliding layers)."""
+    if not layers["sliding_layers"]:
+        return
+    if layers["release_behind_window"]:
+        note = "every layer slides: blocks behind the window go back to the pool"
+    else:
+        note = "full-attention layers read every block: nothing is released behind the window"
+    log.info("kv per layer", note=note, **layers)

@@ -161,6 +161,7 @@ class Scheduler:
             prompt_rows = 0
             if seq.request.needs_prompt_logprobs:
                 prompt_rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
+            self.block_manager.release_behind(seq.seq_id, start)  # no query from `start` on sees them
             table = self.block_manager.block_table(seq.seq_id)
             proposals = self._proposals(seq, budget) if end - start == 1 and end == len(seq.token_ids) else []
             if proposals:
