@@ -90,6 +90,6 @@ async def test_engines_stream_relays_heartbeats(gateway: Gateway) -> None:
     assert sum(run for _, run in kv["pool"]) == 32
     assert kv["stats"]["preemptions_swap"] == 1.0 and kv["age_s"] < 60
     assert kv["tables"] == [
-        {"id": "req-a", "index": 0, "host": False, "num_blocks": 3, "runs": [[0, 3]]},
-        {"id": "req-a", "index": 1, "host": False, "num_blocks": 3, "runs": [[0, 2], [3, 1]]},
+        {"id": "req-a", "index": 0, "host": False, "num_blocks": 3, "runs": [[0, 3]], "released": 0},
+        {"id": "req-a", "index": 1, "host": False, "num_blocks": 3, "runs": [[0, 2], [3, 1]], "released": 0},
     ]
