@@ -16,6 +16,7 @@ import torch
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model.spec import ModelSpec
+from engine.worker.heartbeat import flatten_stats
 from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
 from tests.fixtures.models import _byte_tokenizer
 
@@ -241,6 +242,9 @@ def test_startup_reports_the_per_layer_bound(mistral_dir: Path) -> None:
     assert layers["release_behind_window"] and layers["sliding_layers"] == 2 and layers["full_layer_tokens"] == 0
     assert layers["sliding_layer_tokens"] == WINDOW and layers["max_blocks_per_seq"] == STREAM_BOUND - 1
     assert llm.engine.block_manager.window == WINDOW
+    beat = flatten_stats(llm.stats())  # what a heartbeat carries, and the /kv page shows
+    assert beat["kv_layers_release_behind_window"] == 1.0 and beat["kv_layers_window"] == WINDOW
+    assert beat["released_blocks"] == 0.0
 
 
 @pytest.mark.parametrize("config", [
