@@ -32,6 +32,11 @@ function figures(engine) {
     ["preemptions", "preemptions", preemptions(s)],
     ["cow", "CoW copies", s.cow_copies],
     ["prefix", "prefix hit rate", percent(s.prefix_hit_rate)],
+    // a model whose every layer slides gives blocks behind the window back (`kv_layers` in the beat)
+    ...(s.kv_layers_release_behind_window
+      ? [["window", "sliding window (tokens)", s.kv_layers_window],
+        ["released", "released behind window", s.released_blocks]]
+      : []),
   ];
 }
 
@@ -111,7 +116,7 @@ class EnginePanel {
     const key = `${table.id}/${table.index}`;
     row.tabIndex = 0;
     row.classList.toggle("selected", key === this.selected);
-    const cells = [table.id, String(table.index), `${table.num_blocks}${table.host ? " (host)" : ""}`, formatRuns(table)];
+    const cells = [table.id, String(table.index), `${table.num_blocks}${table.host ? " (host)" : ""}${table.released ? ` (+${table.released} released)` : ""}`, formatRuns(table)];
     row.append(...cells.map((text) => Object.assign(document.createElement("td"), { textContent: text })));
     const select = (value) => () => { this.selected = value; this.drawPool(); };
     row.addEventListener("mouseenter", select(key));

@@ -16,6 +16,7 @@ import torch
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model.spec import ModelSpec
+from engine.worker.heartbeat import flatten_stats
 from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
 from tests.fixtures.models import _byte_tokenizer
 
@@ -194,3 +195,107 @@ def test_tensor_parallel_past_the_window_equals_hf(mistral_dir: Path, mistral_ex
     with LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2,
              tensor_parallel_threads=1, block_size=8, max_num_batched_tokens=24) as llm:
         assert generated(llm.generate(PROMPTS, GREEDY)) == mistral_expected
+
+
+# ----- blocks behind the window go back to the pool ---------------------------------------------
+STREAM_BS = 8
+STREAM_TOKENS = 200
+# a dozen streams, one prompt past the window, each growing far past it
+STREAM_PROMPTS = [prompt_ids(n, 20 + seed) for seed, n in enumerate((9, 14, 5, 40, 7, 11, 6, 13, 8, 10, 12, 3))]
+STREAM = SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, min_tokens=STREAM_TOKENS)
+# blocks a decoding sequence may hold: W positions span ceil(W / bs) + 1 blocks, +1 for up to bs
+# speculative positions after them
+STREAM_BOUND = -(-WINDOW // STREAM_BS) + 2
+
+
+@pytest.fixture(scope="module")
+def stream_expected(mistral_dir: Path) -> list[list[int]]:
+    return hf_greedy(mistral_dir, STREAM_PROMPTS, STREAM_TOKENS)
+
+
+def _generate_bounded(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], int]:
+    """Generate, and the most blocks any decoding sequence held in a step once the scheduler had
+    released what lies behind its window (read right after each `schedule`)."""
+    scheduler, manager = llm.engine.scheduler, llm.engine.block_manager
+    schedule = scheduler.schedule
+    most = 0
+
+    def schedule_and_count() -> Any:
+        nonlocal most
+        out = schedule()
+        for item in out.scheduled:
+            if item.start >= item.seq.num_prompt_tokens:  # a decode row (a speculative one included);
+                # a prompt's chunk holds the blocks admission gave its whole prompt
+                most = max(most, manager.num_live_blocks(item.seq_id))
+        return out
+
+    scheduler.schedule = schedule_and_count  # type: ignore[method-assign]
+    try:
+        return generated(llm.generate(prompts, params)), most
+    finally:
+        scheduler.schedule = schedule  # type: ignore[method-assign]
+
+
+def test_startup_reports_the_per_layer_bound(mistral_dir: Path) -> None:
+    llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, block_size=STREAM_BS)
+    layers = llm.stats()["kv_layers"]
+    assert layers["release_behind_window"] and layers["sliding_layers"] == 2 and layers["full_layer_tokens"] == 0
+    assert layers["sliding_layer_tokens"] == WINDOW and layers["max_blocks_per_seq"] == STREAM_BOUND - 1
+    assert llm.engine.block_manager.window == WINDOW
+    beat = flatten_stats(llm.stats())  # what a heartbeat carries, and the /kv page shows
+    assert beat["kv_layers_release_behind_window"] == 1.0 and beat["kv_layers_window"] == WINDOW
+    assert beat["released_blocks"] == 0.0
+
+
+@pytest.mark.parametrize("config", [
+    {},
+    {"max_num_batched_tokens": 8},  # chunked prefill
+    {"num_gpu_blocks": 33, "num_cpu_blocks": 128, "preemption_mode": "swap"},
+    {"num_gpu_blocks": 33, "preemption_mode": "recompute"},
+], ids=["whole", "chunks-of-8", "swap", "recompute"])
+def test_pool_stays_bounded_far_past_the_window(mistral_dir: Path, stream_expected: list[list[int]],
+                                                config: dict[str, Any]) -> None:
+    """Each stream grows 200 tokens past a 16-token window and holds at most `STREAM_BOUND` blocks
+    of 8 while it decodes; greedy equals HF. 33 blocks hold one full-length stream (what admission
+    asks), not twelve streams' windows (3-4 blocks each): with the past released the pool still
+    preempts, and every stream's answer stays HF's."""
+    llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, block_size=STREAM_BS,
+              max_model_len=256, **config)
+    tokens, most = _generate_bounded(llm, STREAM_PROMPTS, STREAM)
+    assert tokens == stream_expected
+    assert most <= STREAM_BOUND, f"a decoding sequence held {most} blocks"
+    stats = llm.stats()
+    assert stats["released_blocks"] >= len(STREAM_PROMPTS) * (STREAM_TOKENS - WINDOW) // STREAM_BS
+    if "preemption_mode" in config:
+        assert stats["preemptions"].get(config["preemption_mode"], 0) > 0, "the pool was meant to be too small"
+    assert_no_leaks(llm)
+    if not config:  # again: the prompts' blocks (released, still cached) are hits now
+        tokens, most = _generate_bounded(llm, STREAM_PROMPTS, STREAM)
+        assert tokens == stream_expected and most <= STREAM_BOUND
+        assert llm.stats()["prefix_hits"] > 0
+        assert_no_leaks(llm)
+
+
+def test_speculative_decoding_stays_bounded_past_the_window(mistral_dir: Path) -> None:
+    prompts = [[5, 6, 7, 8, 9] * 8, [33] * 30, [40, 41] * 4]
+    expected = hf_greedy(mistral_dir, prompts, STREAM_TOKENS)
+    llm = LLM(str(mistral_dir), dtype="float32", kv_cache_memory=16 << 20, block_size=STREAM_BS,
+              max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": STREAM_BS, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3, "min_acceptance_rate": 0.0})
+    tokens, most = _generate_bounded(llm, prompts, STREAM)
+    assert tokens == expected
+    assert most <= STREAM_BOUND, f"a decoding sequence held {most} blocks"
+    assert llm.engine.stats()["spec"]["verified_rows"] > 0
+    assert llm.stats()["released_blocks"] > 0
+    assert_no_leaks(llm)
+
+
+def test_mixed_windows_release_nothing(tmp_path: Path) -> None:
+    """Gemma 3's full-attention layers read every block: the pool keeps them (and says so)."""
+    model_type, overrides = LAYERED["gemma3"]
+    llm = LLM(str(make_family_dir(tmp_path, model_type, seed=5, **overrides)), dtype="float32",
+              kv_cache_memory=16 << 20, block_size=STREAM_BS)
+    assert llm.engine.block_manager.window == 0 and not llm.stats()["kv_layers"]["release_behind_window"]
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert llm.stats()["released_blocks"] == 0
