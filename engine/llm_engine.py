@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.kv.block_manager import BlockManager
 from engine.kv.block_stats import block_tables, pool_snapshot
 from engine.model.capacity import (
+    engine_policy,
     kv_layers,
     log_capacity,
     log_kv_layers,
@@ -126,10 +127,8 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig, spec: ModelSpec, shard: TPShard, profile_tokens: int) -> None:
         """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
-        self.model = load_model(config.model, self.dtype, self.device, config.quantization, shard, spec)
-        self.model.use_logit_screen = config.logit_screen
-        self.model.exact_prompt_rows = config.exact_prompt_rows
-        self.model.bf16_linears = self.bf16_linears
+        self.model = load_model(config.model, device=self.device, quantization=config.quantization, shard=shard,
+                                spec=spec, policy=engine_policy(config, self.dtype, self.bf16_linears))
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
             set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model), ops.fixed_order()))
         kv_spec = shard.kv_spec(self.model.spec)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import AttentionMetadata, LlamaForCausalLM, allocate_kv_caches, load_model
+from engine.model.execution_policy import ExecutionPolicy
 from engine.model.quant_linear import QuantLinear
 
 PASSAGE = (
@@ -131,13 +132,11 @@ def main() -> None:
     with torch.inference_mode():
         fp32 = load_model(reference)
         fp32_runs = {"nll": mean_nll(fp32, passage), "greedy": [greedy(fp32, p, args.new_tokens) for p in prompts]}
-        quant = load_model(gguf)
         variants = {"int8_activations": (True, True, False), "int8_activations_and_prompts": (True, False, False),
                     "fp32_activations": (False, True, False), "bf16_linears": (True, True, True)}
-        for variant, (int8, exact_prompt_rows, bf16) in variants.items():
+        for variant, (int8, exact_prompt_rows, bf16) in variants.items():  # a model per policy
+            quant = load_model(gguf, policy=ExecutionPolicy(exact_prompt_rows=exact_prompt_rows, bf16_linears=bf16))
             set_int8_activations(quant, int8)
-            quant.exact_prompt_rows = exact_prompt_rows
-            quant.bf16_linears = bf16
             line = compare(quant, fp32, passage, prompts, args.new_tokens, fp32_runs)
             print(json.dumps({"variant": variant, "passage_tokens": len(passage), **line}), flush=True)
 

@@ -30,6 +30,9 @@ class AttentionMetadata:
     prefill_block_tables: Tensor  # int32 [num_prefills, max_blocks]
     decode_block_tables: Tensor  # int32 [num_decodes, max_blocks]
     decode_context_lens: Tensor  # int32 [num_decodes], includes the new token
+    # the prompt tokens' row ranges where they are not all the prefill rows (a recomputed sequence's
+    # generated tokens keep their decode arithmetic: `StepInputs.exact_ranges`, `LinearRows`); None: all
+    exact_ranges: tuple[tuple[int, int], ...] | None = None
 
     @property
     def num_decodes(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from common.log import get_logger
 from engine.config import EngineConfig
 from engine.model.attention import AttentionMetadata
+from engine.model.execution_policy import ExecutionPolicy
 from engine.model.kv_cache import allocate_kv_caches
 from engine.model.loader import resolve_dtype
 
@@ -53,7 +54,7 @@ def resolve_model_dtype(dtype: str, device: torch.device, cpuinfo: str | None = 
 
 def resolve_compute(config: EngineConfig, device: torch.device) -> tuple[torch.dtype, bool]:
     """`(dtype, bf16_linears)`: the model's activation and KV dtype, and whether its quantized
-    linears compute in bf16 (`LlamaForCausalLM.bf16_linears`). A quantized GGUF model keeps fp32
+    linears compute in bf16 (`ExecutionPolicy.bf16_linears`). A quantized GGUF model keeps fp32
     activations and gets bf16 linears for dtype bfloat16 (auto picks it where the CPU has
     AVX512-BF16); float16 is refused for it. Other models run in the resolved dtype."""
     quantized = config.serves_quantized_weights
@@ -64,6 +65,13 @@ def resolve_compute(config: EngineConfig, device: torch.device) -> tuple[torch.d
         raise ValueError("quantized GGUF weights compute in float32 or bfloat16; got dtype float16 "
                          "(pass quantization='dequantize' to convert the weights instead)")
     return torch.float32, choice == "bfloat16"
+
+
+def engine_policy(config: EngineConfig, dtype: torch.dtype, bf16_linears: bool) -> ExecutionPolicy:
+    """The execution policy of an engine's model (every rank's): `(dtype, bf16_linears)` as
+    `resolve_compute` gave them, the logit screen and exact prompt rows as `config` says."""
+    return ExecutionPolicy(dtype=dtype, logit_screen=config.logit_screen, exact_prompt_rows=config.exact_prompt_rows,
+                           bf16_linears=bf16_linears)
 
 
 def num_device_blocks(config: EngineConfig, block_bytes: int, device: torch.device,

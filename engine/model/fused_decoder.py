@@ -23,7 +23,7 @@ from torch import Tensor
 
 import ops
 from engine.model.attention import AttentionMetadata
-from engine.model.quant_linear import EXACT_RANGES, QuantLinear
+from engine.model.quant_linear import QuantLinear
 from ops.build import cpu_ops
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
@@ -80,7 +80,7 @@ class FusedDecoder:
         rows = hidden.shape[0]
         if meta.num_prefills and ops.fixed_order():  # prefill attention must take decode's per-row path
             return False  # (ops/attention_rows.py), which the C++ decoder's prefill call does not
-        if EXACT_RANGES.get() is not None:  # exact rows that are not the leading ones: the module path
+        if meta.exact_ranges is not None:  # exact rows that are not the leading ones: the module path
             return False
         if not (0 < rows <= QUANT_GEMV_MAX_ROWS or (rows > 0 and bf16_linears and ops.quant.bf16_kernel() is not None)):
             return False
@@ -91,8 +91,8 @@ class FusedDecoder:
                  meta: AttentionMetadata, exact_rows: int, bf16_linears: bool = False) -> tuple[Tensor, Tensor]:
         """`(last layer's MLP output, residual stream)` for the final norm; `hidden` (the
         embeddings, owned by the caller) is overwritten. Rows [0, exact_rows) keep fp32
-        activations (`EXACT_ROWS` on the module path); with `bf16_linears` every linear computes in
-        bf16 (`BF16_LINEARS`)."""
+        activations (`LinearRows.exact_rows` on the module path); with `bf16_linears` every linear
+        computes in bf16 (`LinearRows.bf16`)."""
         positions, cos_sin = rope
         residual = torch.empty_like(hidden)
         prefill = meta.num_prefills > 0

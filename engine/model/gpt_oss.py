@@ -18,6 +18,7 @@ from torch import Tensor, nn
 import ops
 from common.log import get_logger
 from engine.model.attention import AttentionMetadata
+from engine.model.execution_policy import PLAIN_ROWS, ExecutionPolicy, LinearRows
 from engine.model.llama import LlamaAttention, LlamaForCausalLM
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec, UnsupportedModelError
@@ -37,25 +38,25 @@ class GptOssAttention(LlamaAttention):
         self.sinks = nn.Parameter(torch.empty(self.num_heads))
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
-                meta: AttentionMetadata) -> Tensor:
-        q, k, v = self._qkv(self.qkv_proj(hidden))
+                meta: AttentionMetadata, rows: LinearRows = PLAIN_ROWS) -> Tensor:
+        q, k, v = self._qkv(self.qkv_proj(hidden, rows))
         positions, cos_sin = rope
         ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
         sinks = self.sinks if self.sinks.dtype == torch.float32 else self.sinks.float()
-        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=sinks.contiguous())))
+        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=sinks.contiguous()), rows))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """The paged gpt-oss model: `LlamaForCausalLM` whose layers attend with sinks (`GptOssAttention`).
     Tensor parallelism is refused (by the MoE block: its experts are not sharded)."""
 
-    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, policy: ExecutionPolicy | None = None) -> None:
         if spec.model_type != "gpt_oss" or not spec.attention_sinks or spec.moe is None:
             raise UnsupportedModelError(f"GptOssForCausalLM serves gpt_oss specs, got {spec.model_type!r}")
         if shard.size > 1:
             raise UnsupportedModelError("gpt_oss: tensor parallelism is not implemented (the experts and the "
                                         "attention sinks are not sharded); run with tensor_parallel_size 1")
-        super().__init__(spec, shard)
+        super().__init__(spec, shard, policy)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = GptOssAttention(spec, shard, spec.uses_rope(i), spec.layer_window(i))
 

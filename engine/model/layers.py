@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ops
+from engine.model.execution_policy import PLAIN_ROWS, LinearRows
 from engine.model.sharding import SINGLE, TPShard
 
 
@@ -18,12 +19,13 @@ class Linear(nn.Linear):
     a C++ kernel streams the weight at small batch, and larger batches use a oneDNN-packed copy of
     it, made on first use (after the checkpoint is loaded) and kept alongside. Under
     `ops.backend.fixed_order()` every row goes through `fixed_gemm` on its own packed copy instead
-    (one arithmetic per row at any batch size)."""
+    (one arithmetic per row at any batch size). It takes the step's `LinearRows` as packed linears
+    do (`QuantLinear`), and computes every row alike whatever they say."""
 
     packed: torch.Tensor | None = None
     fixed: torch.Tensor | None = None  # `ops.pack_fixed(weight)` under `ops.backend.fixed_order()`
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
         if ops.backend.fixed_order() and x.device.type == "cpu" and x.dtype == torch.float32 and self.out_features:
             if self.fixed is None or self.fixed.shape[1] != self.in_features:
                 self.fixed = ops.pack_fixed(self.weight)
@@ -106,11 +108,11 @@ class SwiGLU(nn.Module):
         self.activation = activation
         self.shard = shard
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, rows)
         if self.activation == "silu":
             hidden = ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.gelu(gate, approximate="tanh") * up
-        return self.shard.all_reduce(self.down_proj(hidden))
+        return self.shard.all_reduce(self.down_proj(hidden, rows))

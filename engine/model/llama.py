@@ -9,19 +9,20 @@ whose shards are stacked at load time by `load_weights`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
 import ops
 from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.execution_policy import BF16_ROWS, PLAIN_ROWS, ExecutionPolicy, LinearRows
 from engine.model.fused_decoder import FusedDecoder
 from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
 from engine.model.moe import SparseMoE
 from engine.model.moe_weights import expected_moe_pieces, load_moe_tensor
-from engine.model.quant_linear import BF16_LINEARS, EXACT_ROWS, QuantLinear
+from engine.model.quant_linear import QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
 from engine.model.rope import RotaryEmbedding, partial_rotary_order
 from engine.model.sharding import SINGLE, TPShard
@@ -90,16 +91,16 @@ class LlamaAttention(nn.Module):
         self.shard = shard
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
-                meta: AttentionMetadata) -> Tensor:
+                meta: AttentionMetadata, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`rope` is `(positions [T], cos/sin table)`; q and k are rotated in place inside the qkv
-        output, and k, v land in the cache in the same pass."""
-        q, k, v = self._qkv(self.qkv_proj(hidden))
+        output, and k, v land in the cache in the same pass. `rows`: the step's arithmetic in the linears."""
+        q, k, v = self._qkv(self.qkv_proj(hidden, rows))
         positions, cos_sin = rope
         if self.use_rope:
             ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
         elif kv_cache[0].numel():  # an empty cache (a profiling pass) is not written
             ops.reshape_and_cache(k, v, *kv_cache, meta.slot_mapping)
-        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta)))
+        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta), rows))
 
     def _qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q `[T, H, D]`, k and v `[T, KVH, D]` of the projection `[T, (H + 2 KVH) D]`, q and k normed
@@ -132,11 +133,12 @@ class LlamaDecoderLayer(nn.Module):
         self.residual_multiplier = spec.residual_multiplier
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
-                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor | None]:
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata,
+                rows: LinearRows = PLAIN_ROWS) -> tuple[Tensor, Tensor | None]:
         hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self._scaled(self.self_attn(rope, hidden, kv_cache, meta))
+        hidden = self._scaled(self.self_attn(rope, hidden, kv_cache, meta, rows))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self._scaled(self.mlp(hidden)), residual
+        return self._scaled(self.mlp(hidden, rows)), residual
 
     def _scaled(self, out: Tensor) -> Tensor:
         return out if self.residual_multiplier == 1.0 else out.mul_(self.residual_multiplier)
@@ -155,10 +157,11 @@ class PostNormDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
-                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor | None]:
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata,
+                rows: LinearRows = PLAIN_ROWS) -> tuple[Tensor, Tensor | None]:
         stream = hidden if residual is None else hidden + residual
-        stream = stream + self.post_attention_layernorm(self.self_attn(rope, stream, kv_cache, meta))[0]
-        return stream + self.post_feedforward_layernorm(self.mlp(stream))[0], None
+        stream = stream + self.post_attention_layernorm(self.self_attn(rope, stream, kv_cache, meta, rows))[0]
+        return stream + self.post_feedforward_layernorm(self.mlp(stream, rows))[0], None
 
 
 class SandwichNormDecoderLayer(nn.Module):
@@ -176,11 +179,12 @@ class SandwichNormDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
-                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata) -> tuple[Tensor, Tensor | None]:
+                kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata,
+                rows: LinearRows = PLAIN_ROWS) -> tuple[Tensor, Tensor | None]:
         stream = hidden if residual is None else hidden + residual
-        attn = self.self_attn(rope, self.input_layernorm(stream)[0], kv_cache, meta)
+        attn = self.self_attn(rope, self.input_layernorm(stream)[0], kv_cache, meta, rows)
         stream = stream + self.post_attention_layernorm(attn)[0]
-        mlp = self.mlp(self.pre_feedforward_layernorm(stream)[0])
+        mlp = self.mlp(self.pre_feedforward_layernorm(stream)[0], rows)
         return stream + self.post_feedforward_layernorm(mlp)[0], None
 
 
@@ -212,13 +216,20 @@ def _embedding(spec: ModelSpec, shard: TPShard) -> nn.Embedding:
     return VocabParallelEmbedding(rows, spec.hidden_size, (lo, hi), shard)
 
 
+# names of the mutable flags the execution policy replaced (`use_logit_screen` ... `use_fused_decoder`)
+_POLICY_FIELDS = frozenset({"use_logit_screen", "exact_prompt_rows", "bf16_linears", "use_fused_decoder",
+                            "fused", "fused_checked", "screen"})
+
+
 class LlamaForCausalLM(nn.Module):
     """The paged Llama-family model: `forward` gives final hidden states, `compute_logits` fp32 logits.
 
     With a `TPShard` of size N it is one rank's part (`engine.model.sharding`): rank 0 keeps the full
-    lm_head (the others an empty one: they never compute logits)."""
+    lm_head (the others an empty one: they never compute logits). Its execution modes are its
+    `policy`, fixed here; what it builds on first use (the fused decoder, the logit screen) it builds
+    itself, from the loaded weights."""
 
-    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE) -> None:
+    def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, policy: ExecutionPolicy | None = None) -> None:
         super().__init__()
         shard.check(spec)
         if shard.size > 1 and spec.qk_norm == "projection":
@@ -235,19 +246,21 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size if shard.owns_lm_head else 0, bias=False)
         if spec.tie_word_embeddings and shard.owns_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.use_logit_screen = True  # greedy rows through `LogitScreen` where it applies
-        # Quantized linears with int8 activations: a step's prompt rows keep fp32 ones (the dequantized
-        # model's prompt logits and first token); False rounds them to int8 too (1.4-1.6x faster prefill on
-        # the eight-row Q4 layouts; near-ties of the first token may then flip).
-        self.exact_prompt_rows = True
-        # Quantized linears in bf16 (the model's compute dtype is bf16): steps of many rows run every
-        # linear on AMX tiles (`ops.quant.bf16_step`), or (AVX512-BF16, deterministic mode) a step's
-        # prompt rows compute in bf16 at any count; the other rows keep the int8 / fp32 kernels.
-        self.bf16_linears = False
-        self.screen: LogitScreen | QuantLogitScreen | None = None
-        self.use_fused_decoder = True  # the layers in one C++ call where `FusedDecoder` applies
-        self.fused: FusedDecoder | None = None
-        self.fused_checked = False  # `fused` is made on the first forward, after the weights are loaded
+        self._policy = ExecutionPolicy() if policy is None else policy
+        self._screen: LogitScreen | QuantLogitScreen | None = None  # made by `logit_screen`
+        self._fused: FusedDecoder | None = None
+        self._fused_checked = False  # `_fused` is made on the first forward, after the weights are loaded
+
+    @property
+    def policy(self) -> ExecutionPolicy:
+        """The execution modes given to the constructor (frozen; no setter: a model's arithmetic is
+        fixed when it is built)."""
+        return self._policy
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _POLICY_FIELDS:  # the flags the policy replaced: setting one would change nothing
+            raise AttributeError(f"{name} is fixed by the model's ExecutionPolicy (load_model(policy=...))")
+        super().__setattr__(name, value)
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, positions: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -260,44 +273,40 @@ class LlamaForCausalLM(nn.Module):
         local = self.model.local_rotary_emb
         local_rope = rope if local is None else (positions, local.table(positions))
         fused = self.fused_decoder()
-        exact_rows = meta.num_prefill_tokens if self.exact_prompt_rows else 0  # prompt rows on fp32 activations
+        policy = self.policy
+        exact_rows = meta.num_prefill_tokens if policy.exact_prompt_rows else 0  # prompt rows on fp32 activations
         # bf16 linears: every row of a step of many rows on AMX (outside deterministic mode), else the
         # prompt rows at any count (`ops.quant.bf16_all_rows`), which the fused decoder does not split.
         all_rows = ops.quant.bf16_all_rows()
-        bf16 = self.bf16_linears and (ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens) if all_rows
-                                      else exact_rows > 0)
+        bf16 = policy.bf16_linears and (ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens) if all_rows
+                                        else exact_rows > 0)
         if fused is not None and (all_rows or not bf16) and fused.applies(hidden, kv_caches, meta, bf16):
             last, stream = fused(hidden, rope, kv_caches, meta, exact_rows, bf16)
             return self.model.norm(last, stream)[0]
+        rows = LinearRows(exact_rows, meta.exact_ranges if exact_rows else None, bf16)
         residual: Tensor | None = None
-        exact, bf16_token = EXACT_ROWS.set(exact_rows), BF16_LINEARS.set(bf16)
-        try:
-            for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-                hidden, residual = layer(local_rope if layer.local_rope else rope, hidden, residual, kv_cache, meta)
-        finally:
-            EXACT_ROWS.reset(exact)
-            BF16_LINEARS.reset(bf16_token)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden, residual = layer(local_rope if layer.local_rope else rope, hidden, residual, kv_cache, meta, rows)
         return self.model.norm(hidden, residual)[0]
 
     def fused_decoder(self) -> FusedDecoder | None:
         """The layers' one-call form (`engine.model.fused_decoder`), made on first use; None where
-        it does not apply or `use_fused_decoder` is off."""
-        if not self.fused_checked:  # the C++ decoder implements Llama's layer and no option beyond it
-            self.fused = (FusedDecoder.for_layers(list(self.model.layers), self.shard.size)
-                          if self.spec.llama_layout else None)
-            self.fused_checked = True
-        return self.fused if self.use_fused_decoder else None
+        it does not apply or the policy turns it off (`ExecutionPolicy.fused_decoder`)."""
+        if not self.policy.fused_decoder:
+            return None
+        if not self._fused_checked:  # the C++ decoder implements Llama's layer and no option beyond it
+            self._fused = (FusedDecoder.for_layers(list(self.model.layers), self.shard.size)
+                           if self.spec.llama_layout else None)
+            self._fused_checked = True
+        return self._fused
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits `[N, vocab]` in fp32 for the selected hidden rows (a quantized lm_head computes in
-        bf16 for many rows where the model's linears do: `bf16_linears`)."""
-        bf16 = BF16_LINEARS.set(self.bf16_linears and hidden.shape[0] >= ops.quant.BF16_MIN_ROWS)
-        try:
-            logits = self.lm_head(hidden).float()
-            return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling
-        finally:
-            BF16_LINEARS.reset(bf16)
+        bf16 for many rows where the model's linears do: `ExecutionPolicy.bf16_linears`)."""
+        bf16 = self.policy.bf16_linears and hidden.shape[0] >= ops.quant.BF16_MIN_ROWS
+        logits = self.lm_head(hidden, BF16_ROWS if bf16 else PLAIN_ROWS).float()
+        return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling
 
     @torch.inference_mode()
     def pick_tokens(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
@@ -322,19 +331,19 @@ class LlamaForCausalLM(nn.Module):
     def logit_screen(self) -> LogitScreen | QuantLogitScreen | None:
         """The lm_head's bf16 screen (a quantized lm_head's int8-activation one), made on first use
         (after the checkpoint is loaded), or None where it does not apply (`LogitScreen.usable`,
-        `QuantLogitScreen.for_lm_head`) or `use_logit_screen` is off."""
-        if self.spec.logits_scaling != 1.0:  # a screen's argmax is of the unscaled logits, whose
-            return None  # rounding after the division can tie where theirs does not
-        if self.use_logit_screen and isinstance(self.lm_head, QuantLinear):
-            if not (isinstance(self.screen, QuantLogitScreen) and self.screen.serves(self.lm_head)):
-                self.screen = QuantLogitScreen.for_lm_head(self.lm_head)
-            return self.screen
+        `QuantLogitScreen.for_lm_head`) or the policy turns it off (`ExecutionPolicy.logit_screen`)."""
+        if self.spec.logits_scaling != 1.0 or not self.policy.logit_screen:  # a screen's argmax is of the
+            return None  # unscaled logits, whose rounding after the division can tie where theirs does not
+        if isinstance(self.lm_head, QuantLinear):
+            if not (isinstance(self._screen, QuantLogitScreen) and self._screen.serves(self.lm_head)):
+                self._screen = QuantLogitScreen.for_lm_head(self.lm_head)
+            return self._screen
         weight = getattr(self.lm_head, "weight", None)
-        if not self.use_logit_screen or weight is None or not LogitScreen.usable(weight):
+        if weight is None or not LogitScreen.usable(weight):
             return None
-        if not isinstance(self.screen, LogitScreen) or self.screen.weight.data_ptr() != weight.data_ptr():
-            self.screen = LogitScreen(weight)
-        return self.screen
+        if not isinstance(self._screen, LogitScreen) or self._screen.weight.data_ptr() != weight.data_ptr():
+            self._screen = LogitScreen(weight)
+        return self._screen
 
     def _pick_in_groups(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
         """The lm_head in groups of rows whose logits fit in a CPU's last-level cache

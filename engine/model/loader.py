@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from common.log import get_logger
+from engine.model.execution_policy import ExecutionPolicy
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -193,8 +194,9 @@ def _load_quantized(model: LlamaForCausalLM, path: Path, requantize: bool) -> No
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: torch.device | str = "cpu",
+    path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu",
     quantization: str = "auto", shard: TPShard = SINGLE, spec: ModelSpec | None = None,
+    policy: ExecutionPolicy | None = None,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError.
     `spec` is the caller's `ModelSpec` of `load_hf_config(path)` if it has one (for a .gguf that read
@@ -206,11 +208,15 @@ def load_model(
     With a `shard` of size N, the rank's part of the model (`engine.model.sharding`): a safetensors
     directory is read slice by slice; other formats are read whole and cut. `spec`, when given,
     is the model's (read by rank 0), so a spawned rank need not import transformers to read it.
+    `policy` fixes the model's execution modes (`ExecutionPolicy`; its `dtype` is the model's);
+    without one, the default policy in `dtype` (float32 when that is None too). A `dtype` beside a
+    policy must be the policy's.
     """
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
     p = Path(path).expanduser()
-    torch_dtype = resolve_dtype(dtype)
+    policy = _policy(dtype, policy)
+    torch_dtype = policy.dtype
     quantized = p.is_file() and quantization in ("auto", "requantize")
     spec = spec or ModelSpec.from_hf_config(load_hf_config(p))
     if p.is_file() and spec.model_type not in GGUF_MODEL_TYPES + GGUF_MOE_TYPES:
@@ -236,7 +242,7 @@ def load_model(
 
         model_cls = GptOssForCausalLM
     with torch.device("meta"):  # no random init: every parameter is overwritten by the checkpoint
-        model = model_cls(spec, shard).to(dtype=torch_dtype)
+        model = model_cls(spec, shard, policy).to(dtype=torch_dtype)
     model.to_empty(device=device)
     if spec.tie_word_embeddings and shard.owns_lm_head:  # to_empty unties parameters; tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -251,3 +257,12 @@ def load_model(
     log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
              dtype=str(torch_dtype), quantized=quantized, rank=shard.rank, tensor_parallel_size=shard.size)
     return model
+
+
+def _policy(dtype: str | torch.dtype | None, policy: ExecutionPolicy | None) -> ExecutionPolicy:
+    """The policy `load_model` builds with: `policy`, or the default one in `dtype`."""
+    if policy is None:
+        return ExecutionPolicy(dtype=resolve_dtype("float32" if dtype is None else dtype))
+    if dtype is not None and resolve_dtype(dtype) != policy.dtype:
+        raise ModelLoadError(f"dtype {dtype} disagrees with the execution policy's {policy.dtype}")
+    return policy

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import ops
+from engine.model.execution_policy import PLAIN_ROWS, LinearRows
 from engine.model.layers import Linear, SwiGLU
 from engine.model.moe_spec import CLAMPED_SWIGLU, SOFTMAX_TOPK, MoESpec
 from engine.model.sharding import SINGLE, TPShard
@@ -37,9 +38,9 @@ def _fixed_path(x: Tensor) -> bool:
 class RouterLinear(Linear):
     """`Linear` whose fp32 CPU rows always go through `fixed_gemm` (one arithmetic per row)."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         if not _fixed_path(x):
-            return super().forward(x)
+            return super().forward(x, rows)
         if self.fixed is None or self.fixed.shape[1] != self.in_features:
             self.fixed = ops.pack_fixed(self.weight)
         return ops.linear(x, self.weight, self.bias, fixed=self.fixed)
@@ -145,9 +146,10 @@ class SparseMoE(nn.Module):
             weights = torch.softmax(top, dim=1, dtype=top.dtype)
         return (weights.to(x.dtype) if self.spec.weights_in_model_dtype else weights), experts
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
+        """`rows` reach the shared expert's linears (the routed experts are never packed)."""
         weights, experts = self.route(x)
         out = self.experts(x, *group_by_expert(experts, weights, self.spec.num_experts))
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, rows)
         return out

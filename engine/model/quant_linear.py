@@ -9,41 +9,19 @@ the rows a step needs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextvars import ContextVar
 
 import torch
 from torch import nn
 
 import ops
+from engine.model.execution_policy import PLAIN_ROWS, LinearRows
 from ops.quant import QuantFormat
-
-EXACT_ROWS: ContextVar[int] = ContextVar("exact_rows", default=0)
-"""Leading rows of the step's activations that keep fp32 precision under `int8_activations`: its
-prompt tokens, set by the model's forward (`LlamaForCausalLM.forward`). Prompt rows then compute
-exactly what the dequantized weights give, so a prompt's first token and its logprobs are the
-dequantized model's (int8 rounding flipped near-ties: SmolLM2's "capital of France" answer), and
-a prompt's numerics do not depend on whether its step is over `QUANT_GEMV_MAX_ROWS` (oneDNN, fp32)."""
-
-
-EXACT_RANGES: ContextVar[tuple[tuple[int, int], ...] | None] = ContextVar("exact_ranges", default=None)
-"""Where a step's exact rows are not simply its leading prefill rows: the `[start, end)` row ranges
-of its prompt tokens, set by the runner around the model's call (`StepInputs.exact_ranges`). A
-recomputed sequence's prefill holds its generated tokens after its prompt: those rows keep the int8
-activations their decode steps had, so recompute preemption changes no bit. Used where `EXACT_ROWS`
-is set (the model asks for exact prompt rows)."""
-
-
-BF16_LINEARS: ContextVar[bool] = ContextVar("bf16_linears", default=False)
-"""Whether this step's packed linears compute in bf16 (`ops.quant.quant_linear_bf16`: activations and
-weights rounded to bf16, fp32 sums, on AMX tiles or AVX512-BF16 dot products), set by the model's
-forward when its compute dtype is bf16 (`LlamaForCausalLM.bf16_linears`): every row of a step of
-many rows where `ops.quant.bf16_all_rows()`, else the step's exact rows (`EXACT_ROWS`,
-`EXACT_RANGES`: its prompt tokens) in bf16 in place of fp32 and its other rows on int8 activations."""
 
 
 class QuantLinear(nn.Module):
     """`y = x @ W.T + b` with W the row-wise concatenation of `shards`: `(format, packed uint8)` or
-    `(None, fp32 [rows, in_features])`. One shard (the common case) is one kernel call."""
+    `(None, fp32 [rows, in_features])`. One shard (the common case) is one kernel call. Each call
+    says which rows compute how (`LinearRows`: the step's exact rows, bf16)."""
 
     def __init__(self, in_features: int, shards: list[tuple[QuantFormat | None, torch.Tensor]],
                  bias: torch.Tensor | None = None, int8_activations: bool = True) -> None:
@@ -71,41 +49,41 @@ class QuantLinear(nn.Module):
         return torch.cat([t if fmt is None else ops.dequantize(t, fmt, self.in_features)
                           for fmt, t in self.shards()])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
         if len(self.formats) == 1:  # the common case, kept short: a decode step runs ~120 of these
-            return self._shard(x, self.formats[0], self._buffers["shard0"], self.bias)
-        out = torch.cat([self._shard(x, fmt, t, None) for fmt, t in self.shards()], dim=-1)
+            return self._shard(x, self.formats[0], self._buffers["shard0"], self.bias, rows)
+        out = torch.cat([self._shard(x, fmt, t, None, rows) for fmt, t in self.shards()], dim=-1)
         return out if self.bias is None else out + self.bias
 
     def _shard(self, x: torch.Tensor, fmt: QuantFormat | None, t: torch.Tensor | None,
-               bias: torch.Tensor | None) -> torch.Tensor:
+               bias: torch.Tensor | None, rows: LinearRows) -> torch.Tensor:
         assert t is not None
         if fmt is None:
             return ops.linear(x, t, bias)
-        if BF16_LINEARS.get() and fmt.name in ops.quant.BF16_FORMATS:  # others: as with fp32 linears
+        if rows.bf16 and fmt.name in ops.quant.BF16_FORMATS:  # others: as with fp32 linears
             if ops.quant.bf16_all_rows() or x.dim() != 2:
                 return ops.quant.quant_linear_bf16(x, t, fmt, bias)
-            return self._bf16_prompt_rows(x, fmt, t, bias)
-        exact = EXACT_ROWS.get()
-        ranges = EXACT_RANGES.get() if exact else None
+            return self._bf16_prompt_rows(x, fmt, t, bias, rows)
+        exact = rows.exact_rows
+        ranges = rows.exact_ranges if exact else None
         if ranges is not None and x.dim() == 2:
-            return _by_ranges(x, ranges, lambda part, rows: ops.quant.quant_linear(
-                part, t, fmt, bias, self.int8_activations, checked=True, exact_rows=rows))
+            return _by_ranges(x, ranges, lambda part, n: ops.quant.quant_linear(
+                part, t, fmt, bias, self.int8_activations, checked=True, exact_rows=n))
         return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True,  # checked in __init__
                                       exact_rows=exact)
 
     def _bf16_prompt_rows(self, x: torch.Tensor, fmt: QuantFormat, t: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:
-        """A step's exact rows (`EXACT_ROWS` / `EXACT_RANGES`: its prompt tokens) in bf16, the others
-        on the kernel's int8 rows (fp32 ones without `int8_activations`), each segment written
-        straight into one output: a concatenation copied a mixed step's decode rows per linear."""
-        rows = x.shape[0]
-        exact = min(EXACT_ROWS.get(), rows)
-        given = EXACT_RANGES.get() if exact else ()  # (): a step with no prompt rows
+                          bias: torch.Tensor | None, rows: LinearRows) -> torch.Tensor:
+        """A step's exact rows (`LinearRows.exact_rows` / `exact_ranges`: its prompt tokens) in bf16,
+        the others on the kernel's int8 rows (fp32 ones without `int8_activations`), each segment
+        written straight into one output: a concatenation copied a mixed step's decode rows per linear."""
+        count = x.shape[0]
+        exact = min(rows.exact_rows, count)
+        given = rows.exact_ranges if exact else ()  # (): a step with no prompt rows
         ranges = [(a, b) for a, b in (((0, exact),) if given is None else given) if b > a]
-        out = x.new_empty((rows, t.shape[0]))
+        out = x.new_empty((count, t.shape[0]))
         row = 0
-        for start, end in [*ranges, (rows, rows)]:
+        for start, end in [*ranges, (count, count)]:
             if start > row and self.int8_activations:
                 ops.quant.quant_linear_int8_rows(x[row:start], t, fmt, bias, out[row:start])
             elif start > row:  # fp32 activations for every row (`int8_activations` off)

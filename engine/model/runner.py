@@ -25,7 +25,6 @@ from torch import Tensor
 import ops
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM, TokenPicker
-from engine.model.quant_linear import EXACT_RANGES
 from engine.model.step_inputs import StepInputs
 from engine.sched.output import ScheduledSeq, SchedulerOutput
 
@@ -65,7 +64,7 @@ class ModelOutput:
 
 def is_prefill(s: ScheduledSeq) -> bool:
     """A prefill chunk: more than one new token, or a prompt token (a chunk of one that chunked
-    prefill left: it keeps the prompt rows' arithmetic, `EXACT_ROWS`); not a speculative row
+    prefill left: it keeps the prompt rows' arithmetic, `LinearRows.exact_rows`); not a speculative row
     (those attend as decodes)."""
     return (len(s.token_ids) > 1 or s.start < s.seq.num_prompt_tokens) and not s.num_spec
 
@@ -140,12 +139,8 @@ class ModelRunner:
     def run_inputs(self, inputs: StepInputs) -> Tensor:
         """Move blocks and run the model over `inputs` (a rank other than 0); the hidden states."""
         self.move_blocks(inputs)
-        token = EXACT_RANGES.set(inputs.exact_ranges)
-        try:
-            return self.model(_on(inputs.input_ids, self.device), _on(inputs.positions, self.device), self.kv_caches,
-                              inputs.metadata(self.device))
-        finally:
-            EXACT_RANGES.reset(token)
+        return self.model(_on(inputs.input_ids, self.device), _on(inputs.positions, self.device), self.kv_caches,
+                          inputs.metadata(self.device))
 
     def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None,
                 spec_pick: TokenPicker | None = None,
@@ -162,11 +157,7 @@ class ModelRunner:
             self.publish_seconds += time.perf_counter() - sent
         self.move_blocks(batch.inputs)
         start = time.perf_counter()
-        token = EXACT_RANGES.set(batch.inputs.exact_ranges)  # a recomputed sequence's generated tokens
-        try:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        finally:
-            EXACT_RANGES.reset(token)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # exact ranges: in meta
         logits, tokens = hidden.new_empty((0, 0), dtype=torch.float32), None
         if batch.sampling:
             rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)

@@ -34,7 +34,7 @@ class StepInputs:
     @property
     def exact_ranges(self) -> tuple[tuple[int, int], ...] | None:
         """The prompt tokens' row ranges where they are not all the prefill rows (a recomputed
-        sequence's generated tokens: `engine.model.quant_linear.EXACT_RANGES`); else None."""
+        sequence's generated tokens: `AttentionMetadata.exact_ranges`); else None."""
         lens = self.prefill_exact_lens
         starts = self.prefill_query_start
         if lens is None or all(n == end - start for n, start, end in zip(lens, starts, starts[1:], strict=False)):
@@ -57,7 +57,7 @@ class StepInputs:
             prefill_query_start=self.prefill_query_start, prefill_context_lens=self.prefill_context_lens,
             prefill_block_tables=_to(self.block_tables[:p], device),
             decode_block_tables=_to(self.block_tables[p:], device),
-            decode_context_lens=_to(self.decode_context_lens, device),
+            decode_context_lens=_to(self.decode_context_lens, device), exact_ranges=self.exact_ranges,
         )
 
 

@@ -69,9 +69,9 @@ def rank_main(args: RankArgs) -> None:
 
 def _serve(args: RankArgs) -> None:
     import ops
-    from engine.model.capacity import num_device_blocks, num_host_blocks, profile_peak, resolve_compute
+    from engine.model.capacity import engine_policy, num_device_blocks, num_host_blocks, profile_peak, resolve_compute
     from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
-    from engine.model.loader import load_model
+    from engine.model.loader import load_model, resolve_dtype
     from engine.model.runner import ModelRunner
     from engine.model.sharding import TPShard
     from ops.build import prepare as prepare_kernels
@@ -86,9 +86,9 @@ def _serve(args: RankArgs) -> None:
         prepare_kernels(device)
     groups = join(args.rendezvous, args.rank)
     shard = TPShard(args.rank, groups.size, groups.compute)
-    model = load_model(config.model, args.dtype, device, config.quantization, shard, args.spec)
-    model.exact_prompt_rows = config.exact_prompt_rows  # every rank rounds the same rows
-    model.bf16_linears = resolve_compute(config, device)[1]
+    policy = engine_policy(config, resolve_dtype(args.dtype), resolve_compute(config, device)[1])  # rank 0's
+    model = load_model(config.model, device=device, quantization=config.quantization, shard=shard, spec=args.spec,
+                       policy=policy)
     if device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share, as on rank 0
         from engine.model.quant_linear import all_linears_quantized
         from ops.parallel import openmp_rows_for, set_openmp_rows

@@ -1,4 +1,4 @@
-"""`EXACT_RANGES`: a packed linear keeps fp32 activations on exactly the rows in the ranges (each
+"""`LinearRows.exact_ranges`: a packed linear keeps fp32 activations on exactly the rows in the ranges (each
 row as it computes alone, exact or int8-rounded), wherever the ranges sit in the step."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.quant_linear import EXACT_RANGES, EXACT_ROWS, QuantLinear
+from engine.model.execution_policy import LinearRows
+from engine.model.quant_linear import QuantLinear
 from ops import quant
 from ops.reference import quant as ref
 
@@ -17,18 +18,9 @@ def test_rows_in_the_ranges_are_exact_the_others_int8(ranges: tuple[tuple[int, i
     weight, x = torch.randn(24, 64, generator=g), torch.randn(11, 64, generator=g)
     layer = QuantLinear(64, [(quant.Q4_1, ref.quantize(weight, quant.Q4_1.type_id))], torch.randn(24, generator=g))
     exact = {r for start, end in ranges for r in range(start, end)}
-    rows_token, ranges_token = EXACT_ROWS.set(x.shape[0]), EXACT_RANGES.set(ranges)
-    try:
-        out = layer(x)
-    finally:
-        EXACT_RANGES.reset(ranges_token)
-        EXACT_ROWS.reset(rows_token)
+    out = layer(x, LinearRows(exact_rows=x.shape[0], exact_ranges=ranges))
     for r in range(x.shape[0]):
-        token = EXACT_ROWS.set(1 if r in exact else 0)
-        try:
-            alone = layer(x[r : r + 1])
-        finally:
-            EXACT_ROWS.reset(token)
+        alone = layer(x[r : r + 1], LinearRows(exact_rows=1 if r in exact else 0))
         assert torch.equal(out[r : r + 1], alone), r
     plain = layer(x)  # no exact rows: every row int8-rounded
     assert not torch.equal(out[sorted(exact)], plain[sorted(exact)])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import ops
+from engine.model.execution_policy import ExecutionPolicy
 from engine.model.fused_decoder import FusedDecoder
 from engine.model.kv_cache import allocate_kv_caches
 from engine.model.llama import LlamaForCausalLM
@@ -23,10 +24,11 @@ from tests.fixtures.models import PagedHarness, Seq
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
-def _quantized(model_dir: Path, formats: list[QuantFormat], repack: bool, bias: bool = False) -> LlamaForCausalLM:
-    """The tiny model with every decoder linear a one-shard `QuantLinear` (formats cycled; Q4 ones in
-    the eight-row layout with `repack`), with random fp32 biases when `bias`."""
-    model = load_model(model_dir)
+def _quantized(model_dir: Path, formats: list[QuantFormat], repack: bool, bias: bool = False,
+               policy: ExecutionPolicy | None = None, int8_activations: bool = True) -> LlamaForCausalLM:
+    """The tiny model under `policy` with every decoder linear a one-shard `QuantLinear` (formats
+    cycled; Q4 ones in the eight-row layout with `repack`), with random fp32 biases when `bias`."""
+    model = load_model(model_dir, policy=policy)
     gen = torch.Generator().manual_seed(1)
     i = 0
     for layer in model.model.layers:
@@ -40,16 +42,18 @@ def _quantized(model_dir: Path, formats: list[QuantFormat], repack: bool, bias: 
                 packed, fmt = interleave(packed, fmt)
             b = torch.randn(linear.out_features, generator=gen) if bias else None
             parent, _, name = path.rpartition(".")
-            setattr(layer.get_submodule(parent), name, QuantLinear(linear.in_features, [(fmt, packed)], b))
+            setattr(layer.get_submodule(parent), name,
+                    QuantLinear(linear.in_features, [(fmt, packed)], b, int8_activations))
     return model
 
 
-def _run(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype, exact_prompt_rows: bool = True
-         ) -> list[torch.Tensor]:
+def _policy(fused: bool, exact_prompt_rows: bool = True) -> ExecutionPolicy:
+    return ExecutionPolicy(fused_decoder=fused, exact_prompt_rows=exact_prompt_rows)
+
+
+def _run(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> list[torch.Tensor]:
     """Logits of a fixed schedule: two prompts prefilled in chunks (one beside decode rows), then
     decode steps of both."""
-    model.use_fused_decoder = fused
-    model.exact_prompt_rows = exact_prompt_rows
     harness = PagedHarness(model, num_blocks=64, block_size=4, seed=3)
     if kv_dtype != torch.float32:
         harness.kv_caches = allocate_kv_caches(model, 64, 4, kv_dtype)
@@ -70,10 +74,12 @@ def _run(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype, exact_prom
 def test_fused_layers_equal_the_modules_bit_for_bit(tiny_llama_dir: Path, formats: list[QuantFormat],
                                                     repack: bool, bias: bool, kv_dtype: torch.dtype,
                                                     exact_prompt_rows: bool) -> None:
-    model = _quantized(tiny_llama_dir, formats, repack, bias)
+    model = _quantized(tiny_llama_dir, formats, repack, bias, _policy(True, exact_prompt_rows))
     assert model.fused_decoder() is not None
-    fused = _run(model, True, kv_dtype, exact_prompt_rows)
-    modules = _run(model, False, kv_dtype, exact_prompt_rows)
+    fused = _run(model, kv_dtype)
+    unfused = _quantized(tiny_llama_dir, formats, repack, bias, _policy(False, exact_prompt_rows))
+    assert unfused.fused_decoder() is None
+    modules = _run(unfused, kv_dtype)
     for step, (x, y) in enumerate(zip(fused, modules, strict=True)):
         assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item()}"
 
@@ -98,9 +104,11 @@ def test_fused_path_runs_only_where_it_applies(tiny_llama_dir: Path, monkeypatch
     finally:
         ops.set_backend("auto")
     assert len(calls) == 1  # the reference backend runs the modules (the oracle of every op)
-    model.use_fused_decoder = False
-    harness.step([], [seq])
-    assert len(calls) == 1
+    off = PagedHarness(_quantized(tiny_llama_dir, [Q4_1], True, policy=_policy(False)), num_blocks=64, block_size=4)
+    other = Seq(list(range(25)))
+    off.step([(other, 20)], [])
+    off.step([], [other])
+    assert len(calls) == 1  # the policy turns the fused decoder off
 
 
 def test_fused_decoder_needs_one_packed_shard_per_linear(tiny_llama_dir: Path) -> None:
@@ -118,16 +126,13 @@ def test_fused_decoder_needs_one_packed_shard_per_linear(tiny_llama_dir: Path) -
 
 
 def test_prompt_rows_compute_what_fp32_activations_give(tiny_llama_dir: Path) -> None:
-    """A step's prefill rows keep fp32 activations (`EXACT_ROWS`): a prompt's logits are bit for bit
-    those of the same model with int8 activations off, on both paths; decode rows are not."""
-    model = _quantized(tiny_llama_dir, [Q4_1, Q8_0], True)
+    """A step's prefill rows keep fp32 activations (`LinearRows.exact_rows`): a prompt's logits are bit
+    for bit those of the same model with int8 activations off, on both paths; decode rows are not."""
     results = {}
     for int8 in (True, False):
-        for module in model.modules():
-            if isinstance(module, QuantLinear):
-                module.int8_activations = int8
         for fused in (True, False):
-            results[int8, fused] = _run(model, fused, torch.float32)
+            model = _quantized(tiny_llama_dir, [Q4_1, Q8_0], True, policy=_policy(fused), int8_activations=int8)
+            results[int8, fused] = _run(model, torch.float32)
     for fused in (True, False):
         prompt_steps = results[True, fused][:2]  # prefill chunks only
         assert all(torch.equal(a, b) for a, b in zip(prompt_steps, results[False, fused][:2], strict=True))
@@ -138,8 +143,8 @@ def test_int8_prompt_rows_round_the_prompt_like_decode_rows(tiny_llama_dir: Path
     """`exact_prompt_rows = False` (`--int8-prompt-activations`): prompt rows take int8 activations
     too, on both paths (which agree bit for bit: the test above), so a prompt's logits differ from
     the fp32-activation ones; decode steps over the same cache differ only through it."""
-    model = _quantized(tiny_llama_dir, [Q4_1, Q8_0], True)
     for fused in (True, False):
-        exact, rounded = _run(model, fused, torch.float32), _run(model, fused, torch.float32, False)
+        exact = _run(_quantized(tiny_llama_dir, [Q4_1, Q8_0], True, policy=_policy(fused)), torch.float32)
+        rounded = _run(_quantized(tiny_llama_dir, [Q4_1, Q8_0], True, policy=_policy(fused, False)), torch.float32)
         assert not torch.equal(exact[0], rounded[0])  # the first prefill chunk: rows rounded to int8
         assert (exact[0] - rounded[0]).abs().max() < 0.05 * exact[0].abs().max()  # ...by the int8 error only

@@ -181,16 +181,17 @@ def test_smollm2_q4_1_bf16_linears_stay_within_1_percent() -> None:
 
     gguf_file = _smollm2_gguf()
     passage = AutoTokenizer.from_pretrained(str(gguf_file.parent))(PASSAGE)["input_ids"]
-    quant, fp32 = load_model(gguf_file), load_model(gguf_file.parent)
+    from engine.model.execution_policy import ExecutionPolicy
+
+    quant, fp32 = load_model(gguf_file, policy=ExecutionPolicy(bf16_linears=True)), load_model(gguf_file.parent)
+    plain = load_model(gguf_file)  # the same file with the default policy: int8 / fp32 linears
 
     def steps(bf16: bool, chunks: list[list[int]]) -> list[torch.Tensor]:
-        quant.bf16_linears = bf16
-        paged = Paged(quant, len(passage))
+        paged = Paged(quant if bf16 else plain, len(passage))
         with torch.inference_mode():
             return [paged.run(chunk) for chunk in chunks]
 
     assert not torch.equal(steps(True, [passage])[0], steps(False, [passage])[0])
-    quant.bf16_linears = True
     with torch.inference_mode():
         reference = mean_nll(fp32, passage)
         assert abs(mean_nll(quant, passage) - reference) <= 0.01 * reference

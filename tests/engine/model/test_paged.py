@@ -146,18 +146,21 @@ def test_architecture_variants_match_hf(variant: str, tmp_path_factory: pytest.T
 
 @pytest.mark.parametrize("screen", [True, False])
 @pytest.mark.parametrize("group_rows", [1, 7, 64])
-def test_picked_tokens_equal_those_of_the_full_logits(tiny: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch,
+def test_picked_tokens_equal_those_of_the_full_logits(tiny: LlamaForCausalLM, tiny_llama_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
                                                       group_rows: int, screen: bool) -> None:
     """The lm_head in row groups, each turned into tokens as it comes (argmax, and seeded draws
     for some rows), and greedy rows through the bf16 logit screen where this CPU has one, pick
     what the full logits pick."""
     import engine.model.llama as llama
     import engine.model.logit_screen as logit_screen
+    from engine.model.execution_policy import ExecutionPolicy
     from engine.sample.sampler import Draws, TokenPlan
 
     monkeypatch.setattr(llama, "LOGITS_GROUP_BYTES", group_rows * 4 * tiny.spec.vocab_size)
     monkeypatch.setattr(logit_screen, "SCREEN_GROUP_BYTES", group_rows * 2 * tiny.spec.vocab_size)
-    monkeypatch.setattr(tiny, "use_logit_screen", screen)
+    if not screen:  # the policy turns the screen off
+        tiny = load_model(tiny_llama_dir, policy=ExecutionPolicy(logit_screen=False))
     assert (tiny.logit_screen() is not None) == (screen and ops.native_bf16())
     hidden = torch.randn(50, tiny.spec.hidden_size, generator=torch.Generator().manual_seed(3))
     logits = tiny.compute_logits(hidden)

@@ -176,18 +176,19 @@ def test_fused_decoder_applies_each_layers_window(mistral_dir: Path) -> None:
     """The one-call C++ decoder (quantized linears) takes the layers' windows: bit for bit the
     module path, which differs from the same layers without windows."""
     from ops.quant import Q4_1
-    from tests.engine.model.test_fused_decoder import _quantized, _run
+    from tests.engine.model.test_fused_decoder import _policy, _quantized, _run
 
     model = _quantized(mistral_dir, [Q4_1], True)
     fused = model.fused_decoder()
     assert fused is not None and fused.windows == [WINDOW, WINDOW]
-    with_fused, modules = _run(model, True, torch.float32), _run(model, False, torch.float32)
+    with_fused = _run(model, torch.float32)
+    modules = _run(_quantized(mistral_dir, [Q4_1], True, policy=_policy(False)), torch.float32)
     for step, (x, y) in enumerate(zip(with_fused, modules, strict=True)):
         assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item()}"
     for layer in model.model.layers:
         layer.self_attn.attn.window = 0
     fused.windows = [0, 0]
-    assert not torch.equal(_run(model, True, torch.float32)[-1], with_fused[-1])
+    assert not torch.equal(_run(model, torch.float32)[-1], with_fused[-1])
 
 
 def test_tensor_parallel_past_the_window_equals_hf(mistral_dir: Path, mistral_expected: list[list[int]]) -> None:

@@ -6,7 +6,7 @@ This was the gate for the int8 KV cache default: Q4_1 weights with int8 activati
 and an int8 cache answered "What is the capital of France?" with "L'Étoile, …", where fp32 (and each
 alone) says Paris: the answer's first token is a near-tie in fp32 ("The" -1.88 against "L" -1.97),
 and int8 rounding of the prompt's activations, on top of any 8-bit KV rounding, tipped it. Prompt
-rows now keep fp32 activations (`engine.model.quant_linear.EXACT_ROWS`), so the first token is the
+rows now keep fp32 activations (`engine.model.execution_policy.LinearRows.exact_rows`), so the first token is the
 dequantized model's and both configurations (int8 and fp32 KV) state every fact. Each question is asked alone, as one
 client asks it."""
 
