@@ -2,9 +2,13 @@
 redis-server, one engine (`--gateway-grace 20`), gateway processes, the tiny model.
 
 Every fault is caused deterministically: the engine is frozen (SIGSTOP) while the gateway is
-paused, so the requests are still in flight whatever the machine's speed, and the engine's
-clock (monotonic, running while it is frozen) is what decides. Each test counts every
-request's outcome:
+paused, and the engine's clock (monotonic, running while it is frozen) is what decides. The engine
+runs free for a moment between a stream's first token and the pause, and once more while it
+notices the gateway gone (up to a heartbeat interval, 0.25 s here): the requests a fault must
+catch in flight ask for `LONG_TOKENS`, thousands of decode steps, and those that must also
+complete for `MAX_TOKENS`, so no machine finishes them in those moments (with 200 tokens and 1 s
+heartbeats a fast engine once did, and then never missed a gateway it no longer served). Each
+test counts every request's outcome:
 
 - a gateway paused for longer than the old window (3 s TTL + 3 s grace) but within the grace:
   every stream completes whole, equal to the greedy reference;
@@ -34,6 +38,7 @@ from common.protocol import Keys
 from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.faults import Outcome, prompt, stream_one
 from tests.e2e.support import EngineProcess, GatewayProcess
+from tests.fixtures.models import make_tiny_model_dir
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
@@ -41,7 +46,10 @@ KEYS = Keys()
 GRACE_S = 20.0
 OLD_WINDOW_S = 6.0  # the liveness key's 3 s TTL and the engines' former 3 s grace
 COUNT = 8
-MAX_TOKENS = 200
+MAX_TOKENS = 1000  # a stream that must complete whole (the reference, within the grace)
+LONG_TOKENS = 8_000  # a stream a fault must catch in flight (under the gateway's 8,192 limit)
+CONTEXT = 16_384
+HEARTBEAT_S = 0.25  # how long the engine runs free while the test waits to see it miss the gateway
 
 
 class Stack:
@@ -49,7 +57,8 @@ class Stack:
         self.log_dir = log_dir
         self.redis = RedisServer().start()
         self.engine = EngineProcess(model, self.redis.url, "live-eng", log_dir, "--served-model-name", MODEL,
-                                    "--kv-cache-memory", "16MiB", "--gateway-grace", str(GRACE_S))
+                                    "--kv-cache-memory", "64MiB", "--gateway-grace", str(GRACE_S),
+                                    "--heartbeat-interval", str(HEARTBEAT_S))
         self.engine.wait_ready()
 
     def gateway(self, gateway_id: str) -> GatewayProcess:
@@ -65,8 +74,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tiny_llama_dir, tmp_path_factory.mktemp("e2e-liveness"))
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    model = make_tiny_model_dir(tmp_path_factory.mktemp("liveness-model"), max_position_embeddings=CONTEXT)
+    s = Stack(model, tmp_path_factory.mktemp("e2e-liveness"))
     try:
         yield s
     finally:
@@ -102,9 +112,10 @@ def _stat(engine: EngineProcess, name: str, since: float = 0.0) -> float | None:
     return None if beat is None or beat.time < since else beat.stats.get(name, 0.0)
 
 
-async def _streams_started(session: aiohttp.ClientSession, url: str) -> list[asyncio.Task[Outcome]]:
+async def _streams_started(session: aiohttp.ClientSession, url: str,
+                           max_tokens: int = LONG_TOKENS) -> list[asyncio.Task[Outcome]]:
     started = [asyncio.Event() for _ in range(COUNT)]
-    tasks = [asyncio.create_task(stream_one(session, url, prompt(i), MAX_TOKENS, started[i])) for i in range(COUNT)]
+    tasks = [asyncio.create_task(stream_one(session, url, prompt(i), max_tokens, started[i])) for i in range(COUNT)]
     await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 120)
     return tasks
 
@@ -143,7 +154,7 @@ async def test_a_pause_longer_than_the_old_window_within_the_grace_loses_nothing
     gone_before = _stat(stack.engine, "gateway_gone_aborted") or 0.0
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            tasks = await _streams_started(session, gateway.url)
+            tasks = await _streams_started(session, gateway.url, MAX_TOKENS)
 
             async def past_the_old_window() -> None:
                 await asyncio.sleep(OLD_WINDOW_S + 2)  # the engine is frozen: its clock runs on
@@ -168,7 +179,8 @@ async def test_a_pause_longer_than_the_old_window_within_the_grace_loses_nothing
 
 async def _plain(session: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
     """A non-streaming request, long enough to be running when the engine is frozen."""
-    body = {"model": MODEL, "prompt": "a plain request", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "a plain request", "max_tokens": LONG_TOKENS, "temperature": 0,
+            "ignore_eos": True}
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         return resp.status, await resp.json()
 
@@ -209,12 +221,19 @@ async def _past_the_grace(stack: Stack, gateway: GatewayProcess, lose_notices: b
     return outcomes, (_stat(engine, "gateway_gone_aborted") or 0.0) - gone_before
 
 
+def _same_start(text: str, ref: str) -> bool:
+    """Greedy text cut at any length starts as the reference does; the last characters of the
+    shorter may be an incomplete UTF-8 sequence (the byte tokenizer), so they are not compared."""
+    n = max(0, min(len(text), len(ref)) - 3)
+    return text[:n] == ref[:n]
+
+
 def _count_errors(outcomes: list[Outcome], reference: list[str], code: str) -> tuple[int, int]:
     """(whole, ended with `code`); every outcome must be one of the two, ended with [DONE]."""
     whole = errors = 0
     for out, ref in zip(outcomes, reference, strict=True):
         assert out.done and not out.dropped, out  # [DONE] came: the stream ended, it did not hang
-        assert ref.startswith(out.text), (out.text[-40:], ref[:len(out.text)][-40:])
+        assert _same_start(out.text, ref), (out.text[:80], ref[:80])
         if out.error is None:
             assert out.text == ref and out.tokens == MAX_TOKENS, out
             whole += 1
@@ -286,8 +305,8 @@ async def test_a_gateway_restarted_under_its_id_stops_the_old_requests_at_once(s
             new.stop()
     assert sum(o.dropped for o in old_outcomes) == COUNT, old_outcomes  # their gateway died under them
     print(f"restart: {sum(o.dropped for o in old_outcomes)} old streams dropped, {generated:.0f} tokens generated "
-          f"for them (of {COUNT * MAX_TOKENS}), {len(new_outcomes)} new requests")
-    assert generated < COUNT * MAX_TOKENS / 2, generated  # the old requests did not run on to max_tokens
+          f"for them (of {COUNT * LONG_TOKENS}), {len(new_outcomes)} new requests")
+    assert generated < COUNT * LONG_TOKENS / 2, generated  # the old requests did not run on to max_tokens
     assert (_stat(engine, "gateway_restart_aborted") or 0.0) - restarted_before == COUNT
     assert [o.text for o in new_outcomes] == reference
     assert all(o.done and o.error is None and o.tokens == MAX_TOKENS for o in new_outcomes)
