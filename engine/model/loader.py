@@ -11,6 +11,7 @@ from torch import Tensor
 
 from common.log import get_logger
 from engine.model.execution_policy import ExecutionPolicy
+from engine.model.gguf_config import GGUF_CONFIG_ARCHS, config_from_gguf, gguf_architecture
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -57,15 +58,19 @@ def _export_gguf_tokenizer(gguf: Path) -> Path:
     import shutil
     import tempfile
 
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     stat = gguf.stat()
     key = hashlib.blake2b(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
     base = os.environ.get("PAGEDSERVE_CACHE")
     target = (Path(base).expanduser() if base else Path.home() / ".cache" / "pagedserve") / "tokenizers" / key
     if not (target / "tokenizer_config.json").is_file():
+        # AutoTokenizer reads the file's config through transformers' GGUF loader, which refuses the
+        # architectures engine.model.gguf_config maps; the tokenizer metadata itself is the same
+        # (`tokenizer.ggml.*`), so their tokenizer is built from it without that config
+        loader = PreTrainedTokenizerFast if gguf_architecture(gguf) in GGUF_CONFIG_ARCHS else AutoTokenizer
         try:
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tok = loader.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"{str(gguf)!r} has no usable tokenizer metadata ({exc}); "
                                  "pass --tokenizer DIR") from exc
@@ -99,6 +104,8 @@ def load_hf_config(path: str | Path) -> Any:
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(f"model file {str(p)!r} is not a .gguf; pass a directory or a .gguf")
+            if gguf_architecture(p) in GGUF_CONFIG_ARCHS:  # families transformers' GGUF loader does not map
+                return config_from_gguf(p)
             return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(p)!r} has no config.json")
@@ -149,8 +156,10 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
 
 QUANTIZATIONS = ("auto", "requantize", "dequantize")
 # the families whose GGUF metadata and tensor names convert.py and gguf_weights.py map
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", *GGUF_CONFIG_ARCHS.values())
 _LLAMA_GGUF_TYPES = ("llama", "mistral", "qwen2")  # read before issue 37 (their rope metadata unchecked)
+# configs built by engine.model.gguf_config, which checks their rope metadata itself
+_OWN_CONFIG_TYPES = tuple(GGUF_CONFIG_ARCHS.values())
 # mixture-of-experts GGUF files: read through transformers' loader, every tensor dequantized to `dtype`
 GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 
@@ -224,7 +233,7 @@ def load_model(
                              "metadata and tensor names are mapped for "
                              f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
                              "pass the Hugging Face safetensors directory instead")
-    if p.is_file() and spec.model_type not in _LLAMA_GGUF_TYPES:
+    if p.is_file() and spec.model_type not in _LLAMA_GGUF_TYPES + _OWN_CONFIG_TYPES:
         _check_gguf_rope(p, spec)
     if quantized and spec.moe is not None:
         log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",
