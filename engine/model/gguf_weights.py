@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,33 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
     _build_linears(model, collector, int8_activations)
     log.info("GGUF tensor formats", file=str(path), formats=collector.summary())
     return model
+
+
+def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the GGUF at `path` in fp32 under its HF checkpoint name (`model.load_weights`
+    takes them), Q/K rows un-permuted: the `quantization="dequantize"` load of the families whose
+    files transformers' GGUF loader does not read (`engine.model.gguf_config`)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.fields.get("general.architecture")
+    collector = _Collector(model, permute=arch_field is not None and arch_field.contents() in ROPE_PERMUTED_ARCHS)
+    for tensor in reader.tensors:
+        stored = read_tensor(tensor)
+        collector.add(tensor.name, stored)
+        collector.count(stored, packed=False)
+    log.info("GGUF tensor formats", file=str(path), formats=collector.summary())
+    for name, stored in collector.params.items():
+        yield name, _fp32(stored)
+    for table, what in ((collector.linears, "weight"), (collector.biases, "bias")):
+        for module, shards in table.items():
+            for index, stored in shards.items():
+                yield _hf_name(module, index, what), _fp32(stored)
+
+
+def _fp32(stored: Stored) -> torch.Tensor:
+    """The fp32 values of a collected tensor (packed blocks dequantized)."""
+    return stored.data if stored.fmt is None else ops.quant.dequantize(stored.data, stored.fmt)
 
 
 _HF_SHARDS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),

@@ -148,7 +148,14 @@ def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
+def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[str, Tensor]]:
+    """The GGUF's tensors dequantized to fp32 under their HF names: read here for the families whose
+    config engine.model.gguf_config builds, through transformers' loader for the others."""
+    if model.spec.model_type in _OWN_CONFIG_TYPES:
+        from engine.model.gguf_weights import iter_dequantized_weights
+
+        yield from iter_dequantized_weights(model, file)
+        return
     from engine.model.convert import load_gguf
 
     yield from load_gguf(file, torch.float32, progress=False).state_dict().items()
@@ -261,7 +268,7 @@ def load_model(
     elif shard.size > 1 and safetensors:
         model.load_weights(_iter_safetensors_slices(safetensors, spec, shard), presliced=True)
     else:
-        model.load_weights(_iter_gguf_weights(p) if p.is_file() else _iter_directory_weights(p))
+        model.load_weights(_iter_gguf_weights(p, model) if p.is_file() else _iter_directory_weights(p))
     model.eval()
     log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
              dtype=str(torch_dtype), quantized=quantized, rank=shard.rank, tensor_parallel_size=shard.size)

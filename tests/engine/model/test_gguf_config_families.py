@@ -166,6 +166,37 @@ def _dequantized_hf(directory: Path, fmt_of: Callable[[str], str], arch: str) ->
     return hf
 
 
+def _assert_holds(ours: nn.Module, state: dict[str, torch.Tensor], packed: bool) -> None:
+    """`ours` holds exactly the HF `state`: every linear (stacked q/k/v, gate/up), the embedding and
+    lm_head, norms and biases; each linear a `QuantLinear` when `packed`, else the model's fp32 Linear."""
+    params = dict(ours.named_parameters())
+    norms = [name for name in state if name.endswith("norm.weight")]
+    assert norms and all(torch.equal(params[name], state[name]) for name in norms)
+    for i, layer in enumerate(ours.model.layers):
+        prefix = f"model.layers.{i}."
+        for path, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+                            ("self_attn.o_proj", ("self_attn.o_proj",)), ("mlp.down_proj", ("mlp.down_proj",))):
+            module = layer.get_submodule(path)
+            assert isinstance(module, QuantLinear) == packed, (i, path)
+            expected = torch.cat([state[f"{prefix}{part}.weight"] for part in parts])
+            assert torch.equal(_weight(module), expected), (i, path)
+            if module.bias is not None:
+                bias = torch.cat([state[f"{prefix}{part}.bias"] for part in parts])
+                assert torch.equal(module.bias, bias), (i, path)
+    assert torch.equal(_weight(ours.model.embed_tokens), state["model.embed_tokens.weight"])
+    assert torch.equal(_weight(ours.lm_head), state["lm_head.weight"])
+
+
+def test_dequantized_load_holds_the_same_weights(family: tuple[str, Path]) -> None:
+    """quantization="dequantize": the file's tensors in fp32 under their HF names, Q/K un-permuted."""
+    arch, directory = family
+    fmt_of = MIXES["Q4_K+Q6_K"]
+    file = write_llama_cpp_gguf(directory, arch, fmt_of, name=f"{arch}-dequantize")
+    _assert_holds(load_model(file, quantization="dequantize"), _dequantized_hf(directory, fmt_of, arch).state_dict(),
+                  packed=False)
+
+
 def test_config_from_metadata_gives_the_checkpoints_spec(family: tuple[str, Path]) -> None:
     from transformers import AutoConfig
 
@@ -197,17 +228,7 @@ def test_packed_weights_give_transformers_logits_on_their_dequantized_values(fam
     file = write_llama_cpp_gguf(directory, arch, fmt_of, name=f"{arch}-{mix}")
     ours = load_model(file)
     hf = _dequantized_hf(directory, fmt_of, arch)
-    state = hf.state_dict()
-    for i, layer in enumerate(ours.model.layers):
-        prefix = f"model.layers.{i}."
-        for path, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                            ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
-                            ("self_attn.o_proj", ("self_attn.o_proj",)), ("mlp.down_proj", ("mlp.down_proj",))):
-            module = layer.get_submodule(path)
-            assert isinstance(module, QuantLinear), (i, path)
-            expected = torch.cat([state[f"{prefix}{part}.weight"] for part in parts])
-            assert torch.equal(_weight(module), expected), (i, path)
-    assert torch.equal(_weight(ours.lm_head), state["lm_head.weight"])
+    _assert_holds(ours, hf.state_dict(), packed=True)
     for module in ours.modules():
         if isinstance(module, QuantLinear):
             module.int8_activations = False
