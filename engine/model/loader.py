@@ -165,7 +165,7 @@ QUANTIZATIONS = ("auto", "requantize", "dequantize")
 # the families whose GGUF metadata and tensor names convert.py and gguf_weights.py map
 GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", *GGUF_CONFIG_ARCHS.values())
 _LLAMA_GGUF_TYPES = ("llama", "mistral", "qwen2")  # read before issue 37 (their rope metadata unchecked)
-# configs built by engine.model.gguf_config, which checks their rope metadata itself
+# configs built by engine.model.gguf_config; their weights dequantized by gguf_weights too
 _OWN_CONFIG_TYPES = tuple(GGUF_CONFIG_ARCHS.values())
 # mixture-of-experts GGUF files: read through transformers' loader, every tensor dequantized to `dtype`
 GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -240,7 +240,7 @@ def load_model(
                              "metadata and tensor names are mapped for "
                              f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
                              "pass the Hugging Face safetensors directory instead")
-    if p.is_file() and spec.model_type not in _LLAMA_GGUF_TYPES + _OWN_CONFIG_TYPES:
+    if p.is_file() and spec.model_type not in _LLAMA_GGUF_TYPES:
         _check_gguf_rope(p, spec)
     if quantized and spec.moe is not None:
         log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",
