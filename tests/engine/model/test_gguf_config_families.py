@@ -40,7 +40,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "granite": {"embedding_multiplier": 4.0, "attention_multiplier": 0.11, "residual_multiplier": 0.35,
                 "logits_scaling": 2.5, "attention_bias": True},
     # layer 3 is the NoPE layer (transformers' default no_rope_layer_interval 4, llama.cpp's fixed step)
-    "smollm3": {"num_hidden_layers": 4},
+    # tied (SmolLM3 ties its lm_head): no output.weight in the file
+    "smollm3": {"num_hidden_layers": 4, "tie_word_embeddings": True},
 }
 PERMUTED = ("granite", "smollm3")  # llama.cpp's LlamaModel subclasses
 MIXES: dict[str, Callable[[str], str]] = {
