@@ -277,6 +277,9 @@ def _granite_scales(writer: Any, skip: str = "") -> None:
 @pytest.mark.parametrize(("arch", "extra", "tensors", "message"), [
     # an architecture neither transformers' GGUF loader nor gguf_config maps: refused by name
     ("olmoe", lambda w: None, (), "GGUF model with architecture olmoe is not supported"),
+    # transformers reads gpt-oss metadata; pagedserve does not map its GGUF tensors (MXFP4 experts)
+    ("gpt-oss", lambda w: (w.add_expert_count(4), w.add_expert_used_count(2), w.add_key_length(16)), (),
+     "GGUF files of model type 'gpt_oss' are not supported"),
     ("granite", lambda w: _granite_scales(w, skip="logit_scale"), (),
      "a granite GGUF needs the metadata key 'granite.logit_scale'"),
     ("olmo2", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), (),
