@@ -304,17 +304,15 @@ def test_granite_with_every_scale_reads(tmp_path: Path) -> None:
     assert (config.model_type, config.num_hidden_layers, config.attention_multiplier) == ("granite", 2, 1.0)
 
 
-def test_tokenizer_and_chat_template_come_from_the_metadata(family: tuple[str, Path], tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokenizer_and_chat_template_come_from_the_metadata(family: tuple[str, Path], tmp_path: Path) -> None:
     """A file with no tokenizer beside it: its metadata, exported once, tokenizes like the tokenizer
-    it was written from and carries its chat template and special tokens."""
+    it was written from and carries its chat template and special tokens; the engine chats with it."""
     from transformers import AutoTokenizer
 
     arch, directory = family
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     file = write_llama_cpp_gguf(directory, arch, lambda kind: "Q8_0", out_dir=tmp_path, tokenizer=True)
-    exported = tokenizer_dir(file)
-    assert Path(exported).parent == tmp_path / "cache" / "tokenizers"
+    exported = tokenizer_dir(file)  # PAGEDSERVE_CACHE's tokenizers/ (not redirected: kernels are built there)
+    assert Path(exported).parent.name == "tokenizers"
     ours, theirs = AutoTokenizer.from_pretrained(exported), merged_tokenizer()
     text = "hello, wörld! Well 12 + 30 = 42\n"
     assert ours(text)["input_ids"] == theirs(text)["input_ids"]
@@ -323,3 +321,9 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(family: tuple[str, P
                                                                    theirs.chat_template)
     messages = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages, tokenize=False)
+    llm = LLM(str(file), dtype="float32", kv_cache_memory=16 << 20, block_size=8)
+    assert llm.engine.tokenizer_dir == exported
+    [out] = llm.chat([messages], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))
+    prompt = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert out.prompt_token_ids == list(prompt)
+    assert out.outputs[0].text == theirs.decode(out.outputs[0].token_ids, skip_special_tokens=True)
