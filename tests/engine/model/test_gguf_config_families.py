@@ -327,3 +327,23 @@ def test_tokenizer_and_chat_template_come_from_the_metadata(family: tuple[str, P
     prompt = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert out.prompt_token_ids == list(prompt)
     assert out.outputs[0].text == theirs.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_architecture_is_read_from_the_header_or_the_whole_metadata(tmp_path: Path) -> None:
+    """`general.architecture` first (as llama.cpp writes it): read from the header alone; elsewhere:
+    found by the full reader; not a GGUF: None (transformers' load then names the problem)."""
+    from engine.model.gguf_config import _first_key_architecture, gguf_architecture
+
+    first = _metadata_gguf(tmp_path / "first.gguf", "smollm3")
+    assert _first_key_architecture(first.read_bytes()[:4096]) == "smollm3" == gguf_architecture(first)
+
+    def name_first(writer: Any) -> None:
+        writer.add_name("tiny")
+        kv = writer.kv_data[0]
+        writer.kv_data[0] = {"general.name": kv.pop("general.name"), **kv}
+
+    later = _metadata_gguf(tmp_path / "later.gguf", "olmo2", name_first)
+    assert _first_key_architecture(later.read_bytes()[:4096]) is None
+    assert gguf_architecture(later) == "olmo2"
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    assert gguf_architecture(tmp_path / "junk.gguf") is None
