@@ -27,8 +27,13 @@ from pathlib import Path
 from typing import Any
 
 # GGUF architecture -> transformers model_type, for the files this module builds the config of
-GGUF_CONFIG_ARCHS = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
+GGUF_CONFIG_ARCHS = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "gpt-oss": "gpt_oss"}
 SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp's hparams.n_no_rope_layer_step for smollm3
+# what llama.cpp's gpt-oss graph fixes and its converter writes in no key: the clamped SwiGLU's
+# limit and alpha, and gpt-oss's yarn without truncation (transformers' GptOssConfig)
+GPT_OSS_FIXED = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+_YARN_BETAS = {"beta_fast": ("yarn_beta_fast", 32.0), "beta_slow": ("yarn_beta_slow", 1.0)}  # key, default
+_UNREAD_YARN = ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
 _GGUF_STRING = 8  # GGUF metadata value type of a string
 _REQUIRED = object()
 
@@ -120,6 +125,8 @@ def config_from_gguf(path: Path) -> Any:
         values |= _granite(meta)
     elif meta.arch == "smollm3":
         values |= _smollm3(values["num_hidden_layers"])
+    elif meta.arch == "gpt-oss":
+        values |= _gpt_oss(meta, values)
     return AutoConfig.for_model(GGUF_CONFIG_ARCHS[meta.arch], **values)
 
 
@@ -180,16 +187,41 @@ def _smollm3(layers: int) -> dict[str, Any]:
             "use_sliding_window": False, "sliding_window": None}
 
 
+def _gpt_oss(meta: _Metadata, values: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: experts, sinks and biases (tensors), alternating sliding and full layers (llama.cpp's
+    swa pattern 2: the even layers slide, as transformers' default `layer_types`), yarn rotary."""
+    layers, heads = values["num_hidden_layers"], values["num_attention_heads"]
+    rope = dict(values["rope_parameters"])
+    if meta.get("{arch}.rope.scaling.type", "none") == "yarn":
+        rope |= {"rope_type": "yarn", "factor": _decimal(meta.get("{arch}.rope.scaling.factor")),
+                 "original_max_position_embeddings": int(meta.get("{arch}.rope.scaling.original_context_length")),
+                 "truncate": False}
+        rope |= {name: _decimal(meta.get(f"{{arch}}.rope.scaling.{key}", default))
+                 for name, (key, default) in _YARN_BETAS.items()}
+    return {"num_local_experts": int(meta.get("{arch}.expert_count")),
+            "num_experts_per_tok": int(meta.get("{arch}.expert_used_count")),
+            "intermediate_size": int(meta.get("{arch}.expert_feed_forward_length", values["intermediate_size"])),
+            "sliding_window": int(meta.get("{arch}.attention.sliding_window")),
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            # set even where it is hidden / heads: GptOssConfig's default (64) is one checkpoint's
+            "head_dim": values.get("head_dim", values["hidden_size"] // heads),
+            "rope_parameters": rope, **GPT_OSS_FIXED}
+
+
 def _refuse_unsupported(meta: _Metadata) -> None:
     """GGUFConfigError naming the first option of the file the config built here would drop."""
+    gpt_oss = meta.arch == "gpt-oss"
     scaling = meta.get("{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", ""):
+    if scaling not in ("none", "", *(("yarn",) if gpt_oss else ())):
         raise GGUFConfigError(f"a {meta.arch} GGUF with rope scaling {scaling!r} is not supported")
+    for key in _UNREAD_YARN:
+        if meta.get(f"{{arch}}.rope.scaling.{key}", None) is not None:
+            raise GGUFConfigError(f"a {meta.arch} GGUF with rope.scaling.{key} is not supported")
     if "rope_freqs.weight" in meta.tensors:
         raise GGUFConfigError(f"a {meta.arch} GGUF with rope_freqs.weight (llama3 rope scaling) is not supported")
-    if meta.get("{arch}.attention.sliding_window", None):
+    if not gpt_oss and meta.get("{arch}.attention.sliding_window", None):
         raise GGUFConfigError(f"a {meta.arch} GGUF with attention.sliding_window (OLMo 3) is not supported")
     if meta.get("{arch}.attention.clamp_kqv", None) is not None:
         raise GGUFConfigError(f"a {meta.arch} GGUF with attention.clamp_kqv is not supported")
-    if meta.get("{arch}.expert_count", 0):
+    if not gpt_oss and meta.get("{arch}.expert_count", 0):
         raise GGUFConfigError(f"a {meta.arch} GGUF with experts is not supported")

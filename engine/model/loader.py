@@ -151,6 +151,11 @@ def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
 def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[str, Tensor]]:
     """The GGUF's tensors dequantized to fp32 under their HF names: read here for the families whose
     config engine.model.gguf_config builds, through transformers' loader for the others."""
+    if model.spec.model_type == "gpt_oss":
+        from engine.model.gguf_gpt_oss import iter_gpt_oss_weights
+
+        yield from iter_gpt_oss_weights(file)
+        return
     if model.spec.model_type in _OWN_CONFIG_TYPES:
         from engine.model.gguf_weights import iter_dequantized_weights
 
@@ -240,7 +245,7 @@ def load_model(
                              "metadata and tensor names are mapped for "
                              f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
                              "pass the Hugging Face safetensors directory instead")
-    if p.is_file() and spec.model_type not in _LLAMA_GGUF_TYPES:
+    if p.is_file() and spec.model_type not in (*_LLAMA_GGUF_TYPES, "gpt_oss"):  # gpt-oss: gguf_config reads yarn
         _check_gguf_rope(p, spec)
     if quantized and spec.moe is not None:
         log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",

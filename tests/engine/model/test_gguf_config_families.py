@@ -277,9 +277,12 @@ def _granite_scales(writer: Any, skip: str = "") -> None:
 @pytest.mark.parametrize(("arch", "extra", "tensors", "message"), [
     # an architecture neither transformers' GGUF loader nor gguf_config maps: refused by name
     ("olmoe", lambda w: None, (), "GGUF model with architecture olmoe is not supported"),
-    # transformers reads gpt-oss metadata; pagedserve does not map its GGUF tensors (MXFP4 experts)
-    ("gpt-oss", lambda w: (w.add_expert_count(4), w.add_expert_used_count(2), w.add_key_length(16)), (),
-     "GGUF files of model type 'gpt_oss' are not supported"),
+    # gpt-oss (test_gguf_gpt_oss.py): its window is required, yarn factors pagedserve does not read refused
+    ("gpt-oss", lambda w: (w.add_expert_count(4), w.add_expert_used_count(2)), (),
+     "a gpt-oss GGUF needs the metadata key 'gpt-oss.attention.sliding_window'"),
+    ("gpt-oss", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN),
+                           w.add_rope_scaling_yarn_attn_factor(2.0)),
+     (), "a gpt-oss GGUF with rope.scaling.yarn_attn_factor is not supported"),
     ("granite", lambda w: _granite_scales(w, skip="logit_scale"), (),
      "a granite GGUF needs the metadata key 'granite.logit_scale'"),
     ("olmo2", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), (),
