@@ -1,6 +1,7 @@
 """The transformers config of a GGUF file whose architecture transformers' GGUF loader does not map
-(OLMo 2, Granite, SmolLM3), built from llama.cpp's per-architecture metadata keys so that
-`ModelSpec.from_hf_config` reads it as it reads the family's `config.json`.
+(OLMo 2, Granite, SmolLM3) or maps without its layer pattern, yarn and clamp (gpt-oss), built from
+llama.cpp's per-architecture metadata keys so that `ModelSpec.from_hf_config` reads it as it reads
+the family's `config.json`.
 
 What llama.cpp's converter writes and its runtime reads, key by key:
 
@@ -13,11 +14,16 @@ What llama.cpp's converter writes and its runtime reads, key by key:
   required, as llama.cpp's loader requires them;
 - smollm3: no key for the NoPE layers; llama.cpp fixes them at every 4th layer
   (`n_no_rope_layer_step = 4`, rotary off where (layer + 1) % 4 == 0), which is transformers'
-  default `no_rope_layer_interval` pattern, so that is the config built here.
+  default `no_rope_layer_interval` pattern, so that is the config built here;
+- gpt-oss: `.expert_count`, `.expert_used_count`, `.expert_feed_forward_length`,
+  `.attention.sliding_window` (the even layers, llama.cpp's swa pattern 2), yarn's
+  `.rope.scaling.factor`, `.original_context_length`, `.yarn_beta_fast` / `_slow`; the SwiGLU clamp
+  (limit 7, alpha 1.702) is fixed in llama.cpp's graph and in no key (`GPT_OSS_FIXED`).
 
-Refused by name rather than approximated: rope scaling (`rope.scaling.type`, llama3's
-`rope_freqs` tensor), partial rotary, OLMo 3's sliding window (an `olmo2` file with
-`sliding_window`), per-layer head counts, q/k/v clamping and experts.
+Refused by name rather than approximated: rope scaling (`rope.scaling.type`; gpt-oss's yarn
+without its attention / extrapolation factors; llama3's `rope_freqs` tensor), partial rotary, OLMo
+3's sliding window (an `olmo2` file with `sliding_window`), per-layer head counts, q/k/v clamping
+and experts outside gpt-oss.
 """
 
 from __future__ import annotations
