@@ -19,8 +19,9 @@ table's (`ops.reference.formats`: `runs`), and a format not in it is refused by 
   kernel on the same packed bytes (fewer bytes per decode step than the fp32 lm_head or its bf16
   logit screen), with fp32 activations (the greedy argmax of the stored weights); greedy rows
   go through its int8-activation screen (`engine.model.quant_screen`), which decides the same token;
-- llama.cpp's converter permutes the rows of Q and K within each head (RoPE's interleaved pairs);
-  whole rows are moved back here, which is possible in packed form because blocks run along K.
+- llama.cpp's converter permutes the rows of Q and K within each head (RoPE's interleaved pairs) for
+  the Llama-derived architectures (`ROPE_PERMUTED_ARCHS`); whole rows are moved back here, which is
+  possible in packed form because blocks run along K.
 
 With `requantize` (off by default: it rounds the file's weights a second time) a 2-D tensor in a
 format without a kernel is requantized to Q8_0 instead of kept in fp32, so the packed kernels and
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,12 +75,19 @@ _QK_NORMS = {"attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn
 # Gemma 3's sandwich norms: llama.cpp names the pre-MLP norm ffn_norm and the two output norms post_*
 _SANDWICH_NORMS = {"attn_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight",
                    "ffn_norm": "pre_feedforward_layernorm.weight", "post_ffw_norm": "post_feedforward_layernorm.weight"}
+# OLMo 2's norms after attention and MLP (no pre-norms)
+_POST_NORMS = {"post_attention_norm": "post_attention_layernorm.weight",
+               "post_ffw_norm": "post_feedforward_layernorm.weight"}
+# the GGUF architectures whose Q/K rows llama.cpp's converter permutes (its LlamaModel and subclasses:
+# Granite, SmolLM3); Qwen, Gemma, Phi-3 and OLMo 2 files keep transformers' row order
+ROPE_PERMUTED_ARCHS = ("llama", "granite", "smollm3")
 
 
 def layer_norms(spec: Any) -> dict[str, str]:
-    """GGUF per-layer norm tensor kind -> the model's parameter under model.layers.N (for `spec`'s family)."""
-    norms = dict(_SANDWICH_NORMS if spec.sandwich_norms else _LAYER_NORMS)
-    if spec.qk_norm == "head":
+    """GGUF per-layer norm tensor kind -> the model's parameter under model.layers.N (for `spec`'s family);
+    q/k norms over a head (Qwen3, Gemma 3) or the whole projection (OLMo 2) under the same names."""
+    norms = dict(_SANDWICH_NORMS if spec.sandwich_norms else _POST_NORMS if spec.post_norms else _LAYER_NORMS)
+    if spec.qk_norm is not None:
         norms.update(_QK_NORMS)
     return norms
 _SKIPPED = ("rope_freqs.weight",)  # RoPE frequencies come from the config
@@ -244,7 +253,7 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
     reader = gguf.GGUFReader(str(path))
     arch_field = reader.fields.get("general.architecture")
     arch = arch_field.contents() if arch_field is not None else ""
-    collector = _Collector(model, permute=arch == "llama")
+    collector = _Collector(model, permute=arch in ROPE_PERMUTED_ARCHS)
     for tensor in reader.tensors:
         collector.add(tensor.name, read_tensor(tensor, requantize))
     if model.shard.size > 1:
@@ -253,6 +262,33 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
     _build_linears(model, collector, int8_activations)
     log.info("GGUF tensor formats", file=str(path), formats=collector.summary())
     return model
+
+
+def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the GGUF at `path` in fp32 under its HF checkpoint name (`model.load_weights`
+    takes them), Q/K rows un-permuted: the `quantization="dequantize"` load of the families whose
+    files transformers' GGUF loader does not read (`engine.model.gguf_config`)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch_field = reader.fields.get("general.architecture")
+    collector = _Collector(model, permute=arch_field is not None and arch_field.contents() in ROPE_PERMUTED_ARCHS)
+    for tensor in reader.tensors:
+        stored = read_tensor(tensor)
+        collector.add(tensor.name, stored)
+        collector.count(stored, packed=False)
+    log.info("GGUF tensor formats", file=str(path), formats=collector.summary())
+    for name, stored in collector.params.items():
+        yield name, _fp32(stored)
+    for table, what in ((collector.linears, "weight"), (collector.biases, "bias")):
+        for module, shards in table.items():
+            for index, stored in shards.items():
+                yield _hf_name(module, index, what), _fp32(stored)
+
+
+def _fp32(stored: Stored) -> torch.Tensor:
+    """The fp32 values of a collected tensor (packed blocks dequantized)."""
+    return stored.data if stored.fmt is None else ops.quant.dequantize(stored.data, stored.fmt)
 
 
 _HF_SHARDS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),

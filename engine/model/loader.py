@@ -11,6 +11,7 @@ from torch import Tensor
 
 from common.log import get_logger
 from engine.model.execution_policy import ExecutionPolicy
+from engine.model.gguf_config import GGUF_CONFIG_ARCHS, config_from_gguf, gguf_architecture
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -57,15 +58,19 @@ def _export_gguf_tokenizer(gguf: Path) -> Path:
     import shutil
     import tempfile
 
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     stat = gguf.stat()
     key = hashlib.blake2b(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode(), digest_size=8).hexdigest()
     base = os.environ.get("PAGEDSERVE_CACHE")
     target = (Path(base).expanduser() if base else Path.home() / ".cache" / "pagedserve") / "tokenizers" / key
     if not (target / "tokenizer_config.json").is_file():
+        # AutoTokenizer reads the file's config through transformers' GGUF loader, which refuses the
+        # architectures engine.model.gguf_config maps; the tokenizer metadata itself is the same
+        # (`tokenizer.ggml.*`), so their tokenizer is built from it without that config
+        loader = PreTrainedTokenizerFast if gguf_architecture(gguf) in GGUF_CONFIG_ARCHS else AutoTokenizer
         try:
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            tok = loader.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadError(f"{str(gguf)!r} has no usable tokenizer metadata ({exc}); "
                                  "pass --tokenizer DIR") from exc
@@ -99,6 +104,8 @@ def load_hf_config(path: str | Path) -> Any:
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(f"model file {str(p)!r} is not a .gguf; pass a directory or a .gguf")
+            if gguf_architecture(p) in GGUF_CONFIG_ARCHS:  # families transformers' GGUF loader does not map
+                return config_from_gguf(p)
             return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(p)!r} has no config.json")
@@ -141,7 +148,19 @@ def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
+def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[str, Tensor]]:
+    """The GGUF's tensors dequantized to fp32 under their HF names: read here for the families whose
+    config engine.model.gguf_config builds, through transformers' loader for the others."""
+    if model.spec.model_type == "gpt_oss":
+        from engine.model.gguf_gpt_oss import iter_gpt_oss_weights
+
+        yield from iter_gpt_oss_weights(file)
+        return
+    if model.spec.model_type in _OWN_CONFIG_TYPES:
+        from engine.model.gguf_weights import iter_dequantized_weights
+
+        yield from iter_dequantized_weights(model, file)
+        return
     from engine.model.convert import load_gguf
 
     yield from load_gguf(file, torch.float32, progress=False).state_dict().items()
@@ -149,8 +168,10 @@ def _iter_gguf_weights(file: Path) -> Iterator[tuple[str, Tensor]]:
 
 QUANTIZATIONS = ("auto", "requantize", "dequantize")
 # the families whose GGUF metadata and tensor names convert.py and gguf_weights.py map
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", *GGUF_CONFIG_ARCHS.values())
 _LLAMA_GGUF_TYPES = ("llama", "mistral", "qwen2")  # read before issue 37 (their rope metadata unchecked)
+# configs built by engine.model.gguf_config; their weights dequantized by gguf_weights too
+_OWN_CONFIG_TYPES = tuple(GGUF_CONFIG_ARCHS.values())
 # mixture-of-experts GGUF files: read through transformers' loader, every tensor dequantized to `dtype`
 GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 
@@ -224,7 +245,7 @@ def load_model(
                              "metadata and tensor names are mapped for "
                              f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
                              "pass the Hugging Face safetensors directory instead")
-    if p.is_file() and spec.model_type not in _LLAMA_GGUF_TYPES:
+    if p.is_file() and spec.model_type not in (*_LLAMA_GGUF_TYPES, "gpt_oss"):  # gpt-oss: gguf_config reads yarn
         _check_gguf_rope(p, spec)
     if quantized and spec.moe is not None:
         log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",
@@ -252,7 +273,7 @@ def load_model(
     elif shard.size > 1 and safetensors:
         model.load_weights(_iter_safetensors_slices(safetensors, spec, shard), presliced=True)
     else:
-        model.load_weights(_iter_gguf_weights(p) if p.is_file() else _iter_directory_weights(p))
+        model.load_weights(_iter_gguf_weights(p, model) if p.is_file() else _iter_directory_weights(p))
     model.eval()
     log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
              dtype=str(torch_dtype), quantized=quantized, rank=shard.rank, tensor_parallel_size=shard.size)

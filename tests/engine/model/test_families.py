@@ -1,7 +1,7 @@
 """Qwen3, Granite, OLMo 2, SmolLM3, Phi-3 and Gemma 3 (text) on the shared Llama layers: small
 random fp32 models of each family give HF's teacher-forced logits through the paged cache (chunked
 prefill, then decode) and the engine's greedy tokens equal HF generate's (chunked prefill, a prefix
-hit); paths that do not implement a family's options (GGUF, the fused CPU decoder, tensor
+hit); paths that do not implement a family's options (the fused CPU decoder, tensor
 parallelism for OLMo 2 and Phi-3) refuse."""
 
 from __future__ import annotations
@@ -164,13 +164,14 @@ def test_longrope_is_served_within_its_short_factors(tmp_path: Path) -> None:
         LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, max_model_len=128)
 
 
-def test_gguf_of_a_new_family_is_refused(tmp_path: Path) -> None:
+def test_an_empty_gguf_of_a_new_family_is_refused(tmp_path: Path) -> None:
+    """Granite GGUF files are read (test_gguf_config_families.py); an empty one is a load error."""
     from transformers import AutoConfig
 
     spec = ModelSpec.from_hf_config(AutoConfig.for_model("granite", num_hidden_layers=2))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"")
-    with pytest.raises(ModelLoadError, match="GGUF files of model type 'granite' are not supported"):
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
         load_model(gguf, spec=spec)
 
 

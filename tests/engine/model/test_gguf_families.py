@@ -232,18 +232,6 @@ def test_dequantized_load_matches_too(family: tuple[str, Path]) -> None:
     _assert_weights_equal(load_model(file, quantization="dequantize"), _transformers_model(file))
 
 
-@pytest.mark.parametrize(("model_type", "message"), [
-    # transformers reads no olmo2 / granite / smollm3 GGUF config: refused naming the architecture
-    ("olmo2", "GGUF model with architecture olmo2 is not supported"),
-    ("granite", "GGUF model with architecture granite is not supported"),
-    ("smollm3", "GGUF model with architecture smollm3 is not supported"),
-])
-def test_unmapped_family_gguf_is_refused(tmp_path: Path, model_type: str, message: str) -> None:
-    directory = make_family_dir(tmp_path, model_type, seed=1)
-    with pytest.raises(ModelLoadError, match=message):
-        load_model(write_family_gguf(directory, model_type, "F32"))
-
-
 def test_partial_rotary_phi3_gguf_is_refused(tmp_path: Path) -> None:
     """transformers' phi3 GGUF config drops rope.dimension_count: a partial-rotary file is refused, not
     served with every head dim rotated."""
