@@ -13,12 +13,14 @@ __all__ = ["gateway"]
 
 
 async def _fill(gw: Gateway) -> None:
-    """Fill Redis, then lower maxmemory under what it uses: every write is refused (OOM)."""
+    """Fill Redis, then lower maxmemory far under what it uses: every write is refused (OOM).
+    The margin (2 MiB) is far more than Redis gives back on its own meanwhile (it shrinks idle
+    clients' query buffers: with a 64 KiB margin that once let the request's write through)."""
     await gw.redis.config_set("maxmemory-policy", "noeviction")
-    for i in range(64):
+    for i in range(256):
         await gw.redis.set(f"filler:{i}", b"x" * 16_384)
     used = int((await gw.redis.info("memory"))["used_memory"])
-    await gw.redis.config_set("maxmemory", used - 65_536)
+    await gw.redis.config_set("maxmemory", used - (2 << 20))
     try:
         await gw.redis.set("probe", "1")
         raise AssertionError("Redis accepted a write past maxmemory")
