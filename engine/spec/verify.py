@@ -1,8 +1,9 @@
 """Exact verification of proposals: a row of 1 + k tokens (the last sampled token and k
 proposals) yields the target model's token at each of its k + 1 positions, drawn exactly as
 without speculation (the step plan's `spec_picker`: the greedy argmax, or the inverse-CDF draw
-keyed by (seed, stream, output-token index)); the proposals are accepted up to the first one that differs from
-the target's token, and the target's token there (or the bonus token after k accepted) is added.
+keyed by (seed, stream, output-token index)); the proposals are accepted up to the first one that
+differs from the target's token, and the target's token there (or the bonus token after k
+accepted) is added.
 
 For a deterministic proposer (a point mass q on proposal d) this is Leviathan et al.'s
 rejection sampling (arXiv 2211.17192) realized by coupling: the proposal is accepted with
