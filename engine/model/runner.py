@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import torch
@@ -45,7 +45,6 @@ class StepBatch:
     sampling: list[ScheduledSeq]  # the chunks those rows belong to
     prompt_rows: list[tuple[ScheduledSeq, int]]  # chunks keeping prompt-logit rows, with their first flat row
     spec_rows: Tensor | None = None  # flat index of every position of the speculative rows, in order
-    spec: list[ScheduledSeq] = field(default_factory=list)  # those rows, in order
 
 
 class BlockTableBuffer:
@@ -190,7 +189,7 @@ class ModelRunner:
         sample_rows = None if all_rows else torch.tensor(
             [e - 1 for s, e in zip(order, ends, strict=True) if s.sample], dtype=torch.int64)
         prompt_rows = [(s, e - c) for s, e, c in zip(order, ends, counts, strict=True) if s.num_prompt_logits]
-        spec = [s for s in order if s.num_spec]
+        spec = any(s.num_spec for s in order)
         spec_rows = torch.tensor([r for s, e in zip(order, ends, strict=True) if s.num_spec
                                   for r in range(e - 1 - s.num_spec, e)], dtype=torch.int64) if spec else None
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in order)), dtype=torch.int64)
@@ -207,7 +206,7 @@ class ModelRunner:
                                                                                  strict=False)] or None)
         return StepBatch(_on(input_ids, self.device), _on(positions, self.device), inputs.metadata(self.device),
                          inputs, None if sample_rows is None else _on(sample_rows, self.device), sampling,
-                         prompt_rows, None if spec_rows is None else _on(spec_rows, self.device), spec)
+                         prompt_rows, None if spec_rows is None else _on(spec_rows, self.device))
 
 
 def _on(tensor: Tensor, device: torch.device) -> Tensor:
