@@ -1,6 +1,6 @@
 """The synchronous engine: add_request / abort_request / step. No I/O; the worker and the
-offline `LLM` drive it. One step = schedule → move blocks + run the model → sample → update (the scheduler applies the
-samples to its sequences and builds the deltas)."""
+offline `LLM` drive it. One step = schedule → plan (`engine.sample.step_plan`) → move blocks + run the model →
+sample and verify → update (the scheduler applies the samples to its sequences and builds the deltas)."""
 
 from __future__ import annotations
 
@@ -37,19 +37,20 @@ from engine.model.capacity import (
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
 from engine.model.loader import load_hf_config, load_model, tokenizer_dir
 from engine.model.quant_linear import all_linears_quantized
-from engine.model.runner import ModelRunner, sampling_rows, spec_order
+from engine.model.runner import ModelRunner
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
 from engine.outputs import RequestOutput
 from engine.parallel import TensorParallelGroup, start_group
 from engine.sample.grammar import GrammarCompiler
 from engine.sample.sample_step import SampleStage
+from engine.sample.step_plan import plan_step
 from engine.sched.admission import RequestRejected, check_request
-from engine.sched.output import ScheduledSeq, StepSamples
+from engine.sched.output import StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 from engine.spec.speculator import Speculator
-from engine.spec.verify import accept, draw_from_logits, logit_ranges, verify_plan
+from engine.spec.verify import verify
 from ops.build import prepare as prepare_kernels
 from ops.parallel import openmp_rows_for, set_openmp_rows
 
@@ -371,18 +372,13 @@ class LLMEngine:
         self.last_step_decodes = sched.num_decodes
         samples = StepSamples()
         if not sched.is_empty:
-            pick = self.sampler.token_picker(sampling_rows(sched.scheduled))
-            spec = spec_order(sched.scheduled)
-            ranges = logit_ranges(spec, self.sampler.eos_list)
-            result = self.runner.execute(sched, pick, verify_plan(spec) if spec else None, list(ranges.values()))
-            samples = self.sampler(result.sampling, result.logits, result.prompt_hidden, result.tokens,
-                                   result.logit_rows)
-            if spec and result.spec_tokens is not None:
-                samples.spec = accept(spec, *self._spec_logprobs(spec, ranges, result.spec_tokens,
-                                                                 result.spec_logits))
+            plan = plan_step(sched.scheduled, self.sampler.eos_list)
+            result = self.runner.execute(sched, plan)
+            samples = self.sampler(plan, result)
+            samples.spec = verify(plan, result, self.sampler.sampler, self.sampler.eos_list, self.grammars)
             if self.speculator is not None and all(len(s.token_ids) == 1 or s.num_spec for s in sched.scheduled):
                 tokens = len(samples.seqs) + sum(len(r.tokens) for r in samples.spec)
-                self.speculator.observe_step(time.perf_counter() - start, tokens, bool(spec))
+                self.speculator.observe_step(time.perf_counter() - start, tokens, bool(plan.spec))
         outputs = self.scheduler.update_from_output(sched, samples)
         self.counters["finished_error"] += len(sched.rejected)
         if self.config.debug_blocks:
@@ -392,17 +388,6 @@ class LLMEngine:
                 self.requests.pop(out.request_id, None)
         self.counters["generation_tokens"] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
         return outputs
-
-    def _spec_logprobs(self, spec: list[ScheduledSeq], ranges: dict[int, tuple[int, int]], tokens: torch.Tensor,
-                       logits: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, Any]]:
-        """The speculative positions' tokens, those of the `ranges` rows drawn from their logits
-        (`draw_from_logits`), and those rows' logprobs by item index."""
-        chosen: dict[int, Any] = {}
-        for (i, (lo, hi)), item_logits in zip(ranges.items(), logits, strict=True):
-            drawn, chosen[i] = draw_from_logits(spec[i], item_logits, self.sampler.sampler, self.sampler.eos_list,
-                                                self.grammars)
-            tokens[lo:hi] = drawn
-        return tokens, chosen
 
     def stats(self) -> dict[str, Any]:
         """Block-pool figures, queue lengths and counters, as plain values."""

@@ -32,13 +32,9 @@ LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 M
 
 
 class TokenPicker(Protocol):
-    """How `pick_tokens` turns rows of logits into tokens (`engine.sample.sampler.TokenPlan`).
-
-    `logit_rows` (sorted) are rows of the step that come back as logits instead (the runner's
-    concern: `ModelRunner.execute`); the picker's own rows are the step's other rows, in order."""
+    """How `pick_tokens` turns rows of logits into tokens (`engine.sample.sampler.TokenPlan`)."""
 
     random_rows: list[int]  # sorted rows drawn from their logits; every other row is greedy (argmax)
-    logit_rows: list[int]
 
     def __call__(self, logits: Tensor, first_row: int) -> Tensor:
         """The int64 tokens of the rows from `first_row` on, given their logits."""

@@ -1,5 +1,6 @@
 """The model runner: a scheduler output becomes one flattened, unpadded batch; block copies
-and swaps run first; the model runs once; logits come back for the rows that sample.
+and swaps run first; the model runs once; what the step's plan (`engine.sample.step_plan`) asks
+comes back: logits for the rows that need them, tokens for the rows the plan's picker takes.
 
 It reads only the scheduler's output (`engine.sched.output`): token ids, start positions and
 block tables. Slots are computed in bulk from the step's block-table tensor, which persists
@@ -9,14 +10,13 @@ A speculative row (`ScheduledSeq.num_spec` = k) runs among the decodes as 1 + k 
 the same block table, with context lengths L + 1 .. L + 1 + k: each position's attention sums run
 in exactly the order plain decoding runs them (bit for bit, so no near tie breaks differently in
 attention). Each of the
-k + 1 positions yields a token, taken by the verifier's picker (`engine.spec.verify.verify_plan`)
-as `ModelOutput.spec_tokens`."""
+k + 1 positions yields a token, taken by the plan's `spec_picker` as `ModelOutput.spec_tokens`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import torch
@@ -24,9 +24,10 @@ from torch import Tensor
 
 import ops
 from engine.model.attention import AttentionMetadata
-from engine.model.llama import LlamaForCausalLM, TokenPicker
+from engine.model.llama import LlamaForCausalLM
 from engine.model.step_inputs import StepInputs
-from engine.sched.output import ScheduledSeq, SchedulerOutput
+from engine.sample.step_plan import ModelOutput, StepPlan
+from engine.sched.output import ScheduledSeq, SchedulerOutput, batch_order, is_prefill
 
 KVCaches = list[tuple[Tensor, Tensor]]
 StepPublisher = Callable[[StepInputs], None]  # rank 0 of a tensor-parallel group: send the step to the others
@@ -44,44 +45,6 @@ class StepBatch:
     sampling: list[ScheduledSeq]  # the chunks those rows belong to
     prompt_rows: list[tuple[ScheduledSeq, int]]  # chunks keeping prompt-logit rows, with their first flat row
     spec_rows: Tensor | None = None  # flat index of every position of the speculative rows, in order
-    spec: list[ScheduledSeq] = field(default_factory=list)  # those rows (`spec_order`)
-
-
-@dataclass(slots=True)
-class ModelOutput:
-    """fp32 logits of the sampling rows (`sampling[i]` owns row i), and, for prompt logprobs, the
-    hidden states of the rows that predict prompt tokens. With a picker: `tokens` of the rows
-    not in `logit_rows` (in order), and `logits` of the `logit_rows` only."""
-
-    logits: Tensor
-    sampling: list[ScheduledSeq]
-    prompt_hidden: list[tuple[ScheduledSeq, Tensor]]
-    tokens: Tensor | None = None
-    logit_rows: list[int] = field(default_factory=list)
-    spec_tokens: Tensor | None = None  # the target's token at each speculative position (`spec_order`)
-    spec_logits: list[Tensor] = field(default_factory=list)  # fp32 logits of each `spec_logit_rows` range
-
-
-def is_prefill(s: ScheduledSeq) -> bool:
-    """A prefill chunk: more than one new token, or a prompt token (a chunk of one that chunked
-    prefill left: it keeps the prompt rows' arithmetic, `LinearRows.exact_rows`); not a speculative row
-    (those attend as decodes)."""
-    return (len(s.token_ids) > 1 or s.start < s.seq.num_prompt_tokens) and not s.num_spec
-
-
-def batch_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-    """The step's rows: prefill chunks first, then decodes and speculative rows (in scheduled order)."""
-    return [s for s in scheduled if is_prefill(s)] + [s for s in scheduled if not is_prefill(s)]
-
-
-def sampling_rows(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-    """The chunks that sample, in the order of the runner's logits (or tokens) rows."""
-    return [s for s in batch_order(scheduled) if s.sample]
-
-
-def spec_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-    """The speculative rows, in the order of `ModelOutput.spec_tokens` (k + 1 tokens each)."""
-    return [s for s in batch_order(scheduled) if s.num_spec]
 
 
 class BlockTableBuffer:
@@ -142,14 +105,12 @@ class ModelRunner:
         return self.model(_on(inputs.input_ids, self.device), _on(inputs.positions, self.device), self.kv_caches,
                           inputs.metadata(self.device))
 
-    def execute(self, sched: SchedulerOutput, pick: TokenPicker | None = None,
-                spec_pick: TokenPicker | None = None,
-                spec_logit_rows: list[tuple[int, int]] | None = None) -> ModelOutput:
-        """Move blocks, run the model; the sampling rows' fp32 logits (and prompt-logit rows), or
-        with `pick` their tokens instead, except for `pick.logit_rows` (rows in `sampling_rows`
-        order); the speculative positions' tokens by `spec_pick` (greedy without one), and the
-        fp32 logits of the speculative position ranges `spec_logit_rows` (one lm_head call per
-        range: a sequence's 1 + k positions, as many rows as plain decoding gives its lm_head)."""
+    def execute(self, sched: SchedulerOutput, plan: StepPlan) -> ModelOutput:
+        """Move blocks, run the model; what `plan` asks: the fp32 logits of its `logit_rows` and
+        its picker's tokens of the other sampling rows, each speculative position's token by its
+        `spec_picker` and the fp32 logits of its `spec_logit_ranges` (one lm_head call per range:
+        a sequence's 1 + k positions, as many rows as plain decoding gives its lm_head), and the
+        hidden states of the rows that predict prompt tokens."""
         batch = self.prepare(sched.scheduled, sched)
         if self.publish is not None:
             sent = time.perf_counter()
@@ -158,31 +119,32 @@ class ModelRunner:
         self.move_blocks(batch.inputs)
         start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # exact ranges: in meta
-        logits, tokens = hidden.new_empty((0, 0), dtype=torch.float32), None
-        if batch.sampling:
+        out = ModelOutput(hidden.new_empty((0, 0), dtype=torch.float32))
+        if plan.sampling:
             rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
-            if pick is not None and pick.logit_rows:
-                keep = torch.tensor(pick.logit_rows, dtype=torch.long, device=rows.device)
-                picked = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-                picked[keep] = False
-                logits = self.model.compute_logits(rows.index_select(0, keep))
-                tokens = self.model.pick_tokens(rows[picked], pick)
-            elif pick is not None:
-                tokens = self.model.pick_tokens(rows, pick)
-            else:
-                logits = self.model.compute_logits(rows)
-        spec_tokens, spec_logits = None, []
+            out.logits, out.tokens = self._sample_rows(rows, plan)
         if batch.spec_rows is not None:
             spec_hidden = hidden.index_select(0, batch.spec_rows)
-            spec_tokens = (self.model.pick_tokens(spec_hidden, spec_pick) if spec_pick is not None
-                           else self.model.compute_logits(spec_hidden).argmax(dim=-1))
-            spec_logits = [self.model.compute_logits(spec_hidden[lo:hi]) for lo, hi in spec_logit_rows or []]
+            out.spec_tokens = self.model.pick_tokens(spec_hidden, plan.spec_picker)
+            out.spec_logits = [self.model.compute_logits(spec_hidden[lo:hi])
+                               for lo, hi in plan.spec_logit_ranges.values()]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
-        prompt = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
-        return ModelOutput(logits, batch.sampling, prompt, tokens, pick.logit_rows if pick is not None else [],
-                           spec_tokens, spec_logits)
+        out.prompt_hidden = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
+        return out
+
+    def _sample_rows(self, rows: Tensor, plan: StepPlan) -> tuple[Tensor, Tensor | None]:
+        """The logits of the plan's `logit_rows` of the sampling rows' hidden states, and the
+        picker's tokens of the others (None without a picker)."""
+        if plan.picker is None:
+            return self.model.compute_logits(rows), None
+        if not plan.logit_rows:
+            return rows.new_empty((0, 0), dtype=torch.float32), self.model.pick_tokens(rows, plan.picker)
+        keep = torch.tensor(plan.logit_rows, dtype=torch.long, device=rows.device)
+        picked = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+        picked[keep] = False
+        return self.model.compute_logits(rows.index_select(0, keep)), self.model.pick_tokens(rows[picked], plan.picker)
 
     def move_blocks(self, inputs: StepInputs) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""
@@ -227,7 +189,7 @@ class ModelRunner:
         sample_rows = None if all_rows else torch.tensor(
             [e - 1 for s, e in zip(order, ends, strict=True) if s.sample], dtype=torch.int64)
         prompt_rows = [(s, e - c) for s, e, c in zip(order, ends, counts, strict=True) if s.num_prompt_logits]
-        spec = [s for s in order if s.num_spec]
+        spec = any(s.num_spec for s in order)
         spec_rows = torch.tensor([r for s, e in zip(order, ends, strict=True) if s.num_spec
                                   for r in range(e - 1 - s.num_spec, e)], dtype=torch.int64) if spec else None
         input_ids = torch.tensor(list(chain.from_iterable(s.token_ids for s in order)), dtype=torch.int64)
@@ -244,7 +206,7 @@ class ModelRunner:
                                                                                  strict=False)] or None)
         return StepBatch(_on(input_ids, self.device), _on(positions, self.device), inputs.metadata(self.device),
                          inputs, None if sample_rows is None else _on(sample_rows, self.device), sampling,
-                         prompt_rows, None if spec_rows is None else _on(spec_rows, self.device), spec)
+                         prompt_rows, None if spec_rows is None else _on(spec_rows, self.device))
 
 
 def _on(tensor: Tensor, device: torch.device) -> Tensor:

@@ -9,6 +9,7 @@ on. The score arithmetic is done in fp32 torch ops in HF's order, so ties and ro
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -59,6 +60,11 @@ class BeamSearchState:
     @property
     def num_running(self) -> int:
         return 0 if self._done else len(self._running)
+
+    def copy(self) -> BeamSearchState:
+        """An independent copy in the same state: `step` rebinds every attribute it changes (new
+        lists, new tensors) and never writes into one, so a shallow copy steps on its own."""
+        return copy.copy(self)
 
     def step(self, beam_logprobs: torch.Tensor) -> list[tuple[int, int]]:
         """Advance one token. `beam_logprobs` is [num_running, vocab] log_softmax output."""

@@ -1,14 +1,12 @@
-"""One step's sampling: model output → `StepSamples`, changing no sequence (the scheduler's
-`update_from_output` applies them).
+"""One step's sampling: the model's output for the step's plan → `StepSamples`, changing no
+sequence and no request (the scheduler's `update_from_output` applies them, beam searches too).
 
-Rows: each sampling chunk's logits row, except that a request of n > 1 at its first token
-samples one row per candidate (the row repeated, keyed by each candidate's stream) and beam
-requests go to the beam search. Then: logprobs of the raw rows that ask → penalties, bias,
-min_tokens → grammar masks → sampler, each in bulk; one `tolist()` per result tensor.
-
-When every row of a step needs only a token drawn from its own logits (`token_picker`: greedy,
-or random without filters), the runner takes the tokens group by group as the lm_head makes the
-logits (`LlamaForCausalLM.pick_tokens`) and never keeps the logits matrix."""
+Rows (`engine.sample.step_plan.StepPlan`): each logits row samples as many rows as its plan width
+(a request of n > 1 at its first token: the row repeated, keyed by each candidate's stream) or
+goes to its request's beam search. Then: logprobs of the raw rows that ask → penalties, bias,
+min_tokens → grammar masks → sampler, each in bulk; one `tolist()` per result tensor. The rows
+the plan's picker took (greedy, or random without processors) come as tokens: the runner took
+them group by group as the lm_head made the logits (`LlamaForCausalLM.pick_tokens`)."""
 
 from __future__ import annotations
 
@@ -19,20 +17,12 @@ import torch
 from engine.sample.beam_step import beam_step
 from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.penalty_counts import PenaltyCounts
-from engine.sample.processors import apply_processors, changes_logits
+from engine.sample.processors import apply_processors
 from engine.sample.prompt_logprobs import chunk_prompt_logprobs
-from engine.sample.sampler import Draws, Logprobs, Sampler, SamplingBatch, TokenPlan
-from engine.sched.output import ScheduledSeq, StepSamples
+from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
+from engine.sample.step_plan import BEAM, ModelOutput, StepPlan
+from engine.sched.output import StepSamples
 from engine.sched.sequence import Sequence, sample_stream
-
-
-def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
-    """Whether a row's token must come from its logits through the full path (`SampleStage`, or
-    for a speculative row `engine.spec.verify.draw_from_logits`) rather than a `TokenPlan`: more
-    than one candidate or beams, logprobs, a grammar, or a processor changing its logits now."""
-    p = seq.request.params
-    return (p.num_candidates != 1 or p.use_beam_search or p.logprobs is not None or seq.grammar is not None
-            or changes_logits(seq, eos_token_ids))
 
 
 class SampleStage:
@@ -47,60 +37,36 @@ class SampleStage:
         self.sampler = Sampler()
         self.penalty_counts = PenaltyCounts()
 
-    def token_picker(self, rows: list[ScheduledSeq]) -> TokenPlan | None:
-        """How to take these rows' tokens straight from their logits (`TokenPlan`), or None when
-        every row needs the logits themselves (`needs_logits`). `rows` are in the runner's order
-        (`engine.model.runner.sampling_rows`)."""
-        draws = Draws()  # rows numbered among the picked rows
-        logit_rows: list[int] = []
-        for i, item in enumerate(rows):
-            seq = item.seq
-            p = seq.request.params
-            if needs_logits(seq, self.eos_list):
-                logit_rows.append(i)
-            elif not p.is_greedy:
-                draws.add(i - len(logit_rows), p, seq.stream, seq.num_output_tokens)
-        if len(logit_rows) == len(rows):
-            return None
-        return TokenPlan(draws, logit_rows)
-
-    def __call__(self, sampling: list[ScheduledSeq], logits: torch.Tensor,
-                 prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]],
-                 tokens: torch.Tensor | None = None, logit_rows: list[int] | None = None) -> StepSamples:
-        """`tokens`: the tokens of the rows not in `logit_rows`, already taken (see `token_picker`);
-        `logits` then holds the `logit_rows` only."""
+    def __call__(self, plan: StepPlan, result: ModelOutput) -> StepSamples:
+        """The samples of the plan's sampling rows and prompt-logprob chunks (not its speculative
+        rows: `engine.spec.verify.verify`): the logits rows first, then the picked rows."""
         out = StepSamples()
-        for item, hidden in prompt_hidden:
+        for item, hidden in result.prompt_hidden:
             k = item.seq.request.params.prompt_logprobs or 0
             out.prompt_logprobs[item.seq.request.request_id] = chunk_prompt_logprobs(
                 self.compute_logits, item, hidden, k)
-        if tokens is None:
-            self._from_logits(sampling, logits, out)
-            return out
-        needs = set(logit_rows or [])
-        if needs:  # first, so that the row indices of out.top_logprobs stay those of _from_logits
-            self._from_logits([sampling[i] for i in sorted(needs)], logits, out)
-        picked = [item.seq for i, item in enumerate(sampling) if i not in needs]
-        out.seqs += picked
-        out.token_ids += [[t] for t in tokens.tolist()]
-        if out.logprobs is not None:
-            out.logprobs += [[0.0]] * len(picked)  # as `_sample` fills rows that asked for none
+        if plan.logit_rows:  # first, so that the row indices of out.top_logprobs are the logits rows'
+            self._from_logits(plan, result.logits, out)
+        if result.tokens is not None:
+            picked = [plan.sampling[i].seq for i in plan.picked_rows]
+            out.seqs += picked
+            out.token_ids += [[t] for t in result.tokens.tolist()]
+            if out.logprobs is not None:
+                out.logprobs += [[0.0]] * len(picked)  # as `_sample` fills rows that asked for none
         return out
 
-    def _from_logits(self, sampling: list[ScheduledSeq], logits: torch.Tensor, out: StepSamples) -> None:
-        """Sample every row of `sampling` from `logits` (row i is `sampling[i]`'s)."""
+    def _from_logits(self, plan: StepPlan, logits: torch.Tensor, out: StepSamples) -> None:
+        """Sample every logits row of the plan (`logits` row j is `plan.logit_rows[j]`'s)."""
         rows: list[int] = []  # logits row of each sample row
         seqs: list[Sequence] = []
         widths: list[int] = []  # sample rows per sampling sequence (n > 1 forks at its first token)
         beams: dict[str, list[tuple[Sequence, int]]] = {}
-        for i, item in enumerate(sampling):
-            seq = item.seq
-            request = seq.request
-            if request.params.use_beam_search:
-                beams.setdefault(request.request_id, []).append((seq, i))
+        for j, (i, width) in enumerate(zip(plan.logit_rows, plan.widths, strict=True)):
+            seq = plan.sampling[i].seq
+            if width == BEAM:
+                beams.setdefault(seq.request.request_id, []).append((seq, j))
                 continue
-            width = request.params.num_candidates if request.needs_fork else 1
-            rows += [i] * width
+            rows += [j] * width
             seqs.append(seq)
             widths.append(width)
         if seqs:

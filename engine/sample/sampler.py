@@ -10,8 +10,8 @@ The per-row parameters travel as tensors (`SamplingBatch`); a batch of greedy ro
 argmax, with no softmax; random rows go to one inverse-CDF kernel that never writes the
 probabilities out (`ops.sample_from_logits`, or `ops.sample_filtered` when a row has top-k,
 top-p, min-p or typical-p). The random rows' parameters are gathered in one place (`Draws`) and
-drawn by one function (`draw`), whoever asks: this sampler, the runner's `TokenPlan`, the
-speculative verifier.
+drawn by one function (`draw`), whoever asks: this sampler, and the `TokenPlan`s of the step's
+plan (`engine.sample.step_plan`) for the runner's picked rows and the speculative positions.
 
 Logprobs (`Logprobs`) are log_softmax of the logits *before* any processor (penalties, bias,
 grammar mask, temperature, filters), as the OpenAI API and vLLM report them: the model's own
@@ -54,7 +54,7 @@ class SeedKey:
 
 class Draws:
     """The random rows of a batch, gathered the one way every caller takes them (the sampler's
-    batch, `SampleStage.token_picker`, `engine.spec.verify.verify_plan`): per row its temperature,
+    batch, the step plan's pickers, `engine.sample.step_plan`): per row its temperature,
     its uniform keyed by (seed, stream, token index) and, when some row is filtered, the filters
     (`FILTERS`) in the order `ops.sample_filtered` takes them. `rows` says which rows they are."""
 
@@ -66,7 +66,9 @@ class Draws:
         self.filtered = False
 
     def add(self, row: int, params: SamplingParams, stream: str, token_index: int) -> None:
-        """Row `row` draws at random (the caller knows `params` is not greedy)."""
+        """Row `row` of `params`: drawn at random unless they are greedy (its argmax: nothing to add)."""
+        if params.is_greedy:
+            return
         self.rows.append(row)
         self.temperatures.append(params.temperature)
         self.uniforms.append(uniform(params.seed, stream, token_index))
@@ -131,8 +133,7 @@ class SamplingBatch:
         self.num_logprobs = [params[i].logprobs or 0 for i in self.logprob_rows]
         random = Draws()
         for i, p in enumerate(params):
-            if not p.is_greedy:
-                random.add(i, p, streams[i], token_indices[i])
+            random.add(i, p, streams[i], token_indices[i])
         self.random_rows = random.rows
         if self.random_rows:
             self.draws = random.tensors().slice(0, len(self.random_rows), device)
@@ -147,13 +148,11 @@ class TokenPlan:
     """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
     without keeping the logits: the argmax, and for the rows of `draws` (sorted) the inverse-CDF
     draw that `Sampler` makes for a random row (`draw`, the same `Draws`), so a row gets the same
-    token either way. Every other row is greedy. The plan's rows are the step's rows minus
-    `logit_rows`, which need their logits and take `SampleStage`'s full path."""
+    token either way. Every other row is greedy."""
 
-    def __init__(self, draws: Draws, logit_rows: list[int] | None = None) -> None:
+    def __init__(self, draws: Draws) -> None:
         self.draws = draws
         self.random_rows = draws.rows
-        self.logit_rows = logit_rows or []  # rows of the step that need their logits (not this plan's)
         self.tensors = draws.tensors()
 
     def only_random(self) -> TokenPlan:

@@ -1,12 +1,12 @@
 """The data a step hands between its stages, torch-free.
 
-    Scheduler.schedule() ──SchedulerOutput──▶ ModelRunner.execute()      (tokens, positions, block tables)
-                                      └─────▶ SampleStage (engine.sample) ──StepSamples──▶
-    Scheduler.update_from_output()   (the one place sequence state changes after a step)
+    Scheduler.schedule() ──SchedulerOutput──▶ plan_step (engine.sample.step_plan) ──StepPlan──▶
+    ModelRunner.execute() ──ModelOutput──▶ SampleStage (engine.sample), verify (engine.spec) ──StepSamples──▶
+    Scheduler.update_from_output()   (the one place sequence and request state changes after a step)
 
-The runner reads only the plain fields of `ScheduledSeq` (never `seq`, never the block manager);
-the sampling stage reads `seq` for its parameters and history but changes nothing; the
-scheduler applies what `StepSamples` says."""
+The runner reads only the plain fields of `ScheduledSeq` (never `seq`, never the block manager)
+and the step's plan; the plan and the sampling stage read `seq` for its parameters and history
+but change nothing; the scheduler applies what `StepSamples` says (beam searches included)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.sched.sequence import Request, Sequence
+    from engine.sched.sequence import BeamSearch, Request, Sequence
 
 
 @dataclass(slots=True)
@@ -48,6 +48,19 @@ class ScheduledSeq:
         return len(self.token_ids)
 
 
+def is_prefill(s: ScheduledSeq) -> bool:
+    """A prefill chunk: more than one new token, or a prompt token (a chunk of one that chunked
+    prefill left: it keeps the prompt rows' arithmetic, `LinearRows.exact_rows`); not a speculative row
+    (those attend as decodes)."""
+    return (len(s.token_ids) > 1 or s.start < s.seq.num_prompt_tokens) and not s.num_spec
+
+
+def batch_order(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The step's rows as the runner lays them out: prefill chunks first, then decodes and
+    speculative rows (in scheduled order). The step plan numbers its rows in this order."""
+    return [s for s in scheduled if is_prefill(s)] + [s for s in scheduled if not is_prefill(s)]
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """One step's work: scheduled chunks (prefills first is the runner's business), block moves
@@ -71,11 +84,13 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class BeamChoice:
     """One beam-search request's step: the new running beams as (parent sequence, token); a
-    parent chosen twice is forked, a parent nobody chose is freed; `done` ends the search."""
+    parent chosen twice is forked, a parent nobody chose is freed; `done` ends the search;
+    `search` is its state after the step (the request keeps it)."""
 
     request: Request
     chosen: list[tuple[Sequence, int]]
     done: bool
+    search: BeamSearch
 
 
 @dataclass(slots=True)

@@ -1,7 +1,8 @@
 """After the model and the sampler: the one place a step's results change sequence state.
 
 In this order: computed-token counts and the prefix cache, prompt logprobs, sampled tokens
-(a request of n > 1 forks its candidates at its first token), beam-search forks and frees,
+(a request of n > 1 forks its candidates at its first token), beam searches (their new state,
+forks and frees),
 stops, then one delta per touched request. A request of n = 2 at its first token::
 
     samples   seqs=[s0]  token_ids=[[t_a, t_b]]       (one row, one token per candidate)
@@ -151,8 +152,10 @@ class Postprocessor:
         self._update.finished_seqs.append(seq)
 
     def _apply_beams(self, choice: BeamChoice) -> None:
-        """Fork parents chosen more than once, free parents nobody chose, append the tokens."""
+        """Keep the search's new state, fork parents chosen more than once, free parents nobody
+        chose, append the tokens."""
         request = choice.request
+        request.beam = choice.search
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         beams = request.unfinished_seqs()

@@ -28,7 +28,7 @@ class TokenConstraint(Protocol):
 class BeamSearch(Protocol):
     """A request's beam search as the scheduler sees it: whether it is over, and its best
     finished beams. The implementation is `engine.sample.beam_search.BeamSearchState`; the
-    sampling stage steps it, the scheduler only asks."""
+    sampling stage steps a copy of it, the scheduler keeps the new state and only asks."""
 
     @property
     def is_done(self) -> bool: ...

@@ -1,8 +1,9 @@
 """Exact verification of proposals: a row of 1 + k tokens (the last sampled token and k
 proposals) yields the target model's token at each of its k + 1 positions, drawn exactly as
-without speculation (`TokenPlan`: the greedy argmax, or the inverse-CDF draw keyed by (seed,
-stream, output-token index)); the proposals are accepted up to the first one that differs from
-the target's token, and the target's token there (or the bonus token after k accepted) is added.
+without speculation (the step plan's `spec_picker`: the greedy argmax, or the inverse-CDF draw
+keyed by (seed, stream, output-token index)); the proposals are accepted up to the first one that
+differs from the target's token, and the target's token there (or the bonus token after k
+accepted) is added.
 
 For a deterministic proposer (a point mass q on proposal d) this is Leviathan et al.'s
 rejection sampling (arXiv 2211.17192) realized by coupling: the proposal is accepted with
@@ -20,7 +21,7 @@ logits a processor changes (penalties, logit bias, min_tokens), takes its positi
 their logits instead (`draw_from_logits`: `SampleStage`'s path for a plain row, position by
 position: logprobs from the raw logits, the processors and the grammar mask as if the proposals
 before the position had been sampled, then the draw keyed by the output-token index the position
-will have); the accepted tokens keep their logprobs."""
+will have; the plan's `spec_logit_ranges` say which rows); the accepted tokens keep their logprobs."""
 
 from __future__ import annotations
 
@@ -29,37 +30,10 @@ import torch
 from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.penalty_counts import PenaltyCounts
 from engine.sample.processors import apply_processors, changes_logits
-from engine.sample.sample_step import needs_logits
-from engine.sample.sampler import Draws, Logprobs, Sampler, SamplingBatch, TokenPlan
+from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
+from engine.sample.step_plan import ModelOutput, StepPlan
 from engine.sched.output import ScheduledSeq, SpecResult
 from engine.sched.sequence import Sequence, TokenConstraint
-
-
-def verify_plan(items: list[ScheduledSeq]) -> TokenPlan:
-    """How to take the target's token at every position of the speculative rows (in order): the
-    draw a plain row makes at the output-token index the position will have."""
-    draws = Draws()
-    row = 0
-    for item in items:
-        seq = item.seq
-        p = seq.request.params
-        for j in range(item.num_spec + 1):
-            if not p.is_greedy:
-                draws.add(row, p, seq.stream, seq.num_output_tokens + j)
-            row += 1
-    return TokenPlan(draws)
-
-
-def logit_ranges(items: list[ScheduledSeq], eos_token_ids: list[int]) -> dict[int, tuple[int, int]]:
-    """Item index -> its positions' range among the speculative rows, for the rows that need their
-    logits (`needs_logits`, the rule plain rows follow; beams never speculate)."""
-    ranges: dict[int, tuple[int, int]] = {}
-    offset = 0
-    for i, item in enumerate(items):
-        if needs_logits(item.seq, eos_token_ids):
-            ranges[i] = (offset, offset + item.num_spec + 1)
-        offset += item.num_spec + 1
-    return ranges
 
 
 def position_grammars(grammar: TokenConstraint, proposals: list[int]) -> list[TokenConstraint]:
@@ -97,6 +71,19 @@ def draw_from_logits(item: ScheduledSeq, logits: torch.Tensor, sampler: Sampler,
         grammars.apply(logits, list(range(positions)), [g for g in states if isinstance(g, Grammar)])
     tokens = sampler(logits, batch)
     return tokens, logprobs.gather(tokens)
+
+
+def verify(plan: StepPlan, result: ModelOutput, sampler: Sampler, eos_token_ids: list[int],
+           grammars: GrammarCompiler | None = None) -> list[SpecResult]:
+    """The verified speculative rows of a step: the runner's token at each position, those of the
+    rows that need their logits drawn from them (`draw_from_logits`), then `accept`."""
+    if not plan.spec or result.spec_tokens is None:
+        return []
+    tokens = result.spec_tokens
+    chosen: dict[int, tuple[list[float], list[list[tuple[int, float]]]]] = {}
+    for (i, (lo, hi)), item_logits in zip(plan.spec_logit_ranges.items(), result.spec_logits, strict=True):
+        tokens[lo:hi], chosen[i] = draw_from_logits(plan.spec[i], item_logits, sampler, eos_token_ids, grammars)
+    return accept(list(plan.spec), tokens, chosen)
 
 
 def accept(items: list[ScheduledSeq], tokens: torch.Tensor,

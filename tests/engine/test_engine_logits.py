@@ -4,6 +4,7 @@ logits, and HF's log-softmax over the prompt (also chunked, and behind a prefix-
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from common.sampling_params import ParamError, SamplingParams
+from engine import llm_engine
 from engine.llm import LLM
+from engine.sample.step_plan import StepPlan, plan_step
 from engine.sched.admission import RequestRejected
 from tests.engine.helpers import assert_no_leaks
 
@@ -145,14 +148,14 @@ def test_penalties_with_beam_search_are_refused(llm: LLM) -> None:
 
 
 def _picked_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Record, step by step, whether the runner was given a token picker (no logits kept)."""
+    """Record, step by step, whether the step's plan gave the runner a token picker (no logits kept)."""
     seen: list[bool] = []
     runner = llm.engine.runner
     execute = runner.execute
 
-    def spy(sched: Any, pick: Any = None, *args: Any) -> Any:
-        seen.append(pick is not None)
-        return execute(sched, pick, *args)
+    def spy(sched: Any, plan: StepPlan) -> Any:
+        seen.append(plan.picker is not None)
+        return execute(sched, plan)
 
     monkeypatch.setattr(runner, "execute", spy)
     return seen
@@ -194,7 +197,7 @@ def test_steps_without_logits_give_the_same_tokens(llm: LLM, monkeypatch: pytest
     outs = llm.generate(prompts, params)
     assert outs[0].outputs[0].token_ids == alone
     assert seen and all(seen)
-    monkeypatch.setattr(llm.engine.sampler, "token_picker", lambda rows: None)
+    monkeypatch.setattr(llm_engine, "plan_step", functools.partial(plan_step, pick_tokens=False))
     seen.clear()
     full = llm.generate(prompts, params)
     assert seen and not any(seen)

@@ -166,7 +166,7 @@ def test_penalties_bias_and_min_tokens_give_plain_decodings_tokens(markov_llama_
 @pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"top_k": 20, "min_p": 0.02}])
 def test_typical_p_gives_plain_decodings_tokens(markov_llama_dir: Path, cycle_prompt: list[int],
                                                 spec: dict[str, Any], extra: dict[str, Any]) -> None:
-    """typical_p is verified as it is sampled: on the verifier's picker (`verify_plan`) and, with
+    """typical_p is verified as it is sampled: on the plan's verifier picker (`StepPlan.spec_picker`) and, with
     logprobs, from the positions' logits (`draw_from_logits`); the seeded tokens are plain
     decoding's, and the filter changes them."""
     prompts = [cycle_prompt] * 3 + PROMPTS[:2]

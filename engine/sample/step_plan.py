@@ -1,0 +1,123 @@
+"""One step's plan, decided once from the scheduler's output, and the model's answer to it.
+
+    SchedulerOutput ──plan_step──▶ StepPlan ──▶ ModelRunner.execute ──ModelOutput──▶ SampleStage
+                                                                                └──▶ engine.spec.verify
+
+The plan says, for the rows in the runner's order (`engine.sched.output.batch_order`), what each
+one needs: a sampling row either its logits (`needs_logits`: the full path of `SampleStage`) or a
+token taken straight from them (`picker`, a `TokenPlan`: greedy or an unfiltered-by-processors
+draw); a logits row its sample width (a request of n > 1 forks at its first token) or a beam
+search; a speculative row a token at each of its 1 + k positions (`spec_picker`) and, where it
+needs them, its positions' logits (`spec_logit_ranges`). The runner, the sampling stage and the
+verifier read it; none of them derives these rules again."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import torch
+
+from engine.sample.processors import changes_logits
+from engine.sample.sampler import Draws, TokenPlan
+from engine.sched.output import ScheduledSeq, batch_order
+from engine.sched.sequence import Sequence
+
+BEAM = 0  # `StepPlan.widths` of a row that goes to its request's beam search
+
+
+def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
+    """Whether a row's token must come from its logits through the full path (`SampleStage`, or
+    for a speculative row `engine.spec.verify.draw_from_logits`) rather than a `TokenPlan`: more
+    than one candidate or beams, logprobs, a grammar, or a processor changing its logits now."""
+    p = seq.request.params
+    return (p.num_candidates != 1 or p.use_beam_search or p.logprobs is not None or seq.grammar is not None
+            or changes_logits(seq, eos_token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one step's rows need (see the module docstring). Row numbers are positions in
+    `sampling` (the runner's logits or token rows) and in `spec` (k + 1 positions each)."""
+
+    sampling: tuple[ScheduledSeq, ...] = ()  # the chunks that sample, in the runner's row order
+    logit_rows: tuple[int, ...] = ()  # sorted rows of `sampling` that need their logits
+    widths: tuple[int, ...] = ()  # per logit row: the rows it samples (n > 1 at its first token), or BEAM
+    picker: TokenPlan | None = None  # the tokens of every other sampling row, in order; None: no such row
+    spec: tuple[ScheduledSeq, ...] = ()  # the speculative rows, in the runner's order
+    spec_picker: TokenPlan = field(default_factory=lambda: TokenPlan(Draws()))  # every position's token
+    # spec row index -> its positions' range among all speculative positions, for rows that need logits
+    spec_logit_ranges: Mapping[int, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def picked_rows(self) -> list[int]:
+        """The rows of `sampling` whose tokens the picker takes, in order."""
+        needs = set(self.logit_rows)
+        return [i for i in range(len(self.sampling)) if i not in needs]
+
+
+def plan_step(scheduled: list[ScheduledSeq], eos_token_ids: list[int], pick_tokens: bool = True) -> StepPlan:
+    """The plan of a step's scheduled chunks. `pick_tokens` False: every sampling row takes the
+    full logits path (the picker's rows give the same tokens either way; tests compare them)."""
+    order = batch_order(scheduled)
+    sampling = tuple(s for s in order if s.sample)
+    spec = tuple(s for s in order if s.num_spec)
+    logit_rows: list[int] = []
+    draws = Draws()  # numbered among the picked rows
+    for i, item in enumerate(sampling):
+        seq = item.seq
+        if not pick_tokens or needs_logits(seq, eos_token_ids):
+            logit_rows.append(i)
+        else:
+            draws.add(i - len(logit_rows), seq.request.params, seq.stream, seq.num_output_tokens)
+    picker = TokenPlan(draws) if len(logit_rows) < len(sampling) else None
+    widths = tuple(_width(sampling[i].seq) for i in logit_rows)
+    return StepPlan(sampling, tuple(logit_rows), widths, picker, spec, _verify_picker(spec),
+                    MappingProxyType(_spec_logit_ranges(spec, eos_token_ids)))
+
+
+def _width(seq: Sequence) -> int:
+    request = seq.request
+    if request.params.use_beam_search:
+        return BEAM
+    return request.params.num_candidates if request.needs_fork else 1
+
+
+def _verify_picker(items: tuple[ScheduledSeq, ...]) -> TokenPlan:
+    """How to take the target's token at every position of the speculative rows (in order): the
+    draw a plain row makes at the output-token index the position will have."""
+    draws = Draws()
+    row = 0
+    for item in items:
+        seq = item.seq
+        for j in range(item.num_spec + 1):
+            draws.add(row, seq.request.params, seq.stream, seq.num_output_tokens + j)
+            row += 1
+    return TokenPlan(draws)
+
+
+def _spec_logit_ranges(items: tuple[ScheduledSeq, ...], eos_token_ids: list[int]) -> dict[int, tuple[int, int]]:
+    """Item index -> its positions' range among the speculative rows, for the rows that need their
+    logits (`needs_logits`, the rule plain rows follow; beams never speculate)."""
+    ranges: dict[int, tuple[int, int]] = {}
+    offset = 0
+    for i, item in enumerate(items):
+        if needs_logits(item.seq, eos_token_ids):
+            ranges[i] = (offset, offset + item.num_spec + 1)
+        offset += item.num_spec + 1
+    return ranges
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """The runner's answer to a `StepPlan`: fp32 `logits` of the plan's `logit_rows` (in order),
+    the picker's `tokens` of the other sampling rows (in order; None without a picker), the
+    hidden states of each chunk's rows that predict prompt tokens (prompt logprobs), the target's
+    token at every speculative position, and the fp32 logits of each `spec_logit_ranges` range."""
+
+    logits: torch.Tensor
+    tokens: torch.Tensor | None = None
+    prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)
+    spec_tokens: torch.Tensor | None = None
+    spec_logits: list[torch.Tensor] = field(default_factory=list)
