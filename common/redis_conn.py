@@ -30,7 +30,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError
 
 from common.redis_spec import RedisSpec
 from common.redis_spec import redact_url as redact_url  # re-exported: its callers import it from here
@@ -187,6 +187,16 @@ async def pinned(client: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
     finally:
         connection.retry = saved
         await pool.release(connection)
+
+
+def refused_by_demoted_master(exc: BaseException) -> bool:
+    """True when `exc` is a write refused with READONLY: the node was the master and is a replica
+    now (a switch or a failover), so nothing was written and the write may go to the new master.
+    redis-py raises ReadOnlyError, or, on a Sentinel-managed master, a ConnectionError while
+    handling it (it drops the connection so the next one asks the sentinels again)."""
+    if isinstance(exc, ReadOnlyError):
+        return True
+    return isinstance(exc, RedisConnectionError) and isinstance(exc.__context__, ReadOnlyError)
 
 
 class NotReplicated(RedisConnectionError):
