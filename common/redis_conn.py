@@ -27,10 +27,15 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import ReadOnlyError, RedisError
 
 from common.redis_spec import RedisSpec
 from common.redis_spec import redact_url as redact_url  # re-exported: its callers import it from here
@@ -95,6 +100,32 @@ class _SentinelPool(SentinelConnectionPool):
             await self.sentinel_manager.aclose()
 
 
+class _FollowMaster(SentinelManagedConnection):
+    """Asks the sentinels for the master on every reconnect. redis-py (8.2) reconnects a dropped
+    connection in its send path (`connect_check_health`), which skips
+    `SentinelManagedConnection.connect` and goes back to the address it had: after a master
+    switch, the retries of a command refused READONLY all went to the demoted node (rate-limit
+    takes and registry reads failed where a fresh connection would have found the new master)."""
+
+    _resolving = False  # inside connect_to: the address was just asked for
+
+    async def connect_to(self, address: Any) -> None:
+        self._resolving = True
+        try:
+            await super().connect_to(address)
+        finally:
+            self._resolving = False
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if not self.is_connected and not self._resolving and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
+class _FollowMasterSSL(_FollowMaster, SentinelManagedSSLConnection):
+    """`_FollowMaster` over TLS."""
+
+
 class _MeteredSentinelPool(_SentinelPool, MeteredPool):
     """`MeteredPool`'s bounded wait and figures on a Sentinel-managed master."""
 
@@ -131,7 +162,8 @@ def pooled_client(spec: RedisSpec | str, max_connections: int, wait_timeout_s: f
         pool = MeteredPool.from_url(spec.url, max_connections=max_connections, timeout=wait_timeout_s, **kwargs)
         return aioredis.Redis(connection_pool=pool)
     return _sentinel(spec, kwargs).master_for(spec.master, connection_pool_class=_MeteredSentinelPool,
-                                              max_connections=max_connections, timeout=wait_timeout_s, **kwargs)
+                                              connection_class=_following(spec), max_connections=max_connections,
+                                              timeout=wait_timeout_s, **kwargs)
 
 
 def single_client(spec: RedisSpec | str, **kwargs: Any) -> aioredis.Redis:
@@ -139,7 +171,12 @@ def single_client(spec: RedisSpec | str, **kwargs: Any) -> aioredis.Redis:
     spec = _spec(spec)
     if not spec.uses_sentinel:
         return aioredis.Redis.from_url(spec.url, **kwargs)
-    return _sentinel(spec, kwargs).master_for(spec.master, connection_pool_class=_SentinelPool, **kwargs)
+    return _sentinel(spec, kwargs).master_for(spec.master, connection_pool_class=_SentinelPool,
+                                              connection_class=_following(spec), **kwargs)
+
+
+def _following(spec: RedisSpec) -> type[SentinelManagedConnection]:
+    return _FollowMasterSSL if spec.tls else _FollowMaster
 
 
 def master_address(client: aioredis.Redis) -> str:
@@ -187,6 +224,16 @@ async def pinned(client: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
     finally:
         connection.retry = saved
         await pool.release(connection)
+
+
+def refused_by_demoted_master(exc: BaseException) -> bool:
+    """True when `exc` is a write refused with READONLY: the node was the master and is a replica
+    now (a switch or a failover), so nothing was written and the write may go to the new master.
+    redis-py raises ReadOnlyError, or, on a Sentinel-managed master, a ConnectionError while
+    handling it (it drops the connection so the next one asks the sentinels again)."""
+    if isinstance(exc, ReadOnlyError):
+        return True
+    return isinstance(exc, RedisConnectionError) and isinstance(exc.__context__, ReadOnlyError)
 
 
 class NotReplicated(RedisConnectionError):

@@ -35,7 +35,15 @@ from common.protocol import (
     ProtocolError,
     decode_outputs,
 )
-from common.redis_conn import Epoch, MasterView, NotReplicated, PoolBusy, ReplicaAck, pinned
+from common.redis_conn import (
+    Epoch,
+    MasterView,
+    NotReplicated,
+    PoolBusy,
+    ReplicaAck,
+    pinned,
+    refused_by_demoted_master,
+)
 from gateway.broker.collector import RequestCollector
 from gateway.broker.engines import EngineRegistry
 from gateway.broker.reader import Reader, Subscribed
@@ -45,6 +53,7 @@ from gateway.broker.router import Route, Router
 log = get_logger("gateway.broker")
 READ_GRACE_S = 5.0  # seconds an XREAD may run past its BLOCK before it counts as hung
 CONFIRM_S = 30.0  # how long a submit whose WAIT was cut off waits for a master to settle it on
+RESEND_S = 0.1  # pause before a submit refused by a demoted master is sent to the new one
 
 # KEYS: the stream to add to, epoch key, then every stream of the model counted for the bound
 # (the shared one and the live engines' routed ones; the first one included).
@@ -168,7 +177,13 @@ class Broker:
         return collector
 
     async def _add(self, request: EngineRequest, stream: str) -> str:
-        for _ in range(2):
+        """Add `request` to `stream`; the entry id. A submit refused by a master just demoted (a
+        `switch-master` pauses writes, then the paused ones get READONLY) wrote nothing: it is
+        sent again, to the master the sentinels report now, for up to CONFIRM_S (with a plain URL
+        a replica stays one: refused at once)."""
+        deadline = time.monotonic() + CONFIRM_S
+        epoch_changes = 0
+        while True:
             if self.epoch.token is None:
                 await self.sync_epoch()
             request.epoch = self.epoch.token or ""
@@ -181,13 +196,19 @@ class Broker:
                             id=request.id, error=str(exc))
                 return await self._settle(request, stream, exc.args[1] if len(exc.args) > 1 else "")
             except RedisError as exc:
-                raise BrokerUnavailable.of(exc) from exc
+                if self.mode != "sentinel" or not refused_by_demoted_master(exc) or time.monotonic() > deadline:
+                    raise BrokerUnavailable.of(exc) from exc
+                log.info("request refused by a demoted master; sending it to the new one", id=request.id)
+                await asyncio.sleep(RESEND_S)
+                continue
             if status == "OK":
                 return text
             if status == "FULL":
                 raise QueueFull(request.model, int(text))
             await self.sync_epoch()  # EPOCH: Redis lost its data since we looked
-        raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
+            epoch_changes += 1
+            if epoch_changes == 2:
+                raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
 
     async def _submit_once(self, request: EngineRequest, stream: str) -> tuple[str, str]:
         """The submit script (adding to `stream`, bounding the model's queue), then, with replicas

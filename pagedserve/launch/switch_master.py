@@ -9,12 +9,16 @@ and does not stop them). So the switch here is:
 
 1. `CLIENT PAUSE <ms> WRITE` on the master: every write (of engines, gateways) waits, reads go on;
 2. wait until each replica's replication offset reaches the master's (they hold every write);
-3. `SENTINEL FAILOVER <name>` on a sentinel, and wait until the sentinels report the new master;
+3. `SENTINEL FAILOVER <name>` on a sentinel, and wait until every sentinel reports the new master
+   in `SENTINEL MASTERS`, which is what clients ask when they reconnect (it changes when the
+   failover ends, about a second after `GET-MASTER-ADDR-BY-NAME` names the promoted replica;
+   unpaused before that, reconnecting clients found the old master again and got READONLY
+   until then);
 4. `REPLICAOF <new>` on the old master at once (what the sentinels would do ~10 s later);
 5. `CLIENT UNPAUSE`: the writes that waited now get READONLY from the demoted node, and every
    pagedserve client reconnects to the master the sentinels report and sends them again.
 
-Writes wait for about as long as steps 2-4 take (about a second here). If the failover does not
+Writes wait for about as long as steps 2-4 take (about 2 s here). If the failover does not
 happen, the master is unpaused and stays the master."""
 
 from __future__ import annotations
@@ -74,20 +78,24 @@ class Switch:
         return redis.Redis(host=address[0], port=address[1], **self.node_kwargs)
 
     def reported_master(self) -> tuple[str, int]:
-        """The master the reachable sentinels agree on; SwitchError when they disagree or none answers."""
-        seen: set[tuple[str, int]] = set()
+        """The master the reachable sentinels agree on, as clients ask for it (`SENTINEL
+        MASTERS`, what redis-py reads: during a failover it still names the old master, while
+        `GET-MASTER-ADDR-BY-NAME` already names the promoted replica); SwitchError when they
+        disagree, none answers or one reports its master down."""
+        seen: set[tuple[str, int] | None] = set()
         for host, port in self.sentinels:
             try:
                 with self._sentinel(host, port) as client:
-                    addr = client.sentinel_get_master_addr_by_name(self.master)
+                    state = client.sentinel_master(self.master)
             except (redis.RedisError, OSError):
                 continue
-            if addr:
-                host_name = addr[0].decode() if isinstance(addr[0], bytes) else str(addr[0])
-                seen.add((host_name, int(addr[1])))
-        if len(seen) != 1:
-            raise SwitchError(f"the sentinels report {sorted(seen) or 'no master'} for {self.master!r}")
-        return seen.pop()
+            usable = state.get("is_master") and not state.get("is_sdown") and not state.get("is_odown")
+            seen.add((str(state["ip"]), int(state["port"])) if usable else None)
+        if len(seen) != 1 or None in seen:
+            raise SwitchError(f"the sentinels report {sorted(seen, key=str) or 'no master'} for {self.master!r}")
+        found = seen.pop()
+        assert found is not None
+        return found
 
     def run(self, pause_s: float, timeout_s: float) -> tuple[tuple[str, int], tuple[str, int]]:
         """Switch; returns (old master, new master)."""

@@ -10,7 +10,11 @@ SIGHUP restarts the children one at a time, replacement first (`Stack.rolling_re
 engine (the other of two engine ids) until the gateway sees it consuming, then SIGTERM to the old
 one, which drains and hands back what it still runs (resumed exactly by the new one); then a new
 gateway on the same port (every gateway of `up` listens with `--reuse-port`) until it answers
-/health itself, then SIGTERM to the old one, which drains its open streams to their end."""
+/health itself, then SIGTERM to the old one, which drains its open streams to their end.
+
+Several `up`s may share one Redis (a Sentinel group) and one port (`--reuse-port`): each with
+its own `--name`, which names its engines; the fleet is then restarted one `up` at a time
+(docs/deployment.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -46,6 +51,9 @@ class Stop(Exception):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """CLI options of `pagedserve up`."""
     parser.add_argument("--port", type=int, default=8000, help="gateway port (default %(default)s)")
+    parser.add_argument("--name", default="up", type=_stack_name,
+                        help="names this stack's engines (NAME-engine-0, NAME-engine-1) and gateways; give each `up` "
+                             "sharing one Redis its own (default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway address (default %(default)s)")
     parser.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct's Q4_1 GGUF, "
                                          "fetched on first run)")
@@ -86,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "\"--max-num-batched-tokens 512 --no-prefix-caching\"")
     parser.add_argument("--gateway-args", default="", metavar="ARGS",
                         help="more `pagedserve gateway` flags, e.g. \"--redis-pool-size 128 --max-queued 1000\"")
+
+
+def _stack_name(text: str) -> str:
+    """`--name`: letters, digits, '-' and '_' (it becomes part of engine and gateway ids)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: use up to 40 letters, digits, '-' or '_'")
+    return text
 
 
 def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -158,7 +173,8 @@ class Stack:
     engine, without its metrics port): a replacement is the same command in the other slot."""
 
     def __init__(self, engine_argv: list[str], gateway_argv: list[str], engine_env: dict[str, str],
-                 gateway_env: dict[str, str], url: str, metrics_port: int | None, ready_timeout: float) -> None:
+                 gateway_env: dict[str, str], url: str, metrics_port: int | None, ready_timeout: float,
+                 name: str = "up") -> None:
         self.engine_argv = engine_argv
         self.gateway_argv = gateway_argv
         self.engine_env = engine_env
@@ -166,7 +182,8 @@ class Stack:
         self.url = url
         self.metrics_port = metrics_port
         self.ready_timeout = ready_timeout
-        self.tag = f"up{os.getpid()}"  # gateway ids unique per `up`: two of them may share one Redis
+        self.name = name  # engine ids: stable across restarts of `up`, distinct between stacks on one Redis
+        self.tag = f"{name}{os.getpid()}"  # gateway ids unique per `up` process
         self.engine: Child | None = None
         self.gateway: Child | None = None
         self.starting: list[Child] = []  # replacements not yet serving (stopped too by stop_all)
@@ -176,7 +193,7 @@ class Stack:
         self.restarts = 0
 
     def start_engine(self, slot: int) -> Child:
-        engine_id = f"up-engine-{slot}"
+        engine_id = f"{self.name}-engine-{slot}"
         argv = [*self.engine_argv, "--engine-id", engine_id]
         if self.metrics_port:
             argv += ["--metrics-port", str(self.metrics_port + slot)]
@@ -205,11 +222,13 @@ class Stack:
         return [c for c in self.serving() if c.proc.poll() is not None]
 
     def wait_ready(self) -> None:
-        """Until the gateway answers /health and sees the engine consuming (first start)."""
-        assert self.engine is not None and self.gateway is not None
-        self._wait(self.gateway, "the gateway healthy with its engine",
-                   lambda body: self.engine is not None and self.engine.ident in body.get("engine_ids", ()),
-                   watch=[self.engine])
+        """Until the gateway answers /health itself (on a port other `up`s share, another one may
+        answer first) and sees the engine consuming (first start)."""
+        engine, gateway = self.engine, self.gateway
+        assert engine is not None and gateway is not None
+        self._wait(gateway, "the gateway healthy with its engine",
+                   lambda body: body.get("gateway") == gateway.ident and engine.ident in body.get("engine_ids", ()),
+                   watch=[engine])
 
     def _wait(self, child: Child, what: str, condition: Callable[[dict[str, Any]], bool],
               watch: Iterable[Child] = ()) -> None:
@@ -360,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{host}:{args.port}"
         stack = Stack(engine_args + tls + shlex.split(args.engine_args), gateway_args, secrets,
                       secrets | ({"PAGEDSERVE_API_KEYS": ",".join(args.api_key)} if args.api_key else {}),
-                      url, args.metrics_port, args.ready_timeout)
+                      url, args.metrics_port, args.ready_timeout, args.name)
         stack.start_engine(0)
         stack.start_gateway(0)
         stack.wait_ready()

@@ -128,6 +128,34 @@ async def test_readonly_from_a_demoted_master_reconnects(sentinel_group: Sentine
         await client.aclose()
 
 
+async def test_writes_paused_by_a_switch_are_retried_on_the_new_master(sentinel_group: SentinelGroup) -> None:
+    """Writes waiting on `switch-master`'s CLIENT PAUSE get READONLY from the demoted node when
+    it unpauses; the client's own retry (one, as the gateway's client has two) reconnects to the
+    master the sentinels report, not to the address the connection had, and each write lands
+    once: none fails (redis-py's send path reconnected to the old address: all five failed)."""
+    client = pooled_client(_spec(sentinel_group), 8, 5.0, **_retrying())
+    try:
+        await client.set("n", 0)
+        old = sentinel_group.master_port()
+        with redis.Redis(port=old) as master:
+            master.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")
+            try:
+                writes = [asyncio.create_task(client.incr("n")) for _ in range(5)]
+                deadline = asyncio.get_running_loop().time() + 30
+                while sum(c.get("cmd") == "incrby" and "b" in c.get("flags", "") for c in master.client_list()) < 5:
+                    assert asyncio.get_running_loop().time() < deadline, master.client_list()
+                    await asyncio.sleep(0.05)
+                done = await asyncio.to_thread(sentinel_group.switch_master)
+            finally:
+                master.execute_command("CLIENT", "UNPAUSE")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert sorted(await asyncio.gather(*writes)) == [1, 2, 3, 4, 5]
+        with redis.Redis(port=sentinel_group.master_port()) as new:
+            assert new.get("n") == b"5"
+    finally:
+        await client.aclose()
+
+
 def _wait_role(client: redis.Redis, role: str, timeout: float = 20.0) -> None:
     import time
 

@@ -10,106 +10,32 @@ leaves the old processes serving. Conditions are polled; no duration is asserted
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import pytest
 import redis
 
 from common.ports import free_port
 from common.protocol import Keys
 from pagedserve.launch.redis_server import RedisServer
-from tests.e2e.faults import MODEL, Outcome, prompt, stream_one
-from tests.e2e.support import ROOT
+from tests.e2e.faults import MODEL
+from tests.e2e.up_support import Load, Up, same_answers
 
 pytestmark = pytest.mark.slow
-PROMPTS = 12
 CLIENTS = 6
-MAX_TOKENS = 64
 KEYS = Keys()
 ENGINE_STOP = "stopping the old engine"
 GATEWAY_STOP = "stopping the old gateway"
 
 
-class Up:
-    """`pagedserve up` on a test Redis, the tiny model, logging to a file."""
-
-    def __init__(self, model: Path, redis_url: str, log_path: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        engine_args = "--dtype float32 --heartbeat-interval 0.5 --drain-timeout 1"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve.cli", "up", "--port", str(self.port), "--model", str(model),
-             "--served-model-name", MODEL, "--device", "cpu", "--kv-cache-memory", "16MiB", "--redis-url", redis_url,
-             "--ready-timeout", "240", "--engine-args", engine_args,
-             "--gateway-args", "--request-timeout 300 --drain-timeout 120", *extra],
-            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-    def text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def count(self, needle: str) -> int:
-        return self.text().count(needle)
-
-    def wait_for(self, needle: str, times: int = 1, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self.count(needle) < times:
-            assert self.proc.poll() is None, f"up exited ({self.proc.returncode}): {self.text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no {needle!r} x{times} in up's log: {self.text()[-3000:]}"
-            time.sleep(0.1)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return int(self.proc.returncode)
-
-
-@dataclass
-class Load:
-    """Looping clients; every request's prompt index and outcome, and how many are open now."""
-
-    url: str
-    results: list[tuple[int, Outcome]] = field(default_factory=list)
-    open_now: int = 0
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def client(self, k: int) -> None:
-        timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
-        async with aiohttp.ClientSession(timeout=timeout) as session:  # keep-alive, as real clients
-            i = 0
-            while not self.stop.is_set():
-                index = (k * 5 + i) % PROMPTS
-                i += 1
-                self.open_now += 1
-                try:
-                    out = await stream_one(session, self.url, prompt(index), MAX_TOKENS)
-                finally:
-                    self.open_now -= 1
-                self.results.append((index, out))
-
-
 @pytest.fixture
 def stack(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[tuple[Up, str]]:
     with RedisServer() as server:
-        up = Up(tiny_llama_dir, server.url, tmp_path / "up.log")
+        up = Up(tiny_llama_dir, ["--redis-url", server.url], tmp_path / "up.log")
         try:
             up.wait_for("Ctrl-C stops everything")
             yield up, server.url
@@ -132,10 +58,7 @@ async def _restart_under_load(up: Up, load: Load, restarts: int) -> dict[str, in
                 if key not in seen and up.count(step) >= n:
                     seen[key] = load.open_now
             await asyncio.sleep(0.05)
-        before = len(load.results)
-        while len(load.results) < before + 2 * CLIENTS:  # the restarted stack serves
-            assert up.proc.poll() is None, up.text()[-3000:]
-            await asyncio.sleep(0.05)
+        await load.progress(2 * CLIENTS, [up])  # the restarted stack serves
     return seen
 
 
@@ -144,20 +67,9 @@ def _engine_ids(redis_url: str) -> list[str]:
         return sorted(k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=KEYS.engine("*")))
 
 
-async def _same_answers(up: Up, reference: list[str] | None = None) -> list[str]:
-    """Each prompt once, concurrently: all must finish whole (and equal `reference` when given)."""
-    timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        outs = await asyncio.gather(*(stream_one(session, up.url, prompt(i), MAX_TOKENS) for i in range(PROMPTS)))
-    assert all(o.done and o.error is None and o.tokens == MAX_TOKENS for o in outs), outs
-    texts = [o.text for o in outs]
-    assert reference is None or texts == reference
-    return texts
-
-
 async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) -> None:
     up, redis_url = stack
-    reference = await _same_answers(up)  # the undisturbed run
+    reference = await same_answers(up.url)  # the undisturbed run
     assert _engine_ids(redis_url) == ["up-engine-0"]
 
     load = Load(up.url)
@@ -170,8 +82,7 @@ async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) ->
         load.stop.set()
         await asyncio.gather(*clients)
 
-    failed = [(i, o) for i, o in load.results
-              if not (o.done and o.error is None and o.tokens == MAX_TOKENS and o.text == reference[i])]
+    failed = load.failed(reference)
     print(f"\nrolling restart x2 under {CLIENTS} looping clients: {len(load.results)} requests, "
           f"{len(load.results) - len(failed)} identical to the undisturbed run, {len(failed)} not; "
           f"open when each old process was stopped: {in_flight}")
@@ -208,22 +119,22 @@ async def test_a_replacement_that_cannot_start_leaves_the_old_one_serving(tiny_l
     second SIGHUP restarts everything."""
     metrics_port, blocker = _port_pair()
     with RedisServer() as server:
-        up = Up(tiny_llama_dir, server.url, tmp_path / "up.log", "--metrics-port", str(metrics_port))
+        up = Up(tiny_llama_dir, ["--redis-url", server.url], tmp_path / "up.log", "--metrics-port", str(metrics_port))
         try:
             up.wait_for("Ctrl-C stops everything")
-            reference = await _same_answers(up)
+            reference = await same_answers(up.url)
             up.proc.send_signal(signal.SIGHUP)
             await asyncio.to_thread(up.wait_for, "rolling restart: failed")
             log = up.text()
             assert "up-engine-1" in log and "exited with code 1" in log, log[-3000:]
             assert "old engine exited" not in log and "gateway replacement started" not in log, log[-3000:]
             assert _engine_ids(server.url) == ["up-engine-0"]
-            await _same_answers(up, reference)
+            await same_answers(up.url, reference)
             blocker.close()
             up.proc.send_signal(signal.SIGHUP)
             await asyncio.to_thread(up.wait_for, "rolling restart: done")
             assert _engine_ids(server.url) == ["up-engine-1"]
-            await _same_answers(up, reference)
+            await same_answers(up.url, reference)
         finally:
             blocker.close()
             code = up.stop()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -152,9 +150,7 @@ def switch_master(group: SentinelGroup) -> int:
     `pagedserve switch-master` (writes paused, replicas caught up, `SENTINEL FAILOVER`, the old
     master demoted at once, writes unpaused). Returns the old master's port."""
     old = group.master_port()
-    done = subprocess.run([sys.executable, "-m", "pagedserve.cli", "switch-master", "--redis-sentinel",
-                           group.sentinel_arg, "--redis-sentinel-master", MASTER_NAME],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = group.switch_master()
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"from 127.0.0.1:{old} to 127.0.0.1:" in done.stdout, done.stdout
     return old

@@ -5,8 +5,6 @@ master's writes are not left paused. And `up`'s reading of its children's flags.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,14 +12,7 @@ import redis
 from redis.sentinel import Sentinel
 
 from pagedserve.launch.up import _flag
-from tests.e2e.support import ROOT
 from tests.fixtures.redis import MASTER_NAME, SentinelGroup
-
-
-def _switch(group: SentinelGroup) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagedserve.cli", "switch-master", "--redis-sentinel",
-                           group.sentinel_arg, "--redis-sentinel-master", MASTER_NAME],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_switch_loses_no_acknowledged_write(sentinel_group: SentinelGroup) -> None:
@@ -49,7 +40,7 @@ def test_switch_loses_no_acknowledged_write(sentinel_group: SentinelGroup) -> No
     thread.start()
     try:
         assert first.wait(30)
-        done = _switch(sentinel_group)
+        done = sentinel_group.switch_master()
         after = len(acked)
         while len(acked) < after + 10 and thread.is_alive():  # writes go on, to the new master
             stop.wait(0.05)
@@ -78,7 +69,7 @@ def test_no_replica_no_switch_and_writes_go_on(sentinel_group: SentinelGroup) ->
     with redis.Redis(port=port, socket_timeout=5) as master:
         while int(master.info("replication")["connected_slaves"]):
             time.sleep(0.05)
-        done = _switch(sentinel_group)
+        done = sentinel_group.switch_master()
         assert done.returncode == 1 and "not a master with a replica" in done.stderr, done.stderr
         assert sentinel_group.master_port() == port
         assert master.set("after", 1)  # not paused
