@@ -1,4 +1,4 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q6_K in 256-weight blocks) as the CPU kernels
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q5_K, Q6_K in 256-weight blocks) as the CPU kernels
 // read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
@@ -54,6 +54,7 @@ struct BlockQ5_1 {
 // K-quants: 256 weights a block, read as eight sub-blocks of 32 (one activation block each).
 // Q4_K sub-block j: weights are the nibbles of q[32 (j / 2) + l] (low for even j), w = d sc_j q - dmin m_j,
 // sc_j / m_j the 6-bit fields of `scales` (ops/reference/formats.py: _scales_mins_k4).
+// Q5_K sub-block j: Q4_K's nibble with bit j of qh[l] as its fifth bit (q up to 31), same scales and mins.
 // Q6_K sub-block s (half h = s / 4, g = s % 4): q = low | high << 4 with low the nibble g / 2 of
 // ql[64 h + 32 (g % 2) + l], high bits 2g..2g+1 of qh[32 h + l]; w = d scales[2 s + l / 16] (q - 32).
 constexpr int kSuperBlock = 256;
@@ -62,13 +63,20 @@ struct BlockQ4_K {
   uint8_t scales[12];
   uint8_t q[kSuperBlock / 2];
 };
+struct BlockQ5_K {
+  uint16_t d, dmin;
+  uint8_t scales[12];
+  uint8_t qh[kSuperBlock / 8];
+  uint8_t q[kSuperBlock / 2];
+};
 struct BlockQ6_K {
   uint8_t ql[kSuperBlock / 2];
   uint8_t qh[kSuperBlock / 4];
   int8_t scales[kSuperBlock / 16];
   uint16_t d;
 };
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "GGUF K-quant block sizes");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210,
+              "GGUF K-quant block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
                   sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24,
               "GGUF block sizes");
@@ -89,17 +97,18 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ5_0: return sizeof(BlockQ5_0);
     case kQuantQ5_1: return sizeof(BlockQ5_1);
     case kQuantQ4_K: return sizeof(BlockQ4_K);
+    case kQuantQ5_K: return sizeof(BlockQ5_K);
     case kQuantQ6_K: return sizeof(BlockQ6_K);
     default:
       TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
-                  "Q4_K=12, Q6_K=14, Q4_0r8=1002, Q4_1r8=1003)");
+                  "Q4_K=12, Q5_K=13, Q6_K=14, Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
 
 // Weights per block of `format` (256 for the K-quants, else 32; block_bytes refuses unknown ids).
 inline int64_t block_weights(int64_t format) {
-  return format == kQuantQ4_K || format == kQuantQ6_K ? kSuperBlock : kBlock;
+  return format == kQuantQ4_K || format == kQuantQ5_K || format == kQuantQ6_K ? kSuperBlock : kBlock;
 }
 
 // Packed bytes of a row of k_len weights (k_len a multiple of block_weights(format)).
@@ -209,13 +218,17 @@ using BlockOf = std::conditional_t<
                                F == kQuantQ5_0, BlockQ5_0,
                                std::conditional_t<
                                    F == kQuantQ5_1, BlockQ5_1,
-                                   std::conditional_t<F == kQuantQ4_K, BlockQ4_K,
-                                                      std::conditional_t<F == kQuantQ6_K, BlockQ6_K, void>>>>>>>;
+                                   std::conditional_t<
+                                       F == kQuantQ4_K, BlockQ4_K,
+                                       std::conditional_t<F == kQuantQ5_K, BlockQ5_K,
+                                                          std::conditional_t<F == kQuantQ6_K, BlockQ6_K, void>>>>>>>>;
 
 template <int64_t F>
 inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
 template <int64_t F>
-inline constexpr bool kIsK = F == kQuantQ4_K || F == kQuantQ6_K;
+inline constexpr bool kIsK = F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K;
+template <int64_t F>
+inline constexpr bool kHasMins = F == kQuantQ4_K || F == kQuantQ5_K;  // K-quants of w = d sc q - dmin m
 template <int64_t F>
 inline constexpr int64_t kWeightsOf = kIsK<F> ? kSuperBlock : kBlock;  // weights per block
 template <int64_t F>
@@ -290,8 +303,9 @@ inline __m256i unsigned_quants(const void* wb) {
 }
 #endif
 
-// Scale d and offset m of Q4_K sub-block j (w = d q + m, q the unsigned nibble).
-inline void q4k_sub_affine(const BlockQ4_K& blk, int j, float& d, float& m) {
+// Scale d and offset m of Q4_K / Q5_K sub-block j (w = d q + m, q the unsigned quant).
+template <typename Block>
+inline void q4k_sub_affine(const Block& blk, int j, float& d, float& m) {
   const uint8_t* s = blk.scales;
   int sc, mn;
   if (j < 4) {
@@ -306,7 +320,8 @@ inline void q4k_sub_affine(const BlockQ4_K& blk, int j, float& d, float& m) {
 }
 
 // q4k_sub_affine of all eight sub-blocks (the fp16 fields converted once).
-inline void q4k_affines(const BlockQ4_K& blk, float* d, float* m) {
+template <typename Block>
+inline void q4k_affines(const Block& blk, float* d, float* m) {
   const float scale = half_to_float(blk.d), min_scale = half_to_float(blk.dmin);
   const uint8_t* s = blk.scales;
   for (int j = 0; j < 8; ++j) {
@@ -317,32 +332,40 @@ inline void q4k_affines(const BlockQ4_K& blk, float* d, float* m) {
   }
 }
 
-// Quant l of sub-block j: Q4_K's unsigned nibble, Q6_K's signed q - 32.
+// Quant l of sub-block j: Q4_K's unsigned nibble, Q5_K's unsigned 5-bit quant, Q6_K's signed q - 32.
 template <int64_t F>
 inline int ksub_q(const BlockOf<F>& blk, int j, int l) {
   if constexpr (F == kQuantQ4_K) {
     const uint8_t byte = blk.q[32 * (j / 2) + l];
     return j % 2 ? byte >> 4 : byte & 0x0F;
+  } else if constexpr (F == kQuantQ5_K) {
+    const uint8_t byte = blk.q[32 * (j / 2) + l];
+    return (j % 2 ? byte >> 4 : byte & 0x0F) | (((blk.qh[l] >> j) & 1) << 4);
   } else if constexpr (F == kQuantQ6_K) {
     const int h = j / 4, g = j % 4;
     const int low = (blk.ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0x0F;
     const int high = (blk.qh[32 * h + l] >> (2 * g)) & 3;
     return (low | (high << 4)) - 32;
   } else {
-    static_assert(kNoFormat<F>, "ksub_q: Q4_K, Q6_K");
+    static_assert(kNoFormat<F>, "ksub_q: Q4_K, Q5_K, Q6_K");
   }
 }
 
 #if defined(__AVX2__)
 inline __m256i shift_right16(__m256i v, int bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
 
-// The 32 quants of sub-block j in element order (ksub_q), as bytes: Q4_K unsigned, Q6_K signed.
+// The 32 quants of sub-block j in element order (ksub_q), as bytes: Q4_K / Q5_K unsigned, Q6_K signed.
 template <int64_t F>
 inline __m256i ksub_quants(const BlockOf<F>& blk, int j) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   if constexpr (F == kQuantQ4_K) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q + 32 * (j / 2)));
     return _mm256_and_si256(shift_right16(raw, 4 * (j % 2)), nibble);
+  } else if constexpr (F == kQuantQ5_K) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q + 32 * (j / 2)));
+    const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh));
+    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, j), _mm256_set1_epi8(1)), 4);
+    return _mm256_or_si256(_mm256_and_si256(shift_right16(raw, 4 * (j % 2)), nibble), high);
   } else if constexpr (F == kQuantQ6_K) {
     const int h = j / 4, g = j % 4;
     const __m256i lraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * h + 32 * (g % 2)));
@@ -351,19 +374,19 @@ inline __m256i ksub_quants(const BlockOf<F>& blk, int j) {
     const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, 2 * g), _mm256_set1_epi8(3)), 4);
     return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
   } else {
-    static_assert(kNoFormat<F>, "ksub_quants: Q4_K, Q6_K");
+    static_assert(kNoFormat<F>, "ksub_quants: Q4_K, Q5_K, Q6_K");
   }
 }
 #endif
 
-// fp32 values of K-quant block `wb` into dst[256]: Q4_K d_j q + m_j (d_j q exact: one rounding),
+// fp32 values of K-quant block `wb` into dst[256]: Q4_K / Q5_K d_j q + m_j (d_j q exact: one rounding),
 // Q6_K (d sc) q (one rounding of the exact product): the reference's values.
 template <int64_t F>
 inline void dequant_kblock(const void* wb, float* dst) {
   const auto& blk = *static_cast<const BlockOf<F>*>(wb);
   for (int j = 0; j < kSuperBlock / kBlock; ++j) {
     float d[2], m = 0.f;  // d[0]: weights 0..15 of the sub-block, d[1]: 16..31
-    if constexpr (F == kQuantQ4_K) {
+    if constexpr (kHasMins<F>) {
       q4k_sub_affine(blk, j, d[0], m);
       d[1] = d[0];
     } else {
@@ -378,7 +401,7 @@ inline void dequant_kblock(const void* wb, float* dst) {
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int u = 0; u < 4; ++u) {
       const __m256 vd = _mm256_set1_ps(d[u / 2]);
-      if constexpr (F == kQuantQ4_K) {
+      if constexpr (kHasMins<F>) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[u]));
         _mm256_storeu_ps(out + 8 * u, _mm256_fmadd_ps(q, vd, _mm256_set1_ps(m)));
       } else {

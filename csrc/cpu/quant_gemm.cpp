@@ -1,4 +1,5 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), read in their packed blocks.
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q5_K, Q6_K), read in their
+// packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
 // At small M a layer is bound by reading the weight, so the packed bytes (4.5-8.5 bits per weight
@@ -98,8 +99,8 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 }
 
 // int8_rows for a K-quant weight (256-weight blocks of eight 32-weight sub-blocks, each against
-// one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K: its
-// scale d sc_j and min term) or Q8_0 block (Q6_K: the signed q - 32, the sign moved onto the
+// one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K / Q5_K:
+// its scale d sc_j and min term; Q5_K's quants up to 31, as Q5_1's) or Q8_0 block (Q6_K: the signed q - 32, the sign moved onto the
 // activations; the dot product's lanes 0-3 are the sub-block's first 16 weights, 4-7 the next 16,
 // each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
 template <int64_t F, int M>
@@ -112,13 +113,13 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
     const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
 #if defined(__AVX2__)
     __m256 acc[2][M];
-    float extra[2][M] = {};  // the Q4_K min terms
+    float extra[2][M] = {};  // the Q4_K / Q5_K min terms
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const Block& blk = row[sb];
       [[maybe_unused]] float wd[kSubs], wm[kSubs];
       [[maybe_unused]] float scale = 0.f;
-      if constexpr (F == kQuantQ4_K) {
+      if constexpr (kHasMins<F>) {
         q4k_affines(blk, wd, wm);
       } else {
         scale = half_to_float(blk.d);
@@ -126,7 +127,7 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
       for (int j = 0; j < kSubs; ++j) {
         const int64_t b = sb * kSubs + j;
         const int par = j & 1;
-        if constexpr (F == kQuantQ4_K) {
+        if constexpr (kHasMins<F>) {
           const __m256i wu = ksub_quants<F>(blk, j);
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) {
@@ -159,7 +160,7 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
         const int64_t b = sb * kSubs + j;
         for (int m = 0; m < M; ++m) {
           const int8_t* a = q + m * k_len + b * kBlock;
-          if constexpr (F == kQuantQ4_K) {
+          if constexpr (kHasMins<F>) {
             float wd, wm;
             q4k_sub_affine(blk, j, wd, wm);
             int32_t sum = 0;
@@ -287,6 +288,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ5_0: return run_format<kQuantQ5_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ5_K: return run_format<kQuantQ5_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ6_K: return run_format<kQuantQ6_K>(out, x, w, n_len, k_len, b, exact);
     default: TORCH_CHECK(false, "quant_linear: format id ", format, " has no packed kernel");
   }
@@ -310,6 +312,7 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ5_0: return dequant_rows<kQuantQ5_0>(w, op, k_len, begin, end);
       case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, op, k_len, begin, end);
       case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
+      case kQuantQ5_K: return dequant_rows<kQuantQ5_K>(w, op, k_len, begin, end);
       case kQuantQ6_K: return dequant_rows<kQuantQ6_K>(w, op, k_len, begin, end);
       default: TORCH_CHECK(false, "dequantize: format id ", format, " has no packed kernel");
     }

@@ -30,7 +30,7 @@ _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "se
 DEQUANTIZED = [f.name for f in formats.TABLE if f.runs == formats.DEQUANTIZED]
 # A mix: layer 0 mixes formats inside q/k/v (one without a kernel, so that module runs in fp32), keeps
 # gate/up packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); an IQ4_XS embedding, a Q8_0 lm_head.
-MIX = {"attn_q": "Q5_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q5_K", "ffn_gate": "Q8_0",
+MIX = {"attn_q": "Q2_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q2_K", "ffn_gate": "Q8_0",
        "ffn_up": "Q8_0", "ffn_down": "Q3_K"}
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
 
@@ -176,17 +176,17 @@ def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path) -> None:
     assert ours.fused_decoder() is None  # layer 0 is not all packed
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
     assert line["formats"] == ("F32: 5 tensors, float32; IQ4_XS: 1 tensors, dequantized at load to float32; "
+                               "Q2_K: 2 tensors, dequantized at load to float32; "
                                "Q3_K: 1 tensors, dequantized at load to float32; "
                                "Q4_1: 7 tensors, packed (quantized kernels); "
                                "Q5_0: 1 tensors, dequantized at load to float32; "
-                               "Q5_K: 2 tensors, dequantized at load to float32; "
                                "Q8_0: 1 tensors, dequantized at load to float32; "
                                "Q8_0: 3 tensors, packed (quantized kernels)")
 
 
-@pytest.mark.parametrize("embedding", ["Q5_K", "Q6_K"])
+@pytest.mark.parametrize("embedding", ["Q3_K", "Q6_K"])
 def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -> None:
-    """No output.weight: the lm_head is the embedding, a Q5_K one dequantized (an fp32 `Linear`
+    """No output.weight: the lm_head is the embedding, a Q3_K one dequantized (an fp32 `Linear`
     sharing the embedding's storage, the bf16 screen's kind) or a Q6_K one packed (`QuantLinear`
     on the same bytes and its int8 screen); weights equal transformers' tied load, and so do greedy tokens."""
     from benchmarks.quality.quant_quality import greedy
@@ -196,7 +196,7 @@ def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -
     ours = load_model(file)
     assert ours.spec.tie_word_embeddings
     _assert_weights_equal(ours, _transformers_model(model_dir, file))
-    if embedding == "Q5_K":
+    if embedding == "Q3_K":
         assert type(ours.lm_head).__name__ == "Linear" and isinstance(ours.model.embed_tokens, nn.Embedding)
         assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
         assert not isinstance(ours.logit_screen(), QuantLogitScreen)
@@ -240,7 +240,7 @@ def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> lis
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("fmt", ["Q5_K", "Q3_K", "IQ4_NL"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "IQ4_NL"])
 def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, fmt: str) -> None:
     """All weights dequantized at load (fp32 everywhere): the engine's greedy tokens (a batch of
     three) are transformers' on the same file."""
@@ -249,10 +249,10 @@ def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Pat
     assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
     """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, the K-quants
-    Q4_K / Q6_K): every linear one packed `QuantLinear` in that format
+    Q4_K / Q5_K / Q6_K): every linear one packed `QuantLinear` in that format
     (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
     weights exactly transformers' dequantized load. With fp32 activations greedy equals
     transformers'; with int8 activations (the default) the engine's first token of each prompt
@@ -305,7 +305,7 @@ def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
 
     file = write_gguf(model_dir, "copies", _mix)
     tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
-    for name in ("blk.1.attn_q.weight", "blk.0.attn_q.weight", "output_norm.weight"):  # Q4_1, Q5_K, F32
+    for name in ("blk.1.attn_q.weight", "blk.0.attn_q.weight", "output_norm.weight"):  # Q4_1, Q2_K, F32
         assert read_tensor(tensors[name]).data.numpy().flags.writeable, name
 
 
@@ -340,7 +340,7 @@ def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
     assert ours.fused_decoder() is None
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
     assert "Q5_0: 1 tensors, packed (quantized kernels)" in line["formats"]
-    assert "Q5_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
+    assert "Q2_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
     assert "Q3_K: 1 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
     assert "IQ4_XS: 1 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
     set_int8_activations(ours, False)
