@@ -1,4 +1,4 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q5_K, Q6_K in 256-weight blocks) as the CPU kernels
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q4_K, Q5_K, Q6_K in 256-weight blocks) as the CPU kernels
 // read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
@@ -51,6 +51,12 @@ struct BlockQ5_1 {
   uint8_t qh[4];
   uint8_t q[kBlock / 2];
 };
+// IQ4_NL: Q4_0's nibbles index kIQ4Values (ops/reference/formats.py: IQ4_VALUES); w = d v[q].
+struct BlockIQ4_NL {
+  uint16_t d;
+  uint8_t q[kBlock / 2];
+};
+inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // K-quants: 256 weights a block, read as eight sub-blocks of 32 (one activation block each).
 // Q4_K sub-block j: weights are the nibbles of q[32 (j / 2) + l] (low for even j), w = d sc_j q - dmin m_j,
 // sc_j / m_j the 6-bit fields of `scales` (ops/reference/formats.py: _scales_mins_k4).
@@ -78,7 +84,7 @@ struct BlockQ6_K {
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210,
               "GGUF K-quant block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
-                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24,
+                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18,
               "GGUF block sizes");
 
 inline float half_to_float(uint16_t h) {
@@ -96,12 +102,13 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ4_1: case kQuantQ4_1R8: return sizeof(BlockQ4_1);
     case kQuantQ5_0: return sizeof(BlockQ5_0);
     case kQuantQ5_1: return sizeof(BlockQ5_1);
+    case kQuantIQ4_NL: return sizeof(BlockIQ4_NL);
     case kQuantQ4_K: return sizeof(BlockQ4_K);
     case kQuantQ5_K: return sizeof(BlockQ5_K);
     case kQuantQ6_K: return sizeof(BlockQ6_K);
     default:
       TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
-                  "Q4_K=12, Q5_K=13, Q6_K=14, Q4_0r8=1002, Q4_1r8=1003)");
+                  "Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
@@ -220,11 +227,16 @@ using BlockOf = std::conditional_t<
                                    F == kQuantQ5_1, BlockQ5_1,
                                    std::conditional_t<
                                        F == kQuantQ4_K, BlockQ4_K,
-                                       std::conditional_t<F == kQuantQ5_K, BlockQ5_K,
-                                                          std::conditional_t<F == kQuantQ6_K, BlockQ6_K, void>>>>>>>>;
+                                       std::conditional_t<
+                                           F == kQuantQ5_K, BlockQ5_K,
+                                           std::conditional_t<
+                                               F == kQuantQ6_K, BlockQ6_K,
+                                               std::conditional_t<F == kQuantIQ4_NL, BlockIQ4_NL, void>>>>>>>>>;
 
 template <int64_t F>
 inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
+template <int64_t F>
+inline constexpr bool kSignedQuants = F == kQuantQ8_0 || F == kQuantIQ4_NL;  // w = d q, q a signed byte
 template <int64_t F>
 inline constexpr bool kIsK = F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K;
 template <int64_t F>
@@ -240,7 +252,7 @@ inline void block_affine(const void* wb, float& d, float& m) {
   static_assert(!std::is_void_v<BlockOf<F>>, "block_affine: no block for this format id");
   const auto* blk = static_cast<const BlockOf<F>*>(wb);
   d = half_to_float(blk->d);
-  if constexpr (F == kQuantQ8_0) {
+  if constexpr (kSignedQuants<F>) {
     m = 0.f;
   } else if constexpr (F == kQuantQ4_0) {
     m = -8.f * d;
@@ -259,7 +271,8 @@ inline const uint8_t* block_quants(const void* wb) {
   return reinterpret_cast<const uint8_t*>(static_cast<const BlockOf<F>*>(wb)->q);
 }
 
-// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0).
+// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0; IQ4_NL:
+// the table value its nibble indexes).
 template <int64_t F>
 inline int block_q(const void* wb, int i) {
   const uint8_t* q = block_quants<F>(wb);
@@ -267,7 +280,9 @@ inline int block_q(const void* wb, int i) {
     return static_cast<int8_t>(q[i]);
   } else {
     const int nibble = i < kBlock / 2 ? (q[i] & 0x0F) : (q[i - kBlock / 2] >> 4);
-    if constexpr (kIsQ5<F>) {
+    if constexpr (F == kQuantIQ4_NL) {
+      return kIQ4Values[nibble];
+    } else if constexpr (kIsQ5<F>) {
       uint32_t qh;
       std::memcpy(&qh, static_cast<const BlockOf<F>*>(wb)->qh, sizeof(qh));
       return nibble | static_cast<int>(((qh >> i) & 1u) << 4);
@@ -288,6 +303,18 @@ inline __m256i fifth_bits(const uint8_t* qh) {
       _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// The 32 signed quants of a Q8_0 / IQ4_NL block in element order (IQ4_NL: one table lookup per nibble).
+template <int64_t F>
+inline __m256i signed_quants(const void* wb) {
+  static_assert(kSignedQuants<F>, "signed_quants: Q8_0, IQ4_NL");
+  if constexpr (F == kQuantQ8_0) {
+    return load32(reinterpret_cast<const int8_t*>(block_quants<F>(wb)));
+  } else {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    return _mm256_shuffle_epi8(table, unpack_nibbles(block_quants<F>(wb)));
+  }
 }
 
 // The 32 unsigned quants of a Q4 / Q5 block in element order.
@@ -422,8 +449,8 @@ inline void dequant_block32(const void* wb, float* dst) {
   block_affine<F>(wb, d, m);
 #if defined(__AVX2__)
   __m256i bytes;
-  if constexpr (F == kQuantQ8_0) {
-    bytes = load32(reinterpret_cast<const int8_t*>(block_quants<F>(wb)));
+  if constexpr (kSignedQuants<F>) {
+    bytes = signed_quants<F>(wb);
   } else {
     bytes = unsigned_quants<F>(wb);
   }
@@ -432,7 +459,7 @@ inline void dequant_block32(const void* wb, float* dst) {
   const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
   for (int u = 0; u < 4; ++u) {
     const __m128i part = parts[u];
-    const __m256i wide = F == kQuantQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+    const __m256i wide = kSignedQuants<F> ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
     _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
   }
 #else

@@ -1,4 +1,4 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q5_K, Q6_K), read in their
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q4_K, Q5_K, Q6_K), read in their
 // packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
@@ -52,8 +52,8 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
     float wd, wm;
     block_affine<F>(&blk, wd, wm);
     __m256i wu, wsign;
-    if constexpr (F == kQuantQ8_0) {
-      wsign = load32(blk.q);
+    if constexpr (kSignedQuants<F>) {  // Q8_0, IQ4_NL's table values (|v| <= 127)
+      wsign = signed_quants<F>(&blk);
       wu = _mm256_sign_epi8(wsign, wsign);  // |w|, and the sign moves onto the activations
     } else {
       wu = unsigned_quants<F>(&blk);
@@ -61,10 +61,10 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       __m256i xs = load32(q + m * k_len + b * kBlock);
-      if constexpr (F == kQuantQ8_0) xs = _mm256_sign_epi8(xs, wsign);
+      if constexpr (kSignedQuants<F>) xs = _mm256_sign_epi8(xs, wsign);
       const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
       acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd * ad[m * nb + b]), acc[m]);
-      if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
+      if constexpr (!kSignedQuants<F>) extra[m] += wm * as[m * nb + b];
     }
   };
 #endif
@@ -90,7 +90,7 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
       block_affine<F>(&row[b], wd, wm);
       for (int m = 0; m < M; ++m) {
         acc[m] += wd * ad[m * nb + b] * static_cast<float>(block_idot<F>(row[b], q + m * k_len + b * kBlock));
-        if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
+        if constexpr (!kSignedQuants<F>) extra[m] += wm * as[m * nb + b];
       }
     }
     for (int m = 0; m < M; ++m) out[m * ldo + n] = acc[m] + extra[m] + (bias != nullptr ? bias[n] : 0.f);
@@ -287,6 +287,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ4_1: return run_format<kQuantQ4_1>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_0: return run_format<kQuantQ5_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
+    case kQuantIQ4_NL: return run_format<kQuantIQ4_NL>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_K: return run_format<kQuantQ5_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ6_K: return run_format<kQuantQ6_K>(out, x, w, n_len, k_len, b, exact);
@@ -311,6 +312,7 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ4_1: return dequant_rows<kQuantQ4_1>(w, op, k_len, begin, end);
       case kQuantQ5_0: return dequant_rows<kQuantQ5_0>(w, op, k_len, begin, end);
       case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, op, k_len, begin, end);
+      case kQuantIQ4_NL: return dequant_rows<kQuantIQ4_NL>(w, op, k_len, begin, end);
       case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
       case kQuantQ5_K: return dequant_rows<kQuantQ5_K>(w, op, k_len, begin, end);
       case kQuantQ6_K: return dequant_rows<kQuantQ6_K>(w, op, k_len, begin, end);

@@ -240,7 +240,7 @@ def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> lis
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "IQ4_NL"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "IQ4_XS"])
 def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, fmt: str) -> None:
     """All weights dequantized at load (fp32 everywhere): the engine's greedy tokens (a batch of
     three) are transformers' on the same file."""
@@ -249,10 +249,10 @@ def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Pat
     assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"])
 def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
-    """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, the K-quants
-    Q4_K / Q5_K / Q6_K): every linear one packed `QuantLinear` in that format
+    """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, IQ4_NL, the
+    K-quants Q4_K / Q5_K / Q6_K): every linear one packed `QuantLinear` in that format
     (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
     weights exactly transformers' dequantized load. With fp32 activations greedy equals
     transformers'; with int8 activations (the default) the engine's first token of each prompt
