@@ -168,6 +168,7 @@ void dequant_rows_of(const uint8_t* w, int64_t format, int64_t k_len, int64_t n0
     case kQuantQ4_K: return dequant_plain_rows<kQuantQ4_K>(w, k_len, n0, n1, out);
     case kQuantQ5_K: return dequant_plain_rows<kQuantQ5_K>(w, k_len, n0, n1, out);
     case kQuantQ6_K: return dequant_plain_rows<kQuantQ6_K>(w, k_len, n0, n1, out);
+    case kQuantIQ4_XS: return dequant_plain_rows<kQuantIQ4_XS>(w, k_len, n0, n1, out);
     default: TORCH_CHECK(false, "quant_fixed_gemm: format id ", format, " has no packed kernel");
   }
 }

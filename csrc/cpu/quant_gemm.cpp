@@ -1,4 +1,4 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q4_K, Q5_K, Q6_K), read in their
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
 // packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
@@ -100,9 +100,9 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 
 // int8_rows for a K-quant weight (256-weight blocks of eight 32-weight sub-blocks, each against
 // one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K / Q5_K:
-// its scale d sc_j and min term; Q5_K's quants up to 31, as Q5_1's) or Q8_0 block (Q6_K: the signed q - 32, the sign moved onto the
-// activations; the dot product's lanes 0-3 are the sub-block's first 16 weights, 4-7 the next 16,
-// each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
+// its scale d sc_j and min term; Q5_K's quants up to 31, as Q5_1's) or Q8_0 block (Q6_K: the signed
+// q - 32; IQ4_XS: its table values; the sign moved onto the activations; the dot product's lanes 0-3
+// are the sub-block's first 16 weights, 4-7 the next 16, each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
 template <int64_t F, int M>
 void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
@@ -136,8 +136,9 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             extra[par][m] += wm[j] * as[m * nb + b];
           }
         } else {
-          const __m256 sv = _mm256_setr_m128(_mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j])),
-                                             _mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j + 1])));
+          float lo, hi;
+          ksub_scales<F>(blk, scale, j, lo, hi);
+          const __m256 sv = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
           const __m256i ws = ksub_quants<F>(blk, j);
           const __m256i wu = _mm256_sign_epi8(ws, ws);
 #pragma GCC unroll 8
@@ -168,11 +169,12 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             acc[m] += wd * ad[m * nb + b] * static_cast<float>(sum);
             extra[m] += wm * as[m * nb + b];
           } else {
-            const float scale = half_to_float(blk.d);
+            float sd[2];
+            ksub_scales<F>(blk, half_to_float(blk.d), j, sd[0], sd[1]);
             for (int half = 0; half < 2; ++half) {
               int32_t sum = 0;
               for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l];
-              acc[m] += scale * static_cast<float>(blk.scales[2 * j + half]) * ad[m * nb + b] * static_cast<float>(sum);
+              acc[m] += sd[half] * ad[m * nb + b] * static_cast<float>(sum);
             }
           }
         }
@@ -291,6 +293,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_K: return run_format<kQuantQ5_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ6_K: return run_format<kQuantQ6_K>(out, x, w, n_len, k_len, b, exact);
+    case kQuantIQ4_XS: return run_format<kQuantIQ4_XS>(out, x, w, n_len, k_len, b, exact);
     default: TORCH_CHECK(false, "quant_linear: format id ", format, " has no packed kernel");
   }
 }
@@ -316,6 +319,7 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
       case kQuantQ5_K: return dequant_rows<kQuantQ5_K>(w, op, k_len, begin, end);
       case kQuantQ6_K: return dequant_rows<kQuantQ6_K>(w, op, k_len, begin, end);
+      case kQuantIQ4_XS: return dequant_rows<kQuantIQ4_XS>(w, op, k_len, begin, end);
       default: TORCH_CHECK(false, "dequantize: format id ", format, " has no packed kernel");
     }
   }, /*openmp=*/true);

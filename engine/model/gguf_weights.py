@@ -3,13 +3,13 @@
 Tensors are read with `gguf.GGUFReader` (memory-mapped); what each format becomes is the format
 table's (`ops.reference.formats`: `runs`), and a format not in it is refused by name:
 
-- weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K) become `QuantLinear`
+- weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS) become `QuantLinear`
   modules; q/k/v and gate/up are stacked as packed row shards (one buffer when their formats
   agree); Q4_0 / Q4_1 decoder weights
   are repacked eight rows at a time (`ops.quant.interleave`: the same bytes in the order the CPU
   kernel reads fastest);
 - F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32, and tensors in a
-  format without a kernel (Q2_K, Q3_K, IQ4_XS) are dequantized to fp32 at load
+  format without a kernel (Q2_K, Q3_K) are dequantized to fp32 at load
   with the table's reference dequantization (the `gguf` package's bits);
 - a linear layer whose shards are not all packed (e.g. Q4_K q beside Q8_0 v) stays the model's fp32
   `Linear` with every shard dequantized, so one module runs one path (the deterministic mode's

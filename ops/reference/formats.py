@@ -232,7 +232,7 @@ TABLE: tuple[GGMLFormat, ...] = (
     GGMLFormat("Q5_K", 13, 256, 176, PACKED, _q5_k),
     GGMLFormat("Q6_K", 14, 256, 210, PACKED, _q6_k),
     GGMLFormat("IQ4_NL", 20, 32, 18, PACKED, _iq4_nl),
-    GGMLFormat("IQ4_XS", 23, 256, 136, DEQUANTIZED, _iq4_xs),
+    GGMLFormat("IQ4_XS", 23, 256, 136, PACKED, _iq4_xs),
     GGMLFormat("BF16", 30, 1, 2, FLOAT, _bf16),
 )
 BY_NAME = {f.name: f for f in TABLE}
