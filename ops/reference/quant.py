@@ -1,7 +1,7 @@
 """GGUF block formats in plain torch: the oracle of the quantized-linear kernels.
 
 A quantized weight ``[N, K]`` is stored as uint8 ``[N, K / block_size * block_bytes]``: each row
-(one output feature) is blocks of 32 (256 for Q4_K / Q5_K / Q6_K / IQ4_XS) consecutive weights along K, in ggml's
+(one output feature) is blocks of 32 (256 for Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS) consecutive weights along K, in ggml's
 byte layout (the K-quants' in ops/reference/formats.py):
 
 - Q8_0 (34 bytes): fp16 scale d, 32 int8 q; w = d * q.
@@ -28,14 +28,14 @@ import torch
 from ops.reference import formats, quantizers
 
 BLOCK = 32
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
     formats.by_name(name).type_id
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+K_BLOCKS = (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
 BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes
-               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, Q4_0R8,
-                         Q4_1R8)}
+               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, *K_BLOCKS, Q4_0R8, Q4_1R8)}
 ROWS_PER_GROUP = 8
 
 
@@ -93,7 +93,7 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
     """Pack fp32 ``[N, K]`` (K a multiple of the block size) into ``fmt`` blocks, rounding to nearest
     (for tests and tools; gguf's own quantizer is what the model files use; the K-quants through
     ``ops.reference.quantizers``)."""
-    if fmt in (Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS):
+    if fmt in (*K_BLOCKS, IQ4_NL):
         return quantizers.quantize(weight.float(), formats.by_id(fmt).name)
     rows, cols = weight.shape
     w = weight.float().reshape(rows, cols // BLOCK, BLOCK)
@@ -135,9 +135,9 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
                 (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
     else:
-        raise formats.UnsupportedFormatError(f"quantize packs Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, "
-                                             f"IQ4_NL and IQ4_XS (ids {Q8_0}, {Q4_0}, {Q4_1}, {Q5_0}, {Q5_1}, {Q4_K}, "
-                                             f"{Q5_K}, {Q6_K}, {IQ4_NL}, {IQ4_XS}); got id {fmt}")
+        packs = sorted(BLOCK_BYTES.keys() - {Q4_0R8, Q4_1R8})
+        raise formats.UnsupportedFormatError(f"quantize packs {', '.join(formats.by_id(f).name for f in packs)} "
+                                             f"(ids {packs}); got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)
 
 

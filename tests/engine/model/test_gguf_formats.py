@@ -29,9 +29,9 @@ _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "se
        "ffn_down": "mlp.down_proj"}
 DEQUANTIZED = [f.name for f in formats.TABLE if f.runs == formats.DEQUANTIZED]
 # A mix: layer 0 mixes formats inside q/k/v (one without a kernel, so that module runs in fp32), keeps
-# gate/up packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); a Q3_K embedding, a Q8_0 lm_head.
+# gate/up packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); a Q2_K embedding, a Q8_0 lm_head.
 MIX = {"attn_q": "Q2_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q2_K", "ffn_gate": "Q8_0",
-       "ffn_up": "Q8_0", "ffn_down": "Q3_K"}
+       "ffn_up": "Q8_0", "ffn_down": "Q2_K"}
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
 
 
@@ -109,7 +109,7 @@ def write_gguf(model_dir: Path, name: str, fmt_of: Callable[[str, int], str], ti
 
 
 def _mix(kind: str, layer: int) -> str:
-    return {"token_embd": "Q3_K", "output": "Q8_0"}[kind] if layer < 0 else MIX[kind] if layer == 0 else "Q4_1"
+    return {"token_embd": "Q2_K", "output": "Q8_0"}[kind] if layer < 0 else MIX[kind] if layer == 0 else "Q4_1"
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -171,22 +171,21 @@ def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path) -> None:
     assert isinstance(layer0.mlp.gate_up_proj, QuantLinear) and layer0.mlp.gate_up_proj.formats == [ops.quant.Q8_0]
     assert all(isinstance(m, QuantLinear) for m in (layer1.self_attn.qkv_proj, layer1.mlp.down_proj))
     assert layer1.self_attn.qkv_proj.formats == [ops.quant.Q4_1R8]
-    assert isinstance(ours.model.embed_tokens, nn.Embedding)  # Q3_K: dequantized
+    assert isinstance(ours.model.embed_tokens, nn.Embedding)  # Q2_K: dequantized
     assert isinstance(ours.logit_screen(), QuantLogitScreen)  # the Q8_0 lm_head keeps its int8 screen
     assert ours.fused_decoder() is None  # layer 0 is not all packed
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
     assert line["formats"] == ("F32: 5 tensors, float32; "
-                               "Q2_K: 2 tensors, dequantized at load to float32; "
-                               "Q3_K: 2 tensors, dequantized at load to float32; "
+                               "Q2_K: 4 tensors, dequantized at load to float32; "
                                "Q4_1: 7 tensors, packed (quantized kernels); "
                                "Q5_0: 1 tensors, dequantized at load to float32; "
                                "Q8_0: 1 tensors, dequantized at load to float32; "
                                "Q8_0: 3 tensors, packed (quantized kernels)")
 
 
-@pytest.mark.parametrize("embedding", ["Q3_K", "Q6_K"])
+@pytest.mark.parametrize("embedding", ["Q2_K", "Q6_K"])
 def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -> None:
-    """No output.weight: the lm_head is the embedding, a Q3_K one dequantized (an fp32 `Linear`
+    """No output.weight: the lm_head is the embedding, a Q2_K one dequantized (an fp32 `Linear`
     sharing the embedding's storage, the bf16 screen's kind) or a Q6_K one packed (`QuantLinear`
     on the same bytes and its int8 screen); weights equal transformers' tied load, and so do greedy tokens."""
     from benchmarks.quality.quant_quality import greedy
@@ -196,7 +195,7 @@ def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -
     ours = load_model(file)
     assert ours.spec.tie_word_embeddings
     _assert_weights_equal(ours, _transformers_model(model_dir, file))
-    if embedding == "Q3_K":
+    if embedding == "Q2_K":
         assert type(ours.lm_head).__name__ == "Linear" and isinstance(ours.model.embed_tokens, nn.Embedding)
         assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
         assert not isinstance(ours.logit_screen(), QuantLogitScreen)
@@ -240,7 +239,7 @@ def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> lis
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("fmt", ["Q2_K"])
 def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, fmt: str) -> None:
     """All weights dequantized at load (fp32 everywhere): the engine's greedy tokens (a batch of
     three) are transformers' on the same file."""
@@ -249,10 +248,10 @@ def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Pat
     assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
     """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, IQ4_NL, the
-    K-quants Q4_K / Q5_K / Q6_K, IQ4_XS): every linear one packed `QuantLinear` in that format
+    K-quants Q3_K / Q4_K / Q5_K / Q6_K, IQ4_XS): every linear one packed `QuantLinear` in that format
     (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
     weights exactly transformers' dequantized load. With fp32 activations greedy equals
     transformers'; with int8 activations (the default) the engine's first token of each prompt
@@ -340,8 +339,7 @@ def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
     assert ours.fused_decoder() is None
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
     assert "Q5_0: 1 tensors, packed (quantized kernels)" in line["formats"]
-    assert "Q2_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
-    assert "Q3_K: 2 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
+    assert "Q2_K: 4 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
     set_int8_activations(ours, False)
     with torch.inference_mode():
         for prompt in PROMPTS:
