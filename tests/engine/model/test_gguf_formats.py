@@ -283,6 +283,36 @@ def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
     assert together == [_engine_greedy(file, [p], 10)[0] for p in PROMPTS]
 
 
+@pytest.mark.skipif(ops.quant.bf16_kernel() is None, reason="no bf16 kernel (AMX-BF16 or AVX512-BF16) here")
+@pytest.mark.parametrize("fmt", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_k_quant_bf16_linears_run_on_the_panels(model_dir: Path, fmt: str) -> None:
+    """With bf16 linears (`dtype bfloat16`) a 40-token prompt runs the 256-weight formats' layers on the
+    bf16 kernel's panels: the same bits with the fused decoder on (which takes these formats on AMX
+    now) and off, the reference backend's logits (torch: the same bf16 roundings, other summation
+    order, so a few activations round to the neighbouring bf16 in later layers) within 2% of the largest
+    logit (measured 0.2-0.8%), and not the fp32-activation logits (bf16 did run)."""
+    from benchmarks.quality.quant_quality import Paged, set_int8_activations
+    from engine.model.execution_policy import ExecutionPolicy
+
+    file = write_gguf(model_dir, f"bf16-{fmt}", lambda kind, layer: fmt)
+    prompt = list(range(3, 43))
+    fused = load_model(file, policy=ExecutionPolicy(bf16_linears=True))
+    modules = load_model(file, policy=ExecutionPolicy(bf16_linears=True, fused_decoder=False))
+    fp32 = load_model(file)
+    set_int8_activations(fp32, False)
+    assert (fused.fused_decoder() is not None) and modules.fused_decoder() is None
+    with torch.inference_mode():
+        got, alone, exact = (Paged(m, len(prompt)).run(prompt) for m in (fused, modules, fp32))
+        ops.set_backend("reference")
+        try:
+            reference = Paged(modules, len(prompt)).run(prompt)
+        finally:
+            ops.set_backend("auto")
+    assert torch.equal(got, alone)
+    assert not torch.equal(got, exact)
+    torch.testing.assert_close(got, reference, rtol=0, atol=2e-2 * reference.abs().max().item())
+
+
 def test_mix_greedy_equals_transformers_with_fp32_activations(model_dir: Path) -> None:
     """The mix with its packed layers on fp32 activations (int8 activations round a decode row's
     inputs: not transformers' arithmetic): the paged model's greedy tokens are transformers'."""
