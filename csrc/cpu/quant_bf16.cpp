@@ -81,13 +81,19 @@ void pack_activations(const float* x, int64_t ldx, int64_t rows, int64_t nb, c10
   }, /*openmp=*/rows >= openmp_rows());
 }
 
-// Weight row n of a GGUF-order weight (F = Q8_0, Q4_0, Q4_1) as K bf16, block b at dst + b * kPackedBlock.
+// Weight row n of a GGUF-order weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K,
+// IQ4_XS) as K bf16, 32-weight
+// block b at dst + b * kPackedBlock (nb of them: a K-quant block fills eight). Each value is
+// dequant_block's fp32 (the reference's bits) rounded to nearest even.
 template <int64_t F>
 void dequant_row_bf16(const uint8_t* row, int64_t nb, c10::BFloat16* dst) {
-  alignas(64) float wide[kBlock];
-  for (int64_t b = 0; b < nb; ++b) {
+  constexpr int64_t kSubs = kWeightsOf<F> / kBlock;  // 32-weight blocks per format block
+  alignas(64) float wide[kWeightsOf<F>];
+  for (int64_t b = 0; b < nb / kSubs; ++b) {
     dequant_block<F>(row + b * block_bytes(F), wide);
-    store_bf16(dst + b * kPackedBlock, _mm512_load_ps(wide), _mm512_load_ps(wide + 16));
+    for (int64_t j = 0; j < kSubs; ++j)
+      store_bf16(dst + (b * kSubs + j) * kPackedBlock, _mm512_load_ps(wide + j * kBlock),
+                 _mm512_load_ps(wide + j * kBlock + 16));
   }
 }
 
@@ -166,7 +172,7 @@ c10::BFloat16* aligned_buffer(std::vector<c10::BFloat16>& buf, size_t len) {
 }
 
 void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, int64_t k_len, c10::BFloat16* panel) {
-  const int64_t nb = k_len / kBlock, row_bytes = nb * block_bytes(format);
+  const int64_t nb = k_len / kBlock, row_bytes = row_bytes_of(format, k_len);
   const int64_t rows = std::min(kPanel, n_len - n0);
   if (is_interleaved(format)) {  // n0 and n_len are multiples of 8: whole groups, B tiles directly
     for (int64_t t = 0; t < 2; ++t) {
@@ -193,6 +199,12 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
       case kQuantQ4_1: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ5_0: dequant_row_bf16<kQuantQ5_0>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ5_1: dequant_row_bf16<kQuantQ5_1>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantIQ4_NL: dequant_row_bf16<kQuantIQ4_NL>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ3_K: dequant_row_bf16<kQuantQ3_K>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ4_K: dequant_row_bf16<kQuantQ4_K>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ5_K: dequant_row_bf16<kQuantQ5_K>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ6_K: dequant_row_bf16<kQuantQ6_K>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantIQ4_XS: dequant_row_bf16<kQuantIQ4_XS>(row, nb, panel_at(panel, nb, r)); break;
       default: TORCH_CHECK(false, "quant_linear_bf16: unknown format ", format);
     }
   }
@@ -232,11 +244,14 @@ void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Ten
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "quant_linear_bf16: qweight must be a contiguous 2-D uint8 tensor");
   TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1 || format == kQuantQ5_0 ||
-                  format == kQuantQ5_1 || is_interleaved(format),
+                  format == kQuantQ5_1 || format == kQuantQ4_K || format == kQuantQ5_K || format == kQuantQ6_K ||
+                  format == kQuantIQ4_NL || format == kQuantIQ4_XS || format == kQuantQ3_K ||
+                  is_interleaved(format),
               "quant_linear_bf16: format id ", format, " has no bf16 panels (ops.quant.BF16_FORMATS)");
-  TORCH_CHECK(k_len % quant::kBlock == 0 && qweight.size(1) == k_len / quant::kBlock * quant::block_bytes(format),
-              "quant_linear_bf16: qweight has ", qweight.size(1), " bytes per row; K=", k_len, " needs ",
-              k_len / quant::kBlock * quant::block_bytes(format));
+  TORCH_CHECK(k_len % quant::block_weights(format) == 0, "quant_linear_bf16: K must be a multiple of ",
+              quant::block_weights(format), "; got ", k_len);
+  TORCH_CHECK(qweight.size(1) == quant::row_bytes_of(format, k_len), "quant_linear_bf16: qweight has ",
+              qweight.size(1), " bytes per row; K=", k_len, " needs ", quant::row_bytes_of(format, k_len));
   TORCH_CHECK(!is_interleaved(format) || n_len % 8 == 0, "quant_linear_bf16: an r8 weight has a multiple of 8 rows");
   TORCH_CHECK(out.size(0) == m_len && out.size(1) == n_len, "quant_linear_bf16: out must be [M, N]");
   const float* b = nullptr;

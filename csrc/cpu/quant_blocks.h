@@ -1,4 +1,4 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1; Q4_K, Q6_K in 256-weight blocks) as the CPU kernels
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in 256-weight blocks) as the CPU kernels
 // read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
@@ -51,9 +51,21 @@ struct BlockQ5_1 {
   uint8_t qh[4];
   uint8_t q[kBlock / 2];
 };
+// IQ4_NL: Q4_0's nibbles index kIQ4Values (ops/reference/formats.py: IQ4_VALUES); w = d v[q].
+struct BlockIQ4_NL {
+  uint16_t d;
+  uint8_t q[kBlock / 2];
+};
+inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 // K-quants: 256 weights a block, read as eight sub-blocks of 32 (one activation block each).
 // Q4_K sub-block j: weights are the nibbles of q[32 (j / 2) + l] (low for even j), w = d sc_j q - dmin m_j,
 // sc_j / m_j the 6-bit fields of `scales` (ops/reference/formats.py: _scales_mins_k4).
+// Q5_K sub-block j: Q4_K's nibble with bit j of qh[l] as its fifth bit (q up to 31), same scales and mins.
+// Q3_K sub-block s (h = s / 4, g = s % 4): q = low - 4 (hmask bit clear) or low, low bits 2g..2g+1 of
+// qs[32 h + l], the bit bit 4h + g of hmask[l]; w = d (sc_i - 32) q, sc_i (i = 2s + l / 16) 6 bits: the low
+// nibble of scales[i] (i < 8) or the high one of scales[i - 8], and bits 2 (i / 4) of scales[8 + i % 4] above.
+// IQ4_XS sub-block j: nibbles of q[16 j + l] (low: l < 16) indexing kIQ4Values; w = d (ls_j - 32) v, ls_j the
+// low nibble j % 2 of scales_l[j / 2] with bits 2j..2j+1 of scales_h above it.
 // Q6_K sub-block s (half h = s / 4, g = s % 4): q = low | high << 4 with low the nibble g / 2 of
 // ql[64 h + 32 (g % 2) + l], high bits 2g..2g+1 of qh[32 h + l]; w = d scales[2 s + l / 16] (q - 32).
 constexpr int kSuperBlock = 256;
@@ -62,15 +74,34 @@ struct BlockQ4_K {
   uint8_t scales[12];
   uint8_t q[kSuperBlock / 2];
 };
+struct BlockQ5_K {
+  uint16_t d, dmin;
+  uint8_t scales[12];
+  uint8_t qh[kSuperBlock / 8];
+  uint8_t q[kSuperBlock / 2];
+};
+struct BlockQ3_K {
+  uint8_t hmask[kSuperBlock / 8];
+  uint8_t qs[kSuperBlock / 4];
+  uint8_t scales[12];
+  uint16_t d;
+};
+struct BlockIQ4_XS {
+  uint16_t d, scales_h;
+  uint8_t scales_l[kSuperBlock / 64];
+  uint8_t q[kSuperBlock / 2];
+};
 struct BlockQ6_K {
   uint8_t ql[kSuperBlock / 2];
   uint8_t qh[kSuperBlock / 4];
   int8_t scales[kSuperBlock / 16];
   uint16_t d;
 };
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "GGUF K-quant block sizes");
+static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210 &&
+                  sizeof(BlockIQ4_XS) == 136,
+              "GGUF K-quant block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
-                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24,
+                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18,
               "GGUF block sizes");
 
 inline float half_to_float(uint16_t h) {
@@ -88,18 +119,25 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ4_1: case kQuantQ4_1R8: return sizeof(BlockQ4_1);
     case kQuantQ5_0: return sizeof(BlockQ5_0);
     case kQuantQ5_1: return sizeof(BlockQ5_1);
+    case kQuantIQ4_NL: return sizeof(BlockIQ4_NL);
+    case kQuantIQ4_XS: return sizeof(BlockIQ4_XS);
+    case kQuantQ3_K: return sizeof(BlockQ3_K);
     case kQuantQ4_K: return sizeof(BlockQ4_K);
+    case kQuantQ5_K: return sizeof(BlockQ5_K);
     case kQuantQ6_K: return sizeof(BlockQ6_K);
     default:
       TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
-                  "Q4_K=12, Q6_K=14, Q4_0r8=1002, Q4_1r8=1003)");
+                  "Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
 
 // Weights per block of `format` (256 for the K-quants, else 32; block_bytes refuses unknown ids).
 inline int64_t block_weights(int64_t format) {
-  return format == kQuantQ4_K || format == kQuantQ6_K ? kSuperBlock : kBlock;
+  return format == kQuantQ3_K || format == kQuantQ4_K || format == kQuantQ5_K || format == kQuantQ6_K ||
+                 format == kQuantIQ4_XS
+             ? kSuperBlock
+             : kBlock;
 }
 
 // Packed bytes of a row of k_len weights (k_len a multiple of block_weights(format)).
@@ -209,13 +247,26 @@ using BlockOf = std::conditional_t<
                                F == kQuantQ5_0, BlockQ5_0,
                                std::conditional_t<
                                    F == kQuantQ5_1, BlockQ5_1,
-                                   std::conditional_t<F == kQuantQ4_K, BlockQ4_K,
-                                                      std::conditional_t<F == kQuantQ6_K, BlockQ6_K, void>>>>>>>;
+                                   std::conditional_t<
+                                       F == kQuantQ4_K, BlockQ4_K,
+                                       std::conditional_t<
+                                           F == kQuantQ5_K, BlockQ5_K,
+                                           std::conditional_t<
+                                               F == kQuantQ6_K, BlockQ6_K,
+                                               std::conditional_t<
+                                                   F == kQuantIQ4_NL, BlockIQ4_NL,
+                                                   std::conditional_t<
+                                                       F == kQuantIQ4_XS, BlockIQ4_XS,
+                                                       std::conditional_t<F == kQuantQ3_K, BlockQ3_K, void>>>>>>>>>>>;
 
 template <int64_t F>
 inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
 template <int64_t F>
-inline constexpr bool kIsK = F == kQuantQ4_K || F == kQuantQ6_K;
+inline constexpr bool kSignedQuants = F == kQuantQ8_0 || F == kQuantIQ4_NL;  // w = d q, q a signed byte
+template <int64_t F>
+inline constexpr bool kIsK = F == kQuantQ3_K || F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K || F == kQuantIQ4_XS;
+template <int64_t F>
+inline constexpr bool kHasMins = F == kQuantQ4_K || F == kQuantQ5_K;  // K-quants of w = d sc q - dmin m
 template <int64_t F>
 inline constexpr int64_t kWeightsOf = kIsK<F> ? kSuperBlock : kBlock;  // weights per block
 template <int64_t F>
@@ -227,7 +278,7 @@ inline void block_affine(const void* wb, float& d, float& m) {
   static_assert(!std::is_void_v<BlockOf<F>>, "block_affine: no block for this format id");
   const auto* blk = static_cast<const BlockOf<F>*>(wb);
   d = half_to_float(blk->d);
-  if constexpr (F == kQuantQ8_0) {
+  if constexpr (kSignedQuants<F>) {
     m = 0.f;
   } else if constexpr (F == kQuantQ4_0) {
     m = -8.f * d;
@@ -246,7 +297,8 @@ inline const uint8_t* block_quants(const void* wb) {
   return reinterpret_cast<const uint8_t*>(static_cast<const BlockOf<F>*>(wb)->q);
 }
 
-// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0).
+// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0; IQ4_NL:
+// the table value its nibble indexes).
 template <int64_t F>
 inline int block_q(const void* wb, int i) {
   const uint8_t* q = block_quants<F>(wb);
@@ -254,7 +306,9 @@ inline int block_q(const void* wb, int i) {
     return static_cast<int8_t>(q[i]);
   } else {
     const int nibble = i < kBlock / 2 ? (q[i] & 0x0F) : (q[i - kBlock / 2] >> 4);
-    if constexpr (kIsQ5<F>) {
+    if constexpr (F == kQuantIQ4_NL) {
+      return kIQ4Values[nibble];
+    } else if constexpr (kIsQ5<F>) {
       uint32_t qh;
       std::memcpy(&qh, static_cast<const BlockOf<F>*>(wb)->qh, sizeof(qh));
       return nibble | static_cast<int>(((qh >> i) & 1u) << 4);
@@ -277,6 +331,18 @@ inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+// The 32 signed quants of a Q8_0 / IQ4_NL block in element order (IQ4_NL: one table lookup per nibble).
+template <int64_t F>
+inline __m256i signed_quants(const void* wb) {
+  static_assert(kSignedQuants<F>, "signed_quants: Q8_0, IQ4_NL");
+  if constexpr (F == kQuantQ8_0) {
+    return load32(reinterpret_cast<const int8_t*>(block_quants<F>(wb)));
+  } else {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    return _mm256_shuffle_epi8(table, unpack_nibbles(block_quants<F>(wb)));
+  }
+}
+
 // The 32 unsigned quants of a Q4 / Q5 block in element order.
 template <int64_t F>
 inline __m256i unsigned_quants(const void* wb) {
@@ -290,8 +356,9 @@ inline __m256i unsigned_quants(const void* wb) {
 }
 #endif
 
-// Scale d and offset m of Q4_K sub-block j (w = d q + m, q the unsigned nibble).
-inline void q4k_sub_affine(const BlockQ4_K& blk, int j, float& d, float& m) {
+// Scale d and offset m of Q4_K / Q5_K sub-block j (w = d q + m, q the unsigned quant).
+template <typename Block>
+inline void q4k_sub_affine(const Block& blk, int j, float& d, float& m) {
   const uint8_t* s = blk.scales;
   int sc, mn;
   if (j < 4) {
@@ -306,7 +373,8 @@ inline void q4k_sub_affine(const BlockQ4_K& blk, int j, float& d, float& m) {
 }
 
 // q4k_sub_affine of all eight sub-blocks (the fp16 fields converted once).
-inline void q4k_affines(const BlockQ4_K& blk, float* d, float* m) {
+template <typename Block>
+inline void q4k_affines(const Block& blk, float* d, float* m) {
   const float scale = half_to_float(blk.d), min_scale = half_to_float(blk.dmin);
   const uint8_t* s = blk.scales;
   for (int j = 0; j < 8; ++j) {
@@ -317,32 +385,74 @@ inline void q4k_affines(const BlockQ4_K& blk, float* d, float* m) {
   }
 }
 
-// Quant l of sub-block j: Q4_K's unsigned nibble, Q6_K's signed q - 32.
+// Q3_K's 6-bit scale i (of weights 16 i..16 i + 15), before its - 32.
+inline int q3k_scale(const BlockQ3_K& blk, int i) {
+  const int low = i < 8 ? blk.scales[i] & 0x0F : blk.scales[i - 8] >> 4;
+  return low | (((blk.scales[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+}
+
+// The scales of a signed K-quant's sub-block j (Q3_K, Q6_K, IQ4_XS), `scale` its fp16 d: lo for its
+// weights 0..15, hi for 16..31 (Q3_K: d (sc - 32), Q6_K: d sc of each 16; IQ4_XS: d (ls_j - 32) for all
+// 32). Exact products.
+template <int64_t F>
+inline void ksub_scales(const BlockOf<F>& blk, float scale, int j, float& lo, float& hi) {
+  if constexpr (F == kQuantQ6_K) {
+    lo = scale * static_cast<float>(blk.scales[2 * j]);
+    hi = scale * static_cast<float>(blk.scales[2 * j + 1]);
+  } else if constexpr (F == kQuantQ3_K) {
+    lo = scale * static_cast<float>(q3k_scale(blk, 2 * j) - 32);
+    hi = scale * static_cast<float>(q3k_scale(blk, 2 * j + 1) - 32);
+  } else if constexpr (F == kQuantIQ4_XS) {
+    const int ls = ((blk.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | (((blk.scales_h >> (2 * j)) & 3) << 4);
+    lo = hi = scale * static_cast<float>(ls - 32);
+  } else {
+    static_assert(kNoFormat<F>, "ksub_scales: Q3_K, Q6_K, IQ4_XS");
+  }
+}
+
+// Quant l of sub-block j: Q4_K's unsigned nibble, Q5_K's unsigned 5-bit quant, Q6_K's signed q - 32,
+// IQ4_XS's table value, Q3_K's signed 3-bit quant.
 template <int64_t F>
 inline int ksub_q(const BlockOf<F>& blk, int j, int l) {
   if constexpr (F == kQuantQ4_K) {
     const uint8_t byte = blk.q[32 * (j / 2) + l];
     return j % 2 ? byte >> 4 : byte & 0x0F;
+  } else if constexpr (F == kQuantQ5_K) {
+    const uint8_t byte = blk.q[32 * (j / 2) + l];
+    return (j % 2 ? byte >> 4 : byte & 0x0F) | (((blk.qh[l] >> j) & 1) << 4);
   } else if constexpr (F == kQuantQ6_K) {
     const int h = j / 4, g = j % 4;
     const int low = (blk.ql[64 * h + 32 * (g % 2) + l] >> (4 * (g / 2))) & 0x0F;
     const int high = (blk.qh[32 * h + l] >> (2 * g)) & 3;
     return (low | (high << 4)) - 32;
+  } else if constexpr (F == kQuantQ3_K) {
+    const int h = j / 4, g = j % 4;
+    const int low = (blk.qs[32 * h + l] >> (2 * g)) & 3;
+    return ((blk.hmask[l] >> (4 * h + g)) & 1) ? low : low - 4;
+  } else if constexpr (F == kQuantIQ4_XS) {
+    const uint8_t byte = blk.q[16 * j + l % 16];
+    return kIQ4Values[l < 16 ? byte & 0x0F : byte >> 4];
   } else {
-    static_assert(kNoFormat<F>, "ksub_q: Q4_K, Q6_K");
+    static_assert(kNoFormat<F>, "ksub_q: Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS");
   }
 }
 
 #if defined(__AVX2__)
 inline __m256i shift_right16(__m256i v, int bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
 
-// The 32 quants of sub-block j in element order (ksub_q), as bytes: Q4_K unsigned, Q6_K signed.
+// The 32 quants of sub-block j in element order (ksub_q), as bytes: Q4_K / Q5_K unsigned, Q3_K / Q6_K / IQ4_XS
+// signed.
 template <int64_t F>
 inline __m256i ksub_quants(const BlockOf<F>& blk, int j) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   if constexpr (F == kQuantQ4_K) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q + 32 * (j / 2)));
     return _mm256_and_si256(shift_right16(raw, 4 * (j % 2)), nibble);
+  } else if constexpr (F == kQuantQ5_K) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.q + 32 * (j / 2)));
+    const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qh));
+    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, j), _mm256_set1_epi8(1)), 4);
+    return _mm256_or_si256(_mm256_and_si256(shift_right16(raw, 4 * (j % 2)), nibble), high);
   } else if constexpr (F == kQuantQ6_K) {
     const int h = j / 4, g = j % 4;
     const __m256i lraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.ql + 64 * h + 32 * (g % 2)));
@@ -350,26 +460,34 @@ inline __m256i ksub_quants(const BlockOf<F>& blk, int j) {
     const __m256i low = _mm256_and_si256(shift_right16(lraw, 4 * (g / 2)), nibble);
     const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, 2 * g), _mm256_set1_epi8(3)), 4);
     return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+  } else if constexpr (F == kQuantQ3_K) {
+    const int h = j / 4, g = j % 4;
+    const __m256i qraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs + 32 * h));
+    const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.hmask));
+    const __m256i low = _mm256_and_si256(shift_right16(qraw, 2 * g), _mm256_set1_epi8(3));
+    const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, 4 * h + g), _mm256_set1_epi8(1)), 2);
+    return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(4));
+  } else if constexpr (F == kQuantIQ4_XS) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    return _mm256_shuffle_epi8(table, unpack_nibbles(blk.q + 16 * j));
   } else {
-    static_assert(kNoFormat<F>, "ksub_quants: Q4_K, Q6_K");
+    static_assert(kNoFormat<F>, "ksub_quants: Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS");
   }
 }
 #endif
 
-// fp32 values of K-quant block `wb` into dst[256]: Q4_K d_j q + m_j (d_j q exact: one rounding),
-// Q6_K (d sc) q (one rounding of the exact product): the reference's values.
+// fp32 values of K-quant block `wb` into dst[256]: Q4_K / Q5_K d_j q + m_j (d_j q exact: one rounding),
+// Q3_K / Q6_K / IQ4_XS (d sc) q (one rounding of the exact product): the reference's values.
 template <int64_t F>
 inline void dequant_kblock(const void* wb, float* dst) {
   const auto& blk = *static_cast<const BlockOf<F>*>(wb);
   for (int j = 0; j < kSuperBlock / kBlock; ++j) {
     float d[2], m = 0.f;  // d[0]: weights 0..15 of the sub-block, d[1]: 16..31
-    if constexpr (F == kQuantQ4_K) {
+    if constexpr (kHasMins<F>) {
       q4k_sub_affine(blk, j, d[0], m);
       d[1] = d[0];
     } else {
-      const float scale = half_to_float(blk.d);
-      d[0] = scale * static_cast<float>(blk.scales[2 * j]);
-      d[1] = scale * static_cast<float>(blk.scales[2 * j + 1]);
+      ksub_scales<F>(blk, half_to_float(blk.d), j, d[0], d[1]);
     }
     float* out = dst + j * kBlock;
 #if defined(__AVX2__)
@@ -378,7 +496,7 @@ inline void dequant_kblock(const void* wb, float* dst) {
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int u = 0; u < 4; ++u) {
       const __m256 vd = _mm256_set1_ps(d[u / 2]);
-      if constexpr (F == kQuantQ4_K) {
+      if constexpr (kHasMins<F>) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[u]));
         _mm256_storeu_ps(out + 8 * u, _mm256_fmadd_ps(q, vd, _mm256_set1_ps(m)));
       } else {
@@ -399,8 +517,8 @@ inline void dequant_block32(const void* wb, float* dst) {
   block_affine<F>(wb, d, m);
 #if defined(__AVX2__)
   __m256i bytes;
-  if constexpr (F == kQuantQ8_0) {
-    bytes = load32(reinterpret_cast<const int8_t*>(block_quants<F>(wb)));
+  if constexpr (kSignedQuants<F>) {
+    bytes = signed_quants<F>(wb);
   } else {
     bytes = unsigned_quants<F>(wb);
   }
@@ -409,7 +527,7 @@ inline void dequant_block32(const void* wb, float* dst) {
   const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
   for (int u = 0; u < 4; ++u) {
     const __m128i part = parts[u];
-    const __m256i wide = F == kQuantQ8_0 ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+    const __m256i wide = kSignedQuants<F> ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
     _mm256_storeu_ps(dst + 8 * u, _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), vd, vm));
   }
 #else

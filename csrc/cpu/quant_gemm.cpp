@@ -1,4 +1,5 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), read in their packed blocks.
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
+// packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
 // At small M a layer is bound by reading the weight, so the packed bytes (4.5-8.5 bits per weight
@@ -51,8 +52,8 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
     float wd, wm;
     block_affine<F>(&blk, wd, wm);
     __m256i wu, wsign;
-    if constexpr (F == kQuantQ8_0) {
-      wsign = load32(blk.q);
+    if constexpr (kSignedQuants<F>) {  // Q8_0, IQ4_NL's table values (|v| <= 127)
+      wsign = signed_quants<F>(&blk);
       wu = _mm256_sign_epi8(wsign, wsign);  // |w|, and the sign moves onto the activations
     } else {
       wu = unsigned_quants<F>(&blk);
@@ -60,10 +61,10 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       __m256i xs = load32(q + m * k_len + b * kBlock);
-      if constexpr (F == kQuantQ8_0) xs = _mm256_sign_epi8(xs, wsign);
+      if constexpr (kSignedQuants<F>) xs = _mm256_sign_epi8(xs, wsign);
       const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
       acc[m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd * ad[m * nb + b]), acc[m]);
-      if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
+      if constexpr (!kSignedQuants<F>) extra[m] += wm * as[m * nb + b];
     }
   };
 #endif
@@ -89,7 +90,7 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
       block_affine<F>(&row[b], wd, wm);
       for (int m = 0; m < M; ++m) {
         acc[m] += wd * ad[m * nb + b] * static_cast<float>(block_idot<F>(row[b], q + m * k_len + b * kBlock));
-        if constexpr (F != kQuantQ8_0) extra[m] += wm * as[m * nb + b];
+        if constexpr (!kSignedQuants<F>) extra[m] += wm * as[m * nb + b];
       }
     }
     for (int m = 0; m < M; ++m) out[m * ldo + n] = acc[m] + extra[m] + (bias != nullptr ? bias[n] : 0.f);
@@ -98,10 +99,10 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 }
 
 // int8_rows for a K-quant weight (256-weight blocks of eight 32-weight sub-blocks, each against
-// one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K: its
-// scale d sc_j and min term) or Q8_0 block (Q6_K: the signed q - 32, the sign moved onto the
-// activations; the dot product's lanes 0-3 are the sub-block's first 16 weights, 4-7 the next 16,
-// each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
+// one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K / Q5_K:
+// its scale d sc_j and min term; Q5_K's quants up to 31, as Q5_1's) or Q8_0 block (Q6_K: the signed
+// q - 32; Q3_K: q - 4 or q; IQ4_XS: its table values; the sign moved onto the activations; the dot product's lanes 0-3
+// are the sub-block's first 16 weights, 4-7 the next 16, each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
 template <int64_t F, int M>
 void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
@@ -112,13 +113,13 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
     const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
 #if defined(__AVX2__)
     __m256 acc[2][M];
-    float extra[2][M] = {};  // the Q4_K min terms
+    float extra[2][M] = {};  // the Q4_K / Q5_K min terms
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const Block& blk = row[sb];
       [[maybe_unused]] float wd[kSubs], wm[kSubs];
       [[maybe_unused]] float scale = 0.f;
-      if constexpr (F == kQuantQ4_K) {
+      if constexpr (kHasMins<F>) {
         q4k_affines(blk, wd, wm);
       } else {
         scale = half_to_float(blk.d);
@@ -126,7 +127,7 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
       for (int j = 0; j < kSubs; ++j) {
         const int64_t b = sb * kSubs + j;
         const int par = j & 1;
-        if constexpr (F == kQuantQ4_K) {
+        if constexpr (kHasMins<F>) {
           const __m256i wu = ksub_quants<F>(blk, j);
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) {
@@ -135,8 +136,9 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             extra[par][m] += wm[j] * as[m * nb + b];
           }
         } else {
-          const __m256 sv = _mm256_setr_m128(_mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j])),
-                                             _mm_set1_ps(scale * static_cast<float>(blk.scales[2 * j + 1])));
+          float lo, hi;
+          ksub_scales<F>(blk, scale, j, lo, hi);
+          const __m256 sv = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
           const __m256i ws = ksub_quants<F>(blk, j);
           const __m256i wu = _mm256_sign_epi8(ws, ws);
 #pragma GCC unroll 8
@@ -159,7 +161,7 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
         const int64_t b = sb * kSubs + j;
         for (int m = 0; m < M; ++m) {
           const int8_t* a = q + m * k_len + b * kBlock;
-          if constexpr (F == kQuantQ4_K) {
+          if constexpr (kHasMins<F>) {
             float wd, wm;
             q4k_sub_affine(blk, j, wd, wm);
             int32_t sum = 0;
@@ -167,11 +169,12 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             acc[m] += wd * ad[m * nb + b] * static_cast<float>(sum);
             extra[m] += wm * as[m * nb + b];
           } else {
-            const float scale = half_to_float(blk.d);
+            float sd[2];
+            ksub_scales<F>(blk, half_to_float(blk.d), j, sd[0], sd[1]);
             for (int half = 0; half < 2; ++half) {
               int32_t sum = 0;
               for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l];
-              acc[m] += scale * static_cast<float>(blk.scales[2 * j + half]) * ad[m * nb + b] * static_cast<float>(sum);
+              acc[m] += sd[half] * ad[m * nb + b] * static_cast<float>(sum);
             }
           }
         }
@@ -286,8 +289,12 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ4_1: return run_format<kQuantQ4_1>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_0: return run_format<kQuantQ5_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
+    case kQuantIQ4_NL: return run_format<kQuantIQ4_NL>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ3_K: return run_format<kQuantQ3_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ5_K: return run_format<kQuantQ5_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ6_K: return run_format<kQuantQ6_K>(out, x, w, n_len, k_len, b, exact);
+    case kQuantIQ4_XS: return run_format<kQuantIQ4_XS>(out, x, w, n_len, k_len, b, exact);
     default: TORCH_CHECK(false, "quant_linear: format id ", format, " has no packed kernel");
   }
 }
@@ -309,8 +316,12 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ4_1: return dequant_rows<kQuantQ4_1>(w, op, k_len, begin, end);
       case kQuantQ5_0: return dequant_rows<kQuantQ5_0>(w, op, k_len, begin, end);
       case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, op, k_len, begin, end);
+      case kQuantIQ4_NL: return dequant_rows<kQuantIQ4_NL>(w, op, k_len, begin, end);
+      case kQuantQ3_K: return dequant_rows<kQuantQ3_K>(w, op, k_len, begin, end);
       case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
+      case kQuantQ5_K: return dequant_rows<kQuantQ5_K>(w, op, k_len, begin, end);
       case kQuantQ6_K: return dequant_rows<kQuantQ6_K>(w, op, k_len, begin, end);
+      case kQuantIQ4_XS: return dequant_rows<kQuantIQ4_XS>(w, op, k_len, begin, end);
       default: TORCH_CHECK(false, "dequantize: format id ", format, " has no packed kernel");
     }
   }, /*openmp=*/true);

@@ -227,12 +227,12 @@ TABLE: tuple[GGMLFormat, ...] = (
     GGMLFormat("Q5_1", 7, 32, 24, PACKED, _q5_1),
     GGMLFormat("Q8_0", 8, 32, 34, PACKED, _q8_0),
     GGMLFormat("Q2_K", 10, 256, 84, DEQUANTIZED, _q2_k),
-    GGMLFormat("Q3_K", 11, 256, 110, DEQUANTIZED, _q3_k),
+    GGMLFormat("Q3_K", 11, 256, 110, PACKED, _q3_k),
     GGMLFormat("Q4_K", 12, 256, 144, PACKED, _q4_k),
-    GGMLFormat("Q5_K", 13, 256, 176, DEQUANTIZED, _q5_k),
+    GGMLFormat("Q5_K", 13, 256, 176, PACKED, _q5_k),
     GGMLFormat("Q6_K", 14, 256, 210, PACKED, _q6_k),
-    GGMLFormat("IQ4_NL", 20, 32, 18, DEQUANTIZED, _iq4_nl),
-    GGMLFormat("IQ4_XS", 23, 256, 136, DEQUANTIZED, _iq4_xs),
+    GGMLFormat("IQ4_NL", 20, 32, 18, PACKED, _iq4_nl),
+    GGMLFormat("IQ4_XS", 23, 256, 136, PACKED, _iq4_xs),
     GGMLFormat("BF16", 30, 1, 2, FLOAT, _bf16),
 )
 BY_NAME = {f.name: f for f in TABLE}

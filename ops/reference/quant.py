@@ -1,7 +1,7 @@
 """GGUF block formats in plain torch: the oracle of the quantized-linear kernels.
 
 A quantized weight ``[N, K]`` is stored as uint8 ``[N, K / block_size * block_bytes]``: each row
-(one output feature) is blocks of 32 (256 for Q4_K / Q6_K) consecutive weights along K, in ggml's
+(one output feature) is blocks of 32 (256 for Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS) consecutive weights along K, in ggml's
 byte layout (the K-quants' in ops/reference/formats.py):
 
 - Q8_0 (34 bytes): fp16 scale d, 32 int8 q; w = d * q.
@@ -9,6 +9,7 @@ byte layout (the K-quants' in ops/reference/formats.py):
 - Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m.
 - Q5_0 (22 bytes): fp16 d, uint32 qh (bit j: element j's fifth bit), nibbles; w = d * (q - 16).
 - Q5_1 (24 bytes): fp16 d, fp16 m, qh, nibbles; w = d * q + m.
+- IQ4_NL (18 bytes): fp16 d, nibbles indexing a 16-value non-linear int8 table; w = d * v[q].
 
 Nibbles: byte j holds element j in its low four bits and element j + 16 in its high four bits.
 Format ids, block sizes and the blocks' dequantization are the format table's (ops/reference/formats.py).
@@ -27,12 +28,14 @@ import torch
 from ops.reference import formats, quantizers
 
 BLOCK = 32
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = (formats.by_name(name).type_id
-                                            for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"))
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
+    formats.by_name(name).type_id
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+K_BLOCKS = (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
 BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes
-               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q4_0R8, Q4_1R8)}
+               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, *K_BLOCKS, Q4_0R8, Q4_1R8)}
 ROWS_PER_GROUP = 8
 
 
@@ -90,7 +93,7 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
     """Pack fp32 ``[N, K]`` (K a multiple of the block size) into ``fmt`` blocks, rounding to nearest
     (for tests and tools; gguf's own quantizer is what the model files use; the K-quants through
     ``ops.reference.quantizers``)."""
-    if fmt in (Q4_K, Q6_K):
+    if fmt in (*K_BLOCKS, IQ4_NL):
         return quantizers.quantize(weight.float(), formats.by_id(fmt).name)
     rows, cols = weight.shape
     w = weight.float().reshape(rows, cols // BLOCK, BLOCK)
@@ -132,8 +135,9 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
                 (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
     else:
-        raise formats.UnsupportedFormatError(f"quantize packs Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q6_K (ids "
-                                             f"{Q8_0}, {Q4_0}, {Q4_1}, {Q5_0}, {Q5_1}, {Q4_K}, {Q6_K}); got id {fmt}")
+        packs = sorted(BLOCK_BYTES.keys() - {Q4_0R8, Q4_1R8})
+        raise formats.UnsupportedFormatError(f"quantize packs {', '.join(formats.by_id(f).name for f in packs)} "
+                                             f"(ids {packs}); got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)
 
 

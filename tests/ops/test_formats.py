@@ -31,7 +31,7 @@ def test_table_ids_and_sizes_are_ggmls() -> None:
         assert fmt.type_id == qtype.value
         assert (fmt.block_size, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[qtype]
     packed = {f.name for f in formats.TABLE if f.runs == formats.PACKED}
-    assert packed == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"}
+    assert packed == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
     assert set(SCALES) == {f.name for f in QUANTIZED}
 
 
@@ -107,12 +107,12 @@ def test_unknown_formats_are_refused_by_name() -> None:
                 formats.by_name(qtype.name)
             with pytest.raises(formats.UnsupportedFormatError, match=f"id {qtype.value} is not supported"):
                 formats.by_id(qtype.value)
-    with pytest.raises(formats.UnsupportedFormatError, match="Q5_K has no quantized kernel"):
-        formats.packed(formats.by_name("Q5_K").type_id)
-    with pytest.raises(formats.UnsupportedFormatError, match="no packed layout with id 13"):
-        ref.dequantize(torch.zeros(1, 176, dtype=torch.uint8), 13)
-    with pytest.raises(formats.UnsupportedFormatError, match="got id 20"):
-        ref.quantize(torch.zeros(1, 32), 20)
+    with pytest.raises(formats.UnsupportedFormatError, match="Q2_K has no quantized kernel"):
+        formats.packed(formats.by_name("Q2_K").type_id)
+    with pytest.raises(formats.UnsupportedFormatError, match="no packed layout with id 10"):
+        ref.dequantize(torch.zeros(1, 84, dtype=torch.uint8), 10)
+    with pytest.raises(formats.UnsupportedFormatError, match="got id 10"):
+        ref.quantize(torch.zeros(1, 256), 10)
     with pytest.raises(formats.UnsupportedFormatError, match="blocks of 256 weights"):
         formats.by_name("Q6_K").row_bytes(576)
 

@@ -19,13 +19,14 @@ ZEN5 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "
 XEON = ZEN5 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}
 LOWER = isa.machine_levels()[:-1]  # the machine's own level is what the rest of the suite runs
 ROOT = Path(__file__).resolve().parents[2]
-# What a capped run checks: the kernels against the reference, the linears, the screens, and the
+# What a capped run checks: the kernels against the reference, the linears (the bf16 ones on
+# `vdpbf16ps` at avx512_bf16, the only level that runs that kernel here), the screens, and the
 # engine's bit-for-bit invariance on the tiny model (about a minute a level on one core, after the
 # library's build, which scripts/test.sh does beforehand); the oracle against HF and the GGUF model's
 # invariance run at the machine's own level in the rest of the suite.
 CAPPED_TESTS = ["tests/ops/test_attention.py", "tests/ops/test_prefill_attention.py", "tests/ops/test_kv_int8.py",
                 "tests/ops/test_linear.py", "tests/ops/test_fused.py", "tests/ops/test_quant_linear.py",
-                "tests/ops/test_kquant_linear.py",
+                "tests/ops/test_kquant_linear.py", "tests/ops/test_quant_linear_bf16.py",
                 "tests/ops/test_screen.py", "tests/engine/model/test_gguf_screen.py",
                 "tests/ops/test_window_attention.py::test_cpu_decode_half_precision",
                 "tests/ops/test_window_attention.py::test_cpu_prefill_other_shapes",

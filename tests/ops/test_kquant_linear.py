@@ -1,4 +1,4 @@
-"""ops.quant on the K-quants kept packed (Q4_K, Q6_K: 256-weight blocks the kernels read as eight
+"""ops.quant on the 256-weight formats kept packed (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: blocks the kernels read as eight
 32-weight sub-blocks, one activation block each): the kernels' dequantization is gguf's reference
 bit for bit over random blocks (every scale, min and fp16 class), the int8-activation rows equal
 the reference on the int8-rounded activations and the fp32 rows the fp32 product over odd row
@@ -14,13 +14,13 @@ import torch
 
 import ops
 from ops.build import cpu_ops
-from ops.quant import FORMATS, Q4_K, Q6_K, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.quant import FORMATS, IQ4_XS, Q3_K, Q4_K, Q5_K, Q6_K, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import formats
 from ops.reference import quant as ref
 from tests.ops.test_formats import _random_blocks
 
 gguf = pytest.importorskip("gguf")
-KQUANTS = [Q4_K, Q6_K]
+KQUANTS = [Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS]
 SHAPES = [(37, 256), (130, 512), (96, 1536), (8, 768), (576, 256)]  # (N, K)
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, QUANT_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS + 3]
 
@@ -115,10 +115,15 @@ def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantForm
 
 
 @pytest.mark.parametrize("fmt", KQUANTS, ids=lambda f: f.name)
-def test_bf16_linear_runs_the_k_quants_in_torch_off_amx(fmt: QuantFormat) -> None:
-    """The AMX kernel has no K-quant panels: `quant_linear_bf16` gives the bf16 reference for them."""
+def test_bf16_linear_has_k_quant_panels(fmt: QuantFormat) -> None:
+    """The bf16 kernels dequantize K-quant blocks into their panels (tests/ops/test_quant_linear_bf16.py
+    runs the grid): `quant_linear_bf16` is the bf16 reference up to summation order, and a K that is
+    not a whole number of 256-weight blocks is refused by the kernel too."""
     qweight = _qweight(fmt, 40, 256, 3)
     x = torch.randn(6, 256)
-    assert fmt.name not in ops.quant.BF16_FORMATS
+    assert fmt.name in ops.quant.BF16_FORMATS
     torch.testing.assert_close(ops.quant.quant_linear_bf16(x, qweight, fmt),
-                               ref.quant_linear_bf16(x, qweight, fmt.type_id), rtol=0, atol=0)
+                               ref.quant_linear_bf16(x, qweight, fmt.type_id), rtol=1e-5, atol=1e-5)
+    if ops.quant.bf16_kernel() is not None:
+        with pytest.raises(RuntimeError, match="multiple of 256"):
+            cpu_ops().quant_linear_bf16(torch.empty(1, 40), torch.randn(1, 288), qweight, fmt.type_id, None)

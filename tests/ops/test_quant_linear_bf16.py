@@ -12,10 +12,14 @@ import ops
 from ops.quant import BF16_FORMATS, FORMATS, INTERLEAVED, QuantFormat, bf16_kernel, interleave, quant_linear_bf16
 from ops.reference import quant as ref
 
-# The layouts with bf16 panels (the K-quants run on the torch fallback: tests/ops/test_kquant_linear.py).
+# The layouts with bf16 panels: the 32-weight formats, their r8 layouts, and the K-quants Q4_K / Q6_K.
 LAYOUTS = {name: fmt for name, fmt in {**FORMATS, **{r8.name: r8 for r8 in INTERLEAVED.values()}}.items()
            if name in BF16_FORMATS}
 BASE = {r8.name: base for base, r8 in INTERLEAVED.items()}
+SHAPES = [(8, 32), (40, 96), (576, 576), (136, 1536), (960, 64)]  # (N, K) for 32-weight blocks
+K_SHAPES = [(8, 256), (40, 768), (37, 512), (136, 1536), (576, 256)]  # 256-weight blocks: K = 256 n, odd N
+GRID = [(name, n, k) for name, fmt in sorted(LAYOUTS.items())
+        for n, k in (K_SHAPES if fmt.block_size == 256 else SHAPES)]
 needs_kernel = pytest.mark.skipif(bf16_kernel() is None, reason="no bf16 kernel (AMX-BF16 or AVX512-BF16) here")
 
 
@@ -34,8 +38,7 @@ def _expected(x: torch.Tensor, packed: torch.Tensor, fmt: QuantFormat, bias: tor
 
 @needs_kernel
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize(("n", "k"), [(8, 32), (40, 96), (576, 576), (136, 1536), (960, 64)])
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(("name", "n", "k"), GRID)
 @pytest.mark.parametrize("m", [1, 11, 12, 13, 15, 16, 17, 33, 64, 121, 130])
 def test_kernel_matches_reference(m: int, name: str, n: int, k: int, with_bias: bool) -> None:
     packed, fmt = _weight(name, n, k, seed=n + k)
@@ -59,11 +62,24 @@ def test_activation_blocks_past_l2_size() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_panels_hold_the_reference_weights_in_bf16(name: str) -> None:
+    """Each panel value is the reference dequantization rounded to bf16 (nearest even), bit for bit:
+    a one-hot activation row k makes output n exactly the panel's weight (n, k)."""
+    k = 768 if LAYOUTS[name].block_size == 256 else 96
+    packed, fmt = _weight(name, 37 if name not in BASE else 40, k, seed=6)
+    x = torch.eye(k)
+    want = ref.dequantize(packed, fmt.type_id).bfloat16().float().T
+    assert torch.equal(quant_linear_bf16(x, packed, fmt), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_a_row_does_not_depend_on_its_batch(name: str) -> None:
     """Each output is its own row's sum in a fixed order: bit for bit the same alone, at any place in
     any batch (padding rows are zeros that never reach another row)."""
-    packed, fmt = _weight(name, 96, 576, seed=2)
-    x = torch.randn(70, 576)
+    k = 768 if LAYOUTS[name].block_size == 256 else 576
+    packed, fmt = _weight(name, 96, k, seed=2)
+    x = torch.randn(70, k)
     batch = quant_linear_bf16(x, packed, fmt)
     for i in (0, 15, 16, 31, 32, 69):
         assert torch.equal(quant_linear_bf16(x[i:i + 1], packed, fmt)[0], batch[i])

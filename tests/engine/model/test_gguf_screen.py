@@ -10,9 +10,13 @@ import torch
 import ops
 from engine.model.quant_linear import QuantLinear
 from engine.model.quant_screen import BF16_SCREEN_MIN_ROWS, NORM_SLACK, ROUNDING, QuantLogitScreen, bf16_row_scales
-from ops.quant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q6_K, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.quant import FORMATS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import quant as ref
 from ops.screen import bf16_packing_available, native_bf16, screen_logits
+
+# Every packed format (GGUF order) an lm_head can be stored in.
+SCREENED = [Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, FORMATS["IQ4_NL"], FORMATS["Q3_K"], Q4_K, Q5_K, Q6_K,
+            FORMATS["IQ4_XS"]]
 
 
 def _lm_head(fmt: QuantFormat, vocab: int, hidden: int, seed: int) -> QuantLinear:
@@ -41,7 +45,7 @@ def _exact_tokens(lm_head: QuantLinear, hidden: torch.Tensor) -> torch.Tensor:
     return torch.cat([lm_head(part).max(dim=-1).indices for part in hidden.split(QUANT_GEMV_MAX_ROWS)])
 
 
-@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q4_K, Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", SCREENED, ids=lambda f: f.name)
 @pytest.mark.parametrize(("vocab", "hidden", "rows"),
                          [(4099, 576, 1), (1000, 64, 40), (2048, 96, 64), (4099, 256, 1), (1000, 512, 40)])
 def test_screen_picks_the_fp32_activation_argmax(fmt: QuantFormat, vocab: int, hidden: int, rows: int) -> None:
@@ -81,7 +85,7 @@ def test_no_screen_for_shards_or_bias() -> None:
     assert all(QuantLogitScreen.for_lm_head(m) is None for m in (two, biased, plain))
 
 
-@pytest.mark.parametrize("fmt", [Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, Q4_K, Q6_K], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", SCREENED, ids=lambda f: f.name)
 def test_fused_screen_matches_its_torch_reference(fmt: QuantFormat) -> None:
     """The fused C++ pass (`ops.quant.screened_argmax`) against `ops.reference.quant.screened_argmax`:
     the same tokens, about the same number of candidates (the bound is the same; fp32 rounding of
