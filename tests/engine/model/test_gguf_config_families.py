@@ -26,9 +26,10 @@ from engine.model.loader import ModelLoadError, load_hf_config, tokenizer_dir
 from engine.model.quant_linear import QuantLinear
 from ops.reference import formats
 from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
+from tests.engine.model.gguf_writing import add_decoder_shape, assert_fp32_activation_logits_match
 from tests.engine.model.test_gguf_formats import _encode, _llama_cpp_permute, _weight
 from tests.engine.model.test_sliding_window import make_family_dir, prompt_ids
-from tests.fixtures.models import SPECIAL_TOKENS, PagedHarness, Seq, _byte_tokenizer
+from tests.fixtures.models import SPECIAL_TOKENS, _byte_tokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -67,12 +68,7 @@ def write_llama_cpp_gguf(model_dir: Path, arch: str, fmt_of: Callable[[str], str
     path = (out_dir or model_dir) / f"{name or arch}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    add_decoder_shape(writer, config)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_rope_dimension_count(config.hidden_size // heads)
@@ -230,15 +226,7 @@ def test_packed_weights_give_transformers_logits_on_their_dequantized_values(fam
     ours = load_model(file)
     hf = _dequantized_hf(directory, fmt_of, arch)
     _assert_holds(ours, hf.state_dict(), packed=True)
-    for module in ours.modules():
-        if isinstance(module, QuantLinear):
-            module.int8_activations = False
-    tokens = prompt_ids(24, 5)
-    with torch.no_grad():
-        reference = hf(torch.tensor([tokens])).logits[0]
-    harness, seq = PagedHarness(ours, seed=2), Seq(tokens)
-    logits = [harness.step([(seq, 10)], [])] + [harness.step([], [seq]) for _ in range(14)]
-    torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
+    assert_fp32_activation_logits_match(ours, hf)
 
 
 def _metadata_gguf(path: Path, arch: str, extra: Callable[[Any], None] = lambda writer: None,

@@ -20,9 +20,9 @@ from engine.model import load_model
 from engine.model.loader import ModelLoadError
 from engine.model.quant_linear import QuantLinear
 from tests.engine.helpers import assert_no_leaks, generated
+from tests.engine.model.gguf_writing import add_decoder_shape, assert_fp32_activation_logits_match
 from tests.engine.model.test_gguf_formats import _weight
 from tests.engine.model.test_sliding_window import make_family_dir, prompt_ids
-from tests.fixtures.models import PagedHarness, Seq
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
@@ -58,12 +58,7 @@ def write_family_gguf(model_dir: Path, arch: str, fmt: str, rope_dims: int | Non
     names = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
     path = model_dir / f"{arch}-{fmt}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_decoder_shape(writer, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -190,18 +185,6 @@ def _hf_greedy(hf: nn.Module, prompts: list[list[int]], new: int) -> list[list[i
     return out
 
 
-def _assert_fp32_activation_logits_match(ours: nn.Module, hf: nn.Module) -> None:
-    for module in ours.modules():
-        if isinstance(module, QuantLinear):
-            module.int8_activations = False
-    tokens = prompt_ids(24, 5)
-    with torch.no_grad():
-        reference = hf(torch.tensor([tokens])).logits[0]
-    harness, seq = PagedHarness(ours, seed=2), Seq(tokens)
-    logits = [harness.step([(seq, 10)], [])] + [harness.step([], [seq]) for _ in range(14)]
-    torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weights_and_greedy_match_transformers(family: tuple[str, Path], fmt: str) -> None:
     arch, directory = family
@@ -214,7 +197,7 @@ def test_weights_and_greedy_match_transformers(family: tuple[str, Path], fmt: st
     if fmt != "F32" and arch not in MOE:
         # packed Q8_0 runs int8 activations (not transformers' arithmetic): with them off, the
         # paged model's prefill and decode logits are transformers' on the same file
-        _assert_fp32_activation_logits_match(ours, hf)
+        assert_fp32_activation_logits_match(ours, hf)
         return
     prompts = [prompt_ids(n, seed) for seed, n in enumerate((7, 19, 12))]
     new = 10

@@ -19,6 +19,7 @@ from engine.model import load_model
 from engine.model.quant_linear import QuantEmbedding, QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
 from ops.reference import formats, quantizers
+from tests.engine.model.gguf_writing import add_decoder_shape
 from tests.fixtures.models import make_tiny_model_dir
 
 gguf = pytest.importorskip("gguf")
@@ -69,12 +70,7 @@ def write_gguf(model_dir: Path, name: str, fmt_of: Callable[[str, int], str], ti
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     path = (out_dir or model_dir) / f"{name}.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    add_decoder_shape(writer, config)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_rope_dimension_count(config.hidden_size // heads)

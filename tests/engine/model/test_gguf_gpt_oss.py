@@ -19,6 +19,7 @@ from engine.llm import LLM
 from engine.model import ModelSpec, load_model
 from engine.model.loader import load_hf_config
 from tests.engine.helpers import assert_no_leaks, generated, hf_greedy
+from tests.engine.model.gguf_writing import add_decoder_shape
 from tests.engine.model.test_gpt_oss import make_gpt_oss_dir
 from tests.engine.model.test_sliding_window import prompt_ids
 
@@ -41,12 +42,7 @@ def write_gpt_oss_gguf(model_dir: Path, experts: str = "F32", fused: bool = Fals
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, config.num_hidden_layers)
     path = model_dir / f"{name}.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_decoder_shape(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
