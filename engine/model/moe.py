@@ -13,7 +13,8 @@ rows do not depend on how many rows share the call, so a token's routing and exp
 the same bits whichever other tokens are in its step (it is as fast as the default kernels at
 every row count: 1-256 rows of a [1536, 1024] weight measured equal or faster). The shared
 expert is a plain `SwiGLU`, batch-invariant only under `ops.backend.set_fixed_order` like every
-dense linear. bf16/fp16 and CUDA tensors use `F.linear` per expert.
+dense linear. bf16/fp16 and CUDA tensors use `F.linear` per expert. A GGUF's experts in a packed
+format replace `Experts` with `engine.model.packed_experts.PackedExperts` (same contract).
 """
 
 from __future__ import annotations
@@ -91,9 +92,11 @@ class Experts(nn.Module):
             return clamped_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
         return ops.silu_and_mul(gate_up)
 
-    def forward(self, x: Tensor, tokens: Tensor, weights: Tensor, counts: list[int]) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor, weights: Tensor, counts: list[int],
+                rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`x [T, H]`; `tokens`, `weights`, `counts` from `group_by_expert` -> `[T, H]`: for each token
-        the sum over its experts, in ascending expert order, of weight x expert(x)."""
+        the sum over its experts, in ascending expert order, of weight x expert(x). `rows` is for
+        `PackedExperts`' contract: fp32 experts compute every row alike."""
         out = torch.zeros_like(x)
         fixed = self.fixed_weights() if _fixed_path(x) else None
         hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
@@ -101,16 +104,16 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            rows, w = tokens[start:start + n], weights[start:start + n, None]
+            picked, w = tokens[start:start + n], weights[start:start + n, None]
             start += n
             b1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
             b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
-            xe = x.index_select(0, rows)
+            xe = x.index_select(0, picked)
             if fixed is not None:
                 y = fixed_linear(self._activate(fixed_linear(xe, fixed[0][e], 2 * inter, b1)), fixed[1][e], hidden, b2)
             else:
                 y = F.linear(self._activate(F.linear(xe, self.gate_up_proj[e], b1)), self.down_proj[e], b2)
-            out.index_add_(0, rows, (y * w).to(out.dtype))
+            out.index_add_(0, picked, (y * w).to(out.dtype))
         return out
 
 
@@ -147,9 +150,9 @@ class SparseMoE(nn.Module):
         return (weights.to(x.dtype) if self.spec.weights_in_model_dtype else weights), experts
 
     def forward(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
-        """`rows` reach the shared expert's linears (the routed experts are never packed)."""
+        """`rows` reach the shared expert's linears and the experts (packed ones: `PackedExperts`)."""
         weights, experts = self.route(x)
-        out = self.experts(x, *group_by_expert(experts, weights, self.spec.num_experts))
+        out = self.experts(x, *group_by_expert(experts, weights, self.spec.num_experts), rows)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, rows)
         return out
