@@ -295,7 +295,8 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
 def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the GGUF at `path` in fp32 under its HF checkpoint name (`model.load_weights`
     takes them), Q/K rows un-permuted: the `quantization="dequantize"` load of the families whose
-    files transformers' GGUF loader does not read (`engine.model.gguf_config`)."""
+    files transformers' GGUF loader does not read (`engine.model.gguf_config`), and of the Qwen-MoE
+    files (transformers' loader keeps its default expert sizes): experts stacked as transformers holds them."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -312,6 +313,13 @@ def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tu
         for module, shards in table.items():
             for index, stored in shards.items():
                 yield _hf_name(module, index, what), _fp32(stored)
+    for block_path, parts in collector.experts.items():
+        block = model.get_submodule(block_path)
+        assert isinstance(block, SparseMoE)
+        e, i, h = block.spec.num_experts, block.spec.intermediate_size, model.spec.hidden_size
+        gate, up = (_expert_values(parts[p], (e, i, h), block_path) for p in (0, 1))
+        yield f"{block_path}.experts.gate_up_proj", torch.cat([gate, up], dim=1)
+        yield f"{block_path}.experts.down_proj", _expert_values(parts[2], (e, h, i), block_path)
 
 
 def _fp32(stored: Stored) -> torch.Tensor:
@@ -320,7 +328,8 @@ def _fp32(stored: Stored) -> torch.Tensor:
 
 
 _HF_SHARDS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
-              "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",)}
+              "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",),
+              "shared_expert.gate_up_proj": ("gate_proj", "up_proj"), "shared_expert.down_proj": ("down_proj",)}
 
 
 def _hf_name(path: str, index: int, what: str) -> str:

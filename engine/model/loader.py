@@ -154,13 +154,14 @@ def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
 
 def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[str, Tensor]]:
     """The GGUF's tensors dequantized to fp32 under their HF names: read here for the families whose
-    config engine.model.gguf_config builds, through transformers' loader for the others."""
+    config engine.model.gguf_config builds and for the Qwen-MoE files (transformers' loader builds
+    them with its default expert sizes), through transformers' loader for the others."""
     if model.spec.model_type == "gpt_oss":
         from engine.model.gguf_gpt_oss import iter_gpt_oss_weights
 
         yield from iter_gpt_oss_weights(file)
         return
-    if model.spec.model_type in _OWN_CONFIG_TYPES:
+    if model.spec.model_type in (*_OWN_CONFIG_TYPES, *GGUF_MOE_TYPES):
         from engine.model.gguf_weights import iter_dequantized_weights
 
         yield from iter_dequantized_weights(model, file)
@@ -176,8 +177,8 @@ GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3",
 _LLAMA_GGUF_TYPES = ("llama", "mistral", "qwen2")  # read before issue 37 (their rope metadata unchecked)
 # configs built by engine.model.gguf_config; their weights dequantized by gguf_weights too
 _OWN_CONFIG_TYPES = tuple(GGUF_CONFIG_ARCHS.values())
-# mixture-of-experts GGUF files whose config transformers' loader reads; their tensors kept packed like the
-# dense families' (experts as `PackedExperts`), or with quantization="dequantize" read through that loader
+# mixture-of-experts GGUF files whose config transformers' loader reads (expert sizes from the file's keys:
+# `gguf_config.moe_sizes`); their tensors read by gguf_weights, packed (experts as `PackedExperts`) or dequantized
 GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 
 

@@ -341,3 +341,22 @@ def test_experts_without_a_kernel_are_dequantized_with_a_log_line(tmp_path: Path
     set_int8_activations(ours, False)
     with torch.inference_mode():
         assert [greedy(ours, p, NEW) for p in PROMPTS] == [_hf_greedy(hf, p, NEW) for p in PROMPTS]
+
+
+def test_dequantized_load_holds_the_files_values(case: tuple[Path, nn.Module, str]) -> None:
+    """quantization="dequantize" reads the same file (expert sizes from its keys, where transformers' own
+    GGUF load keeps its defaults) into the fp32 `Experts`: the oracle's weights and logits."""
+    file, hf, _ = case
+    ours = load_model(file, quantization="dequantize")
+    state = hf.state_dict()
+    for i, block in enumerate(_sparse_blocks(ours)):
+        assert type(block.experts) is Experts
+        assert torch.equal(block.experts.gate_up_proj, state[f"model.layers.{i}.mlp.experts.gate_up_proj"])
+        assert torch.equal(block.experts.down_proj, state[f"model.layers.{i}.mlp.experts.down_proj"])
+    tokens = prompt_ids(20, 3)
+    with torch.no_grad():
+        reference = hf(torch.tensor([tokens])).logits[0]
+    harness, seq = PagedHarness(ours, seed=1), Seq(tokens)
+    logits = [harness.step([(seq, 12)], [])] + [harness.step([], [seq]) for _ in range(8)]
+    # fp32 everywhere, other summation orders than transformers' (hidden 256: up to 1.4e-4 seen)
+    torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=3e-4)
