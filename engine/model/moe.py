@@ -11,10 +11,11 @@ Arithmetic per row: on the CPU in fp32 the router and every expert GEMM go throu
 (`ops.pack_fixed` copies made on first use, extra memory one copy of the expert weights), whose
 rows do not depend on how many rows share the call, so a token's routing and expert outputs are
 the same bits whichever other tokens are in its step (it is as fast as the default kernels at
-every row count: 1-256 rows of a [1536, 1024] weight measured equal or faster). The shared
-expert is a plain `SwiGLU`, batch-invariant only under `ops.backend.set_fixed_order` like every
-dense linear. bf16/fp16 and CUDA tensors use `F.linear` per expert. A GGUF's experts in a packed
-format replace `Experts` with `engine.model.packed_experts.PackedExperts` (same contract).
+every row count: 1-256 rows of a [1536, 1024] weight measured equal or faster); so does Qwen2-MoE's
+one-row shared-expert gate. The shared expert is a plain `SwiGLU`, batch-invariant only under
+`ops.backend.set_fixed_order` like every dense linear. bf16/fp16 and CUDA tensors use `F.linear`
+per expert. A GGUF's experts in a packed format replace `Experts` with
+`engine.model.packed_experts.PackedExperts` (same contract).
 """
 
 from __future__ import annotations
@@ -131,10 +132,10 @@ class SparseMoE(nn.Module):
         self.gate = RouterLinear(hidden_size, spec.num_experts, bias=spec.router_bias)
         self.experts = Experts(spec, hidden_size)
         self.shared_expert: SwiGLU | None = None
-        self.shared_expert_gate: Linear | None = None
+        self.shared_expert_gate: RouterLinear | None = None
         if spec.shared_expert_size:
             self.shared_expert = SwiGLU(hidden_size, spec.shared_expert_size, bias=False)
-            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """`(weights [T, k], experts [T, k] int64)` as transformers' router of the family computes them."""

@@ -30,7 +30,7 @@ from engine.model.execution_policy import LinearRows
 from engine.model.loader import load_hf_config
 from engine.model.moe import Experts, SparseMoE, group_by_expert
 from engine.model.packed_experts import PackedExperts
-from engine.model.quant_linear import QuantLinear
+from engine.model.quant_linear import QuantLinear, all_linears_quantized
 from ops.reference import formats, quantizers
 from tests.engine.helpers import assert_no_leaks, generated
 from tests.engine.model.test_moe_families import _mlp_inputs
@@ -214,6 +214,8 @@ def test_experts_stay_packed_with_the_files_values(case: tuple[Path, nn.Module, 
         assert isinstance(ours.model.layers[i].self_attn.qkv_proj, QuantLinear)
         if block.shared_expert is not None:
             assert isinstance(block.shared_expert.gate_up_proj, QuantLinear)
+    # no fp32 linear runs oneDNN below 129 rows (routers on fixed_gemm): the engine keeps such steps on its chunk pool
+    assert all_linears_quantized(ours)
     # the weights in memory are the file's size (fp32 norms and routers beside packed blocks), not 4 bytes a weight
     size = file.stat().st_size
     assert 0.8 * size < _model_bytes(ours) < 1.25 * size, (_model_bytes(ours), size)
