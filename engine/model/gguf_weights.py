@@ -15,6 +15,9 @@ table's (`ops.reference.formats`: `runs`), and a format not in it is refused by 
   `Linear` with every shard dequantized, so one module runs one path (the deterministic mode's
   `fixed_gemm`, the bf16 logit screen of an fp32 lm_head, the fused decoder's refusal of such layers);
   a dequantized token embedding is a plain `nn.Embedding`;
+- a Qwen-MoE file's stacked experts (`ffn_{gate,up,down}_exps`) become `PackedExperts` when all three
+  are packed, else the fp32 `Experts` with all three dequantized (logged); its router and shared-expert
+  gate are fp32 parameters, its shared expert `QuantLinear`s like any MLP;
 - the token embedding stays packed (`QuantEmbedding`), and a tied lm_head runs the quantized
   kernel on the same packed bytes (fewer bytes per decode step than the fp32 lm_head or its bf16
   logit screen), with fp32 activations (the greedy argmax of the stored weights); greedy rows
@@ -93,7 +96,7 @@ def layer_norms(spec: Any) -> dict[str, str]:
         norms.update(_QK_NORMS)
     return norms
 # Qwen-MoE's sparse layers: the router and shared-expert gate (fp32 parameters), the shared expert's
-# linears, and the stacked experts `[E, rows, K]` (`_ExpertTensors`: gate, up, down)
+# linears, and the stacked experts `[E, rows, K]` (gate, up, down: `_build_experts`)
 _MOE_PARAMS = {"ffn_gate_inp": "mlp.gate.weight", "ffn_gate_inp_shexp": "mlp.shared_expert_gate.weight"}
 _MOE_LINEARS = {"ffn_gate_shexp": ("mlp.shared_expert.gate_up_proj", 0),
                 "ffn_up_shexp": ("mlp.shared_expert.gate_up_proj", 1),
