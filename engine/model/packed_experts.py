@@ -40,6 +40,18 @@ def interleave_experts(fmt: QuantFormat, data: Tensor) -> Shard:
     return parts[0][1], torch.stack([p for p, _ in parts])
 
 
+def sum_by_token(outputs: Tensor, pair_tokens: Tensor, num_tokens: int) -> Tensor:
+    """`[T, H]`: each token's rows of `outputs [T k, H]` (`pair_tokens` names each row's token, every token
+    `k` times) added left to right in their order there (by expert, ascending): `index_add_` into zeros'
+    sum, without a parallel region per expert (on a loaded machine each waits for a descheduled thread)."""
+    k = outputs.shape[0] // num_tokens
+    grouped = outputs.index_select(0, torch.argsort(pair_tokens, stable=True)).view(num_tokens, k, -1)
+    out = grouped[:, 0].clone()
+    for j in range(1, k):
+        out.add_(grouped[:, j])
+    return out
+
+
 class PackedExperts(nn.Module):
     """SwiGLU experts on packed rows: `gate_up` shards (each expert's gate rows then up rows: one shard
     when their formats agree, else two) and `down` (`[E, hidden, row_bytes]`). `forward` has `Experts`'
@@ -81,15 +93,17 @@ class PackedExperts(nn.Module):
                 rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`x [T, H]`; `tokens`, `weights`, `counts` from `group_by_expert` -> `[T, H]`: each token's sum,
         in ascending expert order, of weight x expert(x); its rows in `rows`' exact set on fp32 activations."""
-        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
         exact = exact_row_mask(rows, x.shape[0]) if self.int8_activations else None
         *gate_up, down = self.shards()
+        outputs = x.new_empty((tokens.shape[0], x.shape[1]))  # each pair's weighted output, in the pairs' order
+        pair_tokens = tokens if exact is None else tokens.clone()
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             picked, w = tokens[start:start + n], weights[start:start + n, None]
-            start += n
             num_exact = n if not self.int8_activations else 0
             if exact is not None:
                 fp32_rows = exact.index_select(0, picked)
@@ -97,12 +111,13 @@ class PackedExperts(nn.Module):
                 if 0 < num_exact < n:  # the kernel takes exact rows as a leading count
                     order = torch.argsort((~fp32_rows).to(torch.uint8), stable=True)
                     picked, w = picked.index_select(0, order), w.index_select(0, order)
+                    pair_tokens[start:start + n] = picked
             xe = x.index_select(0, picked)
             parts = [self._linear(xe, fmt, t[e], num_exact) for fmt, t in gate_up]
             h = ops.silu_and_mul(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
-            y = self._linear(h, down[0], down[1][e], num_exact)
-            out.index_add_(0, picked, (y * w).to(out.dtype))
-        return out
+            torch.mul(self._linear(h, down[0], down[1][e], num_exact), w, out=outputs[start:start + n])
+            start += n
+        return sum_by_token(outputs, pair_tokens, x.shape[0])
 
     def _linear(self, x: Tensor, fmt: QuantFormat, qweight: Tensor, exact_rows: int) -> Tensor:
         return ops.quant.quant_linear_per_row(x, qweight, fmt, self.int8_activations, exact_rows)
