@@ -57,6 +57,18 @@ def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> tuple
     return torch.div(order, experts.shape[1], rounding_mode="floor"), weights.reshape(-1).index_select(0, order), counts
 
 
+def sum_by_token(outputs: Tensor, pair_tokens: Tensor, num_tokens: int) -> Tensor:
+    """`[T, H]`: each token's rows of `outputs [T k, H]` (`pair_tokens` names each row's token, every token
+    `k` times) added left to right in their order there (by expert, ascending): `index_add_` into zeros'
+    sum, without a parallel region per expert (on a loaded machine each waits for a descheduled thread)."""
+    k = outputs.shape[0] // num_tokens
+    grouped = outputs.index_select(0, torch.argsort(pair_tokens, stable=True)).view(num_tokens, k, -1)
+    out = grouped[:, 0].clone()
+    for j in range(1, k):
+        out.add_(grouped[:, j])
+    return out
+
+
 def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
     """gpt-oss's activation of `gate_up [T, 2I]` (gate columns then up): `(clamp(up, ±limit) + 1) *
     g * sigmoid(alpha g)` with `g = min(gate, limit)`, in transformers' order of operations."""
@@ -98,7 +110,9 @@ class Experts(nn.Module):
         """`x [T, H]`; `tokens`, `weights`, `counts` from `group_by_expert` -> `[T, H]`: for each token
         the sum over its experts, in ascending expert order, of weight x expert(x). `rows` is for
         `PackedExperts`' contract: fp32 experts compute every row alike."""
-        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        outputs = x.new_empty((tokens.shape[0], x.shape[1]))  # each pair's weighted output, in the pairs' order
         fixed = self.fixed_weights() if _fixed_path(x) else None
         hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
         start = 0
@@ -114,8 +128,8 @@ class Experts(nn.Module):
                 y = fixed_linear(self._activate(fixed_linear(xe, fixed[0][e], 2 * inter, b1)), fixed[1][e], hidden, b2)
             else:
                 y = F.linear(self._activate(F.linear(xe, self.gate_up_proj[e], b1)), self.down_proj[e], b2)
-            out.index_add_(0, picked, (y * w).to(out.dtype))
-        return out
+            outputs[start - n:start] = y * w
+        return sum_by_token(outputs, tokens, x.shape[0])
 
 
 class SparseMoE(nn.Module):

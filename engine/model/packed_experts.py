@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 import ops
 from engine.model.execution_policy import PLAIN_ROWS, LinearRows
+from engine.model.moe import sum_by_token
 from engine.model.moe_spec import SILU, MoESpec
 from ops.quant import QuantFormat, interleave
 
@@ -38,18 +39,6 @@ def interleave_experts(fmt: QuantFormat, data: Tensor) -> Shard:
     """`[E, rows, row_bytes]` packed rows in the kernel's eight-row layout where `fmt` has one."""
     parts = [interleave(expert, fmt) for expert in data]
     return parts[0][1], torch.stack([p for p, _ in parts])
-
-
-def sum_by_token(outputs: Tensor, pair_tokens: Tensor, num_tokens: int) -> Tensor:
-    """`[T, H]`: each token's rows of `outputs [T k, H]` (`pair_tokens` names each row's token, every token
-    `k` times) added left to right in their order there (by expert, ascending): `index_add_` into zeros'
-    sum, without a parallel region per expert (on a loaded machine each waits for a descheduled thread)."""
-    k = outputs.shape[0] // num_tokens
-    grouped = outputs.index_select(0, torch.argsort(pair_tokens, stable=True)).view(num_tokens, k, -1)
-    out = grouped[:, 0].clone()
-    for j in range(1, k):
-        out.add_(grouped[:, j])
-    return out
 
 
 class PackedExperts(nn.Module):
