@@ -216,6 +216,22 @@ def quant_linear_int8_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFor
     return out
 
 
+def quant_linear_per_row(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, int8_activations: bool,
+                         exact_rows: int) -> torch.Tensor:
+    """``quant_linear`` of a 2-D ``x`` (no bias) on the C++ kernel at every row count, never oneDNN past
+    ``QUANT_GEMV_MAX_ROWS``: a row's bits, int8 or fp32 (its first ``exact_rows``), are the same however
+    many rows share the call (a MoE expert's grouped rows); a validated ``qweight``. The reference
+    backend and non-CPU tensors take ``quant_linear``."""
+    if use_reference() or not x.is_cpu:
+        return quant_linear(x, qweight, fmt, None, int8_activations, checked=True, exact_rows=exact_rows)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = x.new_empty((x.shape[0], qweight.shape[0]))
+    if x.shape[0]:
+        _kernel()(out, x, qweight, fmt.type_id, None, int8_activations, exact_rows)
+    return out
+
+
 def _fixed_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
                 int8_activations: bool, exact_rows: int) -> torch.Tensor:
     """``quant_linear`` under fixed order: the exact (fp32-activation) rows through

@@ -6,7 +6,7 @@ timed alone over the same rows) and the rest (gathers, scaling, index_add, the P
 The engine-level decode benchmark needs the model families wired into the loader (not yet).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/kernels/moe_bench.py --experts 32 --top-k 4 --hidden 1024 \
-        --intermediate 768 --tokens 1 32
+        --intermediate 768 --tokens 1 32 [--formats Q4_0 Q8_0 Q4_K]
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--formats", nargs="*", default=[],
+                        help="also time the block's experts packed in these GGUF formats (PackedExperts) against "
+                             "the fp32 Experts, one JSON line per step size")
     args = parser.parse_args()
     torch.manual_seed(0)
     spec = MoESpec(args.experts, args.top_k, args.intermediate, (0,), norm_topk_prob=True)
@@ -77,6 +80,36 @@ def main() -> None:
             "rest_ms": round(total - route - group - gemm, 3),
             "expert_weight_gb_per_s": round(weight_mb / gemm, 1),
         }))
+    if args.formats:
+        _packed_experts(moe, args)
+
+
+def _packed_experts(moe: SparseMoE, args: argparse.Namespace) -> None:
+    """The grouped experts alone, fp32 (`Experts`, fixed_gemm) and packed per format, same routing."""
+    from engine.model.packed_experts import PackedExperts, interleave_experts
+    from ops.parallel import openmp_rows_for, set_openmp_rows
+    from ops.quant import FORMATS
+    from ops.reference import quant as ref
+
+    gate_up, down = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+    variants: dict[str, torch.nn.Module] = {"fp32": moe.experts}
+    for name in args.formats:
+        fmt = FORMATS[name]
+        packed = [torch.stack([ref.quantize(w, fmt.type_id) for w in t]) for t in (gate_up, down)]
+        variants[name] = PackedExperts(moe.spec, args.hidden, [interleave_experts(fmt, packed[0])],
+                                       interleave_experts(fmt, packed[1]))
+    for tokens in args.tokens:
+        x = torch.randn(tokens, args.hidden)
+        with torch.inference_mode():
+            weights, experts = moe.route(x)
+            grouped = group_by_expert(experts, weights, moe.spec.num_experts)
+            ms = {}
+            for name, module in variants.items():  # the thread split an engine sets for such a model
+                set_openmp_rows(openmp_rows_for(quantized_weights=name != "fp32"))
+                ms[name] = round(_median_ms(lambda m=module: m(x, *grouped), args.repeats), 3)  # noqa: B023
+        print(json.dumps({"bench": "moe_experts", "tokens": tokens, "experts": moe.spec.num_experts,
+                          "top_k": moe.spec.top_k, "hidden": args.hidden, "intermediate": moe.spec.intermediate_size,
+                          "threads": torch.get_num_threads(), "experts_ms": ms}))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from engine.model import AttentionMetadata, LlamaForCausalLM, allocate_kv_caches, load_model
 from engine.model.execution_policy import ExecutionPolicy
+from engine.model.packed_experts import PackedExperts
 from engine.model.quant_linear import QuantLinear
 
 PASSAGE = (
@@ -88,9 +89,10 @@ def greedy(model: LlamaForCausalLM, prompt: list[int], new_tokens: int) -> list[
 
 
 def set_int8_activations(model: LlamaForCausalLM, on: bool) -> None:
-    """Int8 activations in the decoder layers (the lm_head keeps fp32 activations, as loaded)."""
+    """Int8 activations in the decoder layers and packed MoE experts (the lm_head keeps fp32 activations,
+    as loaded)."""
     for module in model.model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, PackedExperts)):
             module.int8_activations = on
 
 

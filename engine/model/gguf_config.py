@@ -83,6 +83,24 @@ def _first_key_architecture(head: bytes) -> str | None:
         return None
 
 
+# transformers' GGUF config of these keeps its defaults for the expert sizes (it maps no key for them)
+_MOE_SIZE_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
+                  "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
+                               "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}}
+
+
+def moe_sizes(path: Path, arch: str) -> dict[str, int]:
+    """The expert sizes a `qwen3moe` / `qwen2moe` file states (`{arch}.expert_feed_forward_length`,
+    `.expert_shared_feed_forward_length`) as transformers config fields; {} for other archs."""
+    keys = _MOE_SIZE_KEYS.get(arch)
+    if not keys:
+        return {}
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    return {name: int(fields[f"{arch}.{key}"].contents()) for key, name in keys.items() if f"{arch}.{key}" in fields}
+
+
 def _decimal(value: Any) -> float:
     """A float32 metadata value as the shortest decimal that rounds to it: the config.json value the
     converter narrowed (1e-05, not 9.99999974e-06), so the config equals the checkpoint's."""

@@ -16,6 +16,9 @@ table's (`ops.reference.formats`: `runs`), and a format not in it is refused by 
   `Linear` with every shard dequantized, so one module runs one path (the deterministic mode's
   `fixed_gemm`, the bf16 logit screen of an fp32 lm_head, the fused decoder's refusal of such layers);
   a dequantized token embedding is a plain `nn.Embedding`;
+- a Qwen-MoE file's stacked experts (`ffn_{gate,up,down}_exps`) become `PackedExperts` when all three
+  are packed, else the fp32 `Experts` with all three dequantized (logged); its router and shared-expert
+  gate are fp32 parameters, its shared expert `QuantLinear`s like any MLP;
 - the token embedding stays packed (`QuantEmbedding`), and a tied lm_head runs the quantized
   kernel on the same packed bytes (fewer bytes per decode step than the fp32 lm_head or its bf16
   logit screen), with fp32 activations (the greedy argmax of the stored weights); greedy rows
@@ -55,6 +58,8 @@ import ops
 from common.log import get_logger
 from engine.model.layers import VocabParallelLookup
 from engine.model.llama import LlamaForCausalLM
+from engine.model.moe import SparseMoE
+from engine.model.packed_experts import PackedExperts, interleave_experts
 from engine.model.quant_linear import QuantEmbedding, QuantLinear
 from ops.quant import FORMATS, QuantFormat, interleave
 from ops.reference import formats
@@ -91,6 +96,13 @@ def layer_norms(spec: Any) -> dict[str, str]:
     if spec.qk_norm is not None:
         norms.update(_QK_NORMS)
     return norms
+# Qwen-MoE's sparse layers: the router and shared-expert gate (fp32 parameters), the shared expert's
+# linears, and the stacked experts `[E, rows, K]` (gate, up, down: `_build_experts`)
+_MOE_PARAMS = {"ffn_gate_inp": "mlp.gate.weight", "ffn_gate_inp_shexp": "mlp.shared_expert_gate.weight"}
+_MOE_LINEARS = {"ffn_gate_shexp": ("mlp.shared_expert.gate_up_proj", 0),
+                "ffn_up_shexp": ("mlp.shared_expert.gate_up_proj", 1),
+                "ffn_down_shexp": ("mlp.shared_expert.down_proj", 0)}
+_MOE_EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _SKIPPED = ("rope_freqs.weight",)  # RoPE frequencies come from the config
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -176,6 +188,7 @@ class _Collector:
         self.linears: dict[str, dict[int, Stored]] = {}
         self.biases: dict[str, dict[int, Stored]] = {}
         self.params: dict[str, Stored] = {}
+        self.experts: dict[str, dict[int, Stored]] = {}  # "model.layers.N.mlp" -> gate, up, down
         self.paths: Counter[tuple[str, str]] = Counter()  # (file format, path taken) -> tensors
         self.tied_lm_head = False  # the lm_head is the token embedding (counted there)
         self.norms = layer_norms(self.spec)
@@ -213,6 +226,13 @@ class _Collector:
         if kind == "attn_qkv" or (kind == "ffn_up" and self.spec.fused_checkpoint):
             self._add_fused(prefix, kind, what, stored)
             return
+        if self.spec.moe is not None and what == "weight" and (kind in _MOE_PARAMS or kind in _MOE_EXPERTS):
+            self._add_moe(prefix, kind, stored)
+            return
+        if self.spec.moe is not None and kind in _MOE_LINEARS:
+            module, shard = _MOE_LINEARS[kind]
+            (self.linears if what == "weight" else self.biases).setdefault(prefix + module, {})[shard] = stored
+            return
         if kind not in _LAYER_LINEARS:
             raise GGUFWeightError(f"GGUF tensor {name!r} has no place in the model")
         module, shard = _LAYER_LINEARS[kind]
@@ -224,6 +244,16 @@ class _Collector:
         target = self.linears if what == "weight" else self.biases
         target.setdefault(prefix + module, {})[shard] = stored
 
+
+    def _add_moe(self, prefix: str, kind: str, stored: Stored) -> None:
+        """A sparse layer's router / shared-expert gate (fp32 parameters: the router stays fp32) or one of
+        its stacked expert tensors, kept as stored (`_build_experts` decides packed or dequantized)."""
+        if kind in _MOE_EXPERTS:
+            self.experts.setdefault(prefix + "mlp", {})[_MOE_EXPERTS[kind]] = stored
+            return
+        name = prefix + _MOE_PARAMS[kind]
+        rows = 1 if kind == "ffn_gate_inp_shexp" else -1  # llama.cpp stores the shared gate as one vector
+        self.params[name] = Stored(None, _fp32(stored).reshape(rows, self.spec.hidden_size), stored.source)
 
     def _add_fused(self, prefix: str, kind: str, what: str, stored: Stored) -> None:
         """Phi-3's fused `attn_qkv` (q, k, v rows) and `ffn_up` (gate rows, then up rows) as the
@@ -261,6 +291,7 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
         _rank_slices(model, collector)
     _fill_params(model, collector)
     _build_linears(model, collector, int8_activations)
+    _build_experts(model, collector, int8_activations)
     log.info("GGUF tensor formats", file=str(path), formats=collector.summary())
     return model
 
@@ -268,7 +299,8 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
 def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the GGUF at `path` in fp32 under its HF checkpoint name (`model.load_weights`
     takes them), Q/K rows un-permuted: the `quantization="dequantize"` load of the families whose
-    files transformers' GGUF loader does not read (`engine.model.gguf_config`)."""
+    files transformers' GGUF loader does not read (`engine.model.gguf_config`), and of the Qwen-MoE
+    files (transformers' loader keeps its default expert sizes): experts stacked as transformers holds them."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -285,6 +317,13 @@ def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tu
         for module, shards in table.items():
             for index, stored in shards.items():
                 yield _hf_name(module, index, what), _fp32(stored)
+    for block_path, parts in collector.experts.items():
+        block = model.get_submodule(block_path)
+        assert isinstance(block, SparseMoE)
+        e, i, h = block.spec.num_experts, block.spec.intermediate_size, model.spec.hidden_size
+        gate, up = (_expert_values(parts[p], (e, i, h), block_path) for p in (0, 1))
+        yield f"{block_path}.experts.gate_up_proj", torch.cat([gate, up], dim=1)
+        yield f"{block_path}.experts.down_proj", _expert_values(parts[2], (e, h, i), block_path)
 
 
 def _fp32(stored: Stored) -> torch.Tensor:
@@ -293,7 +332,8 @@ def _fp32(stored: Stored) -> torch.Tensor:
 
 
 _HF_SHARDS = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
-              "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",)}
+              "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",),
+              "shared_expert.gate_up_proj": ("gate_proj", "up_proj"), "shared_expert.down_proj": ("down_proj",)}
 
 
 def _hf_name(path: str, index: int, what: str) -> str:
@@ -386,6 +426,8 @@ def _build_linears(model: LlamaForCausalLM, collector: _Collector, int8_activati
     for path, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or module.out_features == 0:  # 0: a rank other than 0's lm_head
             continue
+        if f"{path}.weight" in collector.params:  # a MoE router or shared-expert gate: fp32 parameters
+            continue
         shards = collector.linears.pop(path, {})
         count = 3 if path.endswith("qkv_proj") else 2 if path.endswith("gate_up_proj") else 1
         if sorted(shards) != list(range(count)):
@@ -420,6 +462,64 @@ def _build_linears(model: LlamaForCausalLM, collector: _Collector, int8_activati
     leftover = sorted([*collector.linears, *collector.biases])
     if leftover:
         raise GGUFWeightError(f"GGUF tensors with no place in the model: {leftover[:3]}")
+
+
+def _build_experts(model: LlamaForCausalLM, collector: _Collector, int8_activations: bool) -> None:
+    """Each sparse layer's experts: `PackedExperts` where gate, up and down are all in packed formats,
+    else the fp32 `Experts` filled with every one dequantized (one path per block, logged)."""
+    dequantized: Counter[str] = Counter()
+    for path, module in model.named_modules():
+        if not isinstance(module, SparseMoE):
+            continue
+        parts = collector.experts.pop(path, {})
+        if sorted(parts) != [0, 1, 2]:
+            raise GGUFWeightError(f"GGUF file lacks expert tensors of {path!r} (has {sorted(parts)} of "
+                                  "ffn_gate_exps, ffn_up_exps, ffn_down_exps)")
+        spec, hidden = module.spec, model.spec.hidden_size
+        shapes = [(spec.num_experts, spec.intermediate_size, hidden)] * 2 + [
+            (spec.num_experts, hidden, spec.intermediate_size)]
+        stored = [parts[i] for i in range(3)]
+        packed = all(s.fmt is not None for s in stored)
+        for s in stored:
+            collector.count(s, packed=packed)
+        if packed:
+            gate, up, down = (_expert_rows(s, shape, path) for s, shape in zip(stored, shapes, strict=True))
+            gate_up = [(gate[0], torch.cat([gate[1], up[1]], dim=1))] if gate[0] == up[0] else [gate, up]
+            module.experts = PackedExperts(spec, hidden, [interleave_experts(*s) for s in gate_up],  # type: ignore[assignment]
+                                           interleave_experts(*down), int8_activations)
+            continue
+        gate_w, up_w, down_w = (_expert_values(s, shape, path) for s, shape in zip(stored, shapes, strict=True))
+        experts = module.experts
+        with torch.no_grad():
+            experts.gate_up_proj.copy_(torch.cat([gate_w, up_w], dim=1))
+            experts.down_proj.copy_(down_w)
+        dequantized.update(s.source for s in stored if formats.by_name(s.source).runs != formats.FLOAT)
+    if dequantized:
+        log.info("MoE experts in a format without a kernel: every expert tensor of their layers dequantized at load "
+                 "to float32", formats=dict(sorted(dequantized.items())))
+    if collector.experts:
+        raise GGUFWeightError(f"GGUF expert tensors with no MoE block in the model: {sorted(collector.experts)[:3]}")
+
+
+def _expert_rows(stored: Stored, shape: tuple[int, int, int], path: str) -> tuple[QuantFormat, torch.Tensor]:
+    """A packed stacked expert tensor as `[experts, rows, row_bytes]` (GGUFWeightError if it is not `shape`)."""
+    fmt = stored.fmt
+    assert fmt is not None
+    experts, rows, k = shape
+    if k % fmt.block_size or stored.data.numel() != experts * rows * fmt.row_bytes(k):
+        raise GGUFWeightError(f"{path}: a {fmt.name} expert tensor of {stored.data.numel()} bytes is not "
+                              f"{list(shape)} (K a multiple of {fmt.block_size})")
+    return fmt, stored.data.reshape(experts, rows, fmt.row_bytes(k))
+
+
+def _expert_values(stored: Stored, shape: tuple[int, int, int], path: str) -> torch.Tensor:
+    """A stacked expert tensor in fp32 `shape` (packed ones dequantized)."""
+    if stored.fmt is not None:
+        fmt, rows = _expert_rows(stored, shape, path)
+        return ops.quant.dequantize(rows.reshape(-1, rows.shape[-1]), fmt, shape[2]).reshape(shape)
+    if tuple(stored.data.shape) != shape:
+        raise GGUFWeightError(f"{path}: an expert tensor of shape {tuple(stored.data.shape)}; expected {list(shape)}")
+    return stored.data
 
 
 def _fill_linear(module: nn.Linear, shards: list[torch.Tensor], bias: torch.Tensor | None) -> None:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from common.log import get_logger
 from engine.model.execution_policy import ExecutionPolicy
-from engine.model.gguf_config import GGUF_CONFIG_ARCHS, config_from_gguf, gguf_architecture
+from engine.model.gguf_config import GGUF_CONFIG_ARCHS, config_from_gguf, gguf_architecture, moe_sizes
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -104,9 +104,13 @@ def load_hf_config(path: str | Path) -> Any:
         if p.is_file():
             if p.suffix != ".gguf":
                 raise ModelLoadError(f"model file {str(p)!r} is not a .gguf; pass a directory or a .gguf")
-            if gguf_architecture(p) in GGUF_CONFIG_ARCHS:  # families transformers' GGUF loader does not map
+            arch = gguf_architecture(p)
+            if arch in GGUF_CONFIG_ARCHS:  # families transformers' GGUF loader does not map
                 return config_from_gguf(p)
-            return AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+            config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
+            for name, value in moe_sizes(p, arch or "").items():  # expert sizes transformers leaves at defaults
+                setattr(config, name, value)
+            return config
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(p)!r} has no config.json")
         return AutoConfig.from_pretrained(str(p))
@@ -150,13 +154,14 @@ def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
 
 def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[str, Tensor]]:
     """The GGUF's tensors dequantized to fp32 under their HF names: read here for the families whose
-    config engine.model.gguf_config builds, through transformers' loader for the others."""
+    config engine.model.gguf_config builds and for the Qwen-MoE files (transformers' loader builds
+    them with its default expert sizes), through transformers' loader for the others."""
     if model.spec.model_type == "gpt_oss":
         from engine.model.gguf_gpt_oss import iter_gpt_oss_weights
 
         yield from iter_gpt_oss_weights(file)
         return
-    if model.spec.model_type in _OWN_CONFIG_TYPES:
+    if model.spec.model_type in (*_OWN_CONFIG_TYPES, *GGUF_MOE_TYPES):
         from engine.model.gguf_weights import iter_dequantized_weights
 
         yield from iter_dequantized_weights(model, file)
@@ -172,7 +177,8 @@ GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3",
 _LLAMA_GGUF_TYPES = ("llama", "mistral", "qwen2")  # read before issue 37 (their rope metadata unchecked)
 # configs built by engine.model.gguf_config; their weights dequantized by gguf_weights too
 _OWN_CONFIG_TYPES = tuple(GGUF_CONFIG_ARCHS.values())
-# mixture-of-experts GGUF files: read through transformers' loader, every tensor dequantized to `dtype`
+# mixture-of-experts GGUF files whose config transformers' loader reads (expert sizes from the file's keys:
+# `gguf_config.moe_sizes`); their tensors read by gguf_weights, packed (experts as `PackedExperts`) or dequantized
 GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
@@ -247,8 +253,8 @@ def load_model(
                              "pass the Hugging Face safetensors directory instead")
     if p.is_file() and spec.model_type not in (*_LLAMA_GGUF_TYPES, "gpt_oss"):  # gpt-oss: gguf_config reads yarn
         _check_gguf_rope(p, spec)
-    if quantized and spec.moe is not None:
-        log.info("mixture-of-experts GGUF: every tensor is dequantized at load (no packed experts)",
+    if quantized and spec.model_type == "gpt_oss":  # its MXFP4 experts have no packed kernel
+        log.info("gpt-oss GGUF: every tensor is dequantized at load (no packed MXFP4 experts)",
                  path=str(p), model_type=spec.model_type)
         quantized = False
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):

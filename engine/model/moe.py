@@ -11,9 +11,11 @@ Arithmetic per row: on the CPU in fp32 the router and every expert GEMM go throu
 (`ops.pack_fixed` copies made on first use, extra memory one copy of the expert weights), whose
 rows do not depend on how many rows share the call, so a token's routing and expert outputs are
 the same bits whichever other tokens are in its step (it is as fast as the default kernels at
-every row count: 1-256 rows of a [1536, 1024] weight measured equal or faster). The shared
-expert is a plain `SwiGLU`, batch-invariant only under `ops.backend.set_fixed_order` like every
-dense linear. bf16/fp16 and CUDA tensors use `F.linear` per expert.
+every row count: 1-256 rows of a [1536, 1024] weight measured equal or faster); so does Qwen2-MoE's
+one-row shared-expert gate. The shared expert is a plain `SwiGLU`, batch-invariant only under
+`ops.backend.set_fixed_order` like every dense linear. bf16/fp16 and CUDA tensors use `F.linear`
+per expert. A GGUF's experts in a packed format replace `Experts` with
+`engine.model.packed_experts.PackedExperts` (same contract).
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> tuple
     return torch.div(order, experts.shape[1], rounding_mode="floor"), weights.reshape(-1).index_select(0, order), counts
 
 
+def sum_by_token(outputs: Tensor, pair_tokens: Tensor, num_tokens: int) -> Tensor:
+    """`[T, H]`: each token's rows of `outputs [T k, H]` (`pair_tokens` names each row's token, every token
+    `k` times) added left to right in their order there (by expert, ascending): `index_add_` into zeros'
+    sum, without a parallel region per expert (on a loaded machine each waits for a descheduled thread)."""
+    k = outputs.shape[0] // num_tokens
+    grouped = outputs.index_select(0, torch.argsort(pair_tokens, stable=True)).view(num_tokens, k, -1)
+    out = grouped[:, 0].clone()
+    for j in range(1, k):
+        out.add_(grouped[:, j])
+    return out
+
+
 def clamped_swiglu(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
     """gpt-oss's activation of `gate_up [T, 2I]` (gate columns then up): `(clamp(up, ±limit) + 1) *
     g * sigmoid(alpha g)` with `g = min(gate, limit)`, in transformers' order of operations."""
@@ -91,27 +105,31 @@ class Experts(nn.Module):
             return clamped_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
         return ops.silu_and_mul(gate_up)
 
-    def forward(self, x: Tensor, tokens: Tensor, weights: Tensor, counts: list[int]) -> Tensor:
+    def forward(self, x: Tensor, tokens: Tensor, weights: Tensor, counts: list[int],
+                rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`x [T, H]`; `tokens`, `weights`, `counts` from `group_by_expert` -> `[T, H]`: for each token
-        the sum over its experts, in ascending expert order, of weight x expert(x)."""
-        out = torch.zeros_like(x)
+        the sum over its experts, in ascending expert order, of weight x expert(x). `rows` is for
+        `PackedExperts`' contract: fp32 experts compute every row alike."""
+        if x.shape[0] == 0:
+            return torch.zeros_like(x)
+        outputs = x.new_empty((tokens.shape[0], x.shape[1]))  # each pair's weighted output, in the pairs' order
         fixed = self.fixed_weights() if _fixed_path(x) else None
         hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
         start = 0
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            rows, w = tokens[start:start + n], weights[start:start + n, None]
+            picked, w = tokens[start:start + n], weights[start:start + n, None]
             start += n
             b1 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[e]
             b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
-            xe = x.index_select(0, rows)
+            xe = x.index_select(0, picked)
             if fixed is not None:
                 y = fixed_linear(self._activate(fixed_linear(xe, fixed[0][e], 2 * inter, b1)), fixed[1][e], hidden, b2)
             else:
                 y = F.linear(self._activate(F.linear(xe, self.gate_up_proj[e], b1)), self.down_proj[e], b2)
-            out.index_add_(0, rows, (y * w).to(out.dtype))
-        return out
+            outputs[start - n:start] = y * w
+        return sum_by_token(outputs, tokens, x.shape[0])
 
 
 class SparseMoE(nn.Module):
@@ -128,10 +146,10 @@ class SparseMoE(nn.Module):
         self.gate = RouterLinear(hidden_size, spec.num_experts, bias=spec.router_bias)
         self.experts = Experts(spec, hidden_size)
         self.shared_expert: SwiGLU | None = None
-        self.shared_expert_gate: Linear | None = None
+        self.shared_expert_gate: RouterLinear | None = None
         if spec.shared_expert_size:
             self.shared_expert = SwiGLU(hidden_size, spec.shared_expert_size, bias=False)
-            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """`(weights [T, k], experts [T, k] int64)` as transformers' router of the family computes them."""
@@ -147,9 +165,9 @@ class SparseMoE(nn.Module):
         return (weights.to(x.dtype) if self.spec.weights_in_model_dtype else weights), experts
 
     def forward(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
-        """`rows` reach the shared expert's linears (the routed experts are never packed)."""
+        """`rows` reach the shared expert's linears and the experts (packed ones: `PackedExperts`)."""
         weights, experts = self.route(x)
-        out = self.experts(x, *group_by_expert(experts, weights, self.spec.num_experts))
+        out = self.experts(x, *group_by_expert(experts, weights, self.spec.num_experts), rows)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, rows)
         return out

@@ -117,8 +117,12 @@ def _by_ranges(x: torch.Tensor, ranges: tuple[tuple[int, int], ...],
 
 def all_linears_quantized(model: nn.Module) -> bool:
     """Whether every linear layer of `model` is a `QuantLinear` with only packed shards (its steps
-    of up to `ops.quant.QUANT_GEMV_MAX_ROWS` rows then run no oneDNN GEMM)."""
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    of up to `ops.quant.QUANT_GEMV_MAX_ROWS` rows then run no oneDNN GEMM), MoE routers aside (fp32
+    on `fixed_gemm` at every row count: `engine.model.moe.RouterLinear`)."""
+    from engine.model.moe import RouterLinear
+
+    linears = [m for m in model.modules()
+               if isinstance(m, (nn.Linear, QuantLinear)) and not isinstance(m, RouterLinear)]
     return bool(linears) and all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
 
 

@@ -286,3 +286,23 @@ def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantForm
         got = ops.quant.quant_fixed_linear(x[:rows], qweight, fmt, bias)
         assert torch.equal(got, ops.linear(x[:rows], weight, bias, fixed=ops.pack_fixed(weight))), rows
         assert torch.equal(got, ops.quant.quant_fixed_linear(x, qweight, fmt, bias)[:rows]), rows
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize(("m", "exact"), [(1, 0), (1, 1), (40, 7), (QUANT_GEMV_MAX_ROWS + 40, 0),
+                                          (QUANT_GEMV_MAX_ROWS + 40, QUANT_GEMV_MAX_ROWS + 10)])
+def test_per_row_entry_keeps_every_count_on_the_kernel(name: str, m: int, exact: int) -> None:
+    """`quant_linear_per_row` (a MoE expert's grouped rows): at any count, past the oneDNN crossover
+    too, each row is bit for bit what it is alone (its leading `exact` rows on fp32 activations), and
+    close to the reference."""
+    qweight, fmt = _laid_out(name, 64, 160, m)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m + exact))
+    got = ops.quant.quant_linear_per_row(x, qweight, fmt, True, exact)
+    for i in sorted({0, exact - 1, exact, m - 1} & set(range(m))):
+        alone = ops.quant.quant_linear_per_row(x[i:i + 1], qweight, fmt, True, int(i < exact))
+        assert torch.equal(got[i:i + 1], alone), i
+    expected = ref.quant_linear(x, qweight, fmt.type_id)
+    torch.testing.assert_close(got[:exact], expected[:exact], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[exact:], expected[exact:], rtol=0.05, atol=0.05)  # int8 activations
+    fp32 = ops.quant.quant_linear_per_row(x, qweight, fmt, False, 0)
+    torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.model.packed_experts import PackedExperts
 from engine.model.quant_linear import QuantLinear
 from tests.engine.model.test_sliding_window import prompt_ids
 from tests.fixtures.models import PagedHarness, Seq
@@ -28,7 +29,7 @@ def assert_fp32_activation_logits_match(ours: nn.Module, hf: nn.Module) -> None:
     """With fp32 activations, the packed model's logits over a prefill and 14 decode steps are
     transformers' on the same (dequantized) weights, within 1e-4."""
     for module in ours.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, PackedExperts)):
             module.int8_activations = False
     tokens = prompt_ids(24, 5)
     with torch.no_grad():

@@ -2,7 +2,7 @@
 transformers checkpoint of each as llama.cpp's converter lays them out (its tensor names, its
 metadata keys, Gemma's norms stored as 1 + w, stacked experts), in F32 and in Q8_0: the weights
 pagedserve loads equal transformers' load of the same file; engine greedy equals transformers'
-generate on it (F32, and the MoE files, dequantized at load); packed Q8_0 files run int8
+generate on it (F32); packed Q8_0 files (the MoE files' experts too: `PackedExperts`) run int8
 activations, so there the paged model's logits with fp32 activations equal transformers'."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model import load_model
 from engine.model.loader import ModelLoadError
+from engine.model.packed_experts import PackedExperts
 from engine.model.quant_linear import QuantLinear
 from tests.engine.helpers import assert_no_leaks, generated
 from tests.engine.model.gguf_writing import add_decoder_shape, assert_fp32_activation_logits_match
@@ -162,8 +163,11 @@ def _assert_weights_equal(ours: nn.Module, hf: nn.Module) -> None:
         for path in [p for p in plain if _has(layer, p)]:
             assert torch.equal(_weight(layer.get_submodule(path)), state[f"{prefix}{path}.weight"]), (i, path)
         if ours.spec.is_sparse(i):
-            for name in ("gate_up_proj", "down_proj"):
-                assert torch.equal(getattr(layer.mlp.experts, name), state[f"{prefix}mlp.experts.{name}"]), (i, name)
+            experts = layer.mlp.experts
+            values = experts.dequantized() if isinstance(experts, PackedExperts) else (
+                experts.gate_up_proj, experts.down_proj)
+            for name, value in zip(("gate_up_proj", "down_proj"), values, strict=True):
+                assert torch.equal(value, state[f"{prefix}mlp.experts.{name}"]), (i, name)
 
 
 def _has(module: nn.Module, path: str) -> bool:
@@ -192,9 +196,9 @@ def test_weights_and_greedy_match_transformers(family: tuple[str, Path], fmt: st
     hf = _transformers_model(file)
     ours = load_model(file)
     _assert_weights_equal(ours, hf)
-    # MoE files are dequantized at load (every tensor); the dense families keep Q8_0 packed
-    assert isinstance(ours.model.layers[0].self_attn.qkv_proj, QuantLinear) == (fmt != "F32" and arch not in MOE)
-    if fmt != "F32" and arch not in MOE:
+    # Q8_0 stays packed (MoE experts too: tests/engine/model/test_gguf_moe_packed.py)
+    assert isinstance(ours.model.layers[0].self_attn.qkv_proj, QuantLinear) == (fmt != "F32")
+    if fmt != "F32":
         # packed Q8_0 runs int8 activations (not transformers' arithmetic): with them off, the
         # paged model's prefill and decode logits are transformers' on the same file
         assert_fp32_activation_logits_match(ours, hf)
