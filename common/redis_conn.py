@@ -35,7 +35,7 @@ from redis.asyncio.sentinel import (
 )
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError
+from redis.exceptions import ReadOnlyError, RedisError, ResponseError
 
 from common.redis_spec import RedisSpec
 from common.redis_spec import redact_url as redact_url  # re-exported: its callers import it from here
@@ -120,6 +120,18 @@ class _FollowMaster(SentinelManagedConnection):
         if not self.is_connected and not self._resolving and self.connection_pool.is_master:
             self.host, self.port = await self.connection_pool.get_master_address()
         await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        """A script's write refused READONLY by a demoted master (Redis 6 wraps it in "Error running
+        script", which redis-py does not take for a ReadOnlyError) drops the connection and raises
+        the ConnectionError redis-py raises for a plain READONLY, so the next connect asks the sentinels."""
+        try:
+            return await super().read_response(*args, **kwargs)
+        except ResponseError as exc:
+            if not self.connection_pool.is_master or not _script_readonly(exc):
+                raise
+            await self.disconnect()
+            raise RedisConnectionError("The previous master is now a slave") from exc
 
 
 class _FollowMasterSSL(_FollowMaster, SentinelManagedSSLConnection):
@@ -226,14 +238,23 @@ async def pinned(client: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
         await pool.release(connection)
 
 
+def _script_readonly(exc: BaseException) -> bool:
+    """A script's write refused READONLY, as Redis before 7 reports it ("Error running script ...
+    -READONLY You can't write against a read only replica")."""
+    return isinstance(exc, ResponseError) and "-READONLY " in str(exc)
+
+
 def refused_by_demoted_master(exc: BaseException) -> bool:
     """True when `exc` is a write refused with READONLY: the node was the master and is a replica
     now (a switch or a failover), so nothing was written and the write may go to the new master.
-    redis-py raises ReadOnlyError, or, on a Sentinel-managed master, a ConnectionError while
-    handling it (it drops the connection so the next one asks the sentinels again)."""
-    if isinstance(exc, ReadOnlyError):
+    redis-py raises ReadOnlyError (Redis 7, or a plain command), a ResponseError naming it (a
+    script's write on Redis 6), or, on a Sentinel-managed master, a ConnectionError while handling
+    either (the connection is dropped so the next one asks the sentinels again)."""
+    if isinstance(exc, ReadOnlyError) or _script_readonly(exc):
         return True
-    return isinstance(exc, RedisConnectionError) and isinstance(exc.__context__, ReadOnlyError)
+    return isinstance(exc, RedisConnectionError) and any(
+        isinstance(e, ReadOnlyError) or _script_readonly(e) for e in (exc.__cause__, exc.__context__)
+        if e is not None)
 
 
 class NotReplicated(RedisConnectionError):

@@ -322,19 +322,19 @@ def test_grouping_matches_the_fp32_experts_on_the_same_values(tmp_path: Path) ->
 
 
 def test_experts_without_a_kernel_are_dequantized_with_a_log_line(tmp_path: Path) -> None:
-    """Q5_K experts (no packed kernel) beside Q8_0 layers: the experts run as fp32 `Experts` holding the
+    """Q2_K experts (no packed kernel) beside Q8_0 layers: the experts run as fp32 `Experts` holding the
     file's values, the log says so, the rest stays packed, and greedy with fp32 activations is the oracle's."""
     from structlog.testing import capture_logs
 
     _byte_tokenizer().save_pretrained(str(tmp_path))
     file = tmp_path / "model.gguf"
-    state = write_moe_gguf(make_moe_model("qwen3_moe-256", seed=5), file, "qwen3moe", "Q8_0", expert_fmt="Q5_K")
+    state = write_moe_gguf(make_moe_model("qwen3_moe-256", seed=5), file, "qwen3moe", "Q8_0", expert_fmt="Q2_K")
     with capture_logs() as logs:
         ours = load_model(file)
     [line] = [e for e in logs if e["event"].startswith("MoE experts in a format without a kernel")]
-    assert line["formats"] == {"Q5_K": 3 * ours.spec.num_layers}
+    assert line["formats"] == {"Q2_K": 3 * ours.spec.num_layers}
     [summary] = [e for e in logs if e["event"] == "GGUF tensor formats"]
-    assert f"Q5_K: {3 * ours.spec.num_layers} tensors, dequantized at load to float32" in summary["formats"]
+    assert f"Q2_K: {3 * ours.spec.num_layers} tensors, dequantized at load to float32" in summary["formats"]
     for i, block in enumerate(_sparse_blocks(ours)):
         assert type(block.experts) is Experts
         assert torch.equal(block.experts.gate_up_proj, state[f"model.layers.{i}.mlp.experts.gate_up_proj"])
