@@ -33,6 +33,7 @@ from engine.model.packed_experts import PackedExperts
 from engine.model.quant_linear import QuantLinear, all_linears_quantized
 from ops.reference import formats, quantizers
 from tests.engine.helpers import assert_no_leaks, generated
+from tests.engine.model.gguf_writing import add_decoder_shape
 from tests.engine.model.test_moe_families import _mlp_inputs
 from tests.engine.model.test_sliding_window import prompt_ids
 from tests.fixtures.models import PagedHarness, Seq, _byte_tokenizer
@@ -100,12 +101,7 @@ def write_moe_gguf(model: nn.Module, path: Path, arch: str, fmt: str, expert_fmt
     HF state dict holding the file's values (the oracle's weights)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    add_decoder_shape(writer, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
