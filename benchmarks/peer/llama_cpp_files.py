@@ -67,13 +67,16 @@ def main() -> None:
     parser.add_argument("--source", type=Path,
                         help="GGUF to quantize from (default: the most precise in the model folder)")
     parser.add_argument("--types", default=",".join(TARGETS), help="llama.cpp ftypes (LLAMA_FTYPE_MOSTLY_<TYPE>)")
-    parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    parser.add_argument("--out-dir", type=Path, default=OUT_DIR, help="where the files go, named after the source "
+                        "(`name.F32.gguf` -> `name.Q4_K_M.gguf`; default %(default)s)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     source = args.source or best_source(MODEL_DIR)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for target in args.types.split(","):
-        dest = args.out_dir / f"{MODEL}.{target}.gguf"
+        stem = source.name.removesuffix(".gguf")
+        stem = stem.rsplit(".", 1)[0] if file_type(source) else stem  # `name.F32` -> `name`
+        dest = args.out_dir / f"{stem if args.source else MODEL}.{target}.gguf"
         line = {"part": "file", "type": target, "path": str(dest), "source": str(source),
                 "source_type": file_type(source), "requantized": file_type(source) not in EXACT}
         if dest.exists():

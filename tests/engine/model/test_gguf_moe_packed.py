@@ -14,6 +14,7 @@ a kernel are dequantized at load with a log line."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,11 +95,12 @@ def _gguf_tensors(state: dict[str, torch.Tensor], arch: str, layers: int) -> dic
     return out
 
 
-def write_moe_gguf(model: nn.Module, path: Path, arch: str, fmt: str, expert_fmt: str | None = None
-                   ) -> dict[str, torch.Tensor]:
+def write_moe_gguf(model: nn.Module, path: Path, arch: str, fmt: str, expert_fmt: str | None = None,
+                   extra_keys: Callable[[Any], None] | None = None) -> dict[str, torch.Tensor]:
     """`model` as a GGUF at `path`: 2-D and 3-D weights in `fmt` (experts in `expert_fmt` if given),
-    norms, biases and the shared-expert gate (one vector, as llama.cpp stores it) in F32. Returns the
-    HF state dict holding the file's values (the oracle's weights)."""
+    norms, biases and the shared-expert gate (one vector, as llama.cpp stores it) in F32;
+    `extra_keys(writer)` adds metadata (a tokenizer). Returns the HF state dict holding the file's
+    values (the oracle's weights)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     add_decoder_shape(writer, config)
@@ -117,6 +119,8 @@ def write_moe_gguf(model: nn.Module, path: Path, arch: str, fmt: str, expert_fmt
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if extra_keys is not None:
+        extra_keys(writer)
     values: dict[str, np.ndarray] = {}
     for name, (hf_name, value) in _gguf_tensors(model.state_dict(), arch, config.num_hidden_layers).items():
         data = value.detach().float().numpy()
