@@ -22,6 +22,10 @@ is vLLM's) are skipped with a message.
 
     python benchmarks/peer/peer_bench.py --json-out artifacts/peer/peer_bench.jsonl
     python benchmarks/peer/peer_bench.py --quick --only offline,single
+
+Per ISA level, cap both sides (the setup line records the caps): `PAGEDSERVE_CPU_ISA=avx512
+ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI python benchmarks/peer/peer_bench.py --only offline ...`. vLLM's
+oneDNN GEMMs follow ONEDNN_MAX_CPU_ISA; its own attention and cache kernels follow the machine.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ def main() -> int:
     emit({"part": "setup", "model": parts.model_dir(args), "kv_cache_gib": args.kv_cache_gib, "quick": args.quick,
           "vllm_venv": str(venv) if venv else None, "cpus": os.cpu_count(), "log_dir": str(log_dir),
           "omp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
+          "isa_caps": {k: os.environ.get(k) for k in ("PAGEDSERVE_CPU_ISA", "ONEDNN_MAX_CPU_ISA")},
           "uptime": parts.uptime()})
     start = time.perf_counter()
     for name in args.only:
