@@ -49,9 +49,14 @@ def make_dir(path: Path, name: str) -> Path:
     return make_moe_dir(path, name, seed=11)
 
 
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: make_dir(tmp_path_factory.mktemp(name), name) for name in FAMILIES}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_dir(tmp_path_factory.mktemp(request.param), request.param)
+def moe_dir(request: pytest.FixtureRequest, family_dirs: dict[str, Path]) -> Path:
+    return family_dirs[request.param]
 
 
 def _blocks(model: LlamaForCausalLM) -> list[SparseMoE]:
@@ -67,9 +72,10 @@ def _teacher_forced(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def _rank_main(rank: int, path: str, tokens: list[int], init: str, out: str, int8: bool) -> None:
-    """One rank of a 2-process gloo group: load its part of `path`, run `_teacher_forced`, save its
-    routing (every sparse block's chosen experts) and, on rank 0, the logits to `out`/rank{rank}.pt."""
+def _rank_main(rank: int, paths: list[str], tokens: list[int], init: str, out: str) -> None:
+    """One rank of a 2-process gloo group: for each of `paths`, load its part of the model, run
+    `_teacher_forced` on fp32 activations, save its routing (every sparse block's chosen experts) and,
+    on rank 0, the logits to `out`/{index}-rank{rank}.pt."""
     import torch.distributed as dist
 
     from benchmarks.quality.quant_quality import set_int8_activations
@@ -77,30 +83,38 @@ def _rank_main(rank: int, path: str, tokens: list[int], init: str, out: str, int
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
-        model = load_model(path, "float32", shard=TPShard(rank, 2, dist.group.WORLD))
-        set_int8_activations(model, int8)
-        if rank:  # no lm_head here: the harness's logits call returns nothing
-            model.compute_logits = lambda hidden: hidden[:, :0]  # type: ignore[method-assign]
-        routes: list[torch.Tensor] = []
-        for block in _blocks(model):
-            route = block.route
+        for index, path in enumerate(paths):
+            model = load_model(path, "float32", shard=TPShard(rank, 2, dist.group.WORLD))
+            set_int8_activations(model, False)
+            if rank:  # no lm_head here: the harness's logits call returns nothing
+                model.compute_logits = lambda hidden: hidden[:, :0]  # type: ignore[method-assign]
+            routes: list[torch.Tensor] = []
+            for block in _blocks(model):
 
-            def recorded(x: torch.Tensor, route: Any = route) -> tuple[torch.Tensor, torch.Tensor]:
-                weights, experts = route(x)
-                routes.append(experts.clone())
-                return weights, experts
+                def recorded(x: torch.Tensor, route: Any = block.route) -> tuple[torch.Tensor, torch.Tensor]:
+                    weights, experts = route(x)
+                    routes.append(experts.clone())
+                    return weights, experts
 
-            block.route = recorded  # type: ignore[method-assign]
-        logits = _teacher_forced(model, tokens)
-        torch.save({"logits": logits if rank == 0 else None, "routes": routes}, f"{out}/rank{rank}.pt")
+                block.route = recorded  # type: ignore[method-assign]
+            logits = _teacher_forced(model, tokens)
+            torch.save({"logits": logits if rank == 0 else None, "routes": routes}, f"{out}/{index}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def tp2_logits(path: Path, tokens: list[int], tmp: Path, int8: bool = False) -> tuple[torch.Tensor, list[Any]]:
-    """Rank 0's teacher-forced logits at TP=2 and each rank's routing, from two spawned processes."""
+TOKENS = prompt_ids(24, 5)
+TP2 = dict[Path, tuple[torch.Tensor, list[Any]]]  # model path -> (rank 0's logits, each rank's routing)
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(family_dirs: dict[str, Path], q8_gguf: tuple[Path, dict[str, torch.Tensor]],
+             tmp_path_factory: pytest.TempPathFactory) -> TP2:
+    """Every model's teacher-forced logits at TP=2 from one pair of spawned processes (starting ranks costs seconds)."""
+    tmp = tmp_path_factory.mktemp("tp2-runs")
+    paths = [*family_dirs.values(), q8_gguf[0]]
     ctx = mp.get_context("spawn")
-    args = (str(path), tokens, str(tmp / "rendezvous"), str(tmp), int8)
+    args = ([str(p) for p in paths], TOKENS, str(tmp / "rendezvous"), str(tmp))
     procs = [ctx.Process(target=_rank_main, args=(rank, *args)) for rank in range(2)]
     for p in procs:
         p.start()
@@ -110,8 +124,11 @@ def tp2_logits(path: Path, tokens: list[int], tmp: Path, int8: bool = False) -> 
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
-    results = [torch.load(tmp / f"rank{rank}.pt") for rank in range(2)]
-    return results[0]["logits"], [r["routes"] for r in results]
+    runs = {}
+    for index, path in enumerate(paths):
+        results = [torch.load(tmp / f"{index}-rank{rank}.pt") for rank in range(2)]
+        runs[path] = results[0]["logits"], [r["routes"] for r in results]
+    return runs
 
 
 def test_rank_slices_stack_back_to_the_whole_experts(moe_dir: Path) -> None:
@@ -151,11 +168,10 @@ def test_rank_slices_stack_back_to_the_whole_experts(moe_dir: Path) -> None:
         assert torch.equal(a, b), name
 
 
-def test_teacher_forced_logits_at_two_ranks_match_hf(moe_dir: Path, tmp_path: Path) -> None:
-    tokens = prompt_ids(24, 5)
-    logits, routes = tp2_logits(moe_dir, tokens, tmp_path)
-    torch.testing.assert_close(logits, hf_logits(moe_dir, tokens), rtol=1e-4, atol=1e-4)
-    one = _teacher_forced(load_model(moe_dir, "float32"), tokens)
+def test_teacher_forced_logits_at_two_ranks_match_hf(moe_dir: Path, tp2_runs: TP2) -> None:
+    logits, routes = tp2_runs[moe_dir]
+    torch.testing.assert_close(logits, hf_logits(moe_dir, TOKENS), rtol=1e-4, atol=1e-4)
+    one = _teacher_forced(load_model(moe_dir, "float32"), TOKENS)
     torch.testing.assert_close(logits, one, rtol=1e-5, atol=1e-5)  # only the all-reduce's summation differs
     assert len(routes[0]) == len(routes[1]) > 0
     for a, b in zip(*routes, strict=True):
@@ -203,16 +219,15 @@ def test_gguf_packed_experts_rank_slices(q8_gguf: tuple[Path, dict[str, torch.Te
 
 
 def test_gguf_at_two_ranks_matches_hf_and_one_process(q8_gguf: tuple[Path, dict[str, torch.Tensor]],
-                                                      tmp_path: Path) -> None:
+                                                      tp2_runs: TP2) -> None:
     """fp32 activations: the logits of the two ranks are the oracle's (transformers holding the file's values)
     within 1e-4; int8 activations (the default): the engine's greedy tokens equal one process's."""
     from tests.engine.model.test_gguf_moe_packed import _oracle
 
     file, state = q8_gguf
-    tokens = prompt_ids(24, 5)
-    logits, routes = tp2_logits(file, tokens, tmp_path)
+    logits, routes = tp2_runs[file]
     with torch.no_grad():
-        reference = _oracle(file, state)(torch.tensor([tokens])).logits[0]
+        reference = _oracle(file, state)(torch.tensor([TOKENS])).logits[0]
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(*routes, strict=True))
     config = {k: v for k, v in ENGINE.items() if k != "dtype"}
