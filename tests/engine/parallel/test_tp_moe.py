@@ -13,6 +13,7 @@ ones; a Qwen2-MoE whose per-rank experts are not whole Q8_0 blocks is refused by
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,16 @@ def _teacher_forced(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
     return torch.cat(logits)
 
 
+def _recording(route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+               routes: list[torch.Tensor]) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """`route` that also appends each call's chosen experts to `routes`."""
+    def recorded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(x)
+        routes.append(experts.clone())
+        return weights, experts
+    return recorded
+
+
 def _rank_main(rank: int, paths: list[str], tokens: list[int], init: str, out: str) -> None:
     """One rank of a 2-process gloo group: for each of `paths`, load its part of the model, run
     `_teacher_forced` on fp32 activations, save its routing (every sparse block's chosen experts) and,
@@ -90,13 +101,7 @@ def _rank_main(rank: int, paths: list[str], tokens: list[int], init: str, out: s
                 model.compute_logits = lambda hidden: hidden[:, :0]  # type: ignore[method-assign]
             routes: list[torch.Tensor] = []
             for block in _blocks(model):
-
-                def recorded(x: torch.Tensor, route: Any = block.route) -> tuple[torch.Tensor, torch.Tensor]:
-                    weights, experts = route(x)
-                    routes.append(experts.clone())
-                    return weights, experts
-
-                block.route = recorded  # type: ignore[method-assign]
+                block.route = _recording(block.route, routes)  # type: ignore[method-assign,assignment]
             logits = _teacher_forced(model, tokens)
             torch.save({"logits": logits if rank == 0 else None, "routes": routes}, f"{out}/{index}-rank{rank}.pt")
     finally:
@@ -149,19 +154,19 @@ def test_rank_slices_stack_back_to_the_whole_experts(moe_dir: Path) -> None:
         if whole.experts.gate_up_proj_bias is not None:
             bias = [p.experts.gate_up_proj_bias for p in parts]
             assert all(b is not None for b in bias)
-            halves = [torch.cat([b[:, : i // 2] for b in bias], dim=1), torch.cat([b[:, i // 2 :] for b in bias], dim=1)]
-            assert torch.equal(torch.cat(halves, dim=1), whole.experts.gate_up_proj_bias)
+            gates, ups = [b[:, : i // 2] for b in bias], [b[:, i // 2 :] for b in bias]
+            assert torch.equal(torch.cat(gates + ups, dim=1), whole.experts.gate_up_proj_bias)
             assert whole.experts.down_proj_bias is not None and parts[0].experts.down_proj_bias is not None
             assert torch.equal(parts[0].experts.down_proj_bias, whole.experts.down_proj_bias)
             assert parts[1].experts.down_proj_bias is None  # added once, by rank 0
         if whole.shared_expert is not None:
             s = whole.spec.shared_expert_size
             rows = [p.shared_expert.gate_up_proj.weight for p in parts if p.shared_expert is not None]
-            assert torch.equal(torch.cat([torch.cat([r[: s // 2] for r in rows]), torch.cat([r[s // 2 :] for r in rows])]),
-                               whole.shared_expert.gate_up_proj.weight)
+            shared = torch.cat([r[: s // 2] for r in rows] + [r[s // 2 :] for r in rows])
+            assert torch.equal(shared, whole.shared_expert.gate_up_proj.weight)
     if full.spec.attention_sinks:
-        sinks = [r.model.layers[0].self_attn.sinks for r in ranks]
-        assert torch.equal(torch.cat(sinks), full.model.layers[0].self_attn.sinks)
+        sinks = [getattr(r.model.layers[0].self_attn, "sinks") for r in ranks]  # noqa: B009  (GptOssAttention's)
+        assert torch.equal(torch.cat(sinks), getattr(full.model.layers[0].self_attn, "sinks"))  # noqa: B009
     cut = type(ranks[1])(ranks[1].spec, TPShard(1, 2))
     cut.load_weights(_iter_directory_weights(moe_dir))  # whole tensors, cut in load_weights
     for (name, a), (_, b) in zip(ranks[1].state_dict().items(), cut.state_dict().items(), strict=True):
@@ -210,7 +215,7 @@ def test_gguf_packed_experts_rank_slices(q8_gguf: tuple[Path, dict[str, torch.Te
     for full, *parts in zip(whole, *ranks, strict=True):
         assert isinstance(full, PackedExperts) and all(isinstance(p, PackedExperts) for p in parts)
         gate_up, down = full.dequantized()
-        pieces = [p.dequantized() for p in parts]  # type: ignore[operator]
+        pieces = [p.dequantized() for p in parts]
         i = gate_up.shape[1] // 2
         assert all(p[0].shape[1] == i for p in pieces)  # half of the gate rows and half of the up rows
         assert torch.equal(torch.cat([p[0][:, : i // 2] for p in pieces] + [p[0][:, i // 2 :] for p in pieces], dim=1),
