@@ -7,7 +7,9 @@ cut); the two ranks' teacher-forced logits are HF's within 1e-4 and one process'
 ranks route every token to the same experts; the engine's greedy tokens at TP=2 are HF generate's (and
 one process's). A Qwen3-MoE GGUF with Q8_0 experts stays packed at TP=2 (each rank's blocks dequantize
 to its slice of the file's) with HF's logits on fp32 activations and one process's greedy tokens on int8
-ones; a Qwen2-MoE whose per-rank experts are not whole Q8_0 blocks is refused by name.
+ones, and dequantized its ranks hold their fp32 slices; a Qwen2-MoE whose per-rank experts are not whole
+Q8_0 blocks is refused by name. gpt-oss MXFP4 experts: each rank's blocks and scales dequantize to its
+slice of the plain checkpoint; a split that cuts an MXFP4 block is refused.
 """
 
 from __future__ import annotations
@@ -247,3 +249,65 @@ def test_gguf_experts_not_in_whole_blocks_per_rank_are_refused(tmp_path: Path) -
     file, _ = _gguf(tmp_path, "qwen2_moe")
     with pytest.raises((GGUFWeightError, ModelLoadError), match="not whole 32-weight Q8_0 blocks of ffn_down_exps"):
         load_model(file, shard=TPShard(0, 2))
+
+
+def test_gguf_dequantized_experts_rank_slices(q8_gguf: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """quantization='dequantize': each rank's fp32 experts are its slice of one process's."""
+    file, _ = q8_gguf
+    whole = _blocks(load_model(file, quantization="dequantize"))
+    ranks = [_blocks(load_model(file, quantization="dequantize", shard=TPShard(rank, 2))) for rank in range(2)]
+    for full, *parts in zip(whole, *ranks, strict=True):
+        i = full.spec.intermediate_size // 2
+        gate_up = [p.experts.gate_up_proj for p in parts]
+        assert torch.equal(torch.cat([g[:, :i] for g in gate_up] + [g[:, i:] for g in gate_up], dim=1),
+                           full.experts.gate_up_proj)
+        assert torch.equal(torch.cat([p.experts.down_proj for p in parts], dim=2), full.experts.down_proj)
+
+
+# ----- gpt-oss MXFP4 checkpoints ----------------------------------------------------------------------------
+
+
+def _mxfp4_dirs(tmp: Path, intermediate: int) -> tuple[Path, Path]:
+    """A gpt-oss checkpoint with MXFP4 experts, and the same experts dequantized by transformers."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.engine.model.test_gpt_oss import _random_mxfp4
+
+    source = make_gpt_oss_dir(tmp / "source", seed=3, num_hidden_layers=2, intermediate_size=intermediate)
+    (file,) = source.glob("*.safetensors")
+    tensors = load_file(str(file))
+    packed, plain = dict(tensors), dict(tensors)
+    for i, name in enumerate(n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))):
+        blocks, scales = _random_mxfp4(tuple(tensors[name].shape), 10 + i)
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    out = []
+    for label, weights in (("mxfp4", packed), ("plain", plain)):
+        directory = tmp / label
+        directory.mkdir()
+        for extra in source.iterdir():
+            if extra.suffix != ".safetensors":
+                (directory / extra.name).write_bytes(extra.read_bytes())
+        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+        out.append(directory)
+    return out[0], out[1]
+
+
+def test_mxfp4_rank_slices_equal_the_dequantized_checkpoints(tmp_path: Path) -> None:
+    """64 intermediate features: 32 per rank, whole MXFP4 blocks of down's; each rank reads its blocks and scales."""
+    mxfp4, plain = _mxfp4_dirs(tmp_path, 64)
+    for rank in range(2):
+        ours, theirs = (load_model(d, "float32", shard=TPShard(rank, 2)).state_dict() for d in (mxfp4, plain))
+        assert ours.keys() == theirs.keys()
+        for name, value in ours.items():
+            assert torch.equal(value, theirs[name]), name
+
+
+def test_mxfp4_experts_not_in_whole_blocks_per_rank_are_refused(tmp_path: Path) -> None:
+    from engine.model.spec import UnsupportedModelError
+
+    mxfp4, _ = _mxfp4_dirs(tmp_path, 32)
+    with pytest.raises(UnsupportedModelError, match="16 of the experts' 32 intermediate features, not a multiple"):
+        load_model(mxfp4, "float32", shard=TPShard(1, 2))
