@@ -311,3 +311,19 @@ def test_mxfp4_experts_not_in_whole_blocks_per_rank_are_refused(tmp_path: Path) 
     mxfp4, _ = _mxfp4_dirs(tmp_path, 32)
     with pytest.raises(UnsupportedModelError, match="16 of the experts' 32 intermediate features, not a multiple"):
         load_model(mxfp4, "float32", shard=TPShard(1, 2))
+
+
+def test_gpt_oss_gguf_rank_slices_equal_the_checkpoints(family_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """A gpt-oss GGUF (dequantized at load, experts re-laid as transformers holds them) is cut per rank
+    as the safetensors checkpoint is read: the same parameters on each rank."""
+    import shutil
+
+    from tests.engine.model.test_gguf_gpt_oss import write_gpt_oss_gguf
+
+    directory = Path(shutil.copytree(family_dirs["gpt_oss"], tmp_path / "gpt_oss"))
+    file = write_gpt_oss_gguf(directory)
+    for rank in range(2):
+        ours, theirs = (load_model(p, "float32", shard=TPShard(rank, 2)).state_dict() for p in (file, directory))
+        assert ours.keys() == theirs.keys()
+        for name, value in ours.items():
+            assert torch.equal(value, theirs[name]), name
