@@ -320,7 +320,7 @@ def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tu
     for block_path, parts in collector.experts.items():
         block = model.get_submodule(block_path)
         assert isinstance(block, SparseMoE)
-        e, i, h = block.spec.num_experts, block.spec.intermediate_size, model.spec.hidden_size
+        e, i, h = block.full_spec.num_experts, block.full_spec.intermediate_size, model.spec.hidden_size
         gate, up = (_expert_values(parts[p], (e, i, h), block_path) for p in (0, 1))
         yield f"{block_path}.experts.gate_up_proj", torch.cat([gate, up], dim=1)
         yield f"{block_path}.experts.down_proj", _expert_values(parts[2], (e, h, i), block_path)
@@ -377,6 +377,9 @@ def _rank_slices(model: LlamaForCausalLM, collector: _Collector) -> None:
                     shards[index] = part
             if not shards:
                 del table[path]
+    for path, parts in collector.experts.items():
+        for index, stored in list(parts.items()):
+            parts[index] = _cut_experts(model, path, index, stored)
     embed = collector.params.get("model.embed_tokens.weight")
     if embed is not None:
         if model.spec.tie_word_embeddings and model.shard.owns_lm_head and "lm_head" not in collector.linears:
@@ -385,6 +388,32 @@ def _rank_slices(model: LlamaForCausalLM, collector: _Collector) -> None:
         part = cut_stored(model, "model.embed_tokens.weight", embed)
         assert part is not None  # every rank holds embedding rows
         collector.params["model.embed_tokens.weight"] = part
+
+
+def _cut_experts(model: LlamaForCausalLM, path: str, index: int, stored: Stored) -> Stored:
+    """This rank's share of a stacked expert tensor (`_MOE_EXPERTS` index: gate or up `[E, I, H]`, its
+    rows; down `[E, H, I]`, its input features, in whole blocks of a packed format)."""
+    moe, shard, hidden = model.spec.moe, model.shard, model.spec.hidden_size
+    assert moe is not None
+    experts, full = moe.num_experts, moe.intermediate_size
+    per = full // shard.size
+    start, fmt = shard.rank * per, stored.fmt
+    rows, k = (full, hidden) if index < 2 else (hidden, full)
+    size = experts * rows * (k if fmt is None else fmt.row_bytes(k))
+    if stored.data.numel() != size or (fmt is not None and k % fmt.block_size):
+        raise GGUFWeightError(f"{path}: expert tensor {index} of {stored.data.numel()} values is not "
+                              f"[{experts}, {rows}, {k}] in {stored.source}")
+    data = stored.data.reshape(experts, rows, -1)
+    if index < 2:
+        return Stored(fmt, data.narrow(1, start, per).contiguous(), stored.source)
+    if fmt is not None:
+        if start % fmt.block_size or per % fmt.block_size:
+            raise GGUFWeightError(f"{path}: tensor_parallel_size {shard.size} gives each rank {per} of the experts' "
+                                  f"{full} intermediate features, not whole {fmt.block_size}-weight {fmt.name} blocks "
+                                  "of ffn_down_exps (pass quantization='dequantize', or a size that keeps "
+                                  f"{full} / size a multiple of {fmt.block_size})")
+        start, per = start // fmt.block_size * fmt.block_bytes, per // fmt.block_size * fmt.block_bytes
+    return Stored(fmt, data.narrow(2, start, per).contiguous(), stored.source)
 
 
 def _fill_params(model: LlamaForCausalLM, collector: _Collector) -> None:

@@ -48,14 +48,12 @@ class GptOssAttention(LlamaAttention):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     """The paged gpt-oss model: `LlamaForCausalLM` whose layers attend with sinks (`GptOssAttention`).
-    Tensor parallelism is refused (by the MoE block: its experts are not sharded)."""
+    Under tensor parallelism each rank holds its query heads' sinks and its share of every expert
+    (`engine.model.sharding`)."""
 
     def __init__(self, spec: ModelSpec, shard: TPShard = SINGLE, policy: ExecutionPolicy | None = None) -> None:
         if spec.model_type != "gpt_oss" or not spec.attention_sinks or spec.moe is None:
             raise UnsupportedModelError(f"GptOssForCausalLM serves gpt_oss specs, got {spec.model_type!r}")
-        if shard.size > 1:
-            raise UnsupportedModelError("gpt_oss: tensor parallelism is not implemented (the experts and the "
-                                        "attention sinks are not sharded); run with tensor_parallel_size 1")
         super().__init__(spec, shard, policy)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn = GptOssAttention(spec, shard, spec.uses_rope(i), spec.layer_window(i))

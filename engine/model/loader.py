@@ -132,7 +132,7 @@ def _iter_safetensors_slices(files: list[Path], spec: ModelSpec, shard: TPShard)
                 if cut is None:
                     continue
                 dim, start, length = cut
-                yield name, part[start : start + length] if dim == 0 else part[:, start : start + length]
+                yield name, part[(slice(None),) * dim + (slice(start, start + length),)]
 
 
 def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:

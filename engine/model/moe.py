@@ -16,6 +16,18 @@ one-row shared-expert gate. The shared expert is a plain `SwiGLU`, batch-invaria
 `ops.backend.set_fixed_order` like every dense linear. bf16/fp16 and CUDA tensors use `F.linear`
 per expert. A GGUF's experts in a packed format replace `Experts` with
 `engine.model.packed_experts.PackedExperts` (same contract).
+
+Tensor parallelism (`TPShard`, layout in `engine.model.sharding`): each rank holds every expert's
+share of the intermediate features (and of the shared expert's), routes every token itself with
+the replicated router, runs its experts' partial down products exactly as above, adds the shared
+expert's partial output, and the block's output is all-reduced once. The router's input is the
+residual stream after an all-reduce, the same bits on every rank (gloo's and NCCL's all-reduce
+compute each element's sum once and send it to every rank; tests/engine/parallel/test_tp_moe.py
+compares the ranks' choices), so every rank picks the same experts with the same weights.
+What differs from one process: a token's output is the sum over ranks of each rank's weighted
+partial sums, so the down products' K loop is split and the k experts' contributions are added
+per rank before the ranks' sums are added (rounding only: the tests' tiny fp32 models give logits
+within 1e-5 of one process's and the same greedy tokens).
 """
 
 from __future__ import annotations
@@ -83,14 +95,16 @@ class Experts(nn.Module):
     its up rows), `down_proj [E, H, I]`, and with `MoESpec.expert_bias` their biases `[E, 2I]`, `[E, H]`
     (transformers 5's parameter names and layout for Qwen and Mixtral)."""
 
-    def __init__(self, spec: MoESpec, hidden_size: int) -> None:
+    def __init__(self, spec: MoESpec, hidden_size: int, down_bias: bool = True) -> None:
+        """`spec` is this rank's (`TPShard.local_moe`); `down_bias` False drops the down bias (a
+        tensor-parallel rank other than 0: the bias is added once, by rank 0)."""
         super().__init__()
         e, i = spec.num_experts, spec.intermediate_size
         self.spec = spec
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if spec.expert_bias else None
-        self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size)) if spec.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size)) if spec.expert_bias and down_bias else None
         self.fixed: tuple[Tensor, Tensor] | None = None  # `ops.pack_fixed` of each expert, stacked
 
     def fixed_weights(self) -> tuple[Tensor, Tensor]:
@@ -135,19 +149,22 @@ class Experts(nn.Module):
 class SparseMoE(nn.Module):
     """Router, grouped experts and (Qwen2-MoE) the gated shared expert: `x [T, H] -> [T, H]`.
     Parameter names are transformers 5's: `gate` (the router), `experts.*`, `shared_expert.*`
-    (its gate/up stacked as in `SwiGLU`), `shared_expert_gate`."""
+    (its gate/up stacked as in `SwiGLU`), `shared_expert_gate`. Under tensor parallelism `spec` is
+    this rank's share (`TPShard.local_moe`), `full_spec` the model's."""
 
     def __init__(self, spec: MoESpec, hidden_size: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        if shard.size > 1:
-            raise UnsupportedModelError("tensor parallelism of mixture-of-experts models is not implemented "
-                                        "(experts are not sharded); run with tensor_parallel_size 1")
-        self.spec = spec
+        if spec.intermediate_size % shard.size or spec.shared_expert_size % shard.size:
+            raise UnsupportedModelError(f"tensor_parallel_size {shard.size} does not divide the experts' intermediate "
+                                        f"size {spec.intermediate_size} (shared expert: {spec.shared_expert_size})")
+        self.full_spec = spec
+        self.spec = spec = shard.local_moe(spec)
+        self.shard = shard
         self.gate = RouterLinear(hidden_size, spec.num_experts, bias=spec.router_bias)
-        self.experts = Experts(spec, hidden_size)
+        self.experts = Experts(spec, hidden_size, down_bias=shard.rank == 0)
         self.shared_expert: SwiGLU | None = None
         self.shared_expert_gate: RouterLinear | None = None
-        if spec.shared_expert_size:
+        if spec.shared_expert_size:  # this rank's features; its partial output joins the block's all-reduce
             self.shared_expert = SwiGLU(hidden_size, spec.shared_expert_size, bias=False)
             self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False)
 
@@ -170,4 +187,4 @@ class SparseMoE(nn.Module):
         out = self.experts(x, *group_by_expert(experts, weights, self.spec.num_experts), rows)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, rows)
-        return out
+        return self.shard.all_reduce(out)

@@ -9,12 +9,17 @@ by the caller). Accepted forms:
   up interleaved column by column, `experts.down_proj [E, I, H]`, and their biases;
 - the router `gate.weight` (`router.weight`, `router.bias` for gpt-oss) and Qwen2-MoE's
   `shared_expert.gate_proj|up_proj|down_proj.weight`, `shared_expert_gate.weight`.
+
+Under tensor parallelism the tensors come cut to the rank's slice (`TPShard.weight_slice`), except
+Qwen's stacked `experts.gate_up_proj [E, 2I, H]`, whose rank rows (gate, then up) are two ranges:
+it comes whole and is cut here.
 """
 
 from __future__ import annotations
 
 import re
 
+import torch
 from torch import Tensor
 
 from engine.model.moe import SparseMoE
@@ -35,6 +40,16 @@ def _copy(dest: Tensor, src: Tensor, name: str) -> None:
 def _deinterleave(t: Tensor) -> Tensor:
     """gpt-oss's `[..., 2I]` gate/up columns interleaved -> `[..., 2I]` gate columns then up columns."""
     return t.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def _rank_gate_up(moe: SparseMoE, tensor: Tensor) -> Tensor:
+    """This rank's gate rows then up rows of a whole stacked `[E, 2I, H]` (the tensor itself at size 1
+    or when it is already this rank's)."""
+    full, local = moe.full_spec.intermediate_size, moe.spec.intermediate_size
+    if full == local or tensor.dim() != 3 or tensor.shape[1] != 2 * full:
+        return tensor
+    start = moe.shard.rank * local
+    return torch.cat([tensor.narrow(1, start, local), tensor.narrow(1, full + start, local)], dim=1)
 
 
 def load_moe_tensor(moe: SparseMoE, name: str, tensor: Tensor) -> set[str]:
@@ -64,6 +79,8 @@ def load_moe_tensor(moe: SparseMoE, name: str, tensor: Tensor) -> set[str]:
         tensor = _deinterleave(tensor).transpose(1, 2) if name == "experts.gate_up_proj" else tensor.transpose(1, 2)
     elif gpt_oss and name == "experts.gate_up_proj_bias":
         tensor = _deinterleave(tensor)
+    elif name == "experts.gate_up_proj":
+        tensor = _rank_gate_up(moe, tensor)
     params = dict(moe.named_parameters())
     if name not in params:
         raise KeyError(f"checkpoint tensor {name!r} has no place in the MoE block")

@@ -8,21 +8,35 @@ columns; the partial sums are all-reduced), the embedding is vocab-parallel (con
 when `N <= num_kv_heads`, else replicated: rank r keeps KV head `r * num_kv_heads // N`, the one its
 query heads read. Rank 0 also owns a full lm_head (`owns_lm_head`): sampling stays on rank 0, see
 `engine.parallel`. `size == 1` is the single-process model (every slice is the whole tensor).
+
+Mixture-of-experts blocks (`engine.model.moe`): every expert's intermediate features are split like
+a dense MLP's (rank r: features `[r I/N, (r+1) I/N)` of each expert's gate and up rows, the same
+input columns of its down; gpt-oss's interleaved gate/up columns `[2 r I/N, 2 (r+1) I/N)`), Qwen2-MoE's
+shared expert likewise with its own size; the router and the shared expert's gate are replicated; a
+bias added after a row-parallel product (o_proj's, the experts' down bias) is held by rank 0 only.
+gpt-oss's attention sinks (one per query head) follow the query heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from engine.model.moe_spec import CLAMPED_SWIGLU, MoESpec
 from engine.model.spec import ModelSpec, UnsupportedModelError
 
 # checkpoint shard name -> how it is split (column: rows of the weight; row: its input columns)
 _COLUMN = {"q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "mlp", "up_proj": "mlp"}
 _ROW = {"o_proj": "q", "down_proj": "mlp"}
+# a MoE block's per-expert / shared-expert checkpoint modules (Qwen names, Mixtral's w1/w3/w2)
+_MOE_COLUMN = ("gate_proj", "up_proj", "w1", "w3")
+_MOE_ROW = ("down_proj", "w2")
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.\w+\.weight$")
+MXFP4_BLOCK = 32  # weights per MXFP4 scale (gpt-oss's `*_blocks` / `*_scales` checkpoints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +56,6 @@ class TPShard:
     def check(self, spec: ModelSpec) -> None:
         """Raise UnsupportedModelError when the model cannot be split `size` ways."""
         n = self.size
-        if n > 1 and spec.moe is not None:
-            raise UnsupportedModelError(
-                f"{spec.model_type}: tensor parallelism of mixture-of-experts models is not implemented (experts "
-                "are not sharded); use tensor_parallel_size 1")
         problems = []
         if spec.num_heads % n:
             problems.append(f"num_attention_heads {spec.num_heads}")
@@ -53,6 +63,10 @@ class TPShard:
             problems.append(f"num_key_value_heads {spec.num_kv_heads} (nor is {n} a multiple of it)")
         if spec.intermediate_size % n:
             problems.append(f"intermediate_size {spec.intermediate_size}")
+        if spec.moe is not None and spec.moe.intermediate_size % n:
+            problems.append(f"the experts' intermediate size {spec.moe.intermediate_size}")
+        if spec.moe is not None and spec.moe.shared_expert_size % n:
+            problems.append(f"shared_expert_intermediate_size {spec.moe.shared_expert_size}")
         if problems:
             raise UnsupportedModelError(f"tensor_parallel_size {n} does not divide {', '.join(problems)}")
 
@@ -65,6 +79,14 @@ class TPShard:
 
     def local_intermediate(self, spec: ModelSpec) -> int:
         return spec.intermediate_size // self.size
+
+    def local_moe(self, moe: MoESpec) -> MoESpec:
+        """The MoE record of this rank's part of a sparse block: each expert's (and the shared expert's)
+        intermediate features divided by `size`, routing unchanged."""
+        if self.size == 1:
+            return moe
+        return dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size,
+                                   shared_expert_size=moe.shared_expert_size // self.size)
 
     def vocab_per_rank(self, spec: ModelSpec) -> int:
         return -(-spec.vocab_size // self.size)
@@ -101,6 +123,11 @@ class TPShard:
             return whole
         leaf = name.rsplit(".", 2)
         module, what = (leaf[-2], leaf[-1]) if len(leaf) >= 2 else ("", name)
+        if spec.moe is not None and (".experts." in name or ".shared_expert." in name):
+            return self._moe_slice(name, module, shape, spec.moe)
+        if name.endswith("self_attn.sinks"):  # gpt-oss: one logit per query head
+            per = self.local_heads(spec)
+            return 0, self.rank * per, per
         if module in _COLUMN:
             start, length = self._range(spec, _COLUMN[module])
             return 0, start, length
@@ -116,6 +143,40 @@ class TPShard:
             return 0, lo, hi - lo
         if name == "lm_head.weight":
             return whole if self.owns_lm_head else None
+        return whole
+
+    def _moe_slice(self, name: str, module: str, shape: tuple[int, ...], moe: MoESpec) -> tuple[int, int, int] | None:
+        """`weight_slice` of a sparse block's expert or shared-expert tensor (module docstring). Qwen's
+        stacked `experts.gate_up_proj [E, 2I, H]` is read whole: its rank rows are two ranges, cut by
+        `engine.model.moe_weights`."""
+        whole = (0, 0, shape[0])
+        shared = ".shared_expert." in name
+        size = moe.shared_expert_size if shared else moe.intermediate_size
+        per = size // self.size
+        start = self.rank * per
+        if shared or _PER_EXPERT.search(name):
+            if module in _MOE_COLUMN:  # per expert: `experts.{e}.gate_proj.weight [I, H]`
+                return 0, start, per
+            if module in _MOE_ROW:
+                return 1, start, per
+        stacked = name.rsplit(".", 1)[-1]
+        gpt_oss = moe.activation == CLAMPED_SWIGLU
+        if stacked in ("gate_up_proj", "gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias"):
+            if not gpt_oss:
+                return whole
+            # gpt-oss interleaves gate and up features: this rank's are one range of twice its share
+            dim = 2 if stacked == "gate_up_proj" else 1
+            return dim, 2 * start, 2 * per
+        if stacked == "down_proj":  # gpt-oss [E, I, H]; Qwen stacked [E, H, I]
+            return (1 if gpt_oss else 2), start, per
+        if stacked in ("down_proj_blocks", "down_proj_scales"):  # [E, H, I / 32, (16)]
+            if start % MXFP4_BLOCK or per % MXFP4_BLOCK:
+                raise UnsupportedModelError(
+                    f"{name}: tensor_parallel_size {self.size} gives each rank {per} of the experts' {size} "
+                    f"intermediate features, not a multiple of MXFP4's {MXFP4_BLOCK}-weight blocks")
+            return 2, start // MXFP4_BLOCK, per // MXFP4_BLOCK
+        if stacked == "down_proj_bias":
+            return whole if self.rank == 0 else None  # added once: rank 0 holds it
         return whole
 
     def narrow(self, name: str, tensor: torch.Tensor, spec: ModelSpec) -> torch.Tensor | None:

@@ -3,7 +3,8 @@ alternating sliding / full layers, yarn rope, q/k/v/o biases, attention sinks, t
 router bias and clamped SwiGLU experts) gives HF's teacher-forced logits through the paged cache
 and the engine's greedy tokens equal HF generate's on prompts past the window, also with chunked
 prefill, prefix hits and speculative decoding. Controls: with the sinks dropped the logits leave
-HF's. MXFP4 experts dequantize at load to the same model; tensor parallelism refuses."""
+HF's. MXFP4 experts dequantize at load to the same model; a rank holds its heads' sinks and its
+share of the experts (served at TP=2: tests/engine/parallel/test_tp_moe.py)."""
 
 from __future__ import annotations
 
@@ -161,15 +162,20 @@ def test_speculative_decoding_equals_hf(gpt_oss_dir: Path) -> None:
     assert_no_leaks(llm)
 
 
-def test_tensor_parallel_is_refused(gpt_oss_dir: Path) -> None:
+def test_tensor_parallel_shards_sinks_and_experts() -> None:
+    """Each rank holds its query heads' sinks and half of every expert (served: tests/engine/parallel/test_tp_moe.py);
+    a size that does not divide the experts is refused."""
     from transformers import AutoConfig
 
     spec = ModelSpec.from_hf_config(AutoConfig.for_model("gpt_oss", **TINY))
-    with torch.device("meta"), pytest.raises(UnsupportedModelError, match="tensor parallelism"):
-        GptOssForCausalLM(spec, TPShard(rank=0, size=2))
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism"):
-        LLM(str(gpt_oss_dir), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2,
-            tensor_parallel_threads=1)
+    with torch.device("meta"):
+        rank1 = GptOssForCausalLM(spec, TPShard(rank=1, size=2))
+    layer = rank1.model.layers[0]
+    assert layer.self_attn.sinks.shape == (2,) and layer.mlp.experts.gate_up_proj.shape == (8, 32, 64)
+    assert layer.mlp.experts.down_proj_bias is None  # added once, by rank 0
+    odd = ModelSpec.from_hf_config(AutoConfig.for_model("gpt_oss", **{**TINY, "intermediate_size": 30}))
+    with torch.device("meta"), pytest.raises(UnsupportedModelError, match="experts' intermediate size 30"):
+        GptOssForCausalLM(odd, TPShard(rank=0, size=4))
 
 
 def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -241,6 +241,10 @@ def test_spec_from_configs() -> None:
         moe_spec_from_hf_config(hf_config("mixtral", num_experts_per_tok=9))
 
 
-def test_tensor_parallel_refused() -> None:
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism of mixture-of-experts"):
-        SparseMoE(MoESpec(4, 2, 16, (0,)), HIDDEN, TPShard(rank=0, size=2))
+def test_tensor_parallel_split_must_divide_the_experts() -> None:
+    """Sharded blocks: tests/engine/parallel/test_tp_moe.py; a size that does not divide is refused."""
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size 3 does not divide the experts'"):
+        SparseMoE(MoESpec(4, 2, 16, (0,)), HIDDEN, TPShard(rank=0, size=3))
+    half = SparseMoE(MoESpec(4, 2, 16, (0,), shared_expert_size=8), HIDDEN, TPShard(rank=1, size=2))
+    assert half.experts.gate_up_proj.shape == (4, 16, HIDDEN) and half.shared_expert is not None
+    assert half.shared_expert.intermediate_size == 4 and half.full_spec.intermediate_size == 16

@@ -1,7 +1,8 @@
 """Qwen2-MoE, Qwen3-MoE and Mixtral served end to end: small random fp32 checkpoints saved by transformers give
 HF's teacher-forced logits through the paged cache (chunked prefill, then decode) and the engine's
 greedy tokens equal HF generate's (a batch, chunked prefill, a prefix hit), with routing balanced
-and skewed towards one expert; tensor parallelism and GGUF files of MoE types refuse."""
+and skewed towards one expert; a tensor-parallel split that does not divide the experts and GGUF files
+of unmapped MoE types refuse."""
 
 from __future__ import annotations
 
@@ -171,18 +172,24 @@ def test_engine_greedy_matches_hf(moe_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_tensor_parallel_moe_is_refused(model_type: str) -> None:
+def test_tensor_parallel_split_that_does_not_divide_the_experts_is_refused(model_type: str) -> None:
+    """Sharded MoE models are served by tests/engine/parallel/test_tp_moe.py; 30 features do not split 4 ways."""
     from transformers import AutoConfig
 
-    spec = ModelSpec.from_hf_config(AutoConfig.for_model(model_type, **{**TINY, **MODELS[model_type][1]}))
-    with torch.device("meta"), pytest.raises(UnsupportedModelError, match="tensor parallelism of mixture-of-experts"):
-        LlamaForCausalLM(spec, TPShard(rank=0, size=2))
+    size = "moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"
+    spec = ModelSpec.from_hf_config(AutoConfig.for_model(model_type, **{**TINY, **MODELS[model_type][1], size: 30}))
+    with torch.device("meta"), pytest.raises(UnsupportedModelError, match="experts' intermediate size 30"):
+        LlamaForCausalLM(spec, TPShard(rank=0, size=4))
 
 
 def test_tensor_parallel_engine_refuses_before_spawning(tmp_path: Path) -> None:
+    import json
+
     directory = make_moe_dir(tmp_path, "qwen3_moe", seed=1)
-    with pytest.raises(UnsupportedModelError, match="tensor parallelism of mixture-of-experts"):
-        LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=2,
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 30}))
+    with pytest.raises(UnsupportedModelError, match="experts' intermediate size 30"):
+        LLM(str(directory), dtype="float32", kv_cache_memory=16 << 20, tensor_parallel_size=4,
             tensor_parallel_threads=1)
 
 
