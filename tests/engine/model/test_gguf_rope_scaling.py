@@ -183,3 +183,25 @@ def test_unmapped_rope_is_refused_by_name(tmp_path: Path, metadata: Callable[[An
     file, _ = _write(model_dir, "F32", "refused", rope_freqs=rope_freqs, metadata=metadata)
     with pytest.raises(ModelLoadError, match=message):
         load_model(file)
+
+
+def _family_keys(rope: dict[str, Any]) -> Callable[[Any], None]:
+    """What the converter adds to a gguf_config family's file for `rope`: rope_freqs, or the scaling keys."""
+    if rope["rope_type"] == "llama3":
+        return lambda w: w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, HEAD_DIM),
+                                      raw_dtype=gguf.GGMLQuantizationType.F32)
+    return _linear_keys if rope["rope_type"] == "linear" else _yarn_keys(rope)
+
+
+@pytest.mark.parametrize(("family", "rope"), [("granite", LLAMA3), ("smollm3", YARN), ("olmo2", LINEAR)])
+def test_config_families_read_their_rope(tmp_path: Path, family: str, rope: dict[str, Any]) -> None:
+    """The families whose config gguf_config builds (Granite and SmolLM3 are llama.cpp LlamaModels and
+    carry rope_freqs the same way) read rope_freqs and the scaling keys too: the F32 file's paged
+    logits are transformers' on the scaled checkpoint."""
+    from tests.engine.model.test_gguf_config_families import FAMILIES, write_llama_cpp_gguf
+
+    model_dir = make_family_dir(tmp_path, family, seed=4, **FAMILIES[family], rope_parameters=dict(rope))
+    file = write_llama_cpp_gguf(model_dir, family, lambda kind: "F32", extra=_family_keys(rope))
+    ours = load_model(file)
+    assert ours.spec.rope.get("freq_factors") is not None or ours.spec.rope["rope_type"] == rope["rope_type"]
+    assert_fp32_activation_logits_match(ours, _oracle(model_dir))
