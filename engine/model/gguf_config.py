@@ -39,6 +39,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from engine.model.gguf_header import GGUFHeader, GGUFHeaderError
 from engine.model.gguf_rope import GGUFRopeError, gguf_rope_parameters
 
 # GGUF architecture -> transformers model_type, for the files this module builds the config of
@@ -162,40 +163,32 @@ def _decimal(value: Any) -> float:
 
 
 class GGUFMetadata:
-    """The file's metadata fields and tensor names, read once."""
+    """The file's metadata values and tensor names, read once from its header (`GGUFHeader`: the
+    tokenizer's string arrays are stepped over, not read)."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        self._reader = reader
-        self.fields = reader.fields
-        self.tensors = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
-        arch = self.fields.get("general.architecture")
-        self.arch = str(arch.contents()) if arch is not None else ""
+        self._header = GGUFHeader(path)
+        self.fields = self._header.fields
+        self.tensors = {name: info.shape for name, info in self._header.tensors.items()}
+        self.arch = str(self.fields.get("general.architecture", ""))
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
         """The value of `key` (`{arch}` replaced by the architecture); `default` when absent, or
         GGUFConfigError when there is none."""
         key = key.replace("{arch}", self.arch)
-        field = self.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             if default is _REQUIRED:
                 raise GGUFConfigError(f"a {self.arch} GGUF needs the metadata key {key!r}, "
                                       "which this file lacks")
             return default
-        return field.contents()
+        return self.fields[key]
 
     def tensor_values(self, name: str) -> list[float] | None:
         """The values of a float (F32 / F16) tensor of the file, None when it has none of that name."""
-        import numpy as np
-
-        tensor = next((t for t in self._reader.tensors if t.name == name), None)
-        if tensor is None:
-            return None
-        if tensor.tensor_type.name not in ("F32", "F16"):
-            raise GGUFConfigError(f"GGUF tensor {name!r} is {tensor.tensor_type.name}; F32 or F16 expected")
-        return [float(v) for v in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]
+        try:
+            return self._header.float_tensor(name)
+        except GGUFHeaderError as exc:
+            raise GGUFConfigError(str(exc)) from None
 
 
 def config_from_gguf(path: Path) -> Any:
