@@ -205,3 +205,15 @@ def test_config_families_read_their_rope(tmp_path: Path, family: str, rope: dict
     ours = load_model(file)
     assert ours.spec.rope.get("freq_factors") is not None or ours.spec.rope["rope_type"] == rope["rope_type"]
     assert_fp32_activation_logits_match(ours, _oracle(model_dir))
+
+
+def test_qwen3_linear_scaling_is_read(tmp_path: Path) -> None:
+    """A file of a family whose config transformers reads (Qwen3) with `rope.scaling.*` keys: the
+    scaling transformers' GGUF config drops is read, and the paged logits are transformers'."""
+    from tests.engine.model.test_gguf_families import FAMILIES, write_family_gguf
+
+    _, arch, overrides = FAMILIES["qwen3"]
+    model_dir = make_family_dir(tmp_path, "qwen3", seed=2, **overrides, rope_parameters=dict(LINEAR))
+    ours = load_model(write_family_gguf(model_dir, arch, "F32", rope_scaling=LINEAR["factor"]))
+    assert ours.spec.rope["rope_type"] == "linear" and ours.spec.rope["factor"] == LINEAR["factor"]
+    assert_fp32_activation_logits_match(ours, _oracle(model_dir))
