@@ -20,10 +20,17 @@ What llama.cpp's converter writes and its runtime reads, key by key:
   `.rope.scaling.factor`, `.original_context_length`, `.yarn_beta_fast` / `_slow`; the SwiGLU clamp
   (limit 7, alpha 1.702) is fixed in llama.cpp's graph and in no key (`GPT_OSS_FIXED`).
 
-Refused by name rather than approximated: rope scaling (`rope.scaling.type`; gpt-oss's yarn
-without its attention / extrapolation factors; llama3's `rope_freqs` tensor), partial rotary, OLMo
-3's sliding window (an `olmo2` file with `sliding_window`), per-layer head counts, q/k/v clamping
-and experts outside gpt-oss.
+The rotary embedding (rope base, linear / YaRN scaling, Llama 3.x's `rope_freqs` tensor) is
+`engine.model.gguf_rope`'s mapping, for these families and for the Llama-shaped files whose config
+transformers reads (`gguf_rope_parameters`); gpt-oss keeps its own YaRN reading.
+
+A Mixtral file is llama.cpp's `llama` architecture with `llama.expert_count` and stacked
+`ffn_{gate,up,down}_exps`: `mixtral_config` turns transformers' Llama config of it into a
+`MixtralConfig` (the expert size is `feed_forward_length`, as the converter writes it).
+
+Refused by name rather than approximated: what gguf_rope refuses; gpt-oss's yarn without its
+attention / extrapolation factors; partial rotary, OLMo 3's sliding window (an `olmo2` file with
+`sliding_window`), per-layer head counts, q/k/v clamping and experts outside gpt-oss.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 from typing import Any
+
+from engine.model.gguf_header import GGUFHeader, GGUFHeaderError
+from engine.model.gguf_rope import GGUFRopeError, gguf_rope_parameters
 
 # GGUF architecture -> transformers model_type, for the files this module builds the config of
 GGUF_CONFIG_ARCHS = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "gpt-oss": "gpt_oss"}
@@ -87,18 +97,61 @@ def _first_key_architecture(head: bytes) -> str | None:
 _MOE_SIZE_KEYS = {"qwen3moe": {"expert_feed_forward_length": "moe_intermediate_size"},
                   "qwen2moe": {"expert_feed_forward_length": "moe_intermediate_size",
                                "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}}
+# the architectures whose config transformers reads and whose rope gguf_rope maps (transformers'
+# GGUF config keeps rope_theta only); the others (gemma3, phi3) are checked by the loader
+ROPE_MAPPED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 
 
-def moe_sizes(path: Path, arch: str) -> dict[str, int]:
+def moe_sizes(meta: GGUFMetadata) -> dict[str, int]:
     """The expert sizes a `qwen3moe` / `qwen2moe` file states (`{arch}.expert_feed_forward_length`,
     `.expert_shared_feed_forward_length`) as transformers config fields; {} for other archs."""
-    keys = _MOE_SIZE_KEYS.get(arch)
-    if not keys:
-        return {}
-    import gguf
+    keys = _MOE_SIZE_KEYS.get(meta.arch, {})
+    return {name: int(meta.get(f"{{arch}}.{key}")) for key, name in keys.items()
+            if meta.get(f"{{arch}}.{key}", None) is not None}
 
-    fields = gguf.GGUFReader(str(path)).fields
-    return {name: int(fields[f"{arch}.{key}"].contents()) for key, name in keys.items() if f"{arch}.{key}" in fields}
+
+def fix_transformers_config(config: Any, meta: GGUFMetadata) -> Any:
+    """transformers' GGUF config of a file with what it drops: the expert sizes (`moe_sizes`), the
+    rope scaling (`gguf_rope_parameters`, for ROPE_MAPPED_ARCHS), and a `llama` file with experts
+    as the `MixtralConfig` it is; GGUFConfigError for what does not map."""
+    for name, value in moe_sizes(meta).items():
+        setattr(config, name, value)
+    if meta.arch in ROPE_MAPPED_ARCHS:
+        heads = int(meta.get("{arch}.attention.head_count"))
+        head_dim = int(meta.get("{arch}.attention.key_length", int(meta.get("{arch}.embedding_length")) // heads))
+        try:
+            config.rope_parameters = gguf_rope_parameters(meta, int(meta.get("{arch}.rope.dimension_count", head_dim)))
+        except GGUFRopeError as exc:
+            raise GGUFConfigError(str(exc)) from None
+    if meta.arch == "llama" and int(meta.get("{arch}.expert_count", 0) or 0) > 0:
+        return mixtral_config(config, meta)
+    return config
+
+
+def mixtral_config(llama: Any, meta: GGUFMetadata) -> Any:
+    """The `MixtralConfig` of a `llama` GGUF with experts (llama.cpp's Mixtral): transformers' Llama
+    config of the file with `expert_count` experts, `expert_used_count` per token (softmax over all,
+    top-k renormalised, as transformers' Mixtral routes), each expert `feed_forward_length` wide;
+    no sliding window (llama.cpp's llama graph has none)."""
+    from transformers import MixtralConfig
+
+    if meta.get("{arch}.expert_feed_forward_length", None) not in (None, llama.intermediate_size):
+        raise GGUFConfigError("a llama GGUF with experts whose expert_feed_forward_length differs from "
+                              "feed_forward_length is not supported (Mixtral's experts are the MLP's size)")
+    if any(name.endswith(".bias") for name in meta.tensors):
+        raise GGUFConfigError("a llama GGUF with experts and bias tensors is not supported (Mixtral has no biases)")
+    if meta.get("{arch}.expert_shared_count", 0) or meta.get("{arch}.expert_gating_func", None) not in (None, 1):
+        raise GGUFConfigError("a llama GGUF with shared experts or a gating function other than softmax is not "
+                              "supported (Mixtral routes by softmax, no shared expert)")
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+              "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+    values = {name: getattr(llama, name) for name in fields if getattr(llama, name, None) is not None}
+    head_dim = getattr(llama, "head_dim", None)
+    if head_dim and head_dim != llama.hidden_size // llama.num_attention_heads:
+        values["head_dim"] = head_dim
+    return MixtralConfig(**values, num_local_experts=int(meta.get("{arch}.expert_count")),
+                         num_experts_per_tok=int(meta.get("{arch}.expert_used_count")), sliding_window=None)
 
 
 def _decimal(value: Any) -> float:
@@ -109,29 +162,33 @@ def _decimal(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-class _Metadata:
-    """The file's metadata fields and tensor names, read once."""
+class GGUFMetadata:
+    """The file's metadata values and tensor names, read once from its header (`GGUFHeader`: the
+    tokenizer's string arrays are stepped over, not read)."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        self.fields = reader.fields
-        self.tensors = {t.name: tuple(int(s) for s in reversed(t.shape.tolist())) for t in reader.tensors}
-        arch = self.fields.get("general.architecture")
-        self.arch = str(arch.contents()) if arch is not None else ""
+        self._header = GGUFHeader(path)
+        self.fields = self._header.fields
+        self.tensors = {name: info.shape for name, info in self._header.tensors.items()}
+        self.arch = str(self.fields.get("general.architecture", ""))
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
         """The value of `key` (`{arch}` replaced by the architecture); `default` when absent, or
         GGUFConfigError when there is none."""
         key = key.replace("{arch}", self.arch)
-        field = self.fields.get(key)
-        if field is None:
+        if key not in self.fields:
             if default is _REQUIRED:
                 raise GGUFConfigError(f"a {self.arch} GGUF needs the metadata key {key!r}, "
                                       "which this file lacks")
             return default
-        return field.contents()
+        return self.fields[key]
+
+    def tensor_values(self, name: str) -> list[float] | None:
+        """The values of a float (F32 / F16) tensor of the file, None when it has none of that name."""
+        try:
+            return self._header.float_tensor(name)
+        except GGUFHeaderError as exc:
+            raise GGUFConfigError(str(exc)) from None
 
 
 def config_from_gguf(path: Path) -> Any:
@@ -139,7 +196,7 @@ def config_from_gguf(path: Path) -> Any:
     GGUFConfigError for another architecture or a file whose options are not supported."""
     from transformers import AutoConfig
 
-    meta = _Metadata(path)
+    meta = GGUFMetadata(path)
     if meta.arch not in GGUF_CONFIG_ARCHS:
         raise GGUFConfigError(f"no GGUF config mapping for architecture {meta.arch!r} (mapped here: "
                               f"{', '.join(GGUF_CONFIG_ARCHS)})")
@@ -154,7 +211,7 @@ def config_from_gguf(path: Path) -> Any:
     return AutoConfig.for_model(GGUF_CONFIG_ARCHS[meta.arch], **values)
 
 
-def _common(meta: _Metadata) -> dict[str, Any]:
+def _common(meta: GGUFMetadata) -> dict[str, Any]:
     """The Llama-shaped fields every mapped family shares."""
     heads = int(meta.get("{arch}.attention.head_count"))
     kv_heads = meta.get("{arch}.attention.head_count_kv", heads)
@@ -180,7 +237,7 @@ def _common(meta: _Metadata) -> dict[str, Any]:
         "num_key_value_heads": int(kv_heads),
         "max_position_embeddings": int(meta.get("{arch}.context_length")),
         "rms_norm_eps": _decimal(meta.get("{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_parameters": {"rope_type": "default", "rope_theta": _decimal(meta.get("{arch}.rope.freq_base", 10000.0))},
+        "rope_parameters": _rope(meta, head_dim),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in meta.tensors,
         "attention_bias": "blk.0.attn_q.bias" in meta.tensors,
@@ -196,7 +253,17 @@ def _common(meta: _Metadata) -> dict[str, Any]:
     return values
 
 
-def _granite(meta: _Metadata) -> dict[str, Any]:
+def _rope(meta: GGUFMetadata, head_dim: int) -> dict[str, Any]:
+    """gguf_rope's parameters of the file (gpt-oss: the base alone; `_gpt_oss` reads its YaRN)."""
+    if meta.arch == "gpt-oss":
+        return {"rope_type": "default", "rope_theta": _decimal(meta.get("{arch}.rope.freq_base", 10000.0))}
+    try:
+        return gguf_rope_parameters(meta, head_dim)
+    except GGUFRopeError as exc:
+        raise GGUFConfigError(str(exc)) from None
+
+
+def _granite(meta: GGUFMetadata) -> dict[str, Any]:
     """Granite's four multipliers, under llama.cpp's `*_scale` names."""
     return {"embedding_multiplier": _decimal(meta.get("{arch}.embedding_scale")),
             "residual_multiplier": _decimal(meta.get("{arch}.residual_scale")),
@@ -211,7 +278,7 @@ def _smollm3(layers: int) -> dict[str, Any]:
             "use_sliding_window": False, "sliding_window": None}
 
 
-def _gpt_oss(meta: _Metadata, values: dict[str, Any]) -> dict[str, Any]:
+def _gpt_oss(meta: GGUFMetadata, values: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss: experts, sinks and biases (tensors), alternating sliding and full layers (llama.cpp's
     swa pattern 2: the even layers slide, as transformers' default `layer_types`), yarn rotary."""
     layers, heads = values["num_hidden_layers"], values["num_attention_heads"]
@@ -232,17 +299,18 @@ def _gpt_oss(meta: _Metadata, values: dict[str, Any]) -> dict[str, Any]:
             "rope_parameters": rope, **GPT_OSS_FIXED}
 
 
-def _refuse_unsupported(meta: _Metadata) -> None:
+def _refuse_unsupported(meta: GGUFMetadata) -> None:
     """GGUFConfigError naming the first option of the file the config built here would drop."""
     gpt_oss = meta.arch == "gpt-oss"
-    scaling = meta.get("{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "", *(("yarn",) if gpt_oss else ())):
-        raise GGUFConfigError(f"a {meta.arch} GGUF with rope scaling {scaling!r} is not supported")
-    for key in _UNREAD_YARN:
-        if meta.get(f"{{arch}}.rope.scaling.{key}", None) is not None:
-            raise GGUFConfigError(f"a {meta.arch} GGUF with rope.scaling.{key} is not supported")
-    if "rope_freqs.weight" in meta.tensors:
-        raise GGUFConfigError(f"a {meta.arch} GGUF with rope_freqs.weight (llama3 rope scaling) is not supported")
+    if gpt_oss:  # the others' rope: gguf_rope
+        scaling = meta.get("{arch}.rope.scaling.type", "none")
+        if scaling not in ("none", "", "yarn"):
+            raise GGUFConfigError(f"a {meta.arch} GGUF with rope scaling {scaling!r} is not supported")
+        for key in _UNREAD_YARN:
+            if meta.get(f"{{arch}}.rope.scaling.{key}", None) is not None:
+                raise GGUFConfigError(f"a {meta.arch} GGUF with rope.scaling.{key} is not supported")
+        if "rope_freqs.weight" in meta.tensors:
+            raise GGUFConfigError(f"a {meta.arch} GGUF with rope_freqs.weight is not supported")
     if not gpt_oss and meta.get("{arch}.attention.sliding_window", None):
         raise GGUFConfigError(f"a {meta.arch} GGUF with attention.sliding_window (OLMo 3) is not supported")
     if meta.get("{arch}.attention.clamp_kqv", None) is not None:

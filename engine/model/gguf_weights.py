@@ -103,8 +103,11 @@ _MOE_LINEARS = {"ffn_gate_shexp": ("mlp.shared_expert.gate_up_proj", 0),
                 "ffn_up_shexp": ("mlp.shared_expert.gate_up_proj", 1),
                 "ffn_down_shexp": ("mlp.shared_expert.down_proj", 0)}
 _MOE_EXPERTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
-_SKIPPED = ("rope_freqs.weight",)  # RoPE frequencies come from the config
+# Llama 3.x's per-frequency rope divisors: the config carries them (gguf_rope's `freq_factors`)
+_SKIPPED = ("rope_freqs.weight",)
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# older Mixtral files: one tensor per expert (`blk.N.ffn_gate.E.weight`), stacked here as `ffn_gate_exps`
+_EXPERT_NAME = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 
 
 class GGUFWeightError(ValueError):
@@ -189,6 +192,7 @@ class _Collector:
         self.biases: dict[str, dict[int, Stored]] = {}
         self.params: dict[str, Stored] = {}
         self.experts: dict[str, dict[int, Stored]] = {}  # "model.layers.N.mlp" -> gate, up, down
+        self.split_experts: dict[tuple[int, str], dict[int, Stored]] = {}  # (layer, gate|up|down) -> expert
         self.paths: Counter[tuple[str, str]] = Counter()  # (file format, path taken) -> tensors
         self.tied_lm_head = False  # the lm_head is the token embedding (counted there)
         self.norms = layer_norms(self.spec)
@@ -215,6 +219,8 @@ class _Collector:
             self.linears.setdefault("lm_head", {})[0] = stored
         elif (match := _BLOCK_NAME.match(name)) is not None:
             self._add_layer(name, int(match[1]), match[2], match[3], stored)
+        elif (match := _EXPERT_NAME.match(name)) is not None and self.spec.moe is not None:
+            self.split_experts.setdefault((int(match[1]), match[2]), {})[int(match[3])] = stored
         elif name not in _SKIPPED:
             raise GGUFWeightError(f"GGUF tensor {name!r} has no place in the model")
 
@@ -244,6 +250,23 @@ class _Collector:
         target = self.linears if what == "weight" else self.biases
         target.setdefault(prefix + module, {})[shard] = stored
 
+
+    def stack_split_experts(self) -> None:
+        """Per-expert tensors (older Mixtral files) stacked as the `ffn_*_exps` tensor of their layer:
+        every expert present, all in one format (GGUFWeightError otherwise)."""
+        assert self.spec.moe is not None or not self.split_experts
+        for (layer, part), parts in sorted(self.split_experts.items()):
+            name = f"blk.{layer}.ffn_{part}.E.weight"
+            count = self.spec.moe.num_experts if self.spec.moe is not None else 0
+            if sorted(parts) != list(range(count)):
+                raise GGUFWeightError(f"GGUF tensors {name} hold experts {sorted(parts)}; the model has {count}")
+            stored = [parts[e] for e in range(count)]
+            if len({(s.fmt, s.source, tuple(s.data.shape)) for s in stored}) != 1:
+                raise GGUFWeightError(f"GGUF tensors {name} differ in format or shape between experts")
+            datas = [s.data for s in stored]  # packed: rows of blocks, concatenated; fp32: [E, rows, K]
+            data = torch.cat(datas) if stored[0].fmt is not None else torch.stack(datas)
+            self._add_moe(f"model.layers.{layer}.", f"ffn_{part}_exps", Stored(stored[0].fmt, data, stored[0].source))
+        self.split_experts.clear()
 
     def _add_moe(self, prefix: str, kind: str, stored: Stored) -> None:
         """A sparse layer's router / shared-expert gate (fp32 parameters: the router stays fp32) or one of
@@ -287,6 +310,7 @@ def load_gguf_quantized(model: LlamaForCausalLM, path: Path, int8_activations: b
     collector = _Collector(model, permute=arch in ROPE_PERMUTED_ARCHS)
     for tensor in reader.tensors:
         collector.add(tensor.name, read_tensor(tensor, requantize))
+    collector.stack_split_experts()
     if model.shard.size > 1:
         _rank_slices(model, collector)
     _fill_params(model, collector)
@@ -310,6 +334,7 @@ def iter_dequantized_weights(model: LlamaForCausalLM, path: Path) -> Iterator[tu
         stored = read_tensor(tensor)
         collector.add(tensor.name, stored)
         collector.count(stored, packed=False)
+    collector.stack_split_experts()
     log.info("GGUF tensor formats", file=str(path), formats=collector.summary())
     for name, stored in collector.params.items():
         yield name, _fp32(stored)

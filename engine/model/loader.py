@@ -11,7 +11,13 @@ from torch import Tensor
 
 from common.log import get_logger
 from engine.model.execution_policy import ExecutionPolicy
-from engine.model.gguf_config import GGUF_CONFIG_ARCHS, config_from_gguf, gguf_architecture, moe_sizes
+from engine.model.gguf_config import (
+    GGUF_CONFIG_ARCHS,
+    GGUFMetadata,
+    config_from_gguf,
+    fix_transformers_config,
+    gguf_architecture,
+)
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -108,9 +114,8 @@ def load_hf_config(path: str | Path) -> Any:
             if arch in GGUF_CONFIG_ARCHS:  # families transformers' GGUF loader does not map
                 return config_from_gguf(p)
             config = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name)
-            for name, value in moe_sizes(p, arch or "").items():  # expert sizes transformers leaves at defaults
-                setattr(config, name, value)
-            return config
+            # what transformers' config drops: expert sizes, rope scaling and rope_freqs, Mixtral's experts
+            return fix_transformers_config(config, GGUFMetadata(p))
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"model directory {str(p)!r} has no config.json")
         return AutoConfig.from_pretrained(str(p))
@@ -161,7 +166,7 @@ def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[st
 
         yield from iter_gpt_oss_weights(file)
         return
-    if model.spec.model_type in (*_OWN_CONFIG_TYPES, *GGUF_MOE_TYPES):
+    if model.spec.model_type in (*_OWN_CONFIG_TYPES, *GGUF_MOE_TYPES, "mixtral"):
         from engine.model.gguf_weights import iter_dequantized_weights
 
         yield from iter_dequantized_weights(model, file)
@@ -173,8 +178,12 @@ def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[st
 
 QUANTIZATIONS = ("auto", "requantize", "dequantize")
 # the families whose GGUF metadata and tensor names convert.py and gguf_weights.py map
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", *GGUF_CONFIG_ARCHS.values())
-_LLAMA_GGUF_TYPES = ("llama", "mistral", "qwen2")  # read before issue 37 (their rope metadata unchecked)
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral",
+                    *GGUF_CONFIG_ARCHS.values())
+# the families whose GGUF rope (scaling keys, rope_freqs) the config carries (engine.model.gguf_rope);
+# the others' files are checked by `_check_gguf`
+_ROPE_MAPPED_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral",
+                      *GGUF_CONFIG_ARCHS.values())
 # configs built by engine.model.gguf_config; their weights dequantized by gguf_weights too
 _OWN_CONFIG_TYPES = tuple(GGUF_CONFIG_ARCHS.values())
 # mixture-of-experts GGUF files whose config transformers' loader reads (expert sizes from the file's keys:
@@ -182,29 +191,35 @@ _OWN_CONFIG_TYPES = tuple(GGUF_CONFIG_ARCHS.values())
 GGUF_MOE_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
-def _check_gguf_rope(path: Path, spec: ModelSpec) -> None:
-    """A GGUF of the families past Llama's whose rotary transformers' GGUF config does not carry is
-    refused, as it would be served with full default rope: `rope.scaling.type` other than none
-    (Gemma 3 4B+'s linear factor, Qwen3's yarn), and for Phi-3 partial rotary (Phi-4-mini) or
-    longrope's `rope_factors_*` tensors."""
-    import gguf
+def _check_gguf(path: Path, spec: ModelSpec) -> None:
+    """ModelLoadError for a file whose header cannot be read; and a GGUF of the families whose rotary
+    neither transformers' GGUF config nor gguf_rope carries
+    (Gemma 3, Phi-3) is refused, as it would be served with full default rope: `rope.scaling.type`
+    other than none (Gemma 3 4B+'s linear factor), a `rope_freqs` tensor, and for Phi-3 partial
+    rotary (Phi-4-mini) or longrope's `rope_factors_*` tensors."""
+    from engine.model.gguf_header import GGUFHeader, GGUFHeaderError
 
     try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as exc:  # empty, truncated or not a GGUF at all
+        header = GGUFHeader(path)
+    except (GGUFHeaderError, OSError) as exc:  # empty, truncated or not a GGUF at all
         raise ModelLoadError(f"{str(path)!r} is not a readable GGUF file: {exc}") from exc
-    arch_field = reader.fields.get("general.architecture")
-    arch = arch_field.contents() if arch_field is not None else spec.model_type
-    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
-    kind = scaling.contents() if scaling is not None else "none"
+    if spec.model_type in _ROPE_MAPPED_TYPES:
+        return
+    fields = header.fields
+    arch = fields.get("general.architecture", spec.model_type)
+    # llama.cpp reads an absent scaling type as linear, so a factor alone scales too
+    factor = fields.get(f"{arch}.rope.scaling.factor", fields.get(f"{arch}.rope.scale_linear", 0.0)) or 1.0
+    kind = fields.get(f"{arch}.rope.scaling.type", "linear" if factor != 1.0 else "none")
     if kind not in ("none", ""):
         raise ModelLoadError(f"{str(path)!r}: a {arch} GGUF with rope scaling {kind!r} is not supported "
                              "(transformers' GGUF config drops it); pass the Hugging Face safetensors directory")
+    if "rope_freqs.weight" in header.tensors:
+        raise ModelLoadError(f"{str(path)!r}: a {arch} GGUF with rope_freqs.weight is not supported (transformers' "
+                             "GGUF config drops it); pass the Hugging Face safetensors directory")
     if spec.model_type != "phi3":
         return
-    field = reader.fields.get("phi3.rope.dimension_count")
-    dims = int(field.contents()) if field is not None else spec.head_dim
-    factors = sorted(t.name for t in reader.tensors if t.name.startswith("rope_factors"))
+    dims = int(fields.get("phi3.rope.dimension_count", spec.head_dim))
+    factors = sorted(name for name in header.tensors if name.startswith("rope_factors"))
     if dims != spec.head_dim or factors:
         raise ModelLoadError(f"{str(path)!r}: a phi3 GGUF with {dims} of {spec.head_dim} head dims rotated"
                              f"{' and ' + ', '.join(factors) if factors else ''} is not supported (transformers' "
@@ -251,8 +266,8 @@ def load_model(
                              "metadata and tensor names are mapped for "
                              f"{', '.join(GGUF_MODEL_TYPES + GGUF_MOE_TYPES)}); "
                              "pass the Hugging Face safetensors directory instead")
-    if p.is_file() and spec.model_type not in (*_LLAMA_GGUF_TYPES, "gpt_oss"):  # gpt-oss: gguf_config reads yarn
-        _check_gguf_rope(p, spec)
+    if p.is_file():
+        _check_gguf(p, spec)
     if quantized and spec.model_type == "gpt_oss":  # its MXFP4 experts have no packed kernel
         log.info("gpt-oss GGUF: every tensor is dequantized at load (no packed MXFP4 experts)",
                  path=str(p), model_type=spec.model_type)

@@ -9,6 +9,11 @@ would change the rotation of keys already cached): the engine serves no longer c
 head_dim, Phi-3/Phi-4-mini) is served by a table whose unrotated slots are the identity and a
 fixed permutation of each q/k head's dimensions (`partial_rotary_order`). Other types are
 rejected with a clear error instead of being approximated.
+
+`freq_factors` (a list of head_dim/2 floats beside any of default, linear, dynamic and yarn) are
+llama.cpp's per-frequency divisors (a GGUF's `rope_freqs.weight`, how its converter stores Llama
+3.x's `llama3` scaling): each frequency of the type's rotation is divided by its factor, as
+llama.cpp's rope divides each theta before its linear / YaRN step; the cos/sin scale is unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+FREQ_FACTOR_TYPES = ("default", "linear", "dynamic", "yarn")  # the types `freq_factors` divide
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -97,7 +103,25 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
 
 def rope_inv_freq(params: dict[str, Any], head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies `[head_dim // 2]` (fp32) and the cos/sin scale for these rope parameters
-    (`head_dim`: the rotated dimensions, all of a head's unless partial)."""
+    (`head_dim`: the rotated dimensions, all of a head's unless partial), each divided by its
+    `freq_factors` entry when those are given (module docstring)."""
+    inv_freq, scale = _type_inv_freq(params, head_dim, max_pos)
+    factors = params.get("freq_factors")
+    if factors is None:
+        return inv_freq, scale
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in FREQ_FACTOR_TYPES:
+        raise ValueError(f"rope freq_factors with rope_type {rope_type!r} are not supported "
+                         f"(supported with: {', '.join(FREQ_FACTOR_TYPES)})")
+    divisors = torch.tensor([float(f) for f in factors], dtype=torch.float32)
+    if divisors.shape != inv_freq.shape or not bool((divisors > 0).all()):
+        raise ValueError(f"rope freq_factors: {divisors.numel()} entries for {inv_freq.numel()} frequencies "
+                         "(each must be > 0)")
+    return inv_freq / divisors, scale
+
+
+def _type_inv_freq(params: dict[str, Any], head_dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+    """`rope_inv_freq` of the rope type alone."""
     rope_type = params.get("rope_type", "default")
     theta = float(params.get("rope_theta", 10000.0))
     if rope_type in ("default", "dynamic"):  # dynamic: see the module docstring

@@ -10,7 +10,7 @@ from engine.model.moe_spec import MoEConfigError, MoESpec, moe_spec_from_hf_conf
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2", "smollm3", "phi3", "gemma3_text",
                          "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss")
-# a dense model type's config that names experts (a Mixtral GGUF reads as llama) is refused
+# a dense model type's config that names experts is refused (a Mixtral GGUF reads as mixtral: gguf_config)
 _EXPERT_COUNTS = ("num_local_experts", "num_experts")
 QK_NORMS = ("head", "projection")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # of the gated MLP's gate (layers.SwiGLU)

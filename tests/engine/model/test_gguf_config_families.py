@@ -54,10 +54,12 @@ NEW_TOKENS = 10
 
 
 def write_llama_cpp_gguf(model_dir: Path, arch: str, fmt_of: Callable[[str], str], out_dir: Path | None = None,
-                         name: str | None = None, tokenizer: bool = False) -> Path:
+                         name: str | None = None, tokenizer: bool = False,
+                         extra: Callable[[Any], None] | None = None) -> Path:
     """`model_dir`'s checkpoint as llama.cpp's converter writes an `arch` GGUF: its tensor names, 2-D
     weights in `fmt_of(gguf kind)` (norms and biases F32), Q/K rows (and biases) permuted for the
-    Llama-derived archs, Granite's scales; `tokenizer`: the byte tokenizer and chat template as metadata."""
+    Llama-derived archs, Granite's scales; `tokenizer`: the byte tokenizer and chat template as metadata;
+    `extra(writer)`: more keys or tensors."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
@@ -83,6 +85,8 @@ def write_llama_cpp_gguf(model_dir: Path, arch: str, fmt_of: Callable[[str], str
     writer.add_pad_token_id(config.pad_token_id)
     if tokenizer:
         _add_tokenizer(writer)
+    if extra is not None:
+        extra(writer)
     for hf_name, weight in hf.items():
         base, _, suffix = hf_name.rpartition(".")
         gguf_base = names.get_name(base)
@@ -273,11 +277,12 @@ def _granite_scales(writer: Any, skip: str = "") -> None:
      (), "a gpt-oss GGUF with rope.scaling.yarn_attn_factor is not supported"),
     ("granite", lambda w: _granite_scales(w, skip="logit_scale"), (),
      "a granite GGUF needs the metadata key 'granite.logit_scale'"),
-    ("olmo2", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN), (),
-     "a olmo2 GGUF with rope scaling 'yarn' is not supported"),
+    # rope: engine.model.gguf_rope maps none / linear / yarn and rope_freqs (test_gguf_rope_scaling.py)
+    ("olmo2", lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE), (),
+     "a olmo2 GGUF with rope scaling 'longrope' is not supported"),
     ("olmo2", lambda w: w.add_sliding_window(16), (), r"attention.sliding_window \(OLMo 3\) is not supported"),
     ("smollm3", lambda w: None, ("token_embd.weight", "rope_freqs.weight"),
-     r"rope_freqs.weight \(llama3 rope scaling\) is not supported"),
+     "a smollm3 GGUF whose rope_freqs.weight has 4 entries"),
     ("smollm3", lambda w: w.add_rope_dimension_count(12), (), "12 rotary dims is not supported"),
     ("smollm3", lambda w: (w.add_key_length(32), w.add_value_length(16)), (),
      "key length 32, value length 16 and 32 rotary dims"),

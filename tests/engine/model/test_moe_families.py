@@ -194,7 +194,7 @@ def test_tensor_parallel_engine_refuses_before_spawning(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("model_type", "refusal"), [
-    ("mixtral", "GGUF files of model type 'mixtral' are not supported"),  # no GGUF mapping
+    ("mixtral", "not a readable GGUF file"),  # mapped (test_gguf_mixtral.py)
     ("qwen3_moe", "not a readable GGUF file"),  # mapped (test_gguf_families.py): an empty file is a load error
 ])
 def test_an_empty_gguf_of_a_moe_type_is_refused(model_type: str, refusal: str, tmp_path: Path) -> None:
