@@ -48,11 +48,39 @@ def _fix_generation(model: Any, tokenizer: Any) -> None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
+class ConvertError(ValueError):
+    """A GGUF that transformers' loader would turn into a different model than the file holds."""
+
+
+def check_convertible(gguf: Path) -> None:
+    """ConvertError unless transformers' GGUF config of `gguf` is the model pagedserve reads from it:
+    the same `model_type` and rope (transformers' loader drops `rope_freqs.weight`, the scaling keys,
+    and a `llama` file's experts; writing its config would save a different model without a word)."""
+    from transformers import AutoConfig
+
+    from engine.model.loader import load_hf_config
+
+    ours = load_hf_config(gguf)
+    theirs = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    rope = dict(getattr(ours, "rope_parameters", None) or {})
+    if ours.model_type != theirs.model_type:
+        raise ConvertError(f"{gguf.name} is a {ours.model_type} model; transformers reads it as {theirs.model_type}: "
+                           "serve the .gguf itself")
+    if "freq_factors" in rope:
+        raise ConvertError(f"{gguf.name} carries rope_freqs.weight (per-frequency rope divisors, Llama 3.x); "
+                           "a transformers directory cannot state them: serve the .gguf itself")
+    if rope != dict(getattr(theirs, "rope_parameters", None) or {}):
+        raise ConvertError(f"{gguf.name}'s rope ({rope}) is not what transformers' GGUF config states: "
+                           "serve the .gguf itself")
+
+
 def convert_gguf(gguf: Path, out: Path, progress: bool = True) -> Path:
-    """Write `out` as an fp32 safetensors HF directory with tokenizer and chat template."""
+    """Write `out` as an fp32 safetensors HF directory with tokenizer and chat template
+    (ConvertError first when transformers would read a different model: `check_convertible`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_convertible(gguf)
     started = time.monotonic()
     log.info("dequantizing", file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -217,3 +217,20 @@ def test_qwen3_linear_scaling_is_read(tmp_path: Path) -> None:
     ours = load_model(write_family_gguf(model_dir, arch, "F32", rope_scaling=LINEAR["factor"]))
     assert ours.spec.rope["rope_type"] == "linear" and ours.spec.rope["factor"] == LINEAR["factor"]
     assert_fp32_activation_logits_match(ours, _oracle(model_dir))
+
+
+def test_convert_refuses_what_transformers_would_read_as_another_model(llama3_dir: Path, tmp_path: Path) -> None:
+    """`convert_gguf` goes through transformers' GGUF loader, which drops rope_freqs and the scaling
+    keys: such files are refused by name before anything is written; a plain file passes the check."""
+    from engine.model.convert import ConvertError, check_convertible
+
+    config_rope = _oracle(llama3_dir).config.rope_parameters
+    file, _ = _write(llama3_dir, "F32", "convert", rope_freqs=llama3_rope_freqs(config_rope, HEAD_DIM))
+    with pytest.raises(ConvertError, match="rope_freqs"):
+        check_convertible(file)
+    linear_dir = _model_dir(tmp_path / "linear", LINEAR)
+    scaled, _ = _write(linear_dir, "F32", "linear", metadata=_linear_keys)
+    with pytest.raises(ConvertError, match="rope"):
+        check_convertible(scaled)
+    plain, _ = _write(linear_dir, "F32", "plain")
+    check_convertible(plain)
