@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from common.log import get_logger
 from engine.model.gguf_weights import GGUFWeightError, Stored, read_tensor
+from engine.model.llama import LlamaForCausalLM
 from engine.model.moe import SparseMoE
 from engine.model.packed_experts import PackedExperts, Shard, interleave_experts
 
@@ -38,7 +38,7 @@ _LAYER = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention
 _EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps", "ffn_down_exps")
 
 
-def iter_gpt_oss_weights(path: Path, model: nn.Module | None = None,
+def iter_gpt_oss_weights(path: Path, model: LlamaForCausalLM | None = None,
                          pack_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the gpt-oss GGUF at `path` under its transformers name (what
     `GptOssForCausalLM.load_weights` takes), in fp32; with `pack_experts` (and `model`, the
@@ -94,7 +94,7 @@ def iter_gpt_oss_weights(path: Path, model: nn.Module | None = None,
 _FLOATS = ("F32", "F16", "BF16")
 
 
-def _sparse_blocks(model: nn.Module | None, layers: list[int]) -> dict[int, SparseMoE]:
+def _sparse_blocks(model: LlamaForCausalLM | None, layers: list[int]) -> dict[int, SparseMoE]:
     """The model's sparse MoE block of each layer that has expert tensors (none without a model)."""
     if model is None:
         return {}
@@ -105,7 +105,8 @@ def _sparse_blocks(model: nn.Module | None, layers: list[int]) -> dict[int, Spar
     return blocks
 
 
-def _cannot_pack(model: nn.Module | None, pack_experts: bool, stored: dict[tuple[int, str], _Expert]) -> str | None:
+def _cannot_pack(model: LlamaForCausalLM | None, pack_experts: bool,
+                 stored: dict[tuple[int, str], _Expert]) -> str | None:
     """Why the expert weights cannot run packed (None: they can)."""
     if not pack_experts or model is None:
         return "quantization='dequantize'"
