@@ -102,6 +102,7 @@ constexpr int64_t kQuantQ4_K = 12;
 constexpr int64_t kQuantQ5_K = 13;
 constexpr int64_t kQuantQ6_K = 14;
 constexpr int64_t kQuantIQ4_NL = 20;  // Q4_0's block, nibbles indexing a non-linear table of int8 values
+constexpr int64_t kQuantMXFP4 = 39;  // IQ4_NL's nibbles indexing the E2M1 values doubled, an E8M0 exponent byte
 constexpr int64_t kQuantIQ4_XS = 23;  // 256-weight blocks of IQ4_NL-style sub-blocks with 6-bit scales
 // Q4_0 / Q4_1 repacked eight rows at a time (csrc/cpu/quant_interleaved.cpp): 1000 + the GGUF id.
 constexpr int64_t kQuantInterleaved = 1000;

@@ -1,4 +1,4 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in 256-weight blocks) as the CPU kernels
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in 256-weight blocks) as the CPU kernels
 // read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
@@ -57,6 +57,21 @@ struct BlockIQ4_NL {
   uint8_t q[kBlock / 2];
 };
 inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4: an E8M0 exponent byte e, then Q4_0's nibbles indexing the E2M1 values doubled (kMXFP4Values,
+// ops/reference/formats.py: MXFP4_VALUES); w = d v[q] with d = 2^(e - 128), half the block scale
+// 2^(e - 127) (mxfp4_scale). Run as IQ4_NL: a signed table format of scale d.
+struct BlockMXFP4 {
+  uint8_t e;
+  uint8_t q[kBlock / 2];
+};
+inline constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+// 2^(e - 128) as ggml's ggml_e8m0_to_fp32_half computes it: subnormal for e < 2, 2^127 for e = 255.
+inline float mxfp4_scale(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, sizeof(d));
+  return d;
+}
 // K-quants: 256 weights a block, read as eight sub-blocks of 32 (one activation block each).
 // Q4_K sub-block j: weights are the nibbles of q[32 (j / 2) + l] (low for even j), w = d sc_j q - dmin m_j,
 // sc_j / m_j the 6-bit fields of `scales` (ops/reference/formats.py: _scales_mins_k4).
@@ -101,7 +116,7 @@ static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(Blo
                   sizeof(BlockIQ4_XS) == 136,
               "GGUF K-quant block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
-                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18,
+                  sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18 && sizeof(BlockMXFP4) == 17,
               "GGUF block sizes");
 
 inline float half_to_float(uint16_t h) {
@@ -120,6 +135,7 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ5_0: return sizeof(BlockQ5_0);
     case kQuantQ5_1: return sizeof(BlockQ5_1);
     case kQuantIQ4_NL: return sizeof(BlockIQ4_NL);
+    case kQuantMXFP4: return sizeof(BlockMXFP4);
     case kQuantIQ4_XS: return sizeof(BlockIQ4_XS);
     case kQuantQ3_K: return sizeof(BlockQ3_K);
     case kQuantQ4_K: return sizeof(BlockQ4_K);
@@ -127,7 +143,7 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ6_K: return sizeof(BlockQ6_K);
     default:
       TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
-                  "Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, Q4_0r8=1002, Q4_1r8=1003)");
+                  "Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, MXFP4=39, Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
@@ -256,13 +272,18 @@ using BlockOf = std::conditional_t<
                                                std::conditional_t<
                                                    F == kQuantIQ4_NL, BlockIQ4_NL,
                                                    std::conditional_t<
+                                                       F == kQuantMXFP4, BlockMXFP4,
+                                                   std::conditional_t<
                                                        F == kQuantIQ4_XS, BlockIQ4_XS,
-                                                       std::conditional_t<F == kQuantQ3_K, BlockQ3_K, void>>>>>>>>>>>;
+                                                       std::conditional_t<F == kQuantQ3_K, BlockQ3_K, void>>>>>>>>>>>>;
 
 template <int64_t F>
 inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
 template <int64_t F>
-inline constexpr bool kSignedQuants = F == kQuantQ8_0 || F == kQuantIQ4_NL;  // w = d q, q a signed byte
+inline constexpr bool kSignedQuants = F == kQuantQ8_0 || F == kQuantIQ4_NL || F == kQuantMXFP4;  // w = d q, q a signed byte
+// The 16 int8 values a 32-weight table format's nibbles index (IQ4_NL, MXFP4).
+template <int64_t F>
+inline constexpr const int8_t* kTableOf = F == kQuantMXFP4 ? kMXFP4Values : kIQ4Values;
 template <int64_t F>
 inline constexpr bool kIsK = F == kQuantQ3_K || F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K || F == kQuantIQ4_XS;
 template <int64_t F>
@@ -277,7 +298,11 @@ template <int64_t F>
 inline void block_affine(const void* wb, float& d, float& m) {
   static_assert(!std::is_void_v<BlockOf<F>>, "block_affine: no block for this format id");
   const auto* blk = static_cast<const BlockOf<F>*>(wb);
-  d = half_to_float(blk->d);
+  if constexpr (F == kQuantMXFP4) {
+    d = mxfp4_scale(blk->e);
+  } else {
+    d = half_to_float(blk->d);
+  }
   if constexpr (kSignedQuants<F>) {
     m = 0.f;
   } else if constexpr (F == kQuantQ4_0) {
@@ -297,8 +322,8 @@ inline const uint8_t* block_quants(const void* wb) {
   return reinterpret_cast<const uint8_t*>(static_cast<const BlockOf<F>*>(wb)->q);
 }
 
-// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0; IQ4_NL:
-// the table value its nibble indexes).
+// Quant i of a block: unsigned (Q4: a nibble, Q5: a nibble and its fifth bit) or signed (Q8_0; IQ4_NL,
+// MXFP4: the table value its nibble indexes).
 template <int64_t F>
 inline int block_q(const void* wb, int i) {
   const uint8_t* q = block_quants<F>(wb);
@@ -306,8 +331,8 @@ inline int block_q(const void* wb, int i) {
     return static_cast<int8_t>(q[i]);
   } else {
     const int nibble = i < kBlock / 2 ? (q[i] & 0x0F) : (q[i - kBlock / 2] >> 4);
-    if constexpr (F == kQuantIQ4_NL) {
-      return kIQ4Values[nibble];
+    if constexpr (F == kQuantIQ4_NL || F == kQuantMXFP4) {
+      return kTableOf<F>[nibble];
     } else if constexpr (kIsQ5<F>) {
       uint32_t qh;
       std::memcpy(&qh, static_cast<const BlockOf<F>*>(wb)->qh, sizeof(qh));
@@ -331,14 +356,15 @@ inline __m256i fifth_bits(const uint8_t* qh) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-// The 32 signed quants of a Q8_0 / IQ4_NL block in element order (IQ4_NL: one table lookup per nibble).
+// The 32 signed quants of a Q8_0 / IQ4_NL / MXFP4 block in element order (IQ4_NL, MXFP4: one table lookup
+// per nibble).
 template <int64_t F>
 inline __m256i signed_quants(const void* wb) {
-  static_assert(kSignedQuants<F>, "signed_quants: Q8_0, IQ4_NL");
+  static_assert(kSignedQuants<F>, "signed_quants: Q8_0, IQ4_NL, MXFP4");
   if constexpr (F == kQuantQ8_0) {
     return load32(reinterpret_cast<const int8_t*>(block_quants<F>(wb)));
   } else {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kTableOf<F>)));
     return _mm256_shuffle_epi8(table, unpack_nibbles(block_quants<F>(wb)));
   }
 }

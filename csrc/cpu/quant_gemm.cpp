@@ -1,4 +1,4 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
 // packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
@@ -52,7 +52,7 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
     float wd, wm;
     block_affine<F>(&blk, wd, wm);
     __m256i wu, wsign;
-    if constexpr (kSignedQuants<F>) {  // Q8_0, IQ4_NL's table values (|v| <= 127)
+    if constexpr (kSignedQuants<F>) {  // Q8_0, IQ4_NL's / MXFP4's table values (|v| <= 127)
       wsign = signed_quants<F>(&blk);
       wu = _mm256_sign_epi8(wsign, wsign);  // |w|, and the sign moves onto the activations
     } else {
@@ -290,6 +290,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ5_0: return run_format<kQuantQ5_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
     case kQuantIQ4_NL: return run_format<kQuantIQ4_NL>(out, x, w, n_len, k_len, b, exact);
+    case kQuantMXFP4: return run_format<kQuantMXFP4>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ3_K: return run_format<kQuantQ3_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_K: return run_format<kQuantQ5_K>(out, x, w, n_len, k_len, b, exact);
@@ -317,6 +318,7 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ5_0: return dequant_rows<kQuantQ5_0>(w, op, k_len, begin, end);
       case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, op, k_len, begin, end);
       case kQuantIQ4_NL: return dequant_rows<kQuantIQ4_NL>(w, op, k_len, begin, end);
+      case kQuantMXFP4: return dequant_rows<kQuantMXFP4>(w, op, k_len, begin, end);
       case kQuantQ3_K: return dequant_rows<kQuantQ3_K>(w, op, k_len, begin, end);
       case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
       case kQuantQ5_K: return dequant_rows<kQuantQ5_K>(w, op, k_len, begin, end);

@@ -3,7 +3,7 @@
 Tensors are read with `gguf.GGUFReader` (memory-mapped); what each format becomes is the format
 table's (`ops.reference.formats`: `runs`), and a format not in it is refused by name:
 
-- weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) become
+- weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) become
   `QuantLinear`
   modules; q/k/v and gate/up are stacked as packed row shards (one buffer when their formats
   agree); Q4_0 / Q4_1 decoder weights

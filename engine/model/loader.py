@@ -157,14 +157,15 @@ def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
-def _iter_gguf_weights(file: Path, model: LlamaForCausalLM) -> Iterator[tuple[str, Tensor]]:
+def _iter_gguf_weights(file: Path, model: LlamaForCausalLM, pack_experts: bool = False) -> Iterator[tuple[str, Tensor]]:
     """The GGUF's tensors dequantized to fp32 under their HF names: read here for the families whose
     config engine.model.gguf_config builds and for the Qwen-MoE files (transformers' loader builds
-    them with its default expert sizes), through transformers' loader for the others."""
+    them with its default expert sizes), through transformers' loader for the others. gpt-oss with
+    `pack_experts`: its packed expert weights go straight onto `model` (engine.model.gguf_gpt_oss)."""
     if model.spec.model_type == "gpt_oss":
         from engine.model.gguf_gpt_oss import iter_gpt_oss_weights
 
-        yield from iter_gpt_oss_weights(file)
+        yield from iter_gpt_oss_weights(file, model, pack_experts)
         return
     if model.spec.model_type in (*_OWN_CONFIG_TYPES, *GGUF_MOE_TYPES, "mixtral"):
         from engine.model.gguf_weights import iter_dequantized_weights
@@ -268,9 +269,8 @@ def load_model(
                              "pass the Hugging Face safetensors directory instead")
     if p.is_file():
         _check_gguf(p, spec)
-    if quantized and spec.model_type == "gpt_oss":  # its MXFP4 experts have no packed kernel
-        log.info("gpt-oss GGUF: every tensor is dequantized at load (no packed MXFP4 experts)",
-                 path=str(p), model_type=spec.model_type)
+    pack_experts = quantized and spec.model_type == "gpt_oss"  # gguf_gpt_oss: experts packed where they can run
+    if pack_experts:  # so, with its log line; every other tensor of the file is dequantized
         quantized = False
     if quantized and (torch_dtype != torch.float32 or torch.device(device).type != "cpu"):
         raise ModelLoadError(f"quantized GGUF weights run in fp32 on the CPU; got dtype {torch_dtype} on "
@@ -279,7 +279,7 @@ def load_model(
         log.info("sliding window attention", sliding_window=spec.sliding_window,
                  sliding_layers=sum(1 for w in spec.layer_windows if w), layers=spec.num_layers)
     model_cls = LlamaForCausalLM
-    if spec.model_type == "gpt_oss":  # attention sinks; MXFP4 experts dequantized as they are read
+    if spec.model_type == "gpt_oss":  # attention sinks; packed experts installed as they are read
         from engine.model.gpt_oss import GptOssForCausalLM
 
         model_cls = GptOssForCausalLM
@@ -294,7 +294,7 @@ def load_model(
     elif shard.size > 1 and safetensors:
         model.load_weights(_iter_safetensors_slices(safetensors, spec, shard), presliced=True)
     else:
-        model.load_weights(_iter_gguf_weights(p, model) if p.is_file() else _iter_directory_weights(p))
+        model.load_weights(_iter_gguf_weights(p, model, pack_experts) if p.is_file() else _iter_directory_weights(p))
     model.eval()
     log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
              dtype=str(torch_dtype), quantized=quantized, rank=shard.rank, tensor_parallel_size=shard.size)

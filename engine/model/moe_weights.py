@@ -22,7 +22,7 @@ import re
 import torch
 from torch import Tensor
 
-from engine.model.moe import SparseMoE
+from engine.model.moe import Experts, SparseMoE
 from engine.model.moe_spec import CLAMPED_SWIGLU
 
 _PER_EXPERT = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -91,8 +91,10 @@ def load_moe_tensor(moe: SparseMoE, name: str, tensor: Tensor) -> set[str]:
 
 
 def expected_moe_pieces(moe: SparseMoE) -> set[str]:
-    """Every piece `load_moe_tensor` must fill before the block is complete."""
-    pieces = {f"experts.{e}.{p}" for e in range(moe.spec.num_experts) for p in range(3)}
+    """Every piece `load_moe_tensor` must fill before the block is complete (packed experts came with
+    their weights: only their biases are loaded)."""
+    pieces = {f"experts.{e}.{p}" for e in range(moe.spec.num_experts) for p in range(3)} \
+        if isinstance(moe.experts, Experts) else set()
     pieces |= {n for n, _ in moe.named_parameters() if n not in _STACKED and not n.startswith("shared_expert.")}
     if moe.shared_expert is not None:
         pieces |= {f"shared_expert.{p}" for p in range(3)}

@@ -8,6 +8,8 @@ row count, so a token's expert outputs are the same bits whether its expert got 
 dense `quant_linear` hands more than `QUANT_GEMV_MAX_ROWS` rows to oneDNN). Activations as in
 `QuantLinear`: int8 per 32-block, except a step's exact rows (`LinearRows`: its prompt tokens),
 which keep fp32 ones. bf16 linears (`LinearRows.bf16`) do not reach the experts: they keep those kernels.
+gpt-oss's experts (`MoESpec.expert_bias`, `CLAMPED_SWIGLU`) carry biases, `Experts`' parameters
+`gate_up_proj_bias [E, 2I]` (gate then up) and `down_proj_bias [E, H]`, added to the kernel's outputs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from torch import Tensor, nn
 
 import ops
 from engine.model.execution_policy import PLAIN_ROWS, LinearRows
-from engine.model.moe import sum_by_token
-from engine.model.moe_spec import SILU, MoESpec
+from engine.model.moe import clamped_swiglu, sum_by_token
+from engine.model.moe_spec import ACTIVATIONS, SILU, MoESpec
 from ops.quant import QuantFormat, interleave
 
 Shard = tuple[QuantFormat, Tensor]  # a format and its rows of every expert, [E, rows, row_bytes] uint8
@@ -43,15 +45,21 @@ def interleave_experts(fmt: QuantFormat, data: Tensor) -> Shard:
 
 class PackedExperts(nn.Module):
     """SwiGLU experts on packed rows: `gate_up` shards (each expert's gate rows then up rows: one shard
-    when their formats agree, else two) and `down` (`[E, hidden, row_bytes]`). `forward` has `Experts`'
-    contract plus the step's `LinearRows`."""
+    when their formats agree, else two) and `down` (`[E, hidden, row_bytes]`); with `spec.expert_bias`
+    the biases as `Experts` names them (zeros until loaded). `forward` has `Experts`' contract plus the
+    step's `LinearRows`."""
 
     def __init__(self, spec: MoESpec, hidden_size: int, gate_up: list[Shard], down: Shard,
                  int8_activations: bool = True) -> None:
         super().__init__()
-        if spec.activation != SILU or spec.expert_bias:
-            raise ValueError("packed experts implement SiLU experts without biases (Qwen-MoE)")
+        if spec.activation not in ACTIVATIONS:
+            raise ValueError(f"packed experts implement {', '.join(ACTIVATIONS)}; got {spec.activation!r}")
         self.spec, self.hidden_size = spec, hidden_size
+        e = spec.num_experts
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(e, 2 * spec.intermediate_size), requires_grad=False) \
+            if spec.expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(e, hidden_size), requires_grad=False) \
+            if spec.expert_bias else None
         self.int8_activations = int8_activations  # False: fp32 activations (exact, slower)
         self.formats = [fmt for fmt, _ in gate_up] + [down[0]]
         rows = sum(t.shape[1] for _, t in gate_up)
@@ -103,10 +111,21 @@ class PackedExperts(nn.Module):
                     pair_tokens[start:start + n] = picked
             xe = x.index_select(0, picked)
             parts = [self._linear(xe, fmt, t[e], num_exact) for fmt, t in gate_up]
-            h = ops.silu_and_mul(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
-            torch.mul(self._linear(h, down[0], down[1][e], num_exact), w, out=outputs[start:start + n])
+            h = self._activate(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), e)
+            y = self._linear(h, down[0], down[1][e], num_exact)
+            if self.down_proj_bias is not None:
+                y += self.down_proj_bias[e]
+            torch.mul(y, w, out=outputs[start:start + n])
             start += n
         return sum_by_token(outputs, pair_tokens, x.shape[0])
+
+    def _activate(self, gate_up: Tensor, e: int) -> Tensor:
+        """Expert `e`'s activation of its gate/up outputs `[n, 2I]` (its bias added first)."""
+        if self.gate_up_proj_bias is not None:
+            gate_up += self.gate_up_proj_bias[e]
+        if self.spec.activation == SILU:
+            return ops.silu_and_mul(gate_up)
+        return clamped_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
 
     def _linear(self, x: Tensor, fmt: QuantFormat, qweight: Tensor, exact_rows: int) -> Tensor:
         return ops.quant.quant_linear_per_row(x, qweight, fmt, self.int8_activations, exact_rows)

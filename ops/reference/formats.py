@@ -20,6 +20,9 @@ four bits of byte j, element j + n in the high four bits):
   Q5_1 (32, 24 B): d, m, qh, nibbles; w = d q + m.
 - Q8_0 (32, 34 B): d, 32 int8; w = d q.
 - IQ4_NL (32, 18 B): d, nibbles indexing the 16-entry non-linear table ``IQ4_VALUES``; w = d v[q].
+- MXFP4 (32, 17 B): one E8M0 exponent byte e, nibbles indexing ``MXFP4_VALUES`` (the E2M1 values
+  doubled, as ggml's ``kvalues_mxfp4``); w = d v[q] with d = 2^(e - 128), half the block scale, as
+  ggml's ``ggml_e8m0_to_fp32_half`` builds it (subnormal for e < 2; e = 255 is 2^127, not NaN).
 - Q2_K (256, 84 B): 16 B scales (16 sub-blocks of 16: low nibble scale, high nibble min), 64 B of
   2-bit q, d, dmin. Element 128h + 32j + l is bits 2j..2j+1 of q-byte 32h + l; w = (d sc) q - dmin m.
 - Q3_K (256, 110 B): 32 B hmask, 64 B 2-bit q (as Q2_K), 12 B of 16 6-bit scales, d. Element
@@ -51,6 +54,8 @@ FLOAT = "float"
 CHUNK_BLOCKS = 1 << 14  # blocks dequantized per step
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 _IQ4 = torch.tensor(IQ4_VALUES, dtype=torch.float32)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+_MXFP4 = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
 
 
 class UnsupportedFormatError(ValueError):
@@ -101,6 +106,17 @@ def _q8_0(b: Tensor) -> Tensor:
 
 def _iq4_nl(b: Tensor) -> Tensor:
     return _f16(b, 0) * _IQ4[_nibbles(b[:, 2:]).long()]
+
+
+def e8m0_half(e: Tensor) -> Tensor:
+    """fp32 2^(e - 128) of E8M0 exponent bytes (uint8), built from its bits as ggml does."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(b: Tensor) -> Tensor:
+    return e8m0_half(b[:, :1]) * _MXFP4[_nibbles(b[:, 1:]).long()]
 
 
 def _q2_k(b: Tensor) -> Tensor:
@@ -234,6 +250,7 @@ TABLE: tuple[GGMLFormat, ...] = (
     GGMLFormat("IQ4_NL", 20, 32, 18, PACKED, _iq4_nl),
     GGMLFormat("IQ4_XS", 23, 256, 136, PACKED, _iq4_xs),
     GGMLFormat("BF16", 30, 1, 2, FLOAT, _bf16),
+    GGMLFormat("MXFP4", 39, 32, 17, PACKED, _mxfp4),
 )
 BY_NAME = {f.name: f for f in TABLE}
 BY_ID = {f.type_id: f for f in TABLE}

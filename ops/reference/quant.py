@@ -10,6 +10,7 @@ byte layout (the K-quants' in ops/reference/formats.py):
 - Q5_0 (22 bytes): fp16 d, uint32 qh (bit j: element j's fifth bit), nibbles; w = d * (q - 16).
 - Q5_1 (24 bytes): fp16 d, fp16 m, qh, nibbles; w = d * q + m.
 - IQ4_NL (18 bytes): fp16 d, nibbles indexing a 16-value non-linear int8 table; w = d * v[q].
+- MXFP4 (17 bytes): an E8M0 exponent byte e, nibbles indexing the E2M1 values doubled; w = 2^(e - 128) * v[q].
 
 Nibbles: byte j holds element j in its low four bits and element j + 16 in its high four bits.
 Format ids, block sizes and the blocks' dequantization are the format table's (ops/reference/formats.py).
@@ -31,11 +32,12 @@ BLOCK = 32
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
     formats.by_name(name).type_id
     for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+MXFP4 = formats.by_name("MXFP4").type_id
 K_BLOCKS = (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
 BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes
-               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, *K_BLOCKS, Q4_0R8, Q4_1R8)}
+               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, *K_BLOCKS, Q4_0R8, Q4_1R8)}
 ROWS_PER_GROUP = 8
 
 
@@ -92,9 +94,11 @@ def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: int,
 def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
     """Pack fp32 ``[N, K]`` (K a multiple of the block size) into ``fmt`` blocks, rounding to nearest
     (for tests and tools; gguf's own quantizer is what the model files use; the K-quants through
-    ``ops.reference.quantizers``)."""
+    ``ops.reference.quantizers``; MXFP4 by gguf's rule, ``_mxfp4``)."""
     if fmt in (*K_BLOCKS, IQ4_NL):
         return quantizers.quantize(weight.float(), formats.by_id(fmt).name)
+    if fmt == MXFP4:
+        return _mxfp4(weight.float())
     rows, cols = weight.shape
     w = weight.float().reshape(rows, cols // BLOCK, BLOCK)
     if fmt == Q8_0:
@@ -139,6 +143,20 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         raise formats.UnsupportedFormatError(f"quantize packs {', '.join(formats.by_id(f).name for f in packs)} "
                                              f"(ids {packs}); got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)
+
+
+def _mxfp4(weight: torch.Tensor) -> torch.Tensor:
+    """MXFP4 blocks of fp32 ``[N, K]`` by gguf's rule: exponent byte floor(log2(max|w|)) - 2 + 127
+    (0 for an all-zero block; clamped to a byte), each weight the nearest of d v (the first on a tie)."""
+    rows, cols = weight.shape
+    w = weight.reshape(rows, cols // BLOCK, BLOCK)
+    amax = w.abs().amax(-1, keepdim=True)
+    exponent = torch.frexp(amax).exponent - 1 + 125  # floor(log2(amax)) - 2 + 127, exactly
+    e = torch.where(amax > 0, exponent, 0).clamp(0, 255).to(torch.uint8)
+    values = torch.tensor(formats.MXFP4_VALUES, dtype=torch.float32)
+    grid = formats.e8m0_half(e).unsqueeze(-1) * values  # [N, nb, 1, 16]
+    q = (grid - w.unsqueeze(-1)).abs().argmin(-1).to(torch.uint8)  # [N, nb, 32]
+    return torch.cat([e, q[..., :16] | (q[..., 16:] << 4)], dim=-1).reshape(rows, -1)
 
 
 def _fifth_bits(q: torch.Tensor) -> torch.Tensor:

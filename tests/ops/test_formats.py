@@ -22,7 +22,8 @@ HEADER = Path(__file__).resolve().parents[2] / "csrc" / "cpu" / "ops.h"
 QUANTIZED = [f for f in formats.TABLE if f.runs != formats.FLOAT]
 # byte offsets of each format's fp16 scale fields (d, m / dmin)
 SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-          "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+          "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,),
+          "MXFP4": ()}  # MXFP4's scale is its E8M0 byte 0: every value is a valid exponent (_random_blocks)
 
 
 def test_table_ids_and_sizes_are_ggmls() -> None:
@@ -31,7 +32,8 @@ def test_table_ids_and_sizes_are_ggmls() -> None:
         assert fmt.type_id == qtype.value
         assert (fmt.block_size, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[qtype]
     packed = {f.name for f in formats.TABLE if f.runs == formats.PACKED}
-    assert packed == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
+    assert packed == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
+                      "MXFP4"}
     assert set(SCALES) == {f.name for f in QUANTIZED}
 
 
@@ -61,10 +63,13 @@ def _random_blocks(fmt: formats.GGMLFormat, count: int, seed: int) -> np.ndarray
     raw = rng.integers(0, 256, (count, fmt.block_bytes), dtype=np.uint8)
     for offset in SCALES[fmt.name]:
         raw[:, offset:offset + 2] = _finite_fp16(rng, count).view(np.uint8).reshape(count, 2)
+    if fmt.name == "MXFP4":  # every E8M0 exponent at least once: subnormal (0, 1) to 2^127 (255)
+        raw[:256, 0] = np.arange(256, dtype=np.uint8)
     return raw
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED, ids=lambda f: f.name)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # MXFP4's 12 * 2^127 is inf
 def test_dequantize_equals_gguf_reference(fmt: formats.GGMLFormat) -> None:
     raw = _random_blocks(fmt, 4096, seed=fmt.type_id)
     expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt.name]).reshape(4096, fmt.block_size)
@@ -77,6 +82,28 @@ def test_dequantize_equals_gguf_reference(fmt: formats.GGMLFormat) -> None:
                                       expected.reshape(64, -1))
         np.testing.assert_array_equal(ops.dequantize(torch.from_numpy(raw.reshape(64, -1)), FORMATS[fmt.name]).numpy(),
                                       expected.reshape(64, -1))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_mxfp4_every_exponent_and_code_bit_for_bit() -> None:
+    """MXFP4: each of the 256 E8M0 exponents with each of the 16 codes at every position, the bits of
+    gguf's reference (ggml's half scale: 2^(e - 128), subnormal for e < 2, e = 255 finite 2^127, so
+    12 x 2^127 is inf; code 8 is +0, not -0), in the table, the oracle and the C++ kernels."""
+    fmt = formats.by_name("MXFP4")
+    codes = np.arange(16, dtype=np.uint8)
+    nibbles = np.stack([np.roll(codes, s) for s in range(32)])  # [32 variants, 16]: every code at every position
+    quants = (nibbles[:, :16] | (np.roll(nibbles, 8, axis=1)[:, :16] << 4)).astype(np.uint8)
+    raw = np.concatenate([np.repeat(np.arange(256, dtype=np.uint8), 32)[:, None], np.tile(quants, (256, 1))], axis=1)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(-1, 32)
+    assert np.isinf(expected).any() and (expected[expected != 0] != 0).all()
+    assert not np.signbit(expected[expected == 0]).any()
+    scales = expected[::32, 1]  # code 1 (value 1) at position 1 of each exponent's first block: d itself
+    assert scales[0] == np.float32(2.0 ** -128) and scales[128] == 1.0 and scales[255] == np.float32(2.0 ** 127)
+    assert (scales[1:] == 2 * scales[:-1]).all()
+    rows = torch.from_numpy(raw.reshape(256, -1))
+    for got in (fmt.dequantize(torch.from_numpy(raw)), ref.dequantize(rows, fmt.type_id),
+                ops.dequantize(rows, FORMATS["MXFP4"])):
+        np.testing.assert_array_equal(got.numpy().reshape(-1, 32).view(np.uint32), expected.view(np.uint32))
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q5_K"])

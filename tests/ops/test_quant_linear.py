@@ -12,8 +12,9 @@ from ops.quant import FORMATS, INTERLEAVED, Q4_0, Q4_1, Q4_1R8, Q8_0, QUANT_GEMV
 from ops.reference import quant as ref
 
 gguf = pytest.importorskip("gguf")
-GGML = {name: gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")}
-GGUF_QUANTIZES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}  # IQ4_NL: our reference quantizer (ops.reference.quantizers)
+GGML = {name: gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")}
+# IQ4_NL: our reference quantizer (ops.reference.quantizers)
+GGUF_QUANTIZES = {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"}
 SHAPES = [(576, 576), (192, 576), (576, 1536), (1536, 576), (32, 32), (96, 160)]  # (N, K)
 ROWS = [1, 2, 3, 4, 7, 16, 64, 130]
 # The 32-weight-block formats (the K-quants' grid is tests/ops/test_kquant_linear.py).
@@ -69,6 +70,9 @@ def test_reference_matches_gguf_dequantize(name: str) -> None:
     raw = rng.integers(0, 256, (24, 4 * fmt.block_bytes), dtype=np.uint8)  # random blocks: every nibble
     for b in range(4):  # keep the fp16 scales finite and moderate
         off = b * fmt.block_bytes
+        if name == "MXFP4":  # its E8M0 exponent byte: 2^-28 .. 2^11 (every exponent: tests/ops/test_formats.py)
+            raw[:, off] = rng.integers(100, 140, 24)
+            continue
         raw[:, off:off + 2] = np.float16(rng.uniform(-0.1, 0.1, (24, 1))).view(np.uint8)
         if name in ("Q4_1", "Q5_1"):
             raw[:, off + 2:off + 4] = np.float16(rng.uniform(-1, 1, (24, 1))).view(np.uint8)
@@ -86,6 +90,17 @@ def test_reference_quantize_round_trips_like_gguf(name: str) -> None:
     # Requantizing gguf's own output reproduces its weights (up to ties in the scale search).
     np.testing.assert_allclose(ref.dequantize(ours, fmt.type_id).numpy(), ref.dequantize(packed, fmt.type_id).numpy(),
                                atol=2e-3)
+
+
+def test_reference_mxfp4_quantizer_is_ggufs() -> None:
+    """`ref.quantize` to MXFP4 writes gguf's blocks bit for bit (its exponent rule and nearest code),
+    all-zero blocks and an outlier included."""
+    weight = torch.randn(24, 256, generator=torch.Generator().manual_seed(3)) * 0.05
+    weight[2, :32] = 0.0
+    weight[5, 40] = 3.0
+    ours = ref.quantize(weight, ref.MXFP4)
+    np.testing.assert_array_equal(ours.numpy(), gguf.quants.quantize(weight.numpy(), GGML["MXFP4"]))
+    assert (ref.dequantize(ours, ref.MXFP4) - weight).norm() < 0.15 * weight.norm()
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -267,8 +282,8 @@ def test_r8_groups_in_pairs_equal_groups_alone(name: str, m: int, with_bias: boo
         assert torch.equal(whole[:, 8 * g:8 * g + 8], alone), g
 
 
-@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, FORMATS["Q5_0"], FORMATS["Q5_1"], Q8_0, FORMATS["IQ4_NL"]],
-                         ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [Q4_0, Q4_1, FORMATS["Q5_0"], FORMATS["Q5_1"], Q8_0, FORMATS["IQ4_NL"],
+                                 FORMATS["MXFP4"]], ids=lambda f: f.name)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(("n", "k"), [(24, 64), (200, 96), (72, 576)])
 def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantFormat, interleaved: bool, n: int,

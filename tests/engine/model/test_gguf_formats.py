@@ -206,8 +206,8 @@ def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -
 def test_unsupported_format_is_refused_by_name(model_dir: Path) -> None:
     from engine.model.loader import ModelLoadError
 
-    bad = write_gguf(model_dir, "bad", lambda kind, layer: "MXFP4" if (kind, layer) == ("ffn_up", 1) else "Q8_0")
-    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_up\.weight' is MXFP4, which pagedserve does not read"):
+    bad = write_gguf(model_dir, "bad", lambda kind, layer: "TQ2_0" if (kind, layer) == ("ffn_up", 1) else "Q8_0")
+    with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_up\.weight' is TQ2_0, which pagedserve does not read"):
         load_model(bad)
 
 
@@ -244,9 +244,9 @@ def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Pat
     assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
-    """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, IQ4_NL, the
+    """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, IQ4_NL, MXFP4, the
     K-quants Q3_K / Q4_K / Q5_K / Q6_K, IQ4_XS): every linear one packed `QuantLinear` in that format
     (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
     weights exactly transformers' dequantized load. With fp32 activations greedy equals

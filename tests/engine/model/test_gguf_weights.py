@@ -53,7 +53,7 @@ def test_read_tensor_keeps_blocks_and_refuses_other_types(tmp_path: Path) -> Non
     w = rng.standard_normal((8, 64)).astype(np.float32)
     types = gguf.GGMLQuantizationType
     file = _write_gguf(tmp_path / "t.gguf", {"a.weight": (w, types.Q4_1), "b.weight": (w, types.F32),
-                                             "c.weight": (w, types.MXFP4)})
+                                             "c.weight": (np.tile(w, 4), types.TQ2_0)})  # 256-weight blocks
     tensors = {t.name: t for t in gguf.GGUFReader(str(file)).tensors}
     packed = read_tensor(tensors["a.weight"])
     assert packed.fmt == Q4_1 and packed.data.dtype == torch.uint8 and packed.data.shape == (8, 40)
@@ -61,7 +61,7 @@ def test_read_tensor_keeps_blocks_and_refuses_other_types(tmp_path: Path) -> Non
                                   gguf.quants.dequantize(gguf.quants.quantize(w, types.Q4_1), types.Q4_1))
     plain = read_tensor(tensors["b.weight"])
     assert plain.fmt is None and torch.equal(plain.data, torch.from_numpy(w))
-    with pytest.raises(GGUFWeightError, match=r"'c.weight' is MXFP4.*quantization='dequantize'"):
+    with pytest.raises(GGUFWeightError, match=r"'c.weight' is TQ2_0.*quantization='dequantize'"):
         read_tensor(tensors["c.weight"])
 
 
