@@ -7,6 +7,8 @@
 // module calls and ~600 op calls, which took longer than its kernels (engine/model/fused_decoder.py).
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "ops.h"
 
 namespace pagedserve::cpu {
@@ -29,15 +31,24 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         bool bf16_linears, at::IntArrayRef windows) {
+                         bool bf16_linears, at::IntArrayRef windows, at::IntArrayRef shards) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
+  TORCH_CHECK(shards.empty() || static_cast<int64_t>(shards.size()) == kLinears * layers,
+              "llama_decoder: one shard count per linear, or none at all (one shard each)");
+  std::vector<int64_t> first(kLinears * layers + 1, 0);  // linear i: qweights [first[i], first[i + 1])
+  for (int64_t i = 0; i < kLinears * layers; ++i) {
+    const int64_t count = shards.empty() ? 1 : shards[i];
+    TORCH_CHECK(count >= 1, "llama_decoder: a linear has at least one shard");
+    first[i + 1] = first[i] + count;
+  }
+  const int64_t total = first.back();
   TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == layers &&
                   static_cast<int64_t>(norm_weights.size()) == kNorms * layers &&
-                  static_cast<int64_t>(qweights.size()) == kLinears * layers &&
+                  static_cast<int64_t>(qweights.size()) == total && static_cast<int64_t>(formats.size()) == total &&
                   static_cast<int64_t>(biases.size()) == kLinears * layers &&
-                  static_cast<int64_t>(formats.size()) == kLinears * layers &&
                   static_cast<int64_t>(int8_activations.size()) == kLinears * layers,
-              "llama_decoder: per layer 2 norm weights and 4 linears (qkv, o, gate_up, down)");
+              "llama_decoder: per layer 2 norm weights and 4 linears (qkv, o, gate_up, down), a qweight and "
+              "format per shard");
   TORCH_CHECK(windows.empty() || static_cast<int64_t>(windows.size()) == layers,
               "llama_decoder: one sliding window per layer (0: none), or none at all");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == at::kFloat &&
@@ -51,14 +62,22 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
   TORCH_CHECK(exact_rows >= 0 && exact_rows <= tokens, "llama_decoder: exact_rows must be in [0, tokens]");
   const bool prefill = prefill_context_lens.size(0) > 0 && num_prefill_tokens > 0;
   const int64_t q_heads = num_heads, kv_heads = num_kv_heads, heads = q_heads + 2 * kv_heads;
-  const auto linear = [&](int64_t index, const at::Tensor& x) {
-    const at::Tensor& w = qweights[index];
+  const auto shard = [&](int64_t index, int64_t s, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
+    const at::Tensor& w = qweights[s];
     at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
     if (bf16_linears) {
-      quant_linear_bf16(out, x, w, formats[index], bias_of(biases[index]));
+      quant_linear_bf16(out, x, w, formats[s], bias);
     } else {
-      quant_linear(out, x, w, formats[index], bias_of(biases[index]), int8_activations[index] != 0, exact_rows);
+      quant_linear(out, x, w, formats[s], bias, int8_activations[index] != 0, exact_rows);
     }
+    return out;
+  };
+  const auto linear = [&](int64_t index, const at::Tensor& x) {
+    if (first[index + 1] - first[index] == 1) return shard(index, first[index], x, bias_of(biases[index]));
+    std::vector<at::Tensor> parts;  // shards apart, then concatenated, then the bias: QuantLinear.forward
+    for (int64_t s = first[index]; s < first[index + 1]; ++s) parts.push_back(shard(index, s, x, c10::nullopt));
+    at::Tensor out = at::cat(parts, 1);
+    if (biases[index].numel()) out.add_(biases[index]);
     return out;
   };
   at::Tensor h = hidden;  // the layer's normed input; the MLP output lands in a fresh tensor

@@ -145,7 +145,9 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
 // residual stream; returns the last layer's MLP output (the final norm adds it to residual). Per
 // layer: norm_weights 2 (input, post-attention), qweights / biases (numel 0: none) / formats /
 // int8_activations 4 (qkv, o, gate_up, down); rows [0, exact_rows) keep fp32 activations
-// (quant_linear). Attention as engine/model/attention.py runs it.
+// (quant_linear). Attention as engine/model/attention.py runs it. With `shards` (one count per
+// linear), a linear is that many consecutive qweights / formats (each its output features, in
+// order), computed apart, concatenated, then its bias added (QuantLinear.forward's order).
 at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
                          const at::Tensor& cos_sin, const at::Tensor& slot_mapping, at::TensorList key_caches,
                          at::TensorList value_caches, int64_t num_prefill_tokens, int64_t exact_rows,
@@ -154,7 +156,7 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         bool bf16_linears, at::IntArrayRef windows = {});
+                         bool bf16_linears, at::IntArrayRef windows = {}, at::IntArrayRef shards = {});
 // Kernels ignore their `openmp` hint (parallel.h) while on: for models with only quantized linears.
 
 }  // namespace pagedserve::cpu

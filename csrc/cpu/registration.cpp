@@ -47,7 +47,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor prefill_block_tables, Tensor prefill_query_start_loc, Tensor prefill_context_lens, "
       "Tensor decode_block_tables, Tensor decode_context_lens, Tensor[] norm_weights, Tensor[] qweights, "
       "Tensor[] biases, int[] formats, int[] int8_activations, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale, bool bf16_linears=False, int[] windows=[]) -> Tensor");
+      "float eps, float scale, bool bf16_linears=False, int[] windows=[], int[] shards=[]) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("set_openmp_rows(int rows) -> ()", [](int64_t rows) {
     pagedserve::cpu::openmp_rows_setting().store(rows, std::memory_order_relaxed);

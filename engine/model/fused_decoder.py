@@ -7,7 +7,8 @@ interpreter). `FusedDecoder` hands the same kernels the same tensors in the same
 (csrc/cpu/decoder.cpp), so a step's hidden states are bit for bit those of the module path
 (tests/engine/model/test_fused_decoder.py compares them).
 
-It serves CPU models whose every decoder linear is a one-shard packed `QuantLinear` without
+It serves CPU models whose every decoder linear is a packed `QuantLinear` (one shard or several:
+llama.cpp's Q4_K_M mix stores a layer's V in another format than its Q and K) without
 tensor parallelism, for steps of at most `QUANT_GEMV_MAX_ROWS` tokens over a real KV cache (the
 kernel's range: longer prefills go through oneDNN, where Python's share is small); anything else
 runs the modules.
@@ -48,8 +49,10 @@ class FusedDecoder:
                 assert isinstance(module, QuantLinear)
                 self.linears.append(module)
             self.norm_weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-        self.qweights = [m.shards()[0][1] for m in self.linears]
-        self.formats = [m.formats[0].type_id for m in self.linears]  # type: ignore[union-attr]
+        shards = [m.shards() for m in self.linears]
+        self.qweights = [t for parts in shards for _, t in parts]
+        self.formats = [fmt.type_id for parts in shards for fmt, _ in parts]  # type: ignore[union-attr]
+        self.shard_counts = [len(parts) for parts in shards]
         self.biases = [_NONE if m.bias is None else m.bias.detach() for m in self.linears]
         self.windows = [layer.self_attn.attn.window for layer in layers]  # sliding windows (0: none)
 
@@ -61,10 +64,10 @@ class FusedDecoder:
             return None
         for layer in layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(isinstance(m, QuantLinear) and len(m.formats) == 1 and m.formats[0] is not None
-                       and m.shards()[0][1].is_cpu for m in linears):
+            if not all(isinstance(m, QuantLinear) and all(f is not None and t.is_cpu for f, t in m.shards())
+                       for m in linears):
                 return None
-            if ops.quant.amx_bf16() and any(m.formats[0].name not in ops.quant.BF16_FORMATS for m in linears):
+            if ops.quant.amx_bf16() and any(f.name not in ops.quant.BF16_FORMATS for m in linears for f in m.formats):
                 return None  # its bf16 steps would call the AMX kernel on a format it has no panels for
             eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
             if eps != {layers[0].input_layernorm.eps}:
@@ -105,5 +108,6 @@ class FusedDecoder:
             meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous(),
             self.norm_weights, self.qweights, self.biases, self.formats,
             [int(m.int8_activations) for m in self.linears],
-            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, bf16_linears, self.windows)
+            self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, bf16_linears, self.windows,
+            self.shard_counts)
         return out, residual

@@ -25,9 +25,12 @@ _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.d
 
 
 def _quantized(model_dir: Path, formats: list[QuantFormat], repack: bool, bias: bool = False,
-               policy: ExecutionPolicy | None = None, int8_activations: bool = True) -> LlamaForCausalLM:
+               policy: ExecutionPolicy | None = None, int8_activations: bool = True,
+               v_format: QuantFormat | None = None) -> LlamaForCausalLM:
     """The tiny model under `policy` with every decoder linear a one-shard `QuantLinear` (formats
-    cycled; Q4 ones in the eight-row layout with `repack`), with random fp32 biases when `bias`."""
+    cycled; Q4 ones in the eight-row layout with `repack`), with random fp32 biases when `bias`;
+    with `v_format`, each qkv_proj's V rows are a second shard in that format (llama.cpp's Q4_K_M
+    mix: a layer's V in another format than its Q and K)."""
     model = load_model(model_dir, policy=policy)
     gen = torch.Generator().manual_seed(1)
     i = 0
@@ -37,13 +40,19 @@ def _quantized(model_dir: Path, formats: list[QuantFormat], repack: bool, bias: 
             assert isinstance(linear, nn.Linear)
             fmt = formats[i % len(formats)]
             i += 1
-            packed = ref.quantize(linear.weight.detach(), fmt.type_id)
-            if repack:
-                packed, fmt = interleave(packed, fmt)
+            weight = linear.weight.detach()
+            v_rows = layer.self_attn.num_kv_heads * layer.self_attn.head_dim
+            cuts = [weight[:-v_rows], weight[-v_rows:]] if v_format and path.endswith("qkv_proj") else [weight]
+            shards = []
+            for part, part_fmt in zip(cuts, [fmt, v_format], strict=False):
+                assert part_fmt is not None
+                packed = ref.quantize(part, part_fmt.type_id)
+                if repack:
+                    packed, part_fmt = interleave(packed, part_fmt)
+                shards.append((part_fmt, packed))
             b = torch.randn(linear.out_features, generator=gen) if bias else None
             parent, _, name = path.rpartition(".")
-            setattr(layer.get_submodule(parent), name,
-                    QuantLinear(linear.in_features, [(fmt, packed)], b, int8_activations))
+            setattr(layer.get_submodule(parent), name, QuantLinear(linear.in_features, shards, b, int8_activations))
     return model
 
 
@@ -65,19 +74,19 @@ def _run(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("formats,repack,bias", [
-    ([Q4_1], True, False), ([Q4_0, Q4_1, Q8_0], True, True), ([Q4_1, Q8_0], False, False),
-    ([Q5_0, Q5_1], False, True),
-])
+@pytest.mark.parametrize("formats,repack,bias,v_format", [
+    ([Q4_1], True, False, None), ([Q4_0, Q4_1, Q8_0], True, True, None), ([Q4_1, Q8_0], False, False, None),
+    ([Q5_0, Q5_1], False, True, None), ([Q5_0], False, True, Q8_0), ([Q5_0, Q4_1], False, False, Q8_0),
+], ids=["q4_1-r8", "mixed-r8-bias", "q4_1-q8_0", "q5-bias", "v-shard-bias", "v-shard"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("exact_prompt_rows", [True, False])
 def test_fused_layers_equal_the_modules_bit_for_bit(tiny_llama_dir: Path, formats: list[QuantFormat],
-                                                    repack: bool, bias: bool, kv_dtype: torch.dtype,
-                                                    exact_prompt_rows: bool) -> None:
-    model = _quantized(tiny_llama_dir, formats, repack, bias, _policy(True, exact_prompt_rows))
+                                                    repack: bool, bias: bool, v_format: QuantFormat | None,
+                                                    kv_dtype: torch.dtype, exact_prompt_rows: bool) -> None:
+    model = _quantized(tiny_llama_dir, formats, repack, bias, _policy(True, exact_prompt_rows), v_format=v_format)
     assert model.fused_decoder() is not None
     fused = _run(model, kv_dtype)
-    unfused = _quantized(tiny_llama_dir, formats, repack, bias, _policy(False, exact_prompt_rows))
+    unfused = _quantized(tiny_llama_dir, formats, repack, bias, _policy(False, exact_prompt_rows), v_format=v_format)
     assert unfused.fused_decoder() is None
     modules = _run(unfused, kv_dtype)
     for step, (x, y) in enumerate(zip(fused, modules, strict=True)):
@@ -111,7 +120,7 @@ def test_fused_path_runs_only_where_it_applies(tiny_llama_dir: Path, monkeypatch
     assert len(calls) == 1  # the policy turns the fused decoder off
 
 
-def test_fused_decoder_needs_one_packed_shard_per_linear(tiny_llama_dir: Path) -> None:
+def test_fused_decoder_needs_packed_shards(tiny_llama_dir: Path) -> None:
     assert FusedDecoder.for_layers(list(load_model(tiny_llama_dir).model.layers), 1) is None  # fp32 linears
     model = _quantized(tiny_llama_dir, [Q4_1], True)
     assert FusedDecoder.for_layers(list(model.model.layers), 1) is not None
