@@ -1,4 +1,4 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
 // packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
@@ -102,7 +102,10 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 // one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K / Q5_K:
 // its scale d sc_j and min term; Q5_K's quants up to 31, as Q5_1's) or Q8_0 block (Q6_K: the signed
 // q - 32; Q3_K: q - 4 or q; IQ4_XS: its table values; the sign moved onto the activations; the dot product's lanes 0-3
-// are the sub-block's first 16 weights, 4-7 the next 16, each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
+// are the sub-block's first 16 weights, 4-7 the next 16, each lane scaled by its 16 weights' scale). Q2_K
+// (a scale and a min per 16 weights) is Q4_K's case with lanes split so: its unsigned 2-bit quants' dot
+// scaled per half, the min per half times the half's activation sum (one more dot product, of the
+// activation quants with ones). Sub-blocks alternate between two accumulator sets.
 template <int64_t F, int M>
 void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
@@ -118,11 +121,12 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const Block& blk = row[sb];
       [[maybe_unused]] float wd[kSubs], wm[kSubs];
-      [[maybe_unused]] float scale = 0.f;
+      [[maybe_unused]] float scale = 0.f, min_scale = 0.f;
       if constexpr (kHasMins<F>) {
         q4k_affines(blk, wd, wm);
       } else {
         scale = half_to_float(blk.d);
+        if constexpr (kHalfMins<F>) min_scale = half_to_float(blk.dmin);
       }
       for (int j = 0; j < kSubs; ++j) {
         const int64_t b = sb * kSubs + j;
@@ -134,6 +138,21 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, load32(q + m * k_len + b * kBlock)));
             acc[par][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd[j] * ad[m * nb + b]), acc[par][m]);
             extra[par][m] += wm[j] * as[m * nb + b];
+          }
+        } else if constexpr (kHalfMins<F>) {
+          float lo, hi, mlo, mhi;
+          ksub_scales<F>(blk, scale, j, lo, hi);
+          q2k_sub_mins(blk, min_scale, j, mlo, mhi);
+          const __m256 sv = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
+          const __m256 mv = _mm256_setr_m128(_mm_set1_ps(mlo), _mm_set1_ps(mhi));
+          const __m256i wu = ksub_quants<F>(blk, j), ones = _mm256_set1_epi8(1);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const __m256i xs = load32(q + m * k_len + b * kBlock);
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
+            const __m256 sums = _mm256_cvtepi32_ps(dot_u8s8(ones, xs));
+            const __m256 part = _mm256_fmadd_ps(dot, sv, _mm256_mul_ps(sums, mv));
+            acc[par][m] = _mm256_fmadd_ps(part, _mm256_set1_ps(ad[m * nb + b]), acc[par][m]);
           }
         } else {
           float lo, hi;
@@ -169,12 +188,14 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             acc[m] += wd * ad[m * nb + b] * static_cast<float>(sum);
             extra[m] += wm * as[m * nb + b];
           } else {
-            float sd[2];
+            float sd[2], sm[2] = {0.f, 0.f};
             ksub_scales<F>(blk, half_to_float(blk.d), j, sd[0], sd[1]);
+            if constexpr (kHalfMins<F>) q2k_sub_mins(blk, half_to_float(blk.dmin), j, sm[0], sm[1]);
             for (int half = 0; half < 2; ++half) {
-              int32_t sum = 0;
-              for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l];
+              int32_t sum = 0, asum = 0;
+              for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l], asum += a[l];
               acc[m] += sd[half] * ad[m * nb + b] * static_cast<float>(sum);
+              if constexpr (kHalfMins<F>) acc[m] += sm[half] * ad[m * nb + b] * static_cast<float>(asum);
             }
           }
         }
@@ -290,6 +311,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ5_0: return run_format<kQuantQ5_0>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
     case kQuantIQ4_NL: return run_format<kQuantIQ4_NL>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ2_K: return run_format<kQuantQ2_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ3_K: return run_format<kQuantQ3_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_K: return run_format<kQuantQ5_K>(out, x, w, n_len, k_len, b, exact);
@@ -317,6 +339,7 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ5_0: return dequant_rows<kQuantQ5_0>(w, op, k_len, begin, end);
       case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, op, k_len, begin, end);
       case kQuantIQ4_NL: return dequant_rows<kQuantIQ4_NL>(w, op, k_len, begin, end);
+      case kQuantQ2_K: return dequant_rows<kQuantQ2_K>(w, op, k_len, begin, end);
       case kQuantQ3_K: return dequant_rows<kQuantQ3_K>(w, op, k_len, begin, end);
       case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
       case kQuantQ5_K: return dequant_rows<kQuantQ5_K>(w, op, k_len, begin, end);
