@@ -193,7 +193,10 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             if constexpr (kHalfMins<F>) q2k_sub_mins(blk, half_to_float(blk.dmin), j, sm[0], sm[1]);
             for (int half = 0; half < 2; ++half) {
               int32_t sum = 0, asum = 0;
-              for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l], asum += a[l];
+              for (int l = 16 * half; l < 16 * half + 16; ++l) {
+                sum += ksub_q<F>(blk, j, l) * a[l];
+                asum += a[l];  // Q2_K's min term
+              }
               acc[m] += sd[half] * ad[m * nb + b] * static_cast<float>(sum);
               if constexpr (kHalfMins<F>) acc[m] += sm[half] * ad[m * nb + b] * static_cast<float>(asum);
             }
