@@ -198,11 +198,27 @@ inline void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, flo
 }
 
 // Activation rows quantized for the int8 path (quantize_row): quants [M][K], block scales and
-// scaled sums [M][nb].
+// scaled sums [M][nb]; for Q2_K's mins (one per 16 weights) also the halves' scaled sums (add_half_sums).
 struct ActPlanes {
   int64_t nb = 0;
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<float> h;  // [M][2 nb]: d[b] * sum of quants 0..15, then 16..31, of each block b
+
+  // Fills h from the quants (each half's integer sum, scaled as s is: one rounding).
+  void add_half_sums() {
+    h.resize(2 * d.size());
+    for (size_t b = 0; b < d.size(); ++b) {
+      const int8_t* qb = &q[b * kBlock];
+      int lo = 0, hi = 0;
+      for (int i = 0; i < kBlock / 2; ++i) {
+        lo += qb[i];
+        hi += qb[i + kBlock / 2];
+      }
+      h[2 * b] = d[b] * static_cast<float>(lo);
+      h[2 * b + 1] = d[b] * static_cast<float>(hi);
+    }
+  }
 
   ActPlanes(const at::Tensor& x, int64_t k_len) : nb(k_len / kBlock) {
     const int64_t m_len = x.size(0);

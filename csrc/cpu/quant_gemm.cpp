@@ -104,19 +104,20 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 // q - 32; Q3_K: q - 4 or q; IQ4_XS: its table values; the sign moved onto the activations; the dot product's lanes 0-3
 // are the sub-block's first 16 weights, 4-7 the next 16, each lane scaled by its 16 weights' scale). Q2_K
 // (a scale and a min per 16 weights) is Q4_K's case with lanes split so: its unsigned 2-bit quants' dot
-// scaled per half, the min per half times the half's activation sum (one more dot product, of the
-// activation quants with ones). Sub-blocks alternate between two accumulator sets.
+// scaled per half, each half's min times that half's scaled activation sum (`as` is then ActPlanes::h,
+// [M][2 nb]). Sub-blocks alternate between two accumulator sets.
 template <int64_t F, int M>
 void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
   using Block = BlockOf<F>;
   constexpr int kSubs = kSuperBlock / kBlock;
   const int64_t k_len = nb * kBlock, nsb = nb / kSubs;
+  [[maybe_unused]] const int64_t lds = 2 * nb;  // Q2_K: the row stride of the half sums
   for (int64_t n = begin; n < end; ++n) {
     const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
 #if defined(__AVX2__)
     __m256 acc[2][M];
-    float extra[2][M] = {};  // the Q4_K / Q5_K min terms
+    float extra[2][M] = {};  // the Q2_K / Q4_K / Q5_K min terms
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const Block& blk = row[sb];
@@ -144,15 +145,12 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
           ksub_scales<F>(blk, scale, j, lo, hi);
           q2k_sub_mins(blk, min_scale, j, mlo, mhi);
           const __m256 sv = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
-          const __m256 mv = _mm256_setr_m128(_mm_set1_ps(mlo), _mm_set1_ps(mhi));
-          const __m256i wu = ksub_quants<F>(blk, j), ones = _mm256_set1_epi8(1);
+          const __m256i wu = ksub_quants<F>(blk, j);
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) {
-            const __m256i xs = load32(q + m * k_len + b * kBlock);
-            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, xs));
-            const __m256 sums = _mm256_cvtepi32_ps(dot_u8s8(ones, xs));
-            const __m256 part = _mm256_fmadd_ps(dot, sv, _mm256_mul_ps(sums, mv));
-            acc[par][m] = _mm256_fmadd_ps(part, _mm256_set1_ps(ad[m * nb + b]), acc[par][m]);
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, load32(q + m * k_len + b * kBlock)));
+            acc[par][m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv, _mm256_set1_ps(ad[m * nb + b])), acc[par][m]);
+            extra[par][m] += mlo * as[m * lds + 2 * b] + mhi * as[m * lds + 2 * b + 1];
           }
         } else {
           float lo, hi;
@@ -192,13 +190,10 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             ksub_scales<F>(blk, half_to_float(blk.d), j, sd[0], sd[1]);
             if constexpr (kHalfMins<F>) q2k_sub_mins(blk, half_to_float(blk.dmin), j, sm[0], sm[1]);
             for (int half = 0; half < 2; ++half) {
-              int32_t sum = 0, asum = 0;
-              for (int l = 16 * half; l < 16 * half + 16; ++l) {
-                sum += ksub_q<F>(blk, j, l) * a[l];
-                asum += a[l];  // Q2_K's min term
-              }
+              int32_t sum = 0;
+              for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l];
               acc[m] += sd[half] * ad[m * nb + b] * static_cast<float>(sum);
-              if constexpr (kHalfMins<F>) acc[m] += sm[half] * ad[m * nb + b] * static_cast<float>(asum);
+              if constexpr (kHalfMins<F>) extra[m] += sm[half] * as[m * lds + 2 * b + half];
             }
           }
         }
@@ -233,8 +228,9 @@ void int8_group(const at::Tensor& out, const ActPlanes& act, int64_t row0, const
     if constexpr (kIsK<F>) return int8_rows_k<F, M>;
     else return int8_rows<F, M>;
   }();
-  rows(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nb, w,
-       row_bytes_of(F, nb * kBlock), bias, out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
+  const float* sums = kHalfMins<F> ? act.h.data() + row0 * 2 * nb : act.s.data() + row0 * nb;
+  rows(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, sums, nb, w, row_bytes_of(F, nb * kBlock), bias,
+       out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
 }
 
 template <int64_t F, int M>
@@ -270,6 +266,9 @@ void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, in
   const at::Tensor x_int8 = x.narrow(0, exact, m_len - exact), out_int8 = out.narrow(0, exact, m_len - exact);
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x_int8, k_len);
+  if constexpr (kHalfMins<F>) {
+    if (act) act->add_half_sums();
+  }
   // Chunks of at least ~64 KiB of packed weights, about eight per thread.
   const int64_t chunk = row_chunk(n_len, row_bytes_of(F, k_len), 64 * 1024);
   parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
