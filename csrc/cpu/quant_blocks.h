@@ -1,5 +1,5 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in 256-weight blocks) as the CPU kernels
-// read them: the block structs, the
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in
+// 256-weight blocks) as the CPU kernels read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
 // quant_screen.cpp (the exact logits of a screened quantized lm_head), so both compute a logit
@@ -104,8 +104,8 @@ struct BlockQ6_K {
   int8_t scales[kSuperBlock / 16];
   uint16_t d;
 };
-static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210 &&
-                  sizeof(BlockIQ4_XS) == 136,
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 &&
+                  sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210 && sizeof(BlockIQ4_XS) == 136,
               "GGUF K-quant block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
                   sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18,
@@ -142,8 +142,8 @@ inline int64_t block_bytes(int64_t format) {
 
 // Weights per block of `format` (256 for the K-quants, else 32; block_bytes refuses unknown ids).
 inline int64_t block_weights(int64_t format) {
-  return format == kQuantQ2_K || format == kQuantQ3_K || format == kQuantQ4_K || format == kQuantQ5_K || format == kQuantQ6_K ||
-                 format == kQuantIQ4_XS
+  return format == kQuantQ2_K || format == kQuantQ3_K || format == kQuantQ4_K || format == kQuantQ5_K ||
+                 format == kQuantQ6_K || format == kQuantIQ4_XS
              ? kSuperBlock
              : kBlock;
 }
@@ -290,7 +290,8 @@ inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
 template <int64_t F>
 inline constexpr bool kSignedQuants = F == kQuantQ8_0 || F == kQuantIQ4_NL;  // w = d q, q a signed byte
 template <int64_t F>
-inline constexpr bool kIsK = F == kQuantQ2_K || F == kQuantQ3_K || F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K || F == kQuantIQ4_XS;
+inline constexpr bool kIsK =
+    F == kQuantQ2_K || F == kQuantQ3_K || F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K || F == kQuantIQ4_XS;
 template <int64_t F>
 inline constexpr bool kHasMins = F == kQuantQ4_K || F == kQuantQ5_K;  // K-quants of w = d sc q - dmin m
 template <int64_t F>
@@ -419,9 +420,9 @@ inline int q3k_scale(const BlockQ3_K& blk, int i) {
   return low | (((blk.scales[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
 }
 
-// The scales of a K-quant's sub-block j with a scale per 16 or 32 weights (Q2_K, Q3_K, Q6_K, IQ4_XS), `scale`
-// its fp16 d: lo for its weights 0..15, hi for 16..31 (Q2_K: d sc, its mins from q2k_sub_mins; Q3_K: d (sc - 32), Q6_K: d sc of each 16; IQ4_XS: d (ls_j - 32) for all
-// 32). Exact products.
+// The scales of a K-quant's sub-block j with a scale per 16 or 32 weights (Q2_K, Q3_K, Q6_K, IQ4_XS),
+// `scale` its fp16 d: lo for its weights 0..15, hi for 16..31 (Q2_K: d sc, its mins from q2k_sub_mins;
+// Q3_K: d (sc - 32), Q6_K: d sc of each 16; IQ4_XS: d (ls_j - 32) for all 32). Exact products.
 template <int64_t F>
 inline void ksub_scales(const BlockOf<F>& blk, float scale, int j, float& lo, float& hi) {
   if constexpr (F == kQuantQ6_K) {

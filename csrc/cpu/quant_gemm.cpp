@@ -1,5 +1,5 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
-// packed blocks.
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL; Q2_K, Q3_K, Q4_K, Q5_K,
+// Q6_K, IQ4_XS), read in their packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
 // At small M a layer is bound by reading the weight, so the packed bytes (4.5-8.5 bits per weight
