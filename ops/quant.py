@@ -1,5 +1,5 @@
 """``quant_linear``: a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4,
-Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in place.
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in place.
 
 A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / fmt.block_size * fmt.block_bytes]`` (layout in
 :mod:`ops.reference.quant`). On the CPU:
@@ -59,6 +59,7 @@ Q4_0 = QuantFormat("Q4_0", ref.Q4_0, ref.BLOCK_BYTES[ref.Q4_0])
 Q4_1 = QuantFormat("Q4_1", ref.Q4_1, ref.BLOCK_BYTES[ref.Q4_1])
 Q5_0 = QuantFormat("Q5_0", ref.Q5_0, ref.BLOCK_BYTES[ref.Q5_0])
 Q5_1 = QuantFormat("Q5_1", ref.Q5_1, ref.BLOCK_BYTES[ref.Q5_1])
+Q2_K = QuantFormat("Q2_K", ref.Q2_K, ref.BLOCK_BYTES[ref.Q2_K], 256)
 Q3_K = QuantFormat("Q3_K", ref.Q3_K, ref.BLOCK_BYTES[ref.Q3_K], 256)
 Q4_K = QuantFormat("Q4_K", ref.Q4_K, ref.BLOCK_BYTES[ref.Q4_K], 256)
 IQ4_NL = QuantFormat("IQ4_NL", ref.IQ4_NL, ref.BLOCK_BYTES[ref.IQ4_NL])
@@ -66,12 +67,12 @@ MXFP4 = QuantFormat("MXFP4", ref.MXFP4, ref.BLOCK_BYTES[ref.MXFP4])
 Q5_K = QuantFormat("Q5_K", ref.Q5_K, ref.BLOCK_BYTES[ref.Q5_K], 256)
 Q6_K = QuantFormat("Q6_K", ref.Q6_K, ref.BLOCK_BYTES[ref.Q6_K], 256)
 IQ4_XS = QuantFormat("IQ4_XS", ref.IQ4_XS, ref.BLOCK_BYTES[ref.IQ4_XS], 256)
-FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)}
+FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)}
 # The layouts whose bf16 panels csrc/cpu/quant_bf16.cpp dequantizes (for AMX tiles and AVX512-BF16
 # alike; a K-quant block fills eight 32-weight k blocks of a panel). For any other, `quant_linear_bf16`
 # runs dequantized in torch (the same rounding), a model's prompt rows keep fp32 activations
 # (`QuantLinear`), and the fused decoder, which calls the AMX kernel for every linear, declines it there.
-BF16_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q3_K", "Q4_K", "Q5_K",
+BF16_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                           "Q6_K", "IQ4_XS", "Q4_0r8", "Q4_1r8"})
 # The CPU kernel's eight-row interleaved layouts of the Q4 formats (ops/reference/quant.py, interleave).
 Q4_0R8 = QuantFormat("Q4_0r8", ref.Q4_0R8, ref.BLOCK_BYTES[ref.Q4_0R8])

@@ -166,6 +166,7 @@ void dequant_rows_of(const uint8_t* w, int64_t format, int64_t k_len, int64_t n0
     case kQuantQ5_1: return dequant_plain_rows<kQuantQ5_1>(w, k_len, n0, n1, out);
     case kQuantIQ4_NL: return dequant_plain_rows<kQuantIQ4_NL>(w, k_len, n0, n1, out);
     case kQuantMXFP4: return dequant_plain_rows<kQuantMXFP4>(w, k_len, n0, n1, out);
+    case kQuantQ2_K: return dequant_plain_rows<kQuantQ2_K>(w, k_len, n0, n1, out);
     case kQuantQ3_K: return dequant_plain_rows<kQuantQ3_K>(w, k_len, n0, n1, out);
     case kQuantQ4_K: return dequant_plain_rows<kQuantQ4_K>(w, k_len, n0, n1, out);
     case kQuantQ5_K: return dequant_plain_rows<kQuantQ5_K>(w, k_len, n0, n1, out);

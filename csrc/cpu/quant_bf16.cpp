@@ -81,7 +81,7 @@ void pack_activations(const float* x, int64_t ldx, int64_t rows, int64_t nb, c10
   }, /*openmp=*/rows >= openmp_rows());
 }
 
-// Weight row n of a GGUF-order weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q3_K, Q4_K, Q5_K, Q6_K,
+// Weight row n of a GGUF-order weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 // IQ4_XS) as K bf16, 32-weight
 // block b at dst + b * kPackedBlock (nb of them: a K-quant block fills eight). Each value is
 // dequant_block's fp32 (the reference's bits) rounded to nearest even.
@@ -201,6 +201,7 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
       case kQuantQ5_1: dequant_row_bf16<kQuantQ5_1>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantIQ4_NL: dequant_row_bf16<kQuantIQ4_NL>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantMXFP4: dequant_row_bf16<kQuantMXFP4>(row, nb, panel_at(panel, nb, r)); break;
+      case kQuantQ2_K: dequant_row_bf16<kQuantQ2_K>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ3_K: dequant_row_bf16<kQuantQ3_K>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ4_K: dequant_row_bf16<kQuantQ4_K>(row, nb, panel_at(panel, nb, r)); break;
       case kQuantQ5_K: dequant_row_bf16<kQuantQ5_K>(row, nb, panel_at(panel, nb, r)); break;
@@ -247,6 +248,7 @@ void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Ten
   TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1 || format == kQuantQ5_0 ||
                   format == kQuantQ5_1 || format == kQuantQ4_K || format == kQuantQ5_K || format == kQuantQ6_K ||
                   format == kQuantIQ4_NL || format == kQuantMXFP4 || format == kQuantIQ4_XS || format == kQuantQ3_K ||
+                  format == kQuantQ2_K ||
                   is_interleaved(format),
               "quant_linear_bf16: format id ", format, " has no bf16 panels (ops.quant.BF16_FORMATS)");
   TORCH_CHECK(k_len % quant::block_weights(format) == 0, "quant_linear_bf16: K must be a multiple of ",

@@ -1,5 +1,5 @@
-// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in 256-weight blocks) as the CPU kernels
-// read them: the block structs, the
+// GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS in
+// 256-weight blocks) as the CPU kernels read them: the block structs, the
 // activation blocks of the int8 path, fp16 scales, dequantizing one block, and the fp32-activation
 // dot products of one packed weight row. Shared by quant_gemm.cpp (the linear layers) and
 // quant_screen.cpp (the exact logits of a screened quantized lm_head), so both compute a logit
@@ -76,6 +76,8 @@ inline float mxfp4_scale(uint8_t e) {
 // Q4_K sub-block j: weights are the nibbles of q[32 (j / 2) + l] (low for even j), w = d sc_j q - dmin m_j,
 // sc_j / m_j the 6-bit fields of `scales` (ops/reference/formats.py: _scales_mins_k4).
 // Q5_K sub-block j: Q4_K's nibble with bit j of qh[l] as its fifth bit (q up to 31), same scales and mins.
+// Q2_K sub-block s (h = s / 4, g = s % 4): q bits 2g..2g+1 of qs[32 h + l] (unsigned, 0..3); w = d sc_i q -
+// dmin m_i with sc_i / m_i the low / high nibble of scales[i], i = 2s + l / 16 (a scale and a min per 16).
 // Q3_K sub-block s (h = s / 4, g = s % 4): q = low - 4 (hmask bit clear) or low, low bits 2g..2g+1 of
 // qs[32 h + l], the bit bit 4h + g of hmask[l]; w = d (sc_i - 32) q, sc_i (i = 2s + l / 16) 6 bits: the low
 // nibble of scales[i] (i < 8) or the high one of scales[i - 8], and bits 2 (i / 4) of scales[8 + i % 4] above.
@@ -95,6 +97,11 @@ struct BlockQ5_K {
   uint8_t qh[kSuperBlock / 8];
   uint8_t q[kSuperBlock / 2];
 };
+struct BlockQ2_K {
+  uint8_t scales[kSuperBlock / 16];
+  uint8_t qs[kSuperBlock / 4];
+  uint16_t d, dmin;
+};
 struct BlockQ3_K {
   uint8_t hmask[kSuperBlock / 8];
   uint8_t qs[kSuperBlock / 4];
@@ -112,8 +119,8 @@ struct BlockQ6_K {
   int8_t scales[kSuperBlock / 16];
   uint16_t d;
 };
-static_assert(sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210 &&
-                  sizeof(BlockIQ4_XS) == 136,
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 &&
+                  sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210 && sizeof(BlockIQ4_XS) == 136,
               "GGUF K-quant block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 &&
                   sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24 && sizeof(BlockIQ4_NL) == 18 && sizeof(BlockMXFP4) == 17,
@@ -137,21 +144,22 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantIQ4_NL: return sizeof(BlockIQ4_NL);
     case kQuantMXFP4: return sizeof(BlockMXFP4);
     case kQuantIQ4_XS: return sizeof(BlockIQ4_XS);
+    case kQuantQ2_K: return sizeof(BlockQ2_K);
     case kQuantQ3_K: return sizeof(BlockQ3_K);
     case kQuantQ4_K: return sizeof(BlockQ4_K);
     case kQuantQ5_K: return sizeof(BlockQ5_K);
     case kQuantQ6_K: return sizeof(BlockQ6_K);
     default:
       TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
-                  "Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, MXFP4=39, Q4_0r8=1002, Q4_1r8=1003)");
+                  "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, MXFP4=39, Q4_0r8=1002, Q4_1r8=1003)");
   }
   return 0;
 }
 
 // Weights per block of `format` (256 for the K-quants, else 32; block_bytes refuses unknown ids).
 inline int64_t block_weights(int64_t format) {
-  return format == kQuantQ3_K || format == kQuantQ4_K || format == kQuantQ5_K || format == kQuantQ6_K ||
-                 format == kQuantIQ4_XS
+  return format == kQuantQ2_K || format == kQuantQ3_K || format == kQuantQ4_K || format == kQuantQ5_K ||
+                 format == kQuantQ6_K || format == kQuantIQ4_XS
              ? kSuperBlock
              : kBlock;
 }
@@ -206,11 +214,27 @@ inline void quantize_row(const float* x, int64_t k_len, int8_t* q, float* d, flo
 }
 
 // Activation rows quantized for the int8 path (quantize_row): quants [M][K], block scales and
-// scaled sums [M][nb].
+// scaled sums [M][nb]; for Q2_K's mins (one per 16 weights) also the halves' scaled sums (add_half_sums).
 struct ActPlanes {
   int64_t nb = 0;
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<float> h;  // [M][2 nb]: d[b] * sum of quants 0..15, then 16..31, of each block b
+
+  // Fills h from the quants (each half's integer sum, scaled as s is: one rounding).
+  void add_half_sums() {
+    h.resize(2 * d.size());
+    for (size_t b = 0; b < d.size(); ++b) {
+      const int8_t* qb = &q[b * kBlock];
+      int lo = 0, hi = 0;
+      for (int i = 0; i < kBlock / 2; ++i) {
+        lo += qb[i];
+        hi += qb[i + kBlock / 2];
+      }
+      h[2 * b] = d[b] * static_cast<float>(lo);
+      h[2 * b + 1] = d[b] * static_cast<float>(hi);
+    }
+  }
 
   ActPlanes(const at::Tensor& x, int64_t k_len) : nb(k_len / kBlock) {
     const int64_t m_len = x.size(0);
@@ -275,7 +299,9 @@ using BlockOf = std::conditional_t<
                                                        F == kQuantMXFP4, BlockMXFP4,
                                                    std::conditional_t<
                                                        F == kQuantIQ4_XS, BlockIQ4_XS,
-                                                       std::conditional_t<F == kQuantQ3_K, BlockQ3_K, void>>>>>>>>>>>>;
+                                                       std::conditional_t<F == kQuantQ3_K, BlockQ3_K,
+                                                                          std::conditional_t<F == kQuantQ2_K, BlockQ2_K,
+                                                                                             void>>>>>>>>>>>>>;
 
 template <int64_t F>
 inline constexpr bool kIsQ5 = F == kQuantQ5_0 || F == kQuantQ5_1;
@@ -285,9 +311,12 @@ inline constexpr bool kSignedQuants = F == kQuantQ8_0 || F == kQuantIQ4_NL || F 
 template <int64_t F>
 inline constexpr const int8_t* kTableOf = F == kQuantMXFP4 ? kMXFP4Values : kIQ4Values;
 template <int64_t F>
-inline constexpr bool kIsK = F == kQuantQ3_K || F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K || F == kQuantIQ4_XS;
+inline constexpr bool kIsK =
+    F == kQuantQ2_K || F == kQuantQ3_K || F == kQuantQ4_K || F == kQuantQ5_K || F == kQuantQ6_K || F == kQuantIQ4_XS;
 template <int64_t F>
 inline constexpr bool kHasMins = F == kQuantQ4_K || F == kQuantQ5_K;  // K-quants of w = d sc q - dmin m
+template <int64_t F>
+inline constexpr bool kHalfMins = F == kQuantQ2_K;  // w = d sc q - dmin m with a scale and a min per 16 weights
 template <int64_t F>
 inline constexpr int64_t kWeightsOf = kIsK<F> ? kSuperBlock : kBlock;  // weights per block
 template <int64_t F>
@@ -417,14 +446,17 @@ inline int q3k_scale(const BlockQ3_K& blk, int i) {
   return low | (((blk.scales[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
 }
 
-// The scales of a signed K-quant's sub-block j (Q3_K, Q6_K, IQ4_XS), `scale` its fp16 d: lo for its
-// weights 0..15, hi for 16..31 (Q3_K: d (sc - 32), Q6_K: d sc of each 16; IQ4_XS: d (ls_j - 32) for all
-// 32). Exact products.
+// The scales of a K-quant's sub-block j with a scale per 16 or 32 weights (Q2_K, Q3_K, Q6_K, IQ4_XS),
+// `scale` its fp16 d: lo for its weights 0..15, hi for 16..31 (Q2_K: d sc, its mins from q2k_sub_mins;
+// Q3_K: d (sc - 32), Q6_K: d sc of each 16; IQ4_XS: d (ls_j - 32) for all 32). Exact products.
 template <int64_t F>
 inline void ksub_scales(const BlockOf<F>& blk, float scale, int j, float& lo, float& hi) {
   if constexpr (F == kQuantQ6_K) {
     lo = scale * static_cast<float>(blk.scales[2 * j]);
     hi = scale * static_cast<float>(blk.scales[2 * j + 1]);
+  } else if constexpr (F == kQuantQ2_K) {
+    lo = scale * static_cast<float>(blk.scales[2 * j] & 0x0F);
+    hi = scale * static_cast<float>(blk.scales[2 * j + 1] & 0x0F);
   } else if constexpr (F == kQuantQ3_K) {
     lo = scale * static_cast<float>(q3k_scale(blk, 2 * j) - 32);
     hi = scale * static_cast<float>(q3k_scale(blk, 2 * j + 1) - 32);
@@ -432,12 +464,19 @@ inline void ksub_scales(const BlockOf<F>& blk, float scale, int j, float& lo, fl
     const int ls = ((blk.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | (((blk.scales_h >> (2 * j)) & 3) << 4);
     lo = hi = scale * static_cast<float>(ls - 32);
   } else {
-    static_assert(kNoFormat<F>, "ksub_scales: Q3_K, Q6_K, IQ4_XS");
+    static_assert(kNoFormat<F>, "ksub_scales: Q2_K, Q3_K, Q6_K, IQ4_XS");
   }
 }
 
+// Q2_K's min terms of sub-block j, `min_scale` its fp16 dmin: lo = -(dmin m) of its weights 0..15, hi of
+// 16..31 (exact products: an fp16 times a 4-bit integer).
+inline void q2k_sub_mins(const BlockQ2_K& blk, float min_scale, int j, float& lo, float& hi) {
+  lo = -(min_scale * static_cast<float>(blk.scales[2 * j] >> 4));
+  hi = -(min_scale * static_cast<float>(blk.scales[2 * j + 1] >> 4));
+}
+
 // Quant l of sub-block j: Q4_K's unsigned nibble, Q5_K's unsigned 5-bit quant, Q6_K's signed q - 32,
-// IQ4_XS's table value, Q3_K's signed 3-bit quant.
+// IQ4_XS's table value, Q3_K's signed 3-bit quant, Q2_K's unsigned 2-bit quant.
 template <int64_t F>
 inline int ksub_q(const BlockOf<F>& blk, int j, int l) {
   if constexpr (F == kQuantQ4_K) {
@@ -455,19 +494,21 @@ inline int ksub_q(const BlockOf<F>& blk, int j, int l) {
     const int h = j / 4, g = j % 4;
     const int low = (blk.qs[32 * h + l] >> (2 * g)) & 3;
     return ((blk.hmask[l] >> (4 * h + g)) & 1) ? low : low - 4;
+  } else if constexpr (F == kQuantQ2_K) {
+    return (blk.qs[32 * (j / 4) + l] >> (2 * (j % 4))) & 3;
   } else if constexpr (F == kQuantIQ4_XS) {
     const uint8_t byte = blk.q[16 * j + l % 16];
     return kIQ4Values[l < 16 ? byte & 0x0F : byte >> 4];
   } else {
-    static_assert(kNoFormat<F>, "ksub_q: Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS");
+    static_assert(kNoFormat<F>, "ksub_q: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS");
   }
 }
 
 #if defined(__AVX2__)
 inline __m256i shift_right16(__m256i v, int bits) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(bits)); }
 
-// The 32 quants of sub-block j in element order (ksub_q), as bytes: Q4_K / Q5_K unsigned, Q3_K / Q6_K / IQ4_XS
-// signed.
+// The 32 quants of sub-block j in element order (ksub_q), as bytes: Q2_K / Q4_K / Q5_K unsigned, Q3_K / Q6_K /
+// IQ4_XS signed.
 template <int64_t F>
 inline __m256i ksub_quants(const BlockOf<F>& blk, int j) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -493,27 +534,33 @@ inline __m256i ksub_quants(const BlockOf<F>& blk, int j) {
     const __m256i low = _mm256_and_si256(shift_right16(qraw, 2 * g), _mm256_set1_epi8(3));
     const __m256i high = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, 4 * h + g), _mm256_set1_epi8(1)), 2);
     return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(4));
+  } else if constexpr (F == kQuantQ2_K) {
+    const __m256i qraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk.qs + 32 * (j / 4)));
+    return _mm256_and_si256(shift_right16(qraw, 2 * (j % 4)), _mm256_set1_epi8(3));
   } else if constexpr (F == kQuantIQ4_XS) {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
     return _mm256_shuffle_epi8(table, unpack_nibbles(blk.q + 16 * j));
   } else {
-    static_assert(kNoFormat<F>, "ksub_quants: Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS");
+    static_assert(kNoFormat<F>, "ksub_quants: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS");
   }
 }
 #endif
 
-// fp32 values of K-quant block `wb` into dst[256]: Q4_K / Q5_K d_j q + m_j (d_j q exact: one rounding),
+// fp32 values of K-quant block `wb` into dst[256]: Q2_K / Q4_K / Q5_K d_j q + m_j (d_j q exact: one rounding),
 // Q3_K / Q6_K / IQ4_XS (d sc) q (one rounding of the exact product): the reference's values.
 template <int64_t F>
 inline void dequant_kblock(const void* wb, float* dst) {
   const auto& blk = *static_cast<const BlockOf<F>*>(wb);
+  constexpr bool kMins = kHasMins<F> || kHalfMins<F>;
   for (int j = 0; j < kSuperBlock / kBlock; ++j) {
-    float d[2], m = 0.f;  // d[0]: weights 0..15 of the sub-block, d[1]: 16..31
+    float d[2], m[2] = {0.f, 0.f};  // [0]: weights 0..15 of the sub-block, [1]: 16..31
     if constexpr (kHasMins<F>) {
-      q4k_sub_affine(blk, j, d[0], m);
+      q4k_sub_affine(blk, j, d[0], m[0]);
       d[1] = d[0];
+      m[1] = m[0];
     } else {
       ksub_scales<F>(blk, half_to_float(blk.d), j, d[0], d[1]);
+      if constexpr (kHalfMins<F>) q2k_sub_mins(blk, half_to_float(blk.dmin), j, m[0], m[1]);
     }
     float* out = dst + j * kBlock;
 #if defined(__AVX2__)
@@ -522,15 +569,15 @@ inline void dequant_kblock(const void* wb, float* dst) {
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int u = 0; u < 4; ++u) {
       const __m256 vd = _mm256_set1_ps(d[u / 2]);
-      if constexpr (kHasMins<F>) {
+      if constexpr (kMins) {
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[u]));
-        _mm256_storeu_ps(out + 8 * u, _mm256_fmadd_ps(q, vd, _mm256_set1_ps(m)));
+        _mm256_storeu_ps(out + 8 * u, _mm256_fmadd_ps(q, vd, _mm256_set1_ps(m[u / 2])));
       } else {
         _mm256_storeu_ps(out + 8 * u, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[u])), vd));
       }
     }
 #else
-    for (int l = 0; l < kBlock; ++l) out[l] = d[l / 16] * static_cast<float>(ksub_q<F>(blk, j, l)) + m;
+    for (int l = 0; l < kBlock; ++l) out[l] = d[l / 16] * static_cast<float>(ksub_q<F>(blk, j, l)) + m[l / 16];
 #endif
   }
 }

@@ -1,5 +1,5 @@
-// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in their
-// packed blocks.
+// Linear layers on GGUF-quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4; Q2_K, Q3_K, Q4_K, Q5_K,
+// Q6_K, IQ4_XS), read in their packed blocks.
 //
 // Layout (ops/reference/quant.py): weight row n is K / 32 blocks of 32 consecutive weights along K.
 // At small M a layer is bound by reading the weight, so the packed bytes (4.5-8.5 bits per weight
@@ -102,27 +102,32 @@ void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, co
 // one activation block): per sub-block one integer dot product and one FMA, as a Q4_1 (Q4_K / Q5_K:
 // its scale d sc_j and min term; Q5_K's quants up to 31, as Q5_1's) or Q8_0 block (Q6_K: the signed
 // q - 32; Q3_K: q - 4 or q; IQ4_XS: its table values; the sign moved onto the activations; the dot product's lanes 0-3
-// are the sub-block's first 16 weights, 4-7 the next 16, each lane scaled by its 16 weights' scale). Sub-blocks alternate between two accumulator sets.
+// are the sub-block's first 16 weights, 4-7 the next 16, each lane scaled by its 16 weights' scale). Q2_K
+// (a scale and a min per 16 weights) is Q4_K's case with lanes split so: its unsigned 2-bit quants' dot
+// scaled per half, each half's min times that half's scaled activation sum (`as` is then ActPlanes::h,
+// [M][2 nb]). Sub-blocks alternate between two accumulator sets.
 template <int64_t F, int M>
 void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
                  const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
   using Block = BlockOf<F>;
   constexpr int kSubs = kSuperBlock / kBlock;
   const int64_t k_len = nb * kBlock, nsb = nb / kSubs;
+  [[maybe_unused]] const int64_t lds = 2 * nb;  // Q2_K: the row stride of the half sums
   for (int64_t n = begin; n < end; ++n) {
     const Block* row = reinterpret_cast<const Block*>(w + n * row_bytes);
 #if defined(__AVX2__)
     __m256 acc[2][M];
-    float extra[2][M] = {};  // the Q4_K / Q5_K min terms
+    float extra[2][M] = {};  // the Q2_K / Q4_K / Q5_K min terms
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const Block& blk = row[sb];
       [[maybe_unused]] float wd[kSubs], wm[kSubs];
-      [[maybe_unused]] float scale = 0.f;
+      [[maybe_unused]] float scale = 0.f, min_scale = 0.f;
       if constexpr (kHasMins<F>) {
         q4k_affines(blk, wd, wm);
       } else {
         scale = half_to_float(blk.d);
+        if constexpr (kHalfMins<F>) min_scale = half_to_float(blk.dmin);
       }
       for (int j = 0; j < kSubs; ++j) {
         const int64_t b = sb * kSubs + j;
@@ -134,6 +139,18 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, load32(q + m * k_len + b * kBlock)));
             acc[par][m] = _mm256_fmadd_ps(dot, _mm256_set1_ps(wd[j] * ad[m * nb + b]), acc[par][m]);
             extra[par][m] += wm[j] * as[m * nb + b];
+          }
+        } else if constexpr (kHalfMins<F>) {
+          float lo, hi, mlo, mhi;
+          ksub_scales<F>(blk, scale, j, lo, hi);
+          q2k_sub_mins(blk, min_scale, j, mlo, mhi);
+          const __m256 sv = _mm256_setr_m128(_mm_set1_ps(lo), _mm_set1_ps(hi));
+          const __m256i wu = ksub_quants<F>(blk, j);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const __m256 dot = _mm256_cvtepi32_ps(dot_u8s8(wu, load32(q + m * k_len + b * kBlock)));
+            acc[par][m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sv, _mm256_set1_ps(ad[m * nb + b])), acc[par][m]);
+            extra[par][m] += mlo * as[m * lds + 2 * b] + mhi * as[m * lds + 2 * b + 1];
           }
         } else {
           float lo, hi;
@@ -169,12 +186,14 @@ void int8_rows_k(const int8_t* q, const float* ad, const float* as, int64_t nb, 
             acc[m] += wd * ad[m * nb + b] * static_cast<float>(sum);
             extra[m] += wm * as[m * nb + b];
           } else {
-            float sd[2];
+            float sd[2], sm[2] = {0.f, 0.f};
             ksub_scales<F>(blk, half_to_float(blk.d), j, sd[0], sd[1]);
+            if constexpr (kHalfMins<F>) q2k_sub_mins(blk, half_to_float(blk.dmin), j, sm[0], sm[1]);
             for (int half = 0; half < 2; ++half) {
               int32_t sum = 0;
               for (int l = 16 * half; l < 16 * half + 16; ++l) sum += ksub_q<F>(blk, j, l) * a[l];
               acc[m] += sd[half] * ad[m * nb + b] * static_cast<float>(sum);
+              if constexpr (kHalfMins<F>) extra[m] += sm[half] * as[m * lds + 2 * b + half];
             }
           }
         }
@@ -209,8 +228,9 @@ void int8_group(const at::Tensor& out, const ActPlanes& act, int64_t row0, const
     if constexpr (kIsK<F>) return int8_rows_k<F, M>;
     else return int8_rows<F, M>;
   }();
-  rows(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nb, w,
-       row_bytes_of(F, nb * kBlock), bias, out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
+  const float* sums = kHalfMins<F> ? act.h.data() + row0 * 2 * nb : act.s.data() + row0 * nb;
+  rows(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, sums, nb, w, row_bytes_of(F, nb * kBlock), bias,
+       out.data_ptr<float>() + row0 * ldo, ldo, begin, end);
 }
 
 template <int64_t F, int M>
@@ -246,6 +266,9 @@ void run_format(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, in
   const at::Tensor x_int8 = x.narrow(0, exact, m_len - exact), out_int8 = out.narrow(0, exact, m_len - exact);
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x_int8, k_len);
+  if constexpr (kHalfMins<F>) {
+    if (act) act->add_half_sums();
+  }
   // Chunks of at least ~64 KiB of packed weights, about eight per thread.
   const int64_t chunk = row_chunk(n_len, row_bytes_of(F, k_len), 64 * 1024);
   parallel_chunks(n_len, chunk, [&](int64_t begin, int64_t end) {
@@ -291,6 +314,7 @@ void quant_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& 
     case kQuantQ5_1: return run_format<kQuantQ5_1>(out, x, w, n_len, k_len, b, exact);
     case kQuantIQ4_NL: return run_format<kQuantIQ4_NL>(out, x, w, n_len, k_len, b, exact);
     case kQuantMXFP4: return run_format<kQuantMXFP4>(out, x, w, n_len, k_len, b, exact);
+    case kQuantQ2_K: return run_format<kQuantQ2_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ3_K: return run_format<kQuantQ3_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ4_K: return run_format<kQuantQ4_K>(out, x, w, n_len, k_len, b, exact);
     case kQuantQ5_K: return run_format<kQuantQ5_K>(out, x, w, n_len, k_len, b, exact);
@@ -319,6 +343,7 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
       case kQuantQ5_1: return dequant_rows<kQuantQ5_1>(w, op, k_len, begin, end);
       case kQuantIQ4_NL: return dequant_rows<kQuantIQ4_NL>(w, op, k_len, begin, end);
       case kQuantMXFP4: return dequant_rows<kQuantMXFP4>(w, op, k_len, begin, end);
+      case kQuantQ2_K: return dequant_rows<kQuantQ2_K>(w, op, k_len, begin, end);
       case kQuantQ3_K: return dequant_rows<kQuantQ3_K>(w, op, k_len, begin, end);
       case kQuantQ4_K: return dequant_rows<kQuantQ4_K>(w, op, k_len, begin, end);
       case kQuantQ5_K: return dequant_rows<kQuantQ5_K>(w, op, k_len, begin, end);

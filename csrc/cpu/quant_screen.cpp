@@ -110,9 +110,10 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
               "quant_screened_argmax: qweight must be contiguous uint8 [vocab, row bytes]");
   TORCH_CHECK(format == kQuantQ8_0 || format == kQuantQ4_0 || format == kQuantQ4_1 || format == kQuantQ5_0 ||
                   format == kQuantQ5_1 || format == kQuantQ4_K || format == kQuantQ5_K || format == kQuantQ6_K ||
-                  format == kQuantIQ4_NL || format == kQuantMXFP4 || format == kQuantIQ4_XS || format == kQuantQ3_K,
+                  format == kQuantIQ4_NL || format == kQuantMXFP4 || format == kQuantIQ4_XS || format == kQuantQ3_K ||
+                  format == kQuantQ2_K,
               "quant_screened_argmax: the lm_head must be in a GGUF block order (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
-              "Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS, Q3_K); got ", format);
+              "Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS, Q3_K, Q2_K); got ", format);
   TORCH_CHECK(k_len % block_weights(format) == 0 && qweight.size(1) == row_bytes_of(format, k_len),
               "quant_screened_argmax: qweight rows do not hold K = ", k_len, " weights");
   TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == vocab,
@@ -161,6 +162,7 @@ void quant_screened_argmax(const at::Tensor& out, const at::Tensor& candidates, 
         case kQuantQ5_1: tokens[r] = row_token<kQuantQ5_1>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantIQ4_NL: tokens[r] = row_token<kQuantIQ4_NL>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantMXFP4: tokens[r] = row_token<kQuantMXFP4>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
+        case kQuantQ2_K: tokens[r] = row_token<kQuantQ2_K>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ3_K: tokens[r] = row_token<kQuantQ3_K>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ4_K: tokens[r] = row_token<kQuantQ4_K>(a, vocab, np, x, k_len, w, scale, counts[r]); break;
         case kQuantQ5_K: tokens[r] = row_token<kQuantQ5_K>(a, vocab, np, x, k_len, w, scale, counts[r]); break;

@@ -3,14 +3,14 @@
 Tensors are read with `gguf.GGUFReader` (memory-mapped); what each format becomes is the format
 table's (`ops.reference.formats`: `runs`), and a format not in it is refused by name:
 
-- weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) become
+- weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) become
   `QuantLinear`
   modules; q/k/v and gate/up are stacked as packed row shards (one buffer when their formats
   agree); Q4_0 / Q4_1 decoder weights
   are repacked eight rows at a time (`ops.quant.interleave`: the same bytes in the order the CPU
   kernel reads fastest);
 - F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32, and tensors in a
-  format without a kernel (Q2_K) are dequantized to fp32 at load
+  format without a kernel (none of the table's today) are dequantized to fp32 at load
   with the table's reference dequantization (the `gguf` package's bits);
 - a linear layer whose shards are not all packed (e.g. Q4_K q beside Q8_0 v) stays the model's fp32
   `Linear` with every shard dequantized, so one module runs one path (the deterministic mode's
@@ -33,7 +33,7 @@ the fused decoder serve it (SmolLM2 in a Q4_K_M-like mix: passage NLL 3.6581 deq
 requantized; a one-row decode step 65 ms vs 22.5 ms on two threads).
 
 Any other tensor type raises `ModelLoadError` naming the tensor and its type. One log line lists
-the formats found and the path each took ("Q2_K: 16 tensors, dequantized at load to float32").
+the formats found and the path each took ("Q2_K: 16 tensors, packed (quantized kernels)").
 
 Under tensor parallelism (`model.shard`) each rank keeps its slices only (`_rank_slices`): packed
 rows are whole blocks (32 or 256 weights) along the input dimension, so column-parallel cuts (q/k/v,

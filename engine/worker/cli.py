@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                             "directory beside it, else the file's own tokenizer)")
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                         help="a .gguf's tensors: auto serves them in their own formats (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/"
-                             "IQ4_NL/MXFP4 and the K-quants Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS read in place; Q2_K, which has "
-                             "no kernel, dequantized to fp32); "
+                             "IQ4_NL/MXFP4 and the K-quants Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS read in place; a format "
+                             "without a kernel dequantized to fp32); "
                              "requantize serves those as Q8_0 (4x less memory, the packed kernels); dequantize "
                              "converts every tensor to --dtype at load")
     parser.add_argument("--served-model-name", help="model name clients ask for (default: the directory name; "

@@ -242,7 +242,7 @@ TABLE: tuple[GGMLFormat, ...] = (
     GGMLFormat("Q5_0", 6, 32, 22, PACKED, _q5_0),
     GGMLFormat("Q5_1", 7, 32, 24, PACKED, _q5_1),
     GGMLFormat("Q8_0", 8, 32, 34, PACKED, _q8_0),
-    GGMLFormat("Q2_K", 10, 256, 84, DEQUANTIZED, _q2_k),
+    GGMLFormat("Q2_K", 10, 256, 84, PACKED, _q2_k),
     GGMLFormat("Q3_K", 11, 256, 110, PACKED, _q3_k),
     GGMLFormat("Q4_K", 12, 256, 144, PACKED, _q4_k),
     GGMLFormat("Q5_K", 13, 256, 176, PACKED, _q5_k),

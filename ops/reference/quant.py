@@ -1,8 +1,8 @@
 """GGUF block formats in plain torch: the oracle of the quantized-linear kernels.
 
 A quantized weight ``[N, K]`` is stored as uint8 ``[N, K / block_size * block_bytes]``: each row
-(one output feature) is blocks of 32 (256 for Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS) consecutive weights along K, in ggml's
-byte layout (the K-quants' in ops/reference/formats.py):
+(one output feature) is blocks of 32 (256 for Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_XS) consecutive weights
+along K, in ggml's byte layout (the K-quants' in ops/reference/formats.py):
 
 - Q8_0 (34 bytes): fp16 scale d, 32 int8 q; w = d * q.
 - Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles; w = d * (q - 8).
@@ -29,11 +29,11 @@ import torch
 from ops.reference import formats, quantizers
 
 BLOCK = 32
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
     formats.by_name(name).type_id
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
 MXFP4 = formats.by_name("MXFP4").type_id
-K_BLOCKS = (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
+K_BLOCKS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
 BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes

@@ -32,8 +32,8 @@ def test_table_ids_and_sizes_are_ggmls() -> None:
         assert fmt.type_id == qtype.value
         assert (fmt.block_size, fmt.block_bytes) == gguf.GGML_QUANT_SIZES[qtype]
     packed = {f.name for f in formats.TABLE if f.runs == formats.PACKED}
-    assert packed == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS",
-                      "MXFP4"}
+    assert packed == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                      "IQ4_XS"}
     assert set(SCALES) == {f.name for f in QUANTIZED}
 
 
@@ -117,6 +117,19 @@ def test_random_blocks_cover_every_scale_and_min(name: str) -> None:
             assert torch.unique(field[:, j]).tolist() == list(range(64))
 
 
+def test_random_blocks_cover_every_q2_k_scale_and_min() -> None:
+    """Q2_K's 4-bit scales (low nibbles) and mins (high nibbles), one pair per 16 weights: the random
+    blocks hold every value of both at every position, each beside a zero and a non-zero partner."""
+    raw = torch.from_numpy(_random_blocks(formats.by_name("Q2_K"), 4096, formats.by_name("Q2_K").type_id))
+    scales, mins = raw[:, :16] & 0x0F, raw[:, :16] >> 4
+    for i in range(16):
+        for field, other in ((scales, mins), (mins, scales)):
+            assert torch.unique(field[:, i]).tolist() == list(range(16))
+            for v in range(16):
+                partners = other[field[:, i] == v, i]
+                assert (partners == 0).any() and (partners != 0).any(), (i, v)
+
+
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
 def test_float_formats(name: str) -> None:
     values = torch.randn(6, 8)
@@ -134,12 +147,12 @@ def test_unknown_formats_are_refused_by_name() -> None:
                 formats.by_name(qtype.name)
             with pytest.raises(formats.UnsupportedFormatError, match=f"id {qtype.value} is not supported"):
                 formats.by_id(qtype.value)
-    with pytest.raises(formats.UnsupportedFormatError, match="Q2_K has no quantized kernel"):
-        formats.packed(formats.by_name("Q2_K").type_id)
-    with pytest.raises(formats.UnsupportedFormatError, match="no packed layout with id 10"):
-        ref.dequantize(torch.zeros(1, 84, dtype=torch.uint8), 10)
-    with pytest.raises(formats.UnsupportedFormatError, match="got id 10"):
-        ref.quantize(torch.zeros(1, 256), 10)
+    with pytest.raises(formats.UnsupportedFormatError, match="F16 has no quantized kernel"):
+        formats.packed(formats.by_name("F16").type_id)
+    with pytest.raises(formats.UnsupportedFormatError, match="no packed layout with id 1 "):
+        ref.dequantize(torch.zeros(1, 2, dtype=torch.uint8), 1)
+    with pytest.raises(formats.UnsupportedFormatError, match=r"got id 1$"):
+        ref.quantize(torch.zeros(1, 256), 1)
     with pytest.raises(formats.UnsupportedFormatError, match="blocks of 256 weights"):
         formats.by_name("Q6_K").row_bytes(576)
 

@@ -1,5 +1,5 @@
-"""ops.quant on the 256-weight formats kept packed (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: blocks the kernels read as eight
-32-weight sub-blocks, one activation block each): the kernels' dequantization is gguf's reference
+"""ops.quant on the 256-weight formats kept packed (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: blocks the kernels
+read as eight 32-weight sub-blocks, one activation block each): the kernels' dequantization is gguf's reference
 bit for bit over random blocks (every scale, min and fp16 class), the int8-activation rows equal
 the reference on the int8-rounded activations and the fp32 rows the fp32 product over odd row
 counts, odd N and K = 256 n, with and without bias; a row's output is the same bits alone and in
@@ -14,13 +14,13 @@ import torch
 
 import ops
 from ops.build import cpu_ops
-from ops.quant import FORMATS, IQ4_XS, Q3_K, Q4_K, Q5_K, Q6_K, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.quant import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import formats
 from ops.reference import quant as ref
 from tests.ops.test_formats import _random_blocks
 
 gguf = pytest.importorskip("gguf")
-KQUANTS = [Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS]
+KQUANTS = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS]
 SHAPES = [(37, 256), (130, 512), (96, 1536), (8, 768), (576, 256)]  # (N, K)
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, QUANT_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS + 3]
 

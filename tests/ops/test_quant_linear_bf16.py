@@ -12,7 +12,7 @@ import ops
 from ops.quant import BF16_FORMATS, FORMATS, INTERLEAVED, QuantFormat, bf16_kernel, interleave, quant_linear_bf16
 from ops.reference import quant as ref
 
-# The layouts with bf16 panels: the 32-weight formats, their r8 layouts, and the K-quants Q4_K / Q6_K.
+# The layouts with bf16 panels: the 32-weight formats, their r8 layouts, and the K-quants (Q2_K-Q6_K, IQ4_XS).
 LAYOUTS = {name: fmt for name, fmt in {**FORMATS, **{r8.name: r8 for r8 in INTERLEAVED.values()}}.items()
            if name in BF16_FORMATS}
 BASE = {r8.name: base for base, r8 in INTERLEAVED.items()}

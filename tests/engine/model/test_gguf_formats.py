@@ -1,7 +1,8 @@
-"""GGUF files in the formats without kernels (K-quants, IQ4), in the 5-bit legacy ones (packed), and
-in mixes of them with packed ones, written here from a tiny random Llama (hidden 256: K-quant rows are 256-weight
-blocks) with gguf's quantizers and ours (ops/reference/quantizers.py): the loaded weights are
-exactly transformers' dequantized load of the same file (gguf.quants.dequantize), modules mixing
+"""GGUF files in each packed format (the 5-bit legacy ones, IQ4, the K-quants Q2_K-Q6_K), in a format
+without a kernel (Q2_K with its kernels set aside: no format of the table is dequantized at load today,
+the path stays), and in mixes of them with packed ones, written here from a tiny random Llama (hidden
+256: K-quant rows are 256-weight blocks) with gguf's quantizers and ours (ops/reference/quantizers.py):
+the loaded weights are exactly transformers' dequantized load of the same file (gguf.quants.dequantize), modules mixing
 formats run in fp32, the log names each format's path, and greedy decoding equals transformers'."""
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ HEADS, KV_HEADS, LAYERS = 4, 2, 2
 _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
        "ffn_down": "mlp.down_proj"}
-DEQUANTIZED = [f.name for f in formats.TABLE if f.runs == formats.DEQUANTIZED]
+NO_KERNEL = "Q2_K"  # set aside by `without_kernel` where a test needs a format that is dequantized at load
 # A mix: layer 0 mixes formats inside q/k/v (one without a kernel, so that module runs in fp32), keeps
 # gate/up packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); a Q2_K embedding, a Q8_0 lm_head.
 MIX = {"attn_q": "Q2_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q2_K", "ffn_gate": "Q8_0",
@@ -40,6 +41,22 @@ PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7],
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-256"), hidden_size=256, intermediate_size=512,
                                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_hidden_layers=LAYERS)
+
+
+def without_kernel(monkeypatch: pytest.MonkeyPatch, name: str = NO_KERNEL) -> None:
+    """Make the format table say ``name`` has no kernel (``DEQUANTIZED``) for one test: the loader's
+    path for such a format (dequantize at load, or requantize to Q8_0) has no format of its own now."""
+    import dataclasses
+
+    fmt = dataclasses.replace(formats.BY_NAME[name], runs=formats.DEQUANTIZED)
+    monkeypatch.setitem(formats.BY_NAME, name, fmt)
+    monkeypatch.setitem(formats.BY_ID, fmt.type_id, fmt)
+
+
+@pytest.fixture
+def no_kernel(monkeypatch: pytest.MonkeyPatch) -> str:
+    without_kernel(monkeypatch)
+    return NO_KERNEL
 
 
 def _encode(weight: torch.Tensor, name: str) -> tuple[np.ndarray, object]:
@@ -142,10 +159,10 @@ def _assert_weights_equal(ours: nn.Module, hf: nn.Module) -> None:
         assert torch.equal(layer.input_layernorm.weight, state[prefix + "input_layernorm.weight"])
 
 
-@pytest.mark.parametrize("fmt", DEQUANTIZED)
-def test_each_format_loads_the_reference_dequantization(model_dir: Path, fmt: str) -> None:
+def test_a_format_without_a_kernel_loads_the_reference_dequantization(model_dir: Path, no_kernel: str) -> None:
     """Every tensor (embedding and lm_head included) in one format without a kernel: fp32 modules
     holding exactly gguf's dequantization; the quantized paths (fused decoder, int8 screen) stand aside."""
+    fmt = no_kernel
     file = write_gguf(model_dir, f"all-{fmt}", lambda kind, layer: fmt)
     ours = load_model(file)
     _assert_weights_equal(ours, _transformers_model(model_dir, file))
@@ -154,7 +171,7 @@ def test_each_format_loads_the_reference_dequantization(model_dir: Path, fmt: st
     assert ours.fused_decoder() is None and not isinstance(ours.logit_screen(), QuantLogitScreen)
 
 
-def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path) -> None:
+def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path, no_kernel: str) -> None:
     from structlog.testing import capture_logs
 
     file = write_gguf(model_dir, "mix", _mix)
@@ -180,12 +197,14 @@ def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("embedding", ["Q2_K", "Q6_K"])
-def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str) -> None:
-    """No output.weight: the lm_head is the embedding, a Q2_K one dequantized (an fp32 `Linear`
+def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No output.weight: the lm_head is the embedding, one without a kernel dequantized (an fp32 `Linear`
     sharing the embedding's storage, the bf16 screen's kind) or a Q6_K one packed (`QuantLinear`
     on the same bytes and its int8 screen); weights equal transformers' tied load, and so do greedy tokens."""
     from benchmarks.quality.quant_quality import greedy
 
+    if embedding == NO_KERNEL:
+        without_kernel(monkeypatch)
     file = write_gguf(model_dir, f"tied-{embedding}", lambda kind, layer: embedding if layer < 0 else "Q5_K",
                       tied=True)
     ours = load_model(file)
@@ -235,19 +254,19 @@ def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> lis
     return [tokens[str(i)] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("fmt", ["Q2_K"])
-def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, fmt: str) -> None:
+def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Path, no_kernel: str) -> None:
     """All weights dequantized at load (fp32 everywhere): the engine's greedy tokens (a batch of
     three) are transformers' on the same file."""
+    fmt = no_kernel
     file = write_gguf(model_dir, f"greedy-{fmt}", lambda kind, layer: fmt)
     hf = _transformers_model(model_dir, file)
     assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
     """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, IQ4_NL, MXFP4, the
-    K-quants Q3_K / Q4_K / Q5_K / Q6_K, IQ4_XS): every linear one packed `QuantLinear` in that format
+    K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, IQ4_XS): every linear one packed `QuantLinear` in that format
     (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
     weights exactly transformers' dequantized load. With fp32 activations greedy equals
     transformers'; with int8 activations (the default) the engine's first token of each prompt
@@ -280,7 +299,7 @@ def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
 
 
 @pytest.mark.skipif(ops.quant.bf16_kernel() is None, reason="no bf16 kernel (AMX-BF16 or AVX512-BF16) here")
-@pytest.mark.parametrize("fmt", ["Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_k_quant_bf16_linears_run_on_the_panels(model_dir: Path, fmt: str) -> None:
     """With bf16 linears (`dtype bfloat16`) a 40-token prompt runs the 256-weight formats' layers on the
     bf16 kernel's panels: the same bits with the fused decoder on (which takes these formats on AMX
@@ -323,7 +342,7 @@ def test_mix_greedy_equals_transformers_with_fp32_activations(model_dir: Path) -
             assert greedy(ours, prompt, 10) == _hf_greedy(hf, prompt, 10)
 
 
-def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
+def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path, no_kernel: str) -> None:
     """Packed, dequantized and float tensors own their memory (the reader's arrays are read-only
     views of the mapped file)."""
     from engine.model.gguf_weights import read_tensor
@@ -334,7 +353,7 @@ def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path) -> None:
         assert read_tensor(tensors[name]).data.numpy().flags.writeable, name
 
 
-def test_requantize_serves_every_format_packed(model_dir: Path) -> None:
+def test_requantize_serves_every_format_packed(model_dir: Path, no_kernel: str) -> None:
     """`quantization="requantize"` (`--quantization requantize`): the mix's tensors without a
     kernel become Q8_0 blocks of their dequantized weights (exactly `ref.quantize` of transformers'
     load), every linear is packed, the log says so; with fp32 activations greedy equals

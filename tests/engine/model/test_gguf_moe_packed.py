@@ -321,10 +321,16 @@ def test_grouping_matches_the_fp32_experts_on_the_same_values(tmp_path: Path) ->
         torch.testing.assert_close(block.experts(x, *grouped), fp32(x, *grouped), rtol=1e-5, atol=1e-5)
 
 
-def test_experts_without_a_kernel_are_dequantized_with_a_log_line(tmp_path: Path) -> None:
-    """Q2_K experts (no packed kernel) beside Q8_0 layers: the experts run as fp32 `Experts` holding the
-    file's values, the log says so, the rest stays packed, and greedy with fp32 activations is the oracle's."""
+def test_experts_without_a_kernel_are_dequantized_with_a_log_line(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q2_K experts, the table set to give Q2_K no kernel (as no format has one today), beside Q8_0
+    layers: the experts run as fp32 `Experts` holding the file's values, the log says so, the rest
+    stays packed, and greedy with fp32 activations is the oracle's."""
     from structlog.testing import capture_logs
+
+    from tests.engine.model.test_gguf_formats import without_kernel
+
+    without_kernel(monkeypatch, "Q2_K")
 
     _byte_tokenizer().save_pretrained(str(tmp_path))
     file = tmp_path / "model.gguf"
