@@ -15,8 +15,8 @@ from ops.reference import quant as ref
 from ops.screen import bf16_packing_available, native_bf16, screen_logits
 
 # Every packed format (GGUF order) an lm_head can be stored in.
-SCREENED = [Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, FORMATS["IQ4_NL"], FORMATS["MXFP4"], FORMATS["Q2_K"], FORMATS["Q3_K"], Q4_K, Q5_K, Q6_K,
-            FORMATS["IQ4_XS"]]
+SCREENED = [Q8_0, Q4_1, Q4_0, Q5_0, Q5_1, FORMATS["IQ4_NL"], FORMATS["MXFP4"], FORMATS["Q2_K"], FORMATS["Q3_K"],
+            Q4_K, Q5_K, Q6_K, FORMATS["IQ4_XS"]]
 
 
 def _lm_head(fmt: QuantFormat, vocab: int, hidden: int, seed: int) -> QuantLinear:
