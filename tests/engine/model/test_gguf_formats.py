@@ -358,8 +358,8 @@ def test_requantize_serves_every_format_packed(model_dir: Path, no_kernel: str) 
     kernel become Q8_0 blocks of their dequantized weights (exactly `ref.quantize` of transformers'
     load), every linear is packed, the log says so; with fp32 activations greedy equals
     transformers holding the requantized weights. A packed format
-    (Q5_0) stays as stored, so a module mixing it with requantized shards runs on the module path
-    (the fused decoder takes one format per linear)."""
+    (Q5_0) stays as stored, so a module mixes it with requantized shards, which the fused decoder
+    runs shard by shard."""
     from structlog.testing import capture_logs
 
     from benchmarks.quality.quant_quality import greedy, set_int8_activations
@@ -379,9 +379,9 @@ def test_requantize_serves_every_format_packed(model_dir: Path, no_kernel: str) 
     linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, QuantLinear))]
     assert all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
     assert isinstance(ours.model.embed_tokens, QuantEmbedding)
-    # layer 0's qkv holds Q5_0 (packed as stored) beside requantized Q8_0 shards: the module path
+    # layer 0's qkv holds Q5_0 (packed as stored) beside requantized Q8_0 shards: fused, shard by shard
     assert ours.model.layers[0].self_attn.qkv_proj.formats == [ops.quant.Q8_0, ops.quant.Q5_0, ops.quant.Q8_0]
-    assert ours.fused_decoder() is None
+    assert ours.fused_decoder() is not None
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
     assert "Q5_0: 1 tensors, packed (quantized kernels)" in line["formats"]
     assert "Q2_K: 4 tensors, requantized at load to Q8_0 (quantized kernels)" in line["formats"]
