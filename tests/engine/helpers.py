@@ -37,6 +37,16 @@ def smollm2_prompt_ids(model_dir: Path) -> list[list[int]]:
     return raw + chat
 
 
+def argmax_greedy(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """`new_tokens` greedy tokens of an in-memory transformers `model` after `prompt`: the whole
+    sequence's forward per token, its last row's argmax (no cache, no generation config)."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(new_tokens):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
               dtype: torch.dtype = torch.float32) -> list[list[int]]:
     """Hugging Face generate(do_sample=False), one prompt at a time (no padding effects),

@@ -20,6 +20,7 @@ from engine.model import load_model
 from engine.model.quant_linear import QuantEmbedding, QuantLinear
 from engine.model.quant_screen import QuantLogitScreen
 from ops.reference import formats, quantizers
+from tests.engine.helpers import argmax_greedy
 from tests.engine.model.gguf_writing import add_decoder_shape
 from tests.fixtures.models import make_tiny_model_dir
 
@@ -219,7 +220,7 @@ def test_tied_embedding_dequantized_or_packed(model_dir: Path, embedding: str, m
         assert isinstance(ours.logit_screen(), QuantLogitScreen)
     hf = _transformers_model(model_dir, file)
     with torch.inference_mode():
-        assert greedy(ours, PROMPTS[0], 8) == _hf_greedy(hf, PROMPTS[0], 8)
+        assert greedy(ours, PROMPTS[0], 8) == argmax_greedy(hf, PROMPTS[0], 8)
 
 
 def test_unsupported_format_is_refused_by_name(model_dir: Path) -> None:
@@ -229,13 +230,6 @@ def test_unsupported_format_is_refused_by_name(model_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"'blk\.1\.ffn_up\.weight' is TQ2_0, which pagedserve does not read"):
         load_model(bad)
 
-
-def _hf_greedy(model: nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(new_tokens):
-            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
 
 
 def _engine_greedy(file: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -260,7 +254,7 @@ def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Pat
     fmt = no_kernel
     file = write_gguf(model_dir, f"greedy-{fmt}", lambda kind, layer: fmt)
     hf = _transformers_model(model_dir, file)
-    assert _engine_greedy(file, PROMPTS, 10) == [_hf_greedy(hf, p, 10) for p in PROMPTS]
+    assert _engine_greedy(file, PROMPTS, 10) == [argmax_greedy(hf, p, 10) for p in PROMPTS]
 
 
 @pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
@@ -289,7 +283,7 @@ def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
     assert (ours.fused_decoder() is not None) == (fmt in ops.quant.BF16_FORMATS or not ops.quant.amx_bf16())
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
     assert f"{fmt}: 16 tensors, packed (quantized kernels)" in line["formats"]
-    expected = [_hf_greedy(hf, p, 10) for p in PROMPTS]
+    expected = [argmax_greedy(hf, p, 10) for p in PROMPTS]
     set_int8_activations(ours, False)
     with torch.inference_mode():
         assert [greedy(ours, p, 10) for p in PROMPTS] == expected
@@ -339,7 +333,7 @@ def test_mix_greedy_equals_transformers_with_fp32_activations(model_dir: Path) -
     hf = _transformers_model(model_dir, file)
     with torch.inference_mode():
         for prompt in PROMPTS:
-            assert greedy(ours, prompt, 10) == _hf_greedy(hf, prompt, 10)
+            assert greedy(ours, prompt, 10) == argmax_greedy(hf, prompt, 10)
 
 
 def test_read_tensor_copies_out_of_the_memory_map(model_dir: Path, no_kernel: str) -> None:
@@ -388,7 +382,7 @@ def test_requantize_serves_every_format_packed(model_dir: Path, no_kernel: str) 
     set_int8_activations(ours, False)
     with torch.inference_mode():
         for prompt in PROMPTS:
-            assert greedy(ours, prompt, 10) == _hf_greedy(hf, prompt, 10)
+            assert greedy(ours, prompt, 10) == argmax_greedy(hf, prompt, 10)
 
 
 def _smollm2_q4_k_m(kind: str, layer: int) -> str:

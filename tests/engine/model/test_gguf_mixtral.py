@@ -24,7 +24,7 @@ from engine.model.loader import ModelLoadError, load_hf_config
 from engine.model.moe import Experts, SparseMoE
 from engine.model.packed_experts import PackedExperts
 from engine.model.quant_linear import QuantLinear
-from tests.engine.helpers import assert_no_leaks, generated
+from tests.engine.helpers import argmax_greedy, assert_no_leaks, generated
 from tests.engine.model.gguf_writing import assert_fp32_activation_logits_match, write_llama_gguf
 from tests.engine.model.test_moe_families import _mlp_inputs
 from tests.engine.model.test_sliding_window import TINY, prompt_ids
@@ -64,13 +64,6 @@ def _oracle(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     hf.load_state_dict(state)
     return hf
 
-
-def _hf_greedy(hf: nn.Module, prompt: list[int], new: int) -> list[int]:
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(new):
-            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}{'-split' if s else ''}" for f, s in CASES])
@@ -132,7 +125,7 @@ def test_fp32_activation_logits_and_greedy_equal_transformers(case: tuple[Path, 
     ours = load_model(file)
     assert_fp32_activation_logits_match(ours, hf)
     set_int8_activations(ours, False)
-    assert [greedy(ours, p, NEW) for p in PROMPTS] == [_hf_greedy(hf, p, NEW) for p in PROMPTS]
+    assert [greedy(ours, p, NEW) for p in PROMPTS] == [argmax_greedy(hf, p, NEW) for p in PROMPTS]
 
 
 def test_f32_engine_greedy_equals_transformers(case: tuple[Path, nn.Module, str]) -> None:
@@ -141,7 +134,7 @@ def test_f32_engine_greedy_equals_transformers(case: tuple[Path, nn.Module, str]
         pytest.skip("the engine's greedy on packed files runs int8 activations (checked above with fp32)")
     llm = LLM(str(file), kv_cache_memory=1 << 24, dtype="float32")
     params = SamplingParams(temperature=0.0, max_tokens=NEW, min_tokens=NEW)
-    assert generated(llm.generate(PROMPTS, params)) == [_hf_greedy(hf, p, NEW) for p in PROMPTS]
+    assert generated(llm.generate(PROMPTS, params)) == [argmax_greedy(hf, p, NEW) for p in PROMPTS]
     assert_no_leaks(llm)
 
 

@@ -33,7 +33,7 @@ from engine.model.moe import Experts, SparseMoE, group_by_expert
 from engine.model.packed_experts import PackedExperts
 from engine.model.quant_linear import QuantLinear, all_linears_quantized
 from ops.reference import formats, quantizers
-from tests.engine.helpers import assert_no_leaks, generated
+from tests.engine.helpers import argmax_greedy, assert_no_leaks, generated
 from tests.engine.model.gguf_writing import add_decoder_shape
 from tests.engine.model.test_moe_families import _mlp_inputs
 from tests.engine.model.test_sliding_window import prompt_ids
@@ -171,13 +171,6 @@ def _oracle(file: Path, state: dict[str, torch.Tensor]) -> nn.Module:
     return hf
 
 
-def _hf_greedy(hf: nn.Module, prompt: list[int], new: int) -> list[int]:
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(new):
-            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
-
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{m}-{f}" for m, f in CASES])
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module, str]:
@@ -237,7 +230,7 @@ def test_fp32_activation_logits_and_greedy_equal_transformers(case: tuple[Path, 
     logits += [harness.step([], [seq]) for _ in range(10)]
     torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
     with torch.inference_mode():
-        assert [greedy(ours, p, NEW) for p in PROMPTS] == [_hf_greedy(hf, p, NEW) for p in PROMPTS]
+        assert [greedy(ours, p, NEW) for p in PROMPTS] == [argmax_greedy(hf, p, NEW) for p in PROMPTS]
 
 
 def _engine(file: Path, **kwargs: Any) -> LLM:
@@ -254,7 +247,7 @@ def test_engine_int8_first_tokens_and_batch_invariance(case: tuple[Path, nn.Modu
     file, hf, _ = case
     llm = _engine(file, max_num_batched_tokens=16)
     together = generated(llm.generate(PROMPTS, GREEDY))
-    assert [t[0] for t in together] == [_hf_greedy(hf, p, 1)[0] for p in PROMPTS]
+    assert [t[0] for t in together] == [argmax_greedy(hf, p, 1)[0] for p in PROMPTS]
     assert together == [generated(llm.generate([p], GREEDY))[0] for p in PROMPTS]
     assert_no_leaks(llm)
 
@@ -348,7 +341,7 @@ def test_experts_without_a_kernel_are_dequantized_with_a_log_line(tmp_path: Path
     hf = _oracle(file, state)
     set_int8_activations(ours, False)
     with torch.inference_mode():
-        assert [greedy(ours, p, NEW) for p in PROMPTS] == [_hf_greedy(hf, p, NEW) for p in PROMPTS]
+        assert [greedy(ours, p, NEW) for p in PROMPTS] == [argmax_greedy(hf, p, NEW) for p in PROMPTS]
 
 
 def test_dequantized_load_holds_the_files_values(case: tuple[Path, nn.Module, str]) -> None:

@@ -198,30 +198,37 @@ def test_mxfp4_dequantizes_as_transformers() -> None:
         list(dequantize_mxfp4([("experts.down_proj_blocks", blocks)]))
 
 
-def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(gpt_oss_dir: Path, tmp_path: Path) -> None:
-    """The experts of one checkpoint written as MXFP4 blocks and scales, and of another as their
-    dequantized values (transformers' own conversion): the two load to the same logits."""
+def write_mxfp4_pair(source: Path, tmp: Path) -> tuple[Path, Path]:
+    """`source` (a gpt-oss checkpoint directory) with random MXFP4 experts as blocks and scales, and
+    the same experts dequantized by transformers' own conversion: two directories under `tmp`."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    files = sorted(gpt_oss_dir.glob("*.safetensors"))
-    assert len(files) == 1
-    tensors = load_file(str(files[0]))
+    (file,) = sorted(source.glob("*.safetensors"))
+    tensors = load_file(str(file))
     packed, plain = dict(tensors), dict(tensors)
     for i, name in enumerate(n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))):
         blocks, scales = _random_mxfp4(tuple(tensors[name].shape), 10 + i)
         del packed[name]
         packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
         plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    outputs = []
+    out = []
     for label, weights in (("mxfp4", packed), ("plain", plain)):
-        directory = tmp_path / label
+        directory = tmp / label
         directory.mkdir()
-        for extra in gpt_oss_dir.iterdir():
+        for extra in source.iterdir():
             if extra.suffix != ".safetensors":
                 (directory / extra.name).write_bytes(extra.read_bytes())
         save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        outputs.append(_teacher_forced(load_model(directory), prompt_ids(30, 3)))
+        out.append(directory)
+    return out[0], out[1]
+
+
+def test_mxfp4_checkpoint_loads_as_its_dequantized_weights(gpt_oss_dir: Path, tmp_path: Path) -> None:
+    """The experts of one checkpoint written as MXFP4 blocks and scales, and of another as their
+    dequantized values (transformers' own conversion): the two load to the same logits."""
+    mxfp4, plain = write_mxfp4_pair(gpt_oss_dir, tmp_path)
+    outputs = [_teacher_forced(load_model(d), prompt_ids(30, 3)) for d in (mxfp4, plain)]
     assert torch.equal(outputs[0], outputs[1])
     assert not torch.equal(outputs[0], _teacher_forced(load_model(gpt_oss_dir), prompt_ids(30, 3)))
 

@@ -269,30 +269,10 @@ def test_gguf_dequantized_experts_rank_slices(q8_gguf: tuple[Path, dict[str, tor
 
 def _mxfp4_dirs(tmp: Path, intermediate: int) -> tuple[Path, Path]:
     """A gpt-oss checkpoint with MXFP4 experts, and the same experts dequantized by transformers."""
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    from tests.engine.model.test_gpt_oss import _random_mxfp4
+    from tests.engine.model.test_gpt_oss import write_mxfp4_pair
 
     source = make_gpt_oss_dir(tmp / "source", seed=3, num_hidden_layers=2, intermediate_size=intermediate)
-    (file,) = source.glob("*.safetensors")
-    tensors = load_file(str(file))
-    packed, plain = dict(tensors), dict(tensors)
-    for i, name in enumerate(n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))):
-        blocks, scales = _random_mxfp4(tuple(tensors[name].shape), 10 + i)
-        del packed[name]
-        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
-        plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    out = []
-    for label, weights in (("mxfp4", packed), ("plain", plain)):
-        directory = tmp / label
-        directory.mkdir()
-        for extra in source.iterdir():
-            if extra.suffix != ".safetensors":
-                (directory / extra.name).write_bytes(extra.read_bytes())
-        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        out.append(directory)
-    return out[0], out[1]
+    return write_mxfp4_pair(source, tmp)
 
 
 def test_mxfp4_rank_slices_equal_the_dequantized_checkpoints(tmp_path: Path) -> None:
