@@ -34,6 +34,8 @@ def build_parser(description: str | None) -> argparse.ArgumentParser:
         "%(default)s = the model dtype; int8 is what `pagedserve up` serves a GGUF with)")
     add("--pagedserve-int8-prompt-activations", action="store_true", help="offline/single: pagedserve's prompt "
         "rows on int8 activations like decode rows (`pagedserve engine --int8-prompt-activations`)")
+    add("--pagedserve-no-deterministic", action="store_true", help="offline/single: pagedserve without "
+        "deterministic mode (`pagedserve engine --no-deterministic`: many-row steps may switch kernels by row count)")
     add("--kv-cache-gib", type=int, default=2, help="KV pool of both systems, GiB (default %(default)s)")
     add("--max-model-len", type=int, default=2048)
     add("--seed", type=int, default=0, help="trace seed (default %(default)s, as engine_bench.py)")

@@ -46,6 +46,7 @@ class Workload:
     pagedserve_dtype: str = "float32"
     pagedserve_kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: `pagedserve up`'s default on a GGUF
     pagedserve_exact_prompt_rows: bool = True  # False: --int8-prompt-activations
+    pagedserve_deterministic: bool = True  # False: --no-deterministic (row-count switches allowed)
 
 
 def _generate(llm: Any, prompts: list[list[int]], lens: list[int]) -> tuple[float, list[list[int]]]:
@@ -69,7 +70,7 @@ def run_pagedserve(work: Workload) -> dict[str, Any]:
     tokenizer = work.model if work.pagedserve_model else None
     llm = LLM(model, tokenizer=tokenizer, dtype=work.pagedserve_dtype, kv_cache_dtype=work.pagedserve_kv_cache_dtype,
               kv_cache_memory=work.kv_cache_gib << 30, max_model_len=work.max_model_len,
-              exact_prompt_rows=work.pagedserve_exact_prompt_rows)
+              exact_prompt_rows=work.pagedserve_exact_prompt_rows, deterministic=work.pagedserve_deterministic)
     startup = time.perf_counter() - start
     try:
         _generate(llm, [work.warmup[0]], [work.warmup[1]])
@@ -84,7 +85,8 @@ def run_pagedserve(work: Workload) -> dict[str, Any]:
         config = {"max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": llm.engine.token_budget,
                   "threads": torch.get_num_threads(), "dtype": work.pagedserve_dtype,
                   "kv_cache_dtype": work.pagedserve_kv_cache_dtype,
-                  "exact_prompt_rows": work.pagedserve_exact_prompt_rows}
+                  "exact_prompt_rows": work.pagedserve_exact_prompt_rows,
+                  "deterministic": work.pagedserve_deterministic}
         return {"startup_s": startup, "config": config, "runs": runs}
     finally:
         del llm

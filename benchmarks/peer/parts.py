@@ -119,10 +119,11 @@ def _model_workload(args: argparse.Namespace, model: str, runs: list[Run], warmu
     extra = extra | {"model": Path(model).name, "pagedserve_model": Path(args.pagedserve_model or model).name,
                      "vllm_dtype": args.vllm_dtype, "pagedserve_dtype": args.pagedserve_dtype,
                      "pagedserve_kv_cache_dtype": args.pagedserve_kv_cache_dtype,
-                     "pagedserve_int8_prompt_activations": args.pagedserve_int8_prompt_activations}
+                     "pagedserve_int8_prompt_activations": args.pagedserve_int8_prompt_activations,
+                     "pagedserve_deterministic": not args.pagedserve_no_deterministic}
     return Workload(model, runs, warmup, args.max_model_len, args.kv_cache_gib, extra, args.pagedserve_model,
                     args.vllm_dtype, args.pagedserve_dtype, args.pagedserve_kv_cache_dtype,
-                    not args.pagedserve_int8_prompt_activations)
+                    not args.pagedserve_int8_prompt_activations, not args.pagedserve_no_deterministic)
 
 
 def offline(args: argparse.Namespace, venv: Path | None, log_dir: Path, emit: Emit) -> None:
