@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <tuple>
+
 namespace pagedserve::cpu {
 
 // out/query [num_seqs, num_heads, head_size]; caches [num_blocks, num_kv_heads, block_size, head_size].
@@ -158,6 +160,28 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                          bool bf16_linears, at::IntArrayRef windows = {}, at::IntArrayRef shards = {});
+// A sparse MoE block's packed experts (csrc/cpu/packed_moe.cpp): x fp32 [T, H], the router's
+// experts int64 [T, k] and weights fp32 [T, k] -> [T, H], bit for bit PackedExperts.forward on
+// group_by_expert's pairs. gate_up: each expert's gate/up shards [E, rows, row_bytes] (gate rows then
+// up rows), down [E, H, row_bytes]; exact_mask [T] (bool): the rows on fp32 activations under
+// int8_activations; activation kMoESilu or kMoEClampedSwiglu (alpha, limit); biases [E, 2I], [E, H].
+constexpr int64_t kMoESilu = 0;
+constexpr int64_t kMoEClampedSwiglu = 1;
+at::Tensor packed_moe_experts(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& weights,
+                              at::TensorList gate_up, at::IntArrayRef gate_up_formats, const at::Tensor& down,
+                              int64_t down_format, const c10::optional<at::Tensor>& exact_mask,
+                              bool int8_activations, int64_t activation, double alpha, double limit,
+                              const c10::optional<at::Tensor>& gate_up_bias,
+                              const c10::optional<at::Tensor>& down_bias);
+
+// (weights, experts [T, k] int64) of router logits [T, E] as moe.SparseMoE.route computes them, on the
+// same ATen ops: kMoESoftmaxTopk fp32 softmax, top-k, renormalised iff norm_topk_prob; kMoETopkSoftmax
+// top-k of the logits, softmax over those k.
+constexpr int64_t kMoESoftmaxTopk = 0;
+constexpr int64_t kMoETopkSoftmax = 1;
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& logits, int64_t top_k, int64_t router,
+                                             bool norm_topk_prob);
+
 // Kernels ignore their `openmp` hint (parallel.h) while on: for models with only quantized linears.
 
 }  // namespace pagedserve::cpu

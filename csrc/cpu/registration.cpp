@@ -48,6 +48,11 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor decode_block_tables, Tensor decode_context_lens, Tensor[] norm_weights, Tensor[] qweights, "
       "Tensor[] biases, int[] formats, int[] int8_activations, int num_heads, int num_kv_heads, int head_dim, "
       "float eps, float scale, bool bf16_linears=False, int[] windows=[], int[] shards=[]) -> Tensor");
+  m.def(
+      "packed_moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor[] gate_up, int[] gate_up_formats, "
+      "Tensor down, int down_format, Tensor? exact_mask, bool int8_activations, int activation, float alpha, "
+      "float limit, Tensor? gate_up_bias=None, Tensor? down_bias=None) -> Tensor");
+  m.def("moe_route(Tensor logits, int top_k, int router, bool norm_topk_prob) -> (Tensor, Tensor)");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("set_openmp_rows(int rows) -> ()", [](int64_t rows) {
     pagedserve::cpu::openmp_rows_setting().store(rows, std::memory_order_relaxed);
@@ -78,4 +83,6 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("dequantize_weight", &pagedserve::cpu::dequantize_weight);
   m.impl("quant_screened_argmax", &pagedserve::cpu::quant_screened_argmax);
   m.impl("llama_decoder", &pagedserve::cpu::llama_decoder);
+  m.impl("packed_moe_experts", &pagedserve::cpu::packed_moe_experts);
+  m.impl("moe_route", &pagedserve::cpu::moe_route);
 }

@@ -43,6 +43,7 @@ from engine.model.moe_spec import CLAMPED_SWIGLU, SOFTMAX_TOPK, MoESpec
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import UnsupportedModelError
 from ops.linear import fixed_linear
+from ops.moe import MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX, moe_route
 
 
 def _fixed_path(x: Tensor) -> bool:
@@ -119,6 +120,10 @@ class Experts(nn.Module):
             return clamped_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
         return ops.silu_and_mul(gate_up)
 
+    def routed(self, x: Tensor, experts: Tensor, weights: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
+        """`forward` on the router's choices `experts`, `weights [T, k]` (grouped here: `group_by_expert`)."""
+        return self(x, *group_by_expert(experts, weights, self.spec.num_experts), rows)
+
     def forward(self, x: Tensor, tokens: Tensor, weights: Tensor, counts: list[int],
                 rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`x [T, H]`; `tokens`, `weights`, `counts` from `group_by_expert` -> `[T, H]`: for each token
@@ -172,7 +177,10 @@ class SparseMoE(nn.Module):
         """`(weights [T, k], experts [T, k] int64)` as transformers' router of the family computes them."""
         logits = self.gate(x)
         k = self.spec.top_k
-        if self.spec.router == SOFTMAX_TOPK:
+        if _fixed_path(logits):  # the same ATen ops in one call
+            router = MOE_SOFTMAX_TOPK if self.spec.router == SOFTMAX_TOPK else MOE_TOPK_SOFTMAX
+            weights, experts = moe_route(logits, k, router, self.spec.norm_topk_prob)
+        elif self.spec.router == SOFTMAX_TOPK:
             weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
             if self.spec.norm_topk_prob:
                 weights /= weights.sum(dim=-1, keepdim=True)
@@ -184,7 +192,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`rows` reach the shared expert's linears and the experts (packed ones: `PackedExperts`)."""
         weights, experts = self.route(x)
-        out = self.experts(x, *group_by_expert(experts, weights, self.spec.num_experts), rows)
+        out = self.experts.routed(x, experts, weights, rows)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, rows)
         return self.shard.all_reduce(out)

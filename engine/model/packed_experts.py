@@ -19,8 +19,10 @@ from torch import Tensor, nn
 
 import ops
 from engine.model.execution_policy import PLAIN_ROWS, LinearRows
-from engine.model.moe import clamped_swiglu, sum_by_token
+from engine.model.moe import clamped_swiglu, group_by_expert, sum_by_token
 from engine.model.moe_spec import ACTIVATIONS, SILU, MoESpec
+from ops.backend import use_reference
+from ops.moe import MOE_CLAMPED_SWIGLU, MOE_SILU, packed_moe_experts
 from ops.quant import QuantFormat, interleave
 
 Shard = tuple[QuantFormat, Tensor]  # a format and its rows of every expert, [E, rows, row_bytes] uint8
@@ -118,6 +120,18 @@ class PackedExperts(nn.Module):
             torch.mul(y, w, out=outputs[start:start + n])
             start += n
         return sum_by_token(outputs, pair_tokens, x.shape[0])
+
+    def routed(self, x: Tensor, experts: Tensor, weights: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
+        """`forward` on the router's choices `experts`, `weights [T, k]`: on the CPU kernels (fp32) one
+        C++ call, `ops.moe.packed_moe_experts`, the same bits; elsewhere grouped here, then `forward`."""
+        if use_reference() or not x.is_cpu or x.dtype != torch.float32 or weights.dtype != torch.float32:
+            return self(x, *group_by_expert(experts, weights, self.spec.num_experts), rows)
+        exact = exact_row_mask(rows, x.shape[0]) if self.int8_activations else None
+        *gate_up, down = self.shards()
+        activation = MOE_SILU if self.spec.activation == SILU else MOE_CLAMPED_SWIGLU
+        return packed_moe_experts(x.contiguous(), experts, weights, gate_up, down, exact, self.int8_activations,
+                                  activation, self.spec.swiglu_alpha, self.spec.swiglu_limit,
+                                  self.gate_up_proj_bias, self.down_proj_bias)
 
     def _activate(self, gate_up: Tensor, e: int) -> Tensor:
         """Expert `e`'s activation of its gate/up outputs `[n, 2I]` (its bias added first)."""
