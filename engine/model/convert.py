@@ -11,21 +11,6 @@ from common.log import get_logger
 log = get_logger("convert")
 
 
-def load_gguf(path: Path, dtype: Any = None, progress: bool = True) -> Any:
-    """Dequantize a GGUF file through transformers' loader; returns the HF model."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    if progress:
-        hf_logging.enable_progress_bar()
-    else:
-        hf_logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype or torch.float32
-    )
-
-
 def _clean_config(config: Any) -> Any:
     """Drop GGUF quantization leftovers so the saved directory loads as a plain model."""
     for attr in ("quantization_config", "_pre_quantization_dtype"):
@@ -79,6 +64,8 @@ def convert_gguf(gguf: Path, out: Path, progress: bool = True) -> Path:
     (ConvertError first when transformers would read a different model: `check_convertible`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.model.loader import load_gguf
 
     check_convertible(gguf)
     started = time.monotonic()

@@ -157,6 +157,22 @@ def _iter_directory_weights(directory: Path) -> Iterator[tuple[str, Tensor]]:
         yield from torch.load(file, map_location="cpu", weights_only=True).items()
 
 
+def load_gguf(path: Path, dtype: Any = None, progress: bool = True) -> Any:
+    """Dequantize a GGUF file through transformers' loader; returns the HF model (`convert` and the
+    dequantize path of the families transformers reads)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    if progress:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    return AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype or torch.float32
+    )
+
+
 def _iter_gguf_weights(file: Path, model: LlamaForCausalLM, pack_experts: bool = False) -> Iterator[tuple[str, Tensor]]:
     """The GGUF's tensors dequantized to fp32 under their HF names: read here for the families whose
     config engine.model.gguf_config builds and for the Qwen-MoE files (transformers' loader builds
@@ -172,8 +188,6 @@ def _iter_gguf_weights(file: Path, model: LlamaForCausalLM, pack_experts: bool =
 
         yield from iter_dequantized_weights(model, file)
         return
-    from engine.model.convert import load_gguf
-
     yield from load_gguf(file, torch.float32, progress=False).state_dict().items()
 
 
