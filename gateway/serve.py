@@ -3,7 +3,10 @@
 SIGTERM or SIGINT starts the drain; a second one exits at once (status 128 + signal). With
 `reuse_port` the listening socket is bound with SO_REUSEPORT and closed when the drain starts:
 a new gateway on the same port takes the new connections while this one finishes its streams.
-Open connections stay served either way."""
+Open connections stay served either way. After a hand-over's drain the keep-alive connections
+linger (`_linger`): a looping client may be sending its next request on one, and closing it under
+that request would reset it; every response of a drain says ``Connection: close``, so the clients
+close them within a request."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import asyncio
 import os
 import signal
 import socket
+import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -18,6 +23,8 @@ from common.log import get_logger
 from gateway.state import BROKER, DRAIN
 
 log = get_logger("gateway")
+LINGER_S = 2.0  # how long a hand-over's keep-alive connections may stay open after its drain
+MIGRATE_REQ = Path("/proc/sys/net/ipv4/tcp_migrate_req")
 
 
 async def serve(app: web.Application, host: str, port: int, drain_timeout_s: float, reuse_port: bool) -> int:
@@ -40,15 +47,45 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout_s: flo
         site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
         await site.start()
         log.info("listening", host=host, port=port, reuse_port=reuse_port)
+        if reuse_port:
+            _warn_without_request_migration()
         await stop.wait()
         if reuse_port:
             await _stop_listening(site, runner)
             app[DRAIN].refuse_new = False
         await app[DRAIN].run(app[BROKER], drain_timeout_s)
+        if reuse_port:
+            await _linger(runner, app, drain_timeout_s)
     finally:
         await runner.cleanup()
     log.info("gateway stopped")
     return 0
+
+
+def _warn_without_request_migration() -> None:
+    """A warning when the kernel resets, rather than migrates, the connections queued on a closing
+    SO_REUSEPORT listener (docs/deployment.md, the hand-over)."""
+    try:
+        migrate = MIGRATE_REQ.read_text().strip()
+    except OSError:
+        return
+    if migrate == "0":
+        log.warning("net.ipv4.tcp_migrate_req is 0: a connection that reaches this listener in the instant "
+                    "a hand-over closes it is reset; set it to 1 for hand-overs without resets")
+
+
+async def _linger(runner: web.AppRunner, app: web.Application, drain_timeout_s: float) -> None:
+    """After a hand-over's drain: wait until the clients have closed their keep-alive connections
+    (up to LINGER_S), serving and draining any request that arrives on one meanwhile."""
+    server = runner.server
+    if server is None:
+        return
+    deadline = time.monotonic() + LINGER_S
+    while server.connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if app[DRAIN].active:
+        await app[DRAIN].run(app[BROKER], drain_timeout_s)
+    log.info("lingered", open_connections=len(server.connections))
 
 
 async def _stop_listening(site: web.TCPSite, runner: web.AppRunner) -> None:
