@@ -4,14 +4,16 @@ Starts one Redis, `--engines` engine processes (each with its own prefix cache) 
 per mode (`--routing off`, `--routing on`), then for each mode runs `--conversations` concurrent
 chats of `--turns` turns, each with its own system prompt (distinct per mode too, so no mode finds
 the other's history cached). Every turn resends the whole history. JSON lines on stdout, one per
-mode, then the comparison:
+mode and round (`--rounds`, modes alternating), each round's comparison, then the rounds at a glance:
 
 - `cached_share`: of the resent history that can be cached (the previous turn's prompt, whole
   blocks), the share the engines reported cached (`usage.prompt_tokens_details.cached_tokens`);
   random placement over two engines finds about half of it;
 - `ttft_p50_s` / `ttft_p99_s` of the later turns (2..N), the first turns' apart;
 - `output_tok_s` over the mode's wall time, and per engine the prompt tokens it admitted
-  (both engines busy).
+  (both engines busy);
+- `routed`: the mode's gateway's routing decisions (`prefix`, `load`, `shared`) and the requests
+  the engines stole from each other during the mode (`stolen`), which tell a low share's cause.
 
     python benchmarks/serving/multi_turn.py                      # SmolLM2, 2 engines, 8 x 4 turns
     python benchmarks/serving/multi_turn.py --model TINY_DIR --conversations 4 --turns 3
@@ -175,8 +177,19 @@ def _pct(values: list[float], q: int) -> float:
         round(values[0], 4) if values else 0.0)
 
 
+ROUTING_METRICS = {"prefix": "pagedserve_gateway_routed_by_prefix_total",
+                   "load": "pagedserve_gateway_routed_by_load_total",
+                   "shared": "pagedserve_gateway_routed_shared_total", "stolen": "pagedserve_engine_stolen_total"}
+
+
+def routing_counts(gateway: str) -> dict[str, float]:
+    """A gateway's routing decisions so far and the engines' stolen requests (as its metrics say)."""
+    text = _get(f"{gateway}/metrics")
+    return {name: metric(text, series) for name, series in ROUTING_METRICS.items()}
+
+
 def summarize(mode: str, convs: list[list[dict[str, Any]]], seconds: float, block_size: int,
-              engine_prompt_tokens: list[float]) -> dict[str, Any]:
+              engine_prompt_tokens: list[float], routed: dict[str, float]) -> dict[str, Any]:
     """The mode's figures: cached share of the resent cacheable history, TTFTs, throughput."""
     cacheable = cached = 0
     later, first = [], []
@@ -195,7 +208,47 @@ def summarize(mode: str, convs: list[list[dict[str, Any]]], seconds: float, bloc
             "cached_share": round(cached / cacheable, 4) if cacheable else 0.0, "cacheable_tokens": cacheable,
             "ttft_p50_s": _pct(later, 50), "ttft_p99_s": _pct(later, 99), "first_turn_ttft_p50_s": _pct(first, 50),
             "output_tok_s": round(tokens / seconds, 2), "seconds": round(seconds, 2),
-            "engine_prompt_tokens": [int(x) for x in engine_prompt_tokens]}
+            "engine_prompt_tokens": [int(x) for x in engine_prompt_tokens],
+            "routed": {name: int(count) for name, count in routed.items()}}
+
+
+def run_measured(urls: dict[str, Any], mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One mode's conversations through its gateway, summarized with the engines' prompt tokens
+    and the routing decisions it made."""
+    gateway = urls["gateways"][mode]
+    before = [metric(_get(u), "pagedserve_prompt_tokens_total") for u in urls["engine_metrics"]]
+    routed_before = routing_counts(gateway)
+    convs, seconds = asyncio.run(run_mode(gateway, args, seed))
+    time.sleep(2.5)  # a heartbeat after the last request, for the engines' `stolen`
+    after = [metric(_get(u), "pagedserve_prompt_tokens_total") for u in urls["engine_metrics"]]
+    routed = {name: count - routed_before[name] for name, count in routing_counts(gateway).items()}
+    return summarize(mode, convs, seconds, args.block_size, [b - a for a, b in zip(before, after, strict=True)],
+                     routed)
+
+
+def compare(on: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """One round's routing-on figures against routing-off's (ratios on / off)."""
+
+    def ratio(key: str) -> float | None:
+        return round(on[key] / off[key], 3) if off[key] else None
+
+    return {"bench": "routing_on_vs_off", "cached_share_on": on["cached_share"],
+            "cached_share_off": off["cached_share"],
+            "ttft_p50_ratio": ratio("ttft_p50_s"), "ttft_p99_ratio": ratio("ttft_p99_s"),
+            "output_tok_s_ratio": ratio("output_tok_s"), "failed": on["failed"] + off["failed"]}
+
+
+def overall(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds at a glance: medians and how many rounds met the issue's goal (a cached share
+    of at least 0.90 and a lower later-turn TTFT p50 with routing)."""
+    met = sum(1 for r in rounds if r["cached_share_on"] >= 0.90 and (r["ttft_p50_ratio"] or 2.0) < 1.0)
+    return {"bench": "routing_rounds", "rounds": len(rounds), "rounds_meeting_goal": met,
+            "cached_share_on_median": statistics.median(r["cached_share_on"] for r in rounds),
+            "cached_share_off_median": statistics.median(r["cached_share_off"] for r in rounds),
+            "ttft_p50_ratio_median": statistics.median(r["ttft_p50_ratio"] or 0.0 for r in rounds),
+            "ttft_p99_ratio_median": statistics.median(r["ttft_p99_ratio"] or 0.0 for r in rounds),
+            "output_tok_s_ratio_median": statistics.median(r["output_tok_s_ratio"] or 0.0 for r in rounds),
+            "failed": sum(r["failed"] for r in rounds)}
 
 
 def main() -> int:
@@ -210,6 +263,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
     parser.add_argument("--block-size", type=int, default=16, help="the engines' block size (whole cacheable blocks)")
     parser.add_argument("--modes", default="off,on", help="gateway --routing values, run in this order")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run the modes this many times, alternating (fresh system prompts each time)")
     parser.add_argument("--engine-args", default="", help="extra `pagedserve engine` arguments")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=600.0)
@@ -222,25 +277,18 @@ def main() -> int:
         args.model, _ = resolve_model(None)
     print(json.dumps({"bench": "setup", "model": str(args.model), "engines": args.engines,
                       "conversations": args.conversations, "turns": args.turns, "modes": args.modes}), flush=True)
-    rows = {}
+    comparisons = []
     with fleet(args) as urls:
-        for k, mode in enumerate(args.modes):
-            before = [metric(_get(u), "pagedserve_prompt_tokens_total") for u in urls["engine_metrics"]]
-            convs, seconds = asyncio.run(run_mode(urls["gateways"][mode], args, args.seed + 1 + k))
-            after = [metric(_get(u), "pagedserve_prompt_tokens_total") for u in urls["engine_metrics"]]
-            rows[mode] = summarize(mode, convs, seconds, args.block_size, [b - a for a, b in zip(before, after,
-                                                                                                strict=True)])
-            print(json.dumps(rows[mode]), flush=True)
-    if {"on", "off"} <= set(rows):
-        on, off = rows["on"], rows["off"]
-
-        def ratio(key: str) -> float | None:
-            return round(on[key] / off[key], 3) if off[key] else None
-
-        print(json.dumps({"bench": "routing_on_vs_off", "cached_share_on": on["cached_share"],
-                          "cached_share_off": off["cached_share"], "ttft_p50_ratio": ratio("ttft_p50_s"),
-                          "ttft_p99_ratio": ratio("ttft_p99_s"), "output_tok_s_ratio": ratio("output_tok_s"),
-                          "failed": on["failed"] + off["failed"]}), flush=True)
+        for rnd in range(args.rounds):
+            rows = {}
+            for k, mode in enumerate(args.modes):
+                rows[mode] = run_measured(urls, mode, args, args.seed + 1 + k + len(args.modes) * rnd) | {"round": rnd}
+                print(json.dumps(rows[mode]), flush=True)
+            if {"on", "off"} <= set(rows):
+                comparisons.append(compare(rows["on"], rows["off"]) | {"round": rnd})
+                print(json.dumps(comparisons[-1]), flush=True)
+    if comparisons:
+        print(json.dumps(overall(comparisons)), flush=True)
     return 0
 
 

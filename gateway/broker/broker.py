@@ -168,13 +168,21 @@ class Broker:
         request.gateway_token = self.token
         route = await self.route(request)
         collector = RequestCollector(request.id, n, request.model, route.stream)
+        collector.routed_engine = route.engine_id
         self.collectors[request.id] = collector
         try:
             collector.entry_id = await self._add(request, route.stream)
         except BaseException:
-            self.collectors.pop(request.id, None)
+            self.release(request.id)
             raise
         return collector
+
+    def unroute(self, collector: RequestCollector) -> None:
+        """The request no longer counts as load on the engine routing chose (it ended, or a
+        draining engine handed it back to the shared stream)."""
+        if collector.routed_engine is not None and self.router is not None:
+            self.router.done(collector.model, collector.routed_engine)
+        collector.routed_engine = None
 
     async def _add(self, request: EngineRequest, stream: str) -> str:
         """Add `request` to `stream`; the entry id. A submit refused by a master just demoted (a
@@ -287,7 +295,9 @@ class Broker:
                 "writes_acknowledged": self.ack.acked, "unacknowledged_waits": self.ack.figures.timeouts}
 
     def release(self, request_id: str) -> None:
-        self.collectors.pop(request_id, None)
+        collector = self.collectors.pop(request_id, None)
+        if collector is not None:
+            self.unroute(collector)
 
     async def abort(self, request_ids: list[str], model: str = "") -> None:
         """Tell engines (of `model`, when given) to stop these requests; best effort (Redis may be down)."""

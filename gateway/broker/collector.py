@@ -43,6 +43,7 @@ class RequestCollector:
         self.n = n
         self.model = model
         self.stream = stream  # the request stream it was added to (shared or an engine's routed one)
+        self.routed_engine: str | None = None  # the engine routing chose (its load at this gateway)
         self.entry_id = ""  # of the request-stream entry, once submitted
         self.next_seq = 0
         self.received: dict[int, int] = {}

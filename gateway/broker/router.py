@@ -14,9 +14,14 @@ its announced `cached` keys or in this gateway's own hints for it. Then:
 - no candidate (no engine reads a stream of its own, or all are draining or stale): the shared
   stream (`shared`), which any engine takes, as without routing.
 
-Load is waiting + running (heartbeat stats) plus the requests this gateway sent the engine
-since its last heartbeat; an engine whose KV pool is at least `KV_FULL` used counts
-`load_slack` more. Ties go to the lower engine id, so gateways with the same view agree.
+Load is the requests this gateway has outstanding on the engine (routed there and not yet
+`done`: exact and current) plus the others its last heartbeat counted (waiting + running, less
+this gateway's requests outstanding there at the heartbeat's time: other gateways' requests);
+an engine whose KV pool is at least `KV_FULL` used counts `load_slack` more. Ties go to the lower
+engine id, so gateways with the same view agree. (The heartbeat alone is up to a second old: it
+still counts requests that finished since and misses those queued but not yet read, and a turn
+sent the moment its previous one ended then saw the engine busier than it was and went to the
+other engine, without its history: run 3 of 2026-12-05's six, cached share 0.82.)
 
 Hints: the prefix keys of each prompt sent to an engine, in a bounded LRU per model, count as
 that engine's (a key may be hinted for several engines: conversations that open with the same
@@ -29,7 +34,7 @@ side) keeps a routed request from waiting longer than the shared stream would ma
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,9 +63,8 @@ class _Engine:
     engine_id: str
     block_size: int
     cached: frozenset[int]
-    load: float
+    others: float  # the heartbeat's load less this gateway's requests there at its time (+ KV slack)
     beat_time: float
-    sent: int = 0  # requests this gateway sent it since `beat_time`
 
 
 @dataclass(slots=True)
@@ -70,10 +74,11 @@ class _ModelView:
     hints: OrderedDict[int, dict[str, float]] = field(default_factory=OrderedDict)
 
 
-def engine_load(beat: EngineHeartbeat, load_slack: float) -> float:
-    """Waiting + running requests, plus `load_slack` when the KV pool is nearly full."""
+def engine_load(beat: EngineHeartbeat, load_slack: float, own: float = 0.0) -> float:
+    """Waiting + running requests less `own` (this gateway's, counted apart; never below 0), plus
+    `load_slack` when the KV pool is nearly full."""
     stats = beat.stats
-    load = stats.get("waiting", 0.0) + stats.get("running", 0.0)
+    load = max(0.0, stats.get("waiting", 0.0) + stats.get("running", 0.0) - own)
     return load + (load_slack if stats.get("usage_ratio", 0.0) >= KV_FULL else 0.0)
 
 
@@ -94,6 +99,8 @@ class Router:
         self.counts = dict.fromkeys(REASONS, 0)
         self.beats: list[EngineHeartbeat] = []  # the last view's heartbeats (for metrics)
         self._source: object = None  # the heartbeat list the view was built from
+        self.outstanding: dict[tuple[str, str], int] = {}  # (model, engine): routed there, not yet done
+        self._changes: deque[tuple[float, str, str, int]] = deque()  # (time.time(), model, engine, +1 / -1)
 
     def refresh(self, beats: list[EngineHeartbeat], now: float | None = None) -> None:
         """Rebuild candidates from `beats` (a no-op for the list the view was built from) and
@@ -111,9 +118,12 @@ class Router:
                 continue
             old = view.engines.get(beat.engine_id)
             if old is not None and old.beat_time == beat.time:
-                continue  # the same heartbeat: keep `sent`
+                continue  # the same heartbeat
+            own = self._outstanding_at(beat.model, beat.engine_id, beat.time)
             view.engines[beat.engine_id] = _Engine(beat.engine_id, beat.block_size, frozenset(beat.cached),
-                                                   engine_load(beat, self.load_slack), beat.time)
+                                                   engine_load(beat, self.load_slack, own), beat.time)
+        while self._changes and now - self._changes[0][0] > 2 * self.fresh_s:
+            self._changes.popleft()  # older than any heartbeat still fresh
         for model, view in list(self.models.items()):
             for engine_id in [e for e in view.engines if (model, e) not in seen]:
                 del view.engines[engine_id]  # its heartbeat is gone: dead or stopped
@@ -138,20 +148,53 @@ class Router:
         engines = sorted(view.engines.values(), key=lambda e: e.engine_id)
         keys_by_size = {size: prefix_keys(token_ids, size) for size in {e.block_size for e in engines}}
         matches = {e.engine_id: self._match(view, e, keys_by_size[e.block_size]) for e in engines}
-        best = max(engines, key=lambda e: (matches[e.engine_id], -self._load(e)))
-        least = min(engines, key=self._load)
-        if matches[best.engine_id] > 0 and self._load(best) <= self._load(least) + self.load_slack:
+        load = {e.engine_id: self._load(e, model) for e in engines}
+        best = max(engines, key=lambda e: (matches[e.engine_id], -load[e.engine_id]))
+        least = min(engines, key=lambda e: load[e.engine_id])
+        if matches[best.engine_id] > 0 and load[best.engine_id] <= load[least.engine_id] + self.load_slack:
             chosen, reason = best, "prefix"
         else:
             chosen, reason = least, "load"
-        chosen.sent += 1
+        self._count(model, chosen.engine_id, +1)
         self.counts[reason] += 1
         self._remember(view, chosen.engine_id, keys_by_size[chosen.block_size])
         return Route(self.keys.routed(model, chosen.engine_id), chosen.engine_id, reason,
                      matches[chosen.engine_id])
 
-    def _load(self, engine: _Engine) -> float:
-        return engine.load + engine.sent
+    def done(self, model: str, engine_id: str) -> None:
+        """A request routed to `engine_id` ended at this gateway (finished, failed, cancelled or
+        never added): no longer this gateway's load there."""
+        self._count(model, engine_id, -1)
+
+    def load(self, model: str, engine_id: str) -> float:
+        """The engine's load as routing sees it now (module docstring); 0 for an unknown engine."""
+        view = self.models.get(model)
+        engine = view.engines.get(engine_id) if view is not None else None
+        return self._load(engine, model) if engine is not None else 0.0
+
+    def _load(self, engine: _Engine, model: str) -> float:
+        return engine.others + self.outstanding.get((model, engine.engine_id), 0)
+
+    def _count(self, model: str, engine_id: str, change: int) -> None:
+        key = (model, engine_id)
+        count = self.outstanding.get(key, 0) + change
+        if count < 0:
+            return  # a `done` without its `choose` (a router replaced meanwhile): nothing to undo
+        if count:
+            self.outstanding[key] = count
+        else:
+            self.outstanding.pop(key, None)
+        self._changes.append((time.time(), model, engine_id, change))
+
+    def _outstanding_at(self, model: str, engine_id: str, when: float) -> int:
+        """This gateway's requests outstanding on the engine at time `when` (recent changes undone)."""
+        count = self.outstanding.get((model, engine_id), 0)
+        for at, m, e, change in reversed(self._changes):
+            if at <= when:
+                break
+            if m == model and e == engine_id:
+                count -= change
+        return max(0, count)
 
     @staticmethod
     def _match(view: _ModelView, engine: _Engine, keys: list[int]) -> int:

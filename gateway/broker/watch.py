@@ -159,6 +159,7 @@ class Watch:
                     except ProtocolError:
                         continue
                     collector.entry_id, collector.stream = _text(entry_id), stream
+                    self.broker.unroute(collector)
                     return True
             if len(entries) < SCAN_COUNT:
                 return False

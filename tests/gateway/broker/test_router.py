@@ -158,4 +158,44 @@ def test_refresh_with_the_same_list_is_a_no_op() -> None:
     r = router(*beats)
     r.choose("m", PROMPT_A)
     r.refresh(beats)
-    assert r.models["m"].engines["e1"].sent == 1
+    assert r.load("m", "e1") == 1
+
+
+def test_a_finished_request_stops_counting_at_once() -> None:
+    """`done` takes a request off its engine's load before any heartbeat says so: the next turn
+    of a conversation sent the moment its previous one ended follows its history."""
+    keys = prefix_keys(PROMPT_A, BS)
+    r = router(beat("e1", keys), beat("e2", []), slack=1)
+    assert [r.choose("m", PROMPT_A).engine_id for _ in range(2)] == ["e1", "e1"]
+    r.done("m", "e1")
+    r.done("m", "e1")
+    assert r.load("m", "e1") == 0 and r.outstanding == {}
+    assert r.choose("m", PROMPT_A).reason == "prefix"
+
+
+def test_a_stale_heartbeat_does_not_count_this_gateways_finished_requests() -> None:
+    """A heartbeat taken while this gateway's request still ran, read after it ended, counts it as
+    running: the router takes this gateway's own requests off the heartbeat's load at its time."""
+    r = router(beat("e1", []), beat("e2", []), slack=0)
+    assert r.choose("m", PROMPT_A).engine_id == "e1"
+    stale = beat("e1", prefix_keys(PROMPT_A, BS), running=1)  # its time: now, with the request running
+    time.sleep(0.01)
+    r.done("m", "e1")  # ended after the heartbeat
+    r.refresh([stale, beat("e2", [])])
+    assert r.load("m", "e1") == 0
+    assert r.choose("m", PROMPT_A).engine_id == "e1"
+
+
+def test_other_gateways_requests_count_through_the_heartbeat() -> None:
+    r = router(beat("e1", []), beat("e2", []))
+    r.choose("m", PROMPT_A)  # e1: one of ours
+    time.sleep(0.01)
+    r.refresh([beat("e1", [], waiting=2, running=2), beat("e2", [], running=1)])  # e1: ours + 3 others
+    assert (r.load("m", "e1"), r.load("m", "e2")) == (4, 1)
+    assert r.choose("m", PROMPT_B).engine_id == "e2"
+
+
+def test_done_without_choose_is_ignored() -> None:
+    r = router(beat("e1", []))
+    r.done("m", "e1")
+    assert r.outstanding == {} and r.load("m", "e1") == 0
