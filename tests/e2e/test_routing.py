@@ -12,7 +12,6 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -20,12 +19,11 @@ import redis
 
 from common.protocol import Keys
 from pagedserve.launch.redis_server import RedisServer
+from tests.e2e.routing_support import announced, complete, fresh_stats, multi_turn, system_prompt
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 
 MODEL = "tiny"
 ENGINE_ARGS = ("--served-model-name", MODEL, "--kv-cache-memory", "8MiB", "--steal-after", "0.5")
-WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "violet", "copper", "desert", "harbor",
-         "meadow"]
 
 
 @pytest.fixture(scope="module")
@@ -38,41 +36,6 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         finally:
             for engine in engines:
                 engine.stop()
-
-
-def system_prompt(i: int) -> str:
-    """A distinct opening of some 100 tokens per conversation."""
-    return f"System {i}: " + " ".join(WORDS[(i * 5 + k * 7) % len(WORDS)] for k in range(60)) + "\n"
-
-
-async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        payload: dict[str, Any] = await resp.json()
-        assert resp.status == 200, payload
-        return payload
-
-
-def announced(engines: list[EngineProcess], timeout: float = 60.0) -> None:
-    """Both engines announce a routed stream (and it is registered) before the gateway routes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        beats = [e.heartbeat() for e in engines]
-        if all(b is not None and b.routed and b.block_size > 0 for b in beats):
-            return
-        assert time.monotonic() < deadline, f"engines never announced routed: {beats}"
-        time.sleep(0.1)
-
-
-def fresh_stats(engine: EngineProcess, since: float, timeout: float = 30.0) -> dict[str, float]:
-    """Figures from a heartbeat written after `since` (wall clock)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        beat = engine.heartbeat()
-        if beat is not None and beat.time > since:
-            return beat.stats
-        assert time.monotonic() < deadline, f"no fresh heartbeat from {engine.engine_id}"
-        time.sleep(0.05)
 
 
 async def test_engines_register_their_routed_streams(stack: tuple[str, list[EngineProcess]]) -> None:
@@ -89,19 +52,10 @@ async def test_engines_register_their_routed_streams(stack: tuple[str, list[Engi
 async def test_multi_turn_conversations_stay_on_their_prefix(stack: tuple[str, list[EngineProcess]]) -> None:
     url, engines = stack
     announced(engines)
-    history = {i: system_prompt(i) for i in range(4)}
-    cached = prompt = 0
     async with aiohttp.ClientSession() as session, serve_gateway(url) as gateway:
-        for turn in range(3):
-            replies = await asyncio.gather(*(complete(session, gateway, h) for h in history.values()))
-            for i, reply in zip(history, replies, strict=True):
-                usage = reply["usage"]
-                if turn:
-                    cached += usage["prompt_tokens_details"]["cached_tokens"]
-                    prompt += usage["prompt_tokens"]
-                history[i] += reply["choices"][0]["text"] + f"\nUser turn {turn}: tell me more.\n"
-    assert prompt > 0
-    assert cached / prompt >= 0.6, f"later turns found only {cached}/{prompt} prompt tokens cached"
+        cached, cacheable = await multi_turn(session, gateway, MODEL, conversations=4, turns=3)
+    assert cacheable > 0
+    assert cached / cacheable >= 0.9, f"later turns found only {cached}/{cacheable} cacheable tokens cached"
     taken = [fresh_stats(e, time.time()).get("routed_taken", 0.0) for e in engines]
     assert all(t > 0 for t in taken), f"both engines should serve routed requests: {taken}"
 
@@ -110,7 +64,7 @@ async def owner(session: aiohttp.ClientSession, gateway: str, engines: list[Engi
                 prompt: str) -> EngineProcess:
     """Send one request alone and tell which engine's routed stream it came from."""
     before = [fresh_stats(e, time.time()).get("routed_taken", 0.0) for e in engines]
-    await complete(session, gateway, prompt)
+    await complete(session, gateway, MODEL, prompt)
     after = [fresh_stats(e, time.time()).get("routed_taken", 0.0) for e in engines]
     grown = [e for e, b, a in zip(engines, before, after, strict=True) if a > b]
     assert len(grown) == 1, f"routed_taken before {before}, after {after}"
@@ -130,7 +84,7 @@ async def test_requests_routed_to_a_frozen_engine_are_stolen(stack: tuple[str, l
             # at once, while its heartbeat is fresh: the gateway routes them to the frozen engine's stream
             follow_ups = [prompt + f"\nUser: question {k}?\n" for k in range(3)]
             replies = await asyncio.wait_for(
-                asyncio.gather(*(complete(session, gateway, p) for p in follow_ups)), 120)
+                asyncio.gather(*(complete(session, gateway, MODEL, p) for p in follow_ups)), 120)
             assert all(r["choices"][0]["text"] for r in replies)
             stats = fresh_stats(other, time.time())
         finally:
