@@ -77,6 +77,29 @@ def test_screen_over_many_rows_and_non_finite_rows() -> None:
     assert torch.equal(screen.argmax(x), _exact_tokens(lm_head, x))
 
 
+@pytest.mark.parametrize("fmt", sorted(ops.quant.INTERLEAVED, key=lambda f: f.name), ids=lambda f: f.name)
+def test_without_a_bf16_screen_the_int8_pass_reads_the_eight_row_layout(fmt: QuantFormat,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without native bf16 the int8 pass reads an eight-row copy of the lm_head (a format
+    with such a layout, a vocabulary of 8 n): the tokens are still the fp32-activation argmax, at
+    one row and at many, and the candidates are still few."""
+    monkeypatch.setattr(QuantLogitScreen, "bf16_screen_available", lambda self: False)
+    vocab, hidden = 4096, 576
+    lm_head = _lm_head(fmt, vocab, hidden, seed=21)
+    screen = QuantLogitScreen.for_lm_head(lm_head)
+    assert screen is not None and screen.int8_fmt is ops.quant.INTERLEAVED[fmt] and screen.fmt is fmt
+    assert screen.qweight.data_ptr() != screen.int8_weight.data_ptr()  # the GGUF rows stay for the candidates
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(QUANT_GEMV_MAX_ROWS + 12, hidden, generator=gen)
+    x[0, 5] = 40.0
+    weight = lm_head.dequantized_weight()
+    tied = torch.randn(40, hidden, generator=gen) * 0.01 + weight[3] * 50
+    for batch in (x[:1], x[:40], x, tied):
+        assert torch.equal(screen.argmax(batch), _exact_tokens(lm_head, batch))
+    assert screen.argmax(tied)[0].item() == 3
+    assert screen.candidates(x[:64]).sum(dim=1).float().mean() < 0.05 * vocab
+
+
 def test_no_screen_for_shards_or_bias() -> None:
     w = torch.randn(64, 32)
     two = QuantLinear(32, [(Q8_0, ref.quantize(w[:32], Q8_0.type_id)), (Q4_1, ref.quantize(w[32:], Q4_1.type_id))])
@@ -100,7 +123,7 @@ def test_fused_screen_matches_its_torch_reference(fmt: QuantFormat) -> None:
     x[9, 1] = float("nan")
     screen.bf16_screen_available = lambda: False  # type: ignore[method-assign]  # the int8 screen at 11 rows too
     tokens, counts = screen.screen(x)
-    approx = ops.quant_linear(x, screen.qweight, fmt, None, int8_activations=True)
+    approx = ops.quant_linear(x, screen.int8_weight, screen.int8_fmt, None, int8_activations=True)
     want, want_counts = ref.screened_argmax(approx, x, screen.qweight, fmt.type_id, screen.norms, ROUNDING,
                                             NORM_SLACK)
     assert tokens[9] == -1 and want[9] == -1
