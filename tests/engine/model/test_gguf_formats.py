@@ -32,7 +32,8 @@ _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "se
        "ffn_down": "mlp.down_proj"}
 NO_KERNEL = "Q2_K"  # set aside by `without_kernel` where a test needs a format that is dequantized at load
 # A mix: layer 0 mixes formats inside q/k/v (one without a kernel, so that module runs in fp32), keeps
-# gate/up packed (Q8_0, eight-row layout); layer 1 is all Q4_1 (packed, eight-row layout); a Q2_K embedding, a Q8_0 lm_head.
+# gate/up packed (Q8_0, eight-row layout); layer 1 is all Q4_1 (packed, eight-row layout); a Q2_K embedding,
+# a Q8_0 lm_head.
 MIX = {"attn_q": "Q2_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q2_K", "ffn_gate": "Q8_0",
        "ffn_up": "Q8_0", "ffn_down": "Q2_K"}
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
