@@ -44,7 +44,7 @@ def _laid_out(name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, Quant
     return packed, fmt
 
 
-@pytest.mark.parametrize("base", sorted(INTERLEAVED, key=lambda f: f.name))
+@pytest.mark.parametrize("base", list(INTERLEAVED), ids=lambda f: f.name)
 def test_interleaved_layout_keeps_every_byte(base: QuantFormat) -> None:
     """The r8 layout is a permutation of the GGUF bytes (Q5: of their bits): it dequantizes (kernel and reference) to
     the same weights, undoes exactly, keeps the shape; other formats and row counts stay as given."""
@@ -353,7 +353,7 @@ def test_r8_extreme_quants_do_not_overflow(name: str, sign: float) -> None:
         torch.testing.assert_close(ops.quant_linear(x, qweight, layout), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("base", sorted(INTERLEAVED, key=lambda f: f.name))
+@pytest.mark.parametrize("base", list(INTERLEAVED), ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_r8_exact_rows_are_gguf_orders(base: QuantFormat, m: int) -> None:
     """fp32 activations on an r8 layout give the GGUF-order layout's bits for Q5_0 / Q5_1 / Q8_0 (their
