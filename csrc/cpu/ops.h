@@ -111,6 +111,10 @@ constexpr int64_t kQuantIQ4_XS = 23;  // 256-weight blocks of IQ4_NL-style sub-b
 constexpr int64_t kQuantInterleaved = 1000;
 constexpr int64_t kQuantQ4_0R8 = kQuantInterleaved + kQuantQ4_0;
 constexpr int64_t kQuantQ4_1R8 = kQuantInterleaved + kQuantQ4_1;
+// Q5_0 / Q5_1 / Q8_0 likewise (csrc/cpu/quant_interleaved_q5q8.cpp).
+constexpr int64_t kQuantQ5_0R8 = kQuantInterleaved + kQuantQ5_0;
+constexpr int64_t kQuantQ5_1R8 = kQuantInterleaved + kQuantQ5_1;
+constexpr int64_t kQuantQ8_0R8 = kQuantInterleaved + kQuantQ8_0;
 
 // out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight uint8 [N, K / block_weights * block_bytes])^T (+ bias [N]);
 // int8_activations quantizes x per 32-block to int8 first (integer dot products), except for the

@@ -16,6 +16,7 @@
 #include "parallel.h"
 #include "quant_blocks.h"
 #include "quant_interleaved.h"
+#include "quant_interleaved_q5q8.h"
 
 #include <algorithm>
 #include <cstring>
@@ -174,6 +175,12 @@ c10::BFloat16* aligned_buffer(std::vector<c10::BFloat16>& buf, size_t len) {
 void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, int64_t k_len, c10::BFloat16* panel) {
   const int64_t nb = k_len / kBlock, row_bytes = row_bytes_of(format, k_len);
   const int64_t rows = std::min(kPanel, n_len - n0);
+  if (is_interleaved_q5q8(format)) {  // back to GGUF order, then that order's panel: the same bf16 values
+    thread_local std::vector<uint8_t> gguf;
+    gguf.resize(rows * row_bytes);
+    q5q8_interleaved_to_gguf(gguf.data(), w, format, k_len, n0, n0 + rows);
+    return dequant_panel(gguf.data(), format - kQuantInterleaved, 0, rows, k_len, panel);
+  }
   if (is_interleaved(format)) {  // n0 and n_len are multiples of 8: whole groups, B tiles directly
     for (int64_t t = 0; t < 2; ++t) {
       c10::BFloat16* dst = panel + t * nb * kPackedBlock;

@@ -136,11 +136,11 @@ inline float half_to_float(uint16_t h) {
 
 inline int64_t block_bytes(int64_t format) {
   switch (format) {
-    case kQuantQ8_0: return sizeof(BlockQ8_0);
+    case kQuantQ8_0: case kQuantQ8_0R8: return sizeof(BlockQ8_0);
     case kQuantQ4_0: case kQuantQ4_0R8: return sizeof(BlockQ4_0);
     case kQuantQ4_1: case kQuantQ4_1R8: return sizeof(BlockQ4_1);
-    case kQuantQ5_0: return sizeof(BlockQ5_0);
-    case kQuantQ5_1: return sizeof(BlockQ5_1);
+    case kQuantQ5_0: case kQuantQ5_0R8: return sizeof(BlockQ5_0);
+    case kQuantQ5_1: case kQuantQ5_1R8: return sizeof(BlockQ5_1);
     case kQuantIQ4_NL: return sizeof(BlockIQ4_NL);
     case kQuantMXFP4: return sizeof(BlockMXFP4);
     case kQuantIQ4_XS: return sizeof(BlockIQ4_XS);
@@ -151,7 +151,8 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ6_K: return sizeof(BlockQ6_K);
     default:
       TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
-                  "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, MXFP4=39, Q4_0r8=1002, Q4_1r8=1003)");
+                  "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, MXFP4=39, Q4_0r8=1002, Q4_1r8=1003, ",
+                  "Q5_0r8=1006, Q5_1r8=1007, Q8_0r8=1008)");
   }
   return 0;
 }

@@ -20,6 +20,10 @@ the CPU kernel (csrc/cpu/quant_interleaved.cpp): the tensor keeps its shape ``[N
 (N a multiple of 8), and rows 8g..8g+7 hold, per block b, one tile of the eight rows' fp16 d,
 then (Q4_1) their fp16 m, then four 32-byte chunks, chunk j holding row r's packed bytes
 4j..4j+3 at bytes 4r..4r+3 (``interleave``; ``deinterleave`` undoes it).
+Q5_0r8, Q5_1r8 and Q8_0r8 (csrc/cpu/quant_interleaved_q5q8.cpp) likewise: Q8_0's 32 quant bytes
+are eight such chunks; a Q5 tile has, between its fp16 fields and its four nibble chunks, eight
+32-bit masks, mask c (= 4 half + j) holding at bit 4r + i the fifth bit of row r's weight 4c + i
+(chunk j's low nibbles for half 0, high for half 1): the 8 x 8 transpose of the rows' qh nibbles.
 """
 
 from __future__ import annotations
@@ -36,25 +40,45 @@ MXFP4 = formats.by_name("MXFP4").type_id
 K_BLOCKS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
+Q5_0R8, Q5_1R8, Q8_0R8 = INTERLEAVED + Q5_0, INTERLEAVED + Q5_1, INTERLEAVED + Q8_0
+R8_BASES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # the formats with an eight-row layout
 BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes
-               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, *K_BLOCKS, Q4_0R8, Q4_1R8)}
+               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, *K_BLOCKS,
+                         *(INTERLEAVED + base for base in R8_BASES))}
 ROWS_PER_GROUP = 8
 
 
 def _scale_bytes(base: int) -> int:
-    """Bytes of fp16 fields (d, and m for Q4_1) at the start of a ``base`` block."""
-    return 4 if base == Q4_1 else 2
+    """Bytes of fp16 fields (d, and m for Q4_1 / Q5_1) at the start of a ``base`` block."""
+    return 4 if base in (Q4_1, Q5_1) else 2
+
+
+def _mask_bytes(base: int) -> int:
+    """Bytes of fifth bits (Q5's qh) after a ``base`` block's fp16 fields."""
+    return 4 if base in (Q5_0, Q5_1) else 0
+
+
+def _transpose_nibbles(qh: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., 8, 4]`` read as an 8 x 8 matrix of nibbles (nibble c of row r: bits 4c..4c+3 of
+    its little-endian uint32), transposed: row c's nibble r is the input's row r's nibble c."""
+    nibbles = torch.stack([qh & 0x0F, qh >> 4], dim=-1).flatten(-2)  # [..., 8 rows, 8 nibbles]
+    swapped = nibbles.transpose(-1, -2)
+    return swapped[..., 0::2] | (swapped[..., 1::2] << 4)
 
 
 def interleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
-    """A Q4_0 / Q4_1 weight ``[N, row_bytes]`` (N a multiple of 8) in its r8 layout, same shape."""
-    if fmt not in (Q4_0, Q4_1) or qweight.shape[0] % ROWS_PER_GROUP:
-        raise ValueError(f"only Q4_0 / Q4_1 weights of a multiple of {ROWS_PER_GROUP} rows interleave")
-    rows, size, head = qweight.shape[0], BLOCK_BYTES[fmt], _scale_bytes(fmt)
+    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight ``[N, row_bytes]`` (N a multiple of 8) in its r8
+    layout, same shape."""
+    if fmt not in R8_BASES or qweight.shape[0] % ROWS_PER_GROUP:
+        raise ValueError(f"only Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights of a multiple of {ROWS_PER_GROUP} rows "
+                         "interleave")
+    rows, size, head, qh = qweight.shape[0], BLOCK_BYTES[fmt], _scale_bytes(fmt), _mask_bytes(fmt)
     tiles = qweight.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, -1, size).transpose(1, 2)  # [G, nb, 8, size]
     fields = [tiles[..., i:i + 2].flatten(-2) for i in range(0, head, 2)]  # each [G, nb, 16]
-    quants = tiles[..., head:].reshape(*tiles.shape[:3], 4, 4).transpose(2, 3).flatten(-3)  # [G, nb, 128]
-    return torch.cat([*fields, quants], dim=-1).reshape(qweight.shape).contiguous()
+    masks = [_transpose_nibbles(tiles[..., head:head + qh]).flatten(-2)] if qh else []  # [G, nb, 32]
+    body = tiles[..., head + qh:]
+    quants = body.reshape(*tiles.shape[:3], body.shape[-1] // 4, 4).transpose(2, 3).flatten(-3)  # [G, nb, 8 * q]
+    return torch.cat([*fields, *masks, quants], dim=-1).reshape(qweight.shape).contiguous()
 
 
 def deinterleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
@@ -62,11 +86,17 @@ def deinterleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
     if fmt < INTERLEAVED:
         return qweight
     base = fmt - INTERLEAVED
-    rows, size, head = qweight.shape[0], BLOCK_BYTES[base], _scale_bytes(base)
+    rows, size, head, qh = qweight.shape[0], BLOCK_BYTES[base], _scale_bytes(base), _mask_bytes(base)
     tiles = qweight.reshape(rows // ROWS_PER_GROUP, -1, ROWS_PER_GROUP * size)  # [G, nb, 8 * size]
     fields = [tiles[..., i * 8:(i + 2) * 8].reshape(*tiles.shape[:2], ROWS_PER_GROUP, 2) for i in range(0, head, 2)]
-    quants = tiles[..., head * 8:].reshape(*tiles.shape[:2], 4, ROWS_PER_GROUP, 4).transpose(2, 3).flatten(-2)
-    blocks = torch.cat([*fields, quants], dim=-1)  # [G, nb, 8, size]
+    at = head * 8
+    masks = []
+    if qh:
+        masks = [_transpose_nibbles(tiles[..., at:at + 32].reshape(*tiles.shape[:2], ROWS_PER_GROUP, 4))]
+        at += 32
+    chunks = (size - head - qh) // 4
+    quants = tiles[..., at:].reshape(*tiles.shape[:2], chunks, ROWS_PER_GROUP, 4).transpose(2, 3).flatten(-2)
+    blocks = torch.cat([*fields, *masks, quants], dim=-1)  # [G, nb, 8, size]
     return blocks.transpose(1, 2).reshape(qweight.shape).contiguous()
 
 
@@ -139,7 +169,7 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
                 (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
     else:
-        packs = sorted(BLOCK_BYTES.keys() - {Q4_0R8, Q4_1R8})
+        packs = sorted(f for f in BLOCK_BYTES if f < INTERLEAVED)
         raise formats.UnsupportedFormatError(f"quantize packs {', '.join(formats.by_id(f).name for f in packs)} "
                                              f"(ids {packs}); got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)

@@ -19,7 +19,8 @@ SHAPES = [(576, 576), (192, 576), (576, 1536), (1536, 576), (32, 32), (96, 160)]
 ROWS = [1, 2, 3, 4, 7, 16, 64, 130]
 # The 32-weight-block formats (the K-quants' grid is tests/ops/test_kquant_linear.py).
 BLOCK32 = {name: fmt for name, fmt in FORMATS.items() if fmt.block_size == 32}
-# The kernel's layouts: GGUF order, and the Q4 formats repacked eight rows at a time.
+# The kernel's layouts: GGUF order, and the affine formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) repacked eight rows
+# at a time.
 LAYOUTS = {**BLOCK32, **{r8.name: r8 for r8 in INTERLEAVED.values()}}
 BASE = {r8.name: base for base, r8 in INTERLEAVED.items()}
 
@@ -43,22 +44,26 @@ def _laid_out(name: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, Quant
     return packed, fmt
 
 
-@pytest.mark.parametrize("base", sorted(INTERLEAVED, key=lambda f: f.name))
+@pytest.mark.parametrize("base", list(INTERLEAVED), ids=lambda f: f.name)
 def test_interleaved_layout_keeps_every_byte(base: QuantFormat) -> None:
-    """The r8 layout is a permutation of the GGUF bytes: it dequantizes (kernel and reference) to
+    """The r8 layout is a permutation of the GGUF bytes (Q5: of their bits): it dequantizes (kernel and reference) to
     the same weights, undoes exactly, keeps the shape; other formats and row counts stay as given."""
     packed, _ = _packed(base, 48, 96, 9)
     r8, fmt = interleave(packed, base)
     assert fmt == INTERLEAVED[base] and r8.shape == packed.shape and not torch.equal(r8, packed)
-    assert torch.equal(torch.sort(r8.flatten()).values, torch.sort(packed.flatten()).values)
+    if base.name in ("Q5_0", "Q5_1"):  # the fifth bits move between bytes (a transpose of the qh nibbles)
+        bits = torch.arange(8, dtype=torch.uint8)
+        assert torch.equal(((r8.unsqueeze(-1) >> bits) & 1).sum(), ((packed.unsqueeze(-1) >> bits) & 1).sum())
+    else:
+        assert torch.equal(torch.sort(r8.flatten()).values, torch.sort(packed.flatten()).values)
     assert torch.equal(ref.deinterleave(r8, fmt.type_id), packed)
     weight = ref.dequantize(packed, base.type_id)
     assert torch.equal(ref.dequantize(r8, fmt.type_id), weight)
     assert torch.equal(ops.dequantize(r8, fmt), weight)
     odd, _ = _packed(base, 44, 96, 9)
     assert interleave(odd, base) == (odd, base)  # not a multiple of 8 rows: GGUF order
-    q8, _ = _packed(FORMATS["Q8_0"], 48, 96, 9)
-    assert interleave(q8, FORMATS["Q8_0"])[1] == FORMATS["Q8_0"]
+    table, _ = _packed(FORMATS["IQ4_NL"], 48, 96, 9)
+    assert interleave(table, FORMATS["IQ4_NL"])[1] == FORMATS["IQ4_NL"]  # no r8 layout
     with pytest.raises(ValueError, match="multiple of 8 rows"):
         ops.quant_linear(torch.randn(1, 96), r8[:44], fmt)
 
@@ -321,3 +326,45 @@ def test_per_row_entry_keeps_every_count_on_the_kernel(name: str, m: int, exact:
     torch.testing.assert_close(got[exact:], expected[exact:], rtol=0.05, atol=0.05)  # int8 activations
     fp32 = ops.quant.quant_linear_per_row(x, qweight, fmt, False, 0)
     torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)
+
+
+# Quant bytes at their extremes: Q5 nibbles 15 with every fifth bit (q = 31), Q8_0 -128 (|w| = 128,
+# beyond gguf's quantizer's -127).
+EXTREME_QUANTS = {"Q5_0": 0xFF, "Q5_1": 0xFF, "Q8_0": 0x80}
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("name", sorted(EXTREME_QUANTS))
+def test_r8_extreme_quants_do_not_overflow(name: str, sign: float) -> None:
+    """Every weight quant at its largest magnitude against activation quants all +-127 (every
+    activation equal): the integer sums reach their bounds (int16 pairs on AVX2's maddubs, Q8_0's
+    w + 128 on VNNI) and still equal the reference on the int8-rounded activations, r8 and GGUF order."""
+    base = FORMATS[name]
+    n, k = 16, 128
+    blocks = torch.full((n, k // 32, base.block_bytes), EXTREME_QUANTS[name], dtype=torch.uint8)
+    blocks[..., :2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    if name == "Q5_1":
+        blocks[..., 2:4] = torch.tensor([-0.25], dtype=torch.float16).view(torch.uint8)
+    packed = blocks.reshape(n, -1).contiguous()
+    x = torch.full((5, k), sign)
+    expected = ref.quant_linear(ref.int8_activations(x), packed, base.type_id)
+    r8, fmt = interleave(packed, base)
+    for qweight, layout in ((packed, base), (r8, fmt)):
+        torch.testing.assert_close(ops.quant_linear(x, qweight, layout), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("base", list(INTERLEAVED), ids=lambda f: f.name)
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_r8_exact_rows_are_gguf_orders(base: QuantFormat, m: int) -> None:
+    """fp32 activations on an r8 layout give the GGUF-order layout's bits for Q5_0 / Q5_1 / Q8_0 (their
+    groups are read back in GGUF order); the Q4 layouts' own fp32 pass stays within rounding of it."""
+    packed, _ = _packed(base, 64, 576, m)
+    r8, fmt = interleave(packed, base)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(64)
+    want = ops.quant_linear(x, packed, base, bias, int8_activations=False)
+    got = ops.quant_linear(x, r8, fmt, bias, int8_activations=False)
+    if base.name in ("Q4_0", "Q4_1"):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(got, want)

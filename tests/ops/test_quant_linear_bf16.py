@@ -86,6 +86,17 @@ def test_a_row_does_not_depend_on_its_batch(name: str) -> None:
     assert torch.equal(quant_linear_bf16(x[5:40], packed, fmt), batch[5:40])
 
 
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(BASE))
+def test_r8_layouts_compute_as_gguf_order(name: str) -> None:
+    """An r8 layout's panels are the GGUF order's, value for value: the same outputs bit for bit."""
+    packed, fmt = _weight(name, 136, 576, seed=7)
+    gguf_order = ref.deinterleave(packed, fmt.type_id)
+    x = torch.randn(45, 576)
+    bias = torch.randn(136)
+    assert torch.equal(quant_linear_bf16(x, packed, fmt, bias), quant_linear_bf16(x, gguf_order, BASE[name], bias))
+
+
 def test_reference_backend_and_fallback_round_the_same_way() -> None:
     """The torch path (reference backend, or a CPU without a bf16 kernel) rounds like the kernel."""
     packed, fmt = _weight("Q4_1r8", 64, 128, seed=3)

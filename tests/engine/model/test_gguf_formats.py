@@ -32,7 +32,8 @@ _HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "se
        "ffn_down": "mlp.down_proj"}
 NO_KERNEL = "Q2_K"  # set aside by `without_kernel` where a test needs a format that is dequantized at load
 # A mix: layer 0 mixes formats inside q/k/v (one without a kernel, so that module runs in fp32), keeps
-# gate/up packed (Q8_0); layer 1 is all Q4_1 (packed, eight-row layout); a Q2_K embedding, a Q8_0 lm_head.
+# gate/up packed (Q8_0, eight-row layout); layer 1 is all Q4_1 (packed, eight-row layout); a Q2_K embedding,
+# a Q8_0 lm_head.
 MIX = {"attn_q": "Q2_K", "attn_k": "Q5_0", "attn_v": "Q8_0", "attn_output": "Q2_K", "ffn_gate": "Q8_0",
        "ffn_up": "Q8_0", "ffn_down": "Q2_K"}
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 3, 99, 200, 17, 45, 88, 120, 7], [256, 50]]
@@ -182,7 +183,7 @@ def test_mix_keeps_packed_modules_and_logs_each_path(model_dir: Path, no_kernel:
     layer0, layer1 = ours.model.layers
     for module in (layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.down_proj):
         assert type(module).__name__ == "Linear"  # mixed or unpacked: the model's fp32 layer
-    assert isinstance(layer0.mlp.gate_up_proj, QuantLinear) and layer0.mlp.gate_up_proj.formats == [ops.quant.Q8_0]
+    assert isinstance(layer0.mlp.gate_up_proj, QuantLinear) and layer0.mlp.gate_up_proj.formats == [ops.quant.Q8_0R8]
     assert all(isinstance(m, QuantLinear) for m in (layer1.self_attn.qkv_proj, layer1.mlp.down_proj))
     assert layer1.self_attn.qkv_proj.formats == [ops.quant.Q4_1R8]
     assert isinstance(ours.model.embed_tokens, nn.Embedding)  # Q2_K: dequantized
@@ -261,7 +262,7 @@ def test_engine_greedy_equals_transformers_on_dequantized_formats(model_dir: Pat
 def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
     """Every tensor in one of the formats packed since issue 38 (the 5-bit legacy ones, IQ4_NL, MXFP4, the
     K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K, IQ4_XS): every linear one packed `QuantLinear` in that format
-    (GGUF order), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
+    (Q5: eight-row layouts), the embedding packed, the lm_head on its int8 screen, the fused decoder on, the
     weights exactly transformers' dequantized load. With fp32 activations greedy equals
     transformers'; with int8 activations (the default) the engine's first token of each prompt
     (prompt rows keep fp32 activations) is transformers', and a batch of three decodes token for
@@ -276,7 +277,9 @@ def test_packed_formats_run_packed(model_dir: Path, fmt: str) -> None:
     hf = _transformers_model(model_dir, file)
     _assert_weights_equal(ours, hf)
     linears = [m for m in ours.modules() if isinstance(m, (nn.Linear, QuantLinear))]
-    assert all(isinstance(m, QuantLinear) and m.formats == [ops.quant.FORMATS[fmt]] for m in linears)
+    stored = ops.quant.FORMATS[fmt]  # decoder linears in the eight-row layout where it has one, the lm_head not
+    assert all(isinstance(m, QuantLinear) and m.formats == [stored if m is ours.lm_head else
+                                                            ops.quant.INTERLEAVED.get(stored, stored)] for m in linears)
     assert isinstance(ours.model.embed_tokens, QuantEmbedding)
     assert isinstance(ours.logit_screen(), QuantLogitScreen)
     # the fused decoder, except where AMX runs and the format has no AMX panels (its bf16 steps)
@@ -374,7 +377,7 @@ def test_requantize_serves_every_format_packed(model_dir: Path, no_kernel: str) 
     assert all(isinstance(m, QuantLinear) and None not in m.formats for m in linears)
     assert isinstance(ours.model.embed_tokens, QuantEmbedding)
     # layer 0's qkv holds Q5_0 (packed as stored) beside requantized Q8_0 shards: fused, shard by shard
-    assert ours.model.layers[0].self_attn.qkv_proj.formats == [ops.quant.Q8_0, ops.quant.Q5_0, ops.quant.Q8_0]
+    assert ours.model.layers[0].self_attn.qkv_proj.formats == [ops.quant.Q8_0R8, ops.quant.Q5_0R8, ops.quant.Q8_0R8]
     assert ours.fused_decoder() is not None
     [line] = [e for e in logs if e["event"] == "GGUF tensor formats"]
     assert "Q5_0: 1 tensors, packed (quantized kernels)" in line["formats"]
