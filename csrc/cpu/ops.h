@@ -111,6 +111,8 @@ constexpr int64_t kQuantIQ4_XS = 23;  // 256-weight blocks of IQ4_NL-style sub-b
 constexpr int64_t kQuantInterleaved = 1000;
 constexpr int64_t kQuantQ4_0R8 = kQuantInterleaved + kQuantQ4_0;
 constexpr int64_t kQuantQ4_1R8 = kQuantInterleaved + kQuantQ4_1;
+// Q4_K's eight-row layout, its scales and mins unpacked: 148 bytes a row per block (quant_interleaved_k.cpp).
+constexpr int64_t kQuantQ4_KR8 = kQuantInterleaved + kQuantQ4_K;
 
 // out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight uint8 [N, K / block_weights * block_bytes])^T (+ bias [N]);
 // int8_activations quantizes x per 32-block to int8 first (integer dot products), except for the

@@ -7,7 +7,8 @@
 
 namespace pagedserve::cpu {
 
-// Whether `format` is an eight-row interleaved one (kQuantQ4_0R8, kQuantQ4_1R8).
+// Whether `format` is an eight-row interleaved one (kQuantQ4_0R8, kQuantQ4_1R8; kQuantQ4_KR8, whose
+// kernels live in quant_interleaved_k.cpp: the functions below hand it there).
 bool is_interleaved(int64_t format);
 
 // out fp32 [M, N] = x fp32 [M, K] . W^T (+ bias [N]) for an interleaved weight `w` of N rows (a
