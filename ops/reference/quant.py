@@ -147,7 +147,7 @@ def quantize(weight: torch.Tensor, fmt: int) -> torch.Tensor:
         body = [d.view(torch.uint8).reshape(rows, -1, 2), m.view(torch.uint8).reshape(rows, -1, 2), _fifth_bits(q),
                 (q[..., :16] & 0x0F) | ((q[..., 16:] & 0x0F) << 4)]
     else:
-        packs = sorted(BLOCK_BYTES.keys() - {Q4_0R8, Q4_1R8})
+        packs = sorted(f for f in BLOCK_BYTES if f < INTERLEAVED)
         raise formats.UnsupportedFormatError(f"quantize packs {', '.join(formats.by_id(f).name for f in packs)} "
                                              f"(ids {packs}); got id {fmt}")
     return torch.cat(body, dim=-1).reshape(rows, -1)
