@@ -174,9 +174,11 @@ def test_r8_is_q4_k_on_fp32_rows_and_panels_and_close_on_int8_rows(n: int, k: in
     bias = torch.randn(n, generator=gen)
     assert torch.equal(ops.quant_linear(x, r8, fmt, bias, int8_activations=False),
                        ops.quant_linear(x, qweight, Q4_K, bias, int8_activations=False))
-    assert torch.equal(ops.quant.quant_fixed_linear(x, r8, fmt, bias), ops.quant.quant_fixed_linear(x, qweight, Q4_K, bias))
+    assert torch.equal(ops.quant.quant_fixed_linear(x, r8, fmt, bias),
+                       ops.quant.quant_fixed_linear(x, qweight, Q4_K, bias))
     if ops.quant.bf16_kernel() is not None:
-        assert torch.equal(ops.quant.quant_linear_bf16(x, r8, fmt, bias), ops.quant.quant_linear_bf16(x, qweight, Q4_K, bias))
+        assert torch.equal(ops.quant.quant_linear_bf16(x, r8, fmt, bias),
+                           ops.quant.quant_linear_bf16(x, qweight, Q4_K, bias))
     torch.testing.assert_close(ops.quant_linear(x, r8, fmt, bias), ops.quant_linear(x, qweight, Q4_K, bias),
                                rtol=1e-5, atol=1e-5)
 
