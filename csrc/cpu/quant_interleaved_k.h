@@ -11,7 +11,7 @@ namespace pagedserve::cpu {
 // Bytes of one group's tile per 256-weight block (eight rows of 148) of Q4_Kr8.
 constexpr int64_t kQ4KR8TileBytes = 1184;
 
-// Whether `format` is an eight-row K-quant layout (kQuantQ4_KR8).
+// Whether `format` is an eight-row K-quant layout (kQuantQ4_KR8, kQuantQ6_KR8).
 bool is_interleaved_k(int64_t format);
 
 // As interleaved_linear (quant_interleaved.h) for an eight-row K-quant weight.

@@ -20,7 +20,8 @@ the CPU kernel (csrc/cpu/quant_interleaved.cpp): the tensor keeps its shape ``[N
 (N a multiple of 8), and rows 8g..8g+7 hold, per block b, one tile of the eight rows' fp16 d,
 then (Q4_1) their fp16 m, then four 32-byte chunks, chunk j holding row r's packed bytes
 4j..4j+3 at bytes 4r..4r+3 (``interleave``; ``deinterleave`` undoes it). Q4_Kr8 (1012) is Q4_K's
-eight-row layout, a few bytes larger than the GGUF blocks (148 a row per block: ops/reference/quant_k_r8.py).
+eight-row layout, a few bytes larger than the GGUF blocks (148 a row per block: ops/reference/quant_k_r8.py);
+Q6_Kr8 (1014) reorders Q6_K's bytes eight rows at a time, same size.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ MXFP4 = formats.by_name("MXFP4").type_id
 K_BLOCKS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
-Q4_KR8 = INTERLEAVED + Q4_K
+Q4_KR8, Q6_KR8 = INTERLEAVED + Q4_K, INTERLEAVED + Q6_K
 BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes
-               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, *K_BLOCKS, Q4_0R8, Q4_1R8)}
+               for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, *K_BLOCKS, Q4_0R8, Q4_1R8, Q6_KR8)}
 BLOCK_BYTES[Q4_KR8] = quant_k_r8.BLOCK_BYTES  # scales and mins unpacked: 148 bytes a row per block
 ROWS_PER_GROUP = 8
 
@@ -50,12 +51,14 @@ def _scale_bytes(base: int) -> int:
 
 
 def interleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
-    """A Q4_0 / Q4_1 weight ``[N, row_bytes]`` (N a multiple of 8) in its r8 layout, same shape; Q4_K in
-    Q4_Kr8 (``[N, K / 256 * 148]``)."""
+    """A Q4_0 / Q4_1 / Q6_K weight ``[N, row_bytes]`` (N a multiple of 8) in its r8 layout, same shape; Q4_K
+    in Q4_Kr8 (``[N, K / 256 * 148]``)."""
     if fmt == Q4_K and qweight.shape[0] % ROWS_PER_GROUP == 0:
         return quant_k_r8.interleave_q4_k(qweight)
+    if fmt == Q6_K and qweight.shape[0] % ROWS_PER_GROUP == 0:
+        return quant_k_r8.interleave_q6_k(qweight)
     if fmt not in (Q4_0, Q4_1) or qweight.shape[0] % ROWS_PER_GROUP:
-        raise ValueError(f"only Q4_0 / Q4_1 / Q4_K weights of a multiple of {ROWS_PER_GROUP} rows interleave")
+        raise ValueError(f"only Q4_0 / Q4_1 / Q4_K / Q6_K weights of a multiple of {ROWS_PER_GROUP} rows interleave")
     rows, size, head = qweight.shape[0], BLOCK_BYTES[fmt], _scale_bytes(fmt)
     tiles = qweight.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, -1, size).transpose(1, 2)  # [G, nb, 8, size]
     fields = [tiles[..., i:i + 2].flatten(-2) for i in range(0, head, 2)]  # each [G, nb, 16]
@@ -69,6 +72,8 @@ def deinterleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
         return qweight
     if fmt == Q4_KR8:
         return quant_k_r8.deinterleave_q4_k(qweight)
+    if fmt == Q6_KR8:
+        return quant_k_r8.deinterleave_q6_k(qweight)
     base = fmt - INTERLEAVED
     rows, size, head = qweight.shape[0], BLOCK_BYTES[base], _scale_bytes(base)
     tiles = qweight.reshape(rows // ROWS_PER_GROUP, -1, ROWS_PER_GROUP * size)  # [G, nb, 8 * size]

@@ -56,3 +56,38 @@ def deinterleave_q4_k(qweight: torch.Tensor) -> torch.Tensor:
     quants = tiles[..., 160:].reshape(*lead, 32, ROWS, 4).transpose(-3, -2).flatten(-2)  # [G, nb, 8, 128]
     blocks = torch.cat([d, dmin, packed, quants], dim=-1)  # [G, nb, 8, 144]
     return blocks.transpose(1, 2).reshape(rows, nb * GGUF_BYTES).contiguous()
+
+
+Q6_K_BYTES = 210  # a Q6_K block; its r8 tile is the same bytes reordered (1680 = 8 x 210)
+
+
+def interleave_q6_k(qweight: torch.Tensor) -> torch.Tensor:
+    """A GGUF-order Q6_K weight ``[N, K / 256 * 210]`` (N a multiple of 8) as Q6_Kr8, same shape: per block
+    one 1680-byte tile of the eight rows' fp16 d (bytes 0..15), their int8 scales (16..143: byte 16 + 8 i
+    + r = row r's scale i), then 32 chunks of 32 bytes of ql (chunk 16 h + 8 p + i: row r's ql bytes 64 h +
+    32 p + 4 i..+3 at 4 r), then 16 of qh (chunk 8 h + i: row r's qh bytes 32 h + 4 i..+3 at 4 r)."""
+    rows = qweight.shape[0]
+    if qweight.dim() != 2 or rows % ROWS or qweight.shape[1] % Q6_K_BYTES:
+        raise ValueError(f"only Q6_K weights of a multiple of {ROWS} rows interleave; got {tuple(qweight.shape)}")
+    nb = qweight.shape[1] // Q6_K_BYTES
+    blocks = qweight.reshape(rows // ROWS, ROWS, nb, Q6_K_BYTES).transpose(1, 2)  # [G, nb, 8, 210]
+    lead = blocks.shape[:2]
+    d = blocks[..., 208:210].flatten(-2)
+    scales = blocks[..., 192:208].transpose(-1, -2).flatten(-2)  # [G, nb, 128]: scale major
+    ql = blocks[..., 0:128].reshape(*lead, ROWS, 32, 4).transpose(-3, -2).flatten(-3)
+    qh = blocks[..., 128:192].reshape(*lead, ROWS, 16, 4).transpose(-3, -2).flatten(-3)
+    return torch.cat([d, scales, ql, qh], dim=-1).reshape(rows, nb * Q6_K_BYTES).contiguous()
+
+
+def deinterleave_q6_k(qweight: torch.Tensor) -> torch.Tensor:
+    """The GGUF-order Q6_K weight of a Q6_Kr8 one (``interleave_q6_k``'s inverse)."""
+    rows = qweight.shape[0]
+    nb = qweight.shape[1] // Q6_K_BYTES
+    tiles = qweight.reshape(rows // ROWS, nb, ROWS * Q6_K_BYTES)
+    lead = tiles.shape[:2]
+    d = tiles[..., 0:16].reshape(*lead, ROWS, 2)
+    scales = tiles[..., 16:144].reshape(*lead, 16, ROWS).transpose(-1, -2)
+    ql = tiles[..., 144:1168].reshape(*lead, 32, ROWS, 4).transpose(-3, -2).flatten(-2)
+    qh = tiles[..., 1168:1680].reshape(*lead, 16, ROWS, 4).transpose(-3, -2).flatten(-2)
+    blocks = torch.cat([ql, qh, scales, d], dim=-1)  # [G, nb, 8, 210]
+    return blocks.transpose(1, 2).reshape(rows, nb * Q6_K_BYTES).contiguous()

@@ -5,8 +5,8 @@ the reference on the int8-rounded activations and the fp32 rows the fp32 product
 counts, odd N and K = 256 n, with and without bias; a row's output is the same bits alone and in
 any batch; the fixed-order GEMM is fixed_gemm on the dequantized weight. Run at every ISA level
 the machine has (tests/ops/test_isa.py). Q4_Kr8 (Q4_K repacked eight rows at a time, its scales and mins
-unpacked: ops/reference/quant_k_r8.py) runs the same grid on weights of a multiple of 8 rows, and its
-fp32 rows, dequantization and bf16 panels are Q4_K's bits."""
+unpacked: ops/reference/quant_k_r8.py) and Q6_Kr8 (Q6_K's bytes reordered) run the same grid on weights of a
+multiple of 8 rows, and their fp32 rows, dequantization and bf16 panels are the GGUF-order format's bits."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ import torch
 
 import ops
 from ops.build import cpu_ops
-from ops.quant import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_KR8, Q5_K, Q6_K, QUANT_GEMV_MAX_ROWS, QuantFormat
+from ops.quant import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_KR8, Q5_K, Q6_K, Q6_KR8, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import formats
 from ops.reference import quant as ref
 from tests.ops.test_formats import _random_blocks
 
 gguf = pytest.importorskip("gguf")
 KQUANTS = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS]
-LAYOUTS = [*KQUANTS, Q4_KR8]  # the GGUF-order formats and the eight-row layouts of 256-weight blocks
-R8_BASE = {Q4_KR8: Q4_K}
+LAYOUTS = [*KQUANTS, Q4_KR8, Q6_KR8]  # the GGUF-order formats and the eight-row layouts of 256-weight blocks
+R8_BASE = {Q4_KR8: Q4_K, Q6_KR8: Q6_K}
 SHAPES = [(37, 256), (130, 512), (96, 1536), (8, 768), (576, 256), (40, 512)]  # (N, K); 40: five r8 groups
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, QUANT_GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS + 3]
 
@@ -143,52 +143,59 @@ def test_bf16_linear_has_k_quant_panels(fmt: QuantFormat) -> None:
             cpu_ops().quant_linear_bf16(torch.empty(1, 40), torch.randn(1, 288), qweight, fmt.type_id, None)
 
 
-def test_r8_layout_round_trips_and_dequantizes_as_gguf() -> None:
-    """Q4_Kr8 over random Q4_K blocks (every scale and min value at every sub-block, every fp16
-    class): `deinterleave` gives the GGUF bytes back, the tile is 148 bytes a row per block, and the
-    kernel's and the reference's dequantization are gguf's bits; other row counts stay GGUF order."""
-    raw = _random_blocks(formats.by_name("Q4_K"), 4096, seed=112).reshape(64, -1)
-    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(64, -1)
+@pytest.mark.parametrize("r8", list(R8_BASE), ids=lambda f: f.name)
+def test_r8_layout_round_trips_and_dequantizes_as_gguf(r8: QuantFormat) -> None:
+    """An r8 layout over random GGUF blocks (every scale and min value at every sub-block, every fp16
+    class): `deinterleave` gives the GGUF bytes back, the tile is `block_bytes` a row per block (Q4_Kr8
+    148, Q6_Kr8 210), and the kernel's and the reference's dequantization are gguf's bits; other row
+    counts stay GGUF order."""
+    base = R8_BASE[r8]
+    raw = _random_blocks(formats.by_name(base.name), 4096, seed=r8.type_id).reshape(64, -1)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[base.name]).reshape(64, -1)
     packed = torch.from_numpy(raw)
-    r8, fmt = ops.quant.interleave(packed, Q4_K)
-    assert fmt == Q4_KR8 and r8.shape == (64, 64 * 148) and fmt.row_bytes(64 * 256) == r8.shape[1]
-    assert torch.equal(ref.deinterleave(r8, fmt.type_id), packed)
-    np.testing.assert_array_equal(ref.dequantize(r8, fmt.type_id).numpy(), expected)
-    np.testing.assert_array_equal(ops.dequantize(r8, fmt).numpy(), expected)
+    laid_out, fmt = ops.quant.interleave(packed, base)
+    assert fmt == r8 and laid_out.shape == (64, 64 * r8.block_bytes) and fmt.row_bytes(64 * 256) == laid_out.shape[1]
+    assert r8.block_bytes == (148 if base == Q4_K else base.block_bytes)
+    assert torch.equal(ref.deinterleave(laid_out, fmt.type_id), packed)
+    np.testing.assert_array_equal(ref.dequantize(laid_out, fmt.type_id).numpy(), expected)
+    np.testing.assert_array_equal(ops.dequantize(laid_out, fmt).numpy(), expected)
     odd = packed[:44]
-    assert ops.quant.interleave(odd, Q4_K) == (odd, Q4_K)  # not a multiple of 8 rows: GGUF order
+    assert ops.quant.interleave(odd, base) == (odd, base)  # not a multiple of 8 rows: GGUF order
     with pytest.raises(ValueError, match="multiple of 8 rows"):
-        ops.quant_linear(torch.randn(1, 256 * 64), r8[:44], fmt)
-    with pytest.raises(ValueError, match="Q4_Kr8 with K=512 needs 296"):
-        ops.quant_linear(torch.randn(1, 512), torch.zeros(8, 288, dtype=torch.uint8), fmt)
+        ops.quant_linear(torch.randn(1, 256 * 64), laid_out[:44], fmt)
+    with pytest.raises(ValueError, match=f"{r8.name} with K=512 needs {2 * r8.block_bytes}"):
+        ops.quant_linear(torch.randn(1, 512), torch.zeros(8, 2 * r8.block_bytes + 8, dtype=torch.uint8), fmt)
 
 
+@pytest.mark.parametrize("layout", list(R8_BASE), ids=lambda f: f.name)
 @pytest.mark.parametrize(("n", "k"), [(8, 256), (24, 768), (40, 512), (136, 1536)])
-def test_r8_is_q4_k_on_fp32_rows_and_panels_and_close_on_int8_rows(n: int, k: int) -> None:
-    """Q4_Kr8 against Q4_K in GGUF order on the same weights: fp32-activation rows, the fixed-order
-    GEMM and the bf16 panels give the same bits; int8 rows differ only by fp32 summation order."""
-    qweight = _qweight(Q4_K, n, k, n + k)
-    r8, fmt = ops.quant.interleave(qweight, Q4_K)
+def test_r8_is_gguf_order_on_fp32_rows_and_panels_and_close_on_int8_rows(layout: QuantFormat, n: int, k: int) -> None:
+    """An r8 layout against its format in GGUF order on the same weights: fp32-activation rows, the
+    fixed-order GEMM and the bf16 panels give the same bits; int8 rows differ only by fp32 summation order."""
+    base = R8_BASE[layout]
+    qweight = _qweight(base, n, k, n + k)
+    r8, fmt = ops.quant.interleave(qweight, base)
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(11, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     assert torch.equal(ops.quant_linear(x, r8, fmt, bias, int8_activations=False),
-                       ops.quant_linear(x, qweight, Q4_K, bias, int8_activations=False))
+                       ops.quant_linear(x, qweight, base, bias, int8_activations=False))
     assert torch.equal(ops.quant.quant_fixed_linear(x, r8, fmt, bias),
-                       ops.quant.quant_fixed_linear(x, qweight, Q4_K, bias))
+                       ops.quant.quant_fixed_linear(x, qweight, base, bias))
     if ops.quant.bf16_kernel() is not None:
         assert torch.equal(ops.quant.quant_linear_bf16(x, r8, fmt, bias),
-                           ops.quant.quant_linear_bf16(x, qweight, Q4_K, bias))
-    torch.testing.assert_close(ops.quant_linear(x, r8, fmt, bias), ops.quant_linear(x, qweight, Q4_K, bias),
+                           ops.quant.quant_linear_bf16(x, qweight, base, bias))
+    torch.testing.assert_close(ops.quant_linear(x, r8, fmt, bias), ops.quant_linear(x, qweight, base, bias),
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", list(R8_BASE), ids=lambda f: f.name)
 @pytest.mark.parametrize("m", [1, 3, 4, 5])
-def test_r8_groups_in_pairs_equal_groups_alone(m: int) -> None:
-    """With AVX-512 the kernel runs two groups per 512-bit pass and an odd last group on the 256-bit
+def test_r8_groups_in_pairs_equal_groups_alone(layout: QuantFormat, m: int) -> None:
+    """With AVX-512 the Q4_Kr8 kernel runs two groups per 512-bit pass and an odd last group on the 256-bit
     one: each group of a five-group weight is bit for bit that group alone (a one-group weight)."""
     n, k = 40, 768
-    r8, fmt = ops.quant.interleave(_qweight(Q4_K, n, k, m), Q4_K)
+    r8, fmt = ops.quant.interleave(_qweight(R8_BASE[layout], n, k, m), R8_BASE[layout])
     gen = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
@@ -198,11 +205,12 @@ def test_r8_groups_in_pairs_equal_groups_alone(m: int) -> None:
         assert torch.equal(whole[:, 8 * g:8 * g + 8], alone), g
 
 
+@pytest.mark.parametrize("layout", list(R8_BASE), ids=lambda f: f.name)
 @pytest.mark.parametrize(("m", "exact"), [(1, 0), (40, 7), (QUANT_GEMV_MAX_ROWS + 40, 0)])
-def test_r8_per_row_entry_keeps_every_count_on_the_kernel(m: int, exact: int) -> None:
-    """`quant_linear_per_row` (a MoE expert's grouped rows) on Q4_Kr8: each row is bit for bit what it
-    is alone at any count, past the oneDNN crossover too."""
-    r8, fmt = ops.quant.interleave(_qweight(Q4_K, 64, 512, m), Q4_K)
+def test_r8_per_row_entry_keeps_every_count_on_the_kernel(layout: QuantFormat, m: int, exact: int) -> None:
+    """`quant_linear_per_row` (a MoE expert's grouped rows) on an r8 layout: each row is bit for bit what
+    it is alone at any count, past the oneDNN crossover too."""
+    r8, fmt = ops.quant.interleave(_qweight(R8_BASE[layout], 64, 512, m), R8_BASE[layout])
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m + exact))
     got = ops.quant.quant_linear_per_row(x, r8, fmt, True, exact)
     for i in sorted({0, exact - 1, exact, m - 1} & set(range(m))):
