@@ -286,12 +286,70 @@ inline __m256i accumulate32(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+#if defined(PAGEDSERVE_R8K_ZMM)
+// Q6_Kr8 groups g and g + 1 in 512-bit registers: every lane runs the 256-bit pass's integer sums and fp32
+// operations in the same order (the same bits).
+template <int M>
+void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
+                        const float* bias, float* out, int64_t ldo, int64_t g) {
+  const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+  const uint8_t* tiles0 = w + g * nsb * kQ6TileBytes;
+  const uint8_t* tiles1 = tiles0 + nsb * kQ6TileBytes;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* t0 = tiles0 + b * kQ6TileBytes;
+    const uint8_t* t1 = tiles1 + b * kQ6TileBytes;
+    const __m512 dw = halves_to_ps(t0, t1);
+    for (int s = 0; s < kSubs; ++s) {
+      const int h = s / 4, gs = s % 4;
+      const int64_t low = kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)), high = kQ6HighAt + 32 * (8 * h);
+      const __m128i low_shift = _mm_cvtsi32_si128(4 * (gs / 2)), high_shift = _mm_cvtsi32_si128(2 * gs);
+      for (int half = 0; half < 2; ++half) {
+        __m512i sums[M];
+        for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 4 * half; i < 4 * half + 4; ++i) {
+          const __m512i lraw = load_pair(t0 + low + 32 * i, t1 + low + 32 * i);
+          const __m512i hraw = load_pair(t0 + high + 32 * i, t1 + high + 32 * i);
+          const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(lraw, low_shift), _mm512_set1_epi8(0x0F));
+          const __m512i hi =
+              _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(hraw, high_shift), _mm512_set1_epi8(3)), 4);
+          const __m512i u = _mm512_or_si512(lo, hi);
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            int32_t a4;
+            std::memcpy(&a4, q + m * k_len + b * kSuperBlock + kBlock * s + 4 * i, 4);
+            sums[m] = _mm512_dpbusd_epi32(sums[m], u, _mm512_set1_epi32(a4));
+          }
+        }
+        const int64_t sc_at = kQ6ScalesAt + 8 * (2 * s + half);
+        const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t0 + sc_at)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t1 + sc_at)));
+        const __m512 dj = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * nb + b * kSubs + s;
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_mul_ps(dj, _mm512_set1_ps(ad[at])), acc[m]);
+          acc[m] = _mm512_fnmadd_ps(dj, _mm512_set1_ps(32.f * ah[2 * at + half]), acc[m]);
+        }
+      }
+    }
+  }
+  const __m512 vb = bias != nullptr ? _mm512_loadu_ps(bias + g * kRows) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * ldo + g * kRows, _mm512_add_ps(acc[m], vb));
+}
+#endif
+
 // Q6_Kr8 groups [g_begin, g_end) of out[M][N] (quants q [M][K], block scales ad [M][K / 32], half-block
 // scaled sums ah [M][K / 16]: ActPlanes::h).
 template <int M>
 void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
                     const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+#if defined(PAGEDSERVE_R8K_ZMM)
+  for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair_q6<M>(q, ad, ah, nsb, w, bias, out, ldo, g_begin);
+#endif
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* tiles = w + g * nsb * kQ6TileBytes;
 #if defined(__AVX2__)
