@@ -73,15 +73,18 @@ FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K
 # runs dequantized in torch (the same rounding), a model's prompt rows keep fp32 activations
 # (`QuantLinear`), and the fused decoder, which calls the AMX kernel for every linear, declines it there.
 BF16_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                          "Q6_K", "IQ4_XS", "Q4_0r8", "Q4_1r8", "Q5_0r8", "Q5_1r8", "Q8_0r8"})
-# The CPU kernel's eight-row interleaved layouts of the 32-weight affine formats (ops/reference/quant.py,
-# interleave; csrc/cpu/quant_interleaved.cpp, quant_interleaved_q5q8.cpp).
+                          "Q6_K", "IQ4_XS", "Q4_0r8", "Q4_1r8", "Q5_0r8", "Q5_1r8", "Q8_0r8", "Q4_Kr8", "Q6_Kr8"})
+# The CPU kernel's eight-row interleaved layouts (ops/reference/quant.py, interleave; csrc/cpu/quant_interleaved.cpp,
+# quant_interleaved_q5q8.cpp, quant_interleaved_k.cpp): Q4_Kr8's tiles carry Q4_K's scales and mins unpacked to
+# bytes, 148 bytes a row per 256 weights; the others keep their formats' sizes.
 Q4_0R8 = QuantFormat("Q4_0r8", ref.Q4_0R8, ref.BLOCK_BYTES[ref.Q4_0R8])
 Q4_1R8 = QuantFormat("Q4_1r8", ref.Q4_1R8, ref.BLOCK_BYTES[ref.Q4_1R8])
 Q5_0R8 = QuantFormat("Q5_0r8", ref.Q5_0R8, ref.BLOCK_BYTES[ref.Q5_0R8])
 Q5_1R8 = QuantFormat("Q5_1r8", ref.Q5_1R8, ref.BLOCK_BYTES[ref.Q5_1R8])
 Q8_0R8 = QuantFormat("Q8_0r8", ref.Q8_0R8, ref.BLOCK_BYTES[ref.Q8_0R8])
-INTERLEAVED = {Q4_0: Q4_0R8, Q4_1: Q4_1R8, Q5_0: Q5_0R8, Q5_1: Q5_1R8, Q8_0: Q8_0R8}
+Q4_KR8 = QuantFormat("Q4_Kr8", ref.Q4_KR8, ref.BLOCK_BYTES[ref.Q4_KR8], 256)
+Q6_KR8 = QuantFormat("Q6_Kr8", ref.Q6_KR8, ref.BLOCK_BYTES[ref.Q6_KR8], 256)
+INTERLEAVED = {Q4_0: Q4_0R8, Q4_1: Q4_1R8, Q5_0: Q5_0R8, Q5_1: Q5_1R8, Q8_0: Q8_0R8, Q4_K: Q4_KR8, Q6_K: Q6_KR8}
 
 
 def quant_format(name: str) -> QuantFormat:
@@ -108,9 +111,10 @@ def check_qweight(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> 
 
 
 def interleave(qweight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, QuantFormat]:
-    """``(qweight, fmt)`` in the CPU kernel's eight-row layout where it has one (Q4_0 / Q4_1 / Q5_0 /
-    Q5_1 / Q8_0, a multiple of 8 rows), else as given. Same bytes and shape; the one-row GEMV on it runs ~2x
-    fewer instructions per block (csrc/cpu/quant_interleaved.cpp)."""
+    """``(qweight, fmt)`` in the CPU kernel's eight-row layout where it has one (Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+    Q8_0 / Q4_K / Q6_K, a multiple of 8 rows), else as given. The same bytes and shape, except Q4_K: its
+    scales and mins unpacked, 148 bytes a row per block. The one-row GEMV on it runs ~2x fewer
+    instructions per block (csrc/cpu/quant_interleaved.cpp, quant_interleaved_q5q8.cpp, quant_interleaved_k.cpp)."""
     target = INTERLEAVED.get(fmt)
     if target is None or qweight.shape[0] % ref.ROWS_PER_GROUP:
         return qweight, fmt

@@ -115,6 +115,9 @@ constexpr int64_t kQuantQ4_1R8 = kQuantInterleaved + kQuantQ4_1;
 constexpr int64_t kQuantQ5_0R8 = kQuantInterleaved + kQuantQ5_0;
 constexpr int64_t kQuantQ5_1R8 = kQuantInterleaved + kQuantQ5_1;
 constexpr int64_t kQuantQ8_0R8 = kQuantInterleaved + kQuantQ8_0;
+// Q4_K's eight-row layout, its scales and mins unpacked: 148 bytes a row per block (quant_interleaved_k.cpp).
+constexpr int64_t kQuantQ4_KR8 = kQuantInterleaved + kQuantQ4_K;
+constexpr int64_t kQuantQ6_KR8 = kQuantInterleaved + kQuantQ6_K;  // Q6_K's, same bytes reordered
 
 // out fp32 [M, N] = x fp32 [M, K] . dequantize(qweight uint8 [N, K / block_weights * block_bytes])^T (+ bias [N]);
 // int8_activations quantizes x per 32-block to int8 first (integer dot products), except for the

@@ -17,6 +17,7 @@
 #include "quant_blocks.h"
 #include "quant_interleaved.h"
 #include "quant_interleaved_q5q8.h"
+#include "quant_interleaved_k.h"
 
 #include <algorithm>
 #include <cstring>
@@ -181,7 +182,16 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
     q5q8_interleaved_to_gguf(gguf.data(), w, format, k_len, n0, n0 + rows);
     return dequant_panel(gguf.data(), format - kQuantInterleaved, 0, rows, k_len, panel);
   }
-  if (is_interleaved(format)) {  // n0 and n_len are multiples of 8: whole groups, B tiles directly
+  if (is_interleaved_k(format)) {  // dequantized to fp32 (dequant_block's bits), then rounded as GGUF order is
+    thread_local std::vector<float> wide;
+    wide.resize(rows * k_len);
+    interleaved_k_dequantize_rows(wide.data(), w, format, k_len, n0, n0 + rows);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* src = wide.data() + r * k_len + b * kBlock;
+        store_bf16(panel_at(panel, nb, r) + b * kPackedBlock, _mm512_loadu_ps(src), _mm512_loadu_ps(src + 16));
+      }
+  } else if (is_interleaved(format)) {  // n0 and n_len are multiples of 8: whole groups, B tiles directly
     for (int64_t t = 0; t < 2; ++t) {
       c10::BFloat16* dst = panel + t * nb * kPackedBlock;
       if (kTile * t >= rows) {
@@ -197,24 +207,25 @@ void dequant_panel(const uint8_t* w, int64_t format, int64_t n0, int64_t n_len, 
       }
     }
     return;
-  }
-  for (int64_t r = 0; r < rows; ++r) {  // GGUF order: rows dequantized, then each 16 x 16 block transposed
-    const uint8_t* row = w + (n0 + r) * row_bytes;
-    switch (format) {
-      case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ4_1: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ5_0: dequant_row_bf16<kQuantQ5_0>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ5_1: dequant_row_bf16<kQuantQ5_1>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantIQ4_NL: dequant_row_bf16<kQuantIQ4_NL>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantMXFP4: dequant_row_bf16<kQuantMXFP4>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ2_K: dequant_row_bf16<kQuantQ2_K>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ3_K: dequant_row_bf16<kQuantQ3_K>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ4_K: dequant_row_bf16<kQuantQ4_K>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ5_K: dequant_row_bf16<kQuantQ5_K>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantQ6_K: dequant_row_bf16<kQuantQ6_K>(row, nb, panel_at(panel, nb, r)); break;
-      case kQuantIQ4_XS: dequant_row_bf16<kQuantIQ4_XS>(row, nb, panel_at(panel, nb, r)); break;
-      default: TORCH_CHECK(false, "quant_linear_bf16: unknown format ", format);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {  // GGUF order: rows dequantized, then each 16 x 16 block transposed
+      const uint8_t* row = w + (n0 + r) * row_bytes;
+      switch (format) {
+        case kQuantQ8_0: dequant_row_bf16<kQuantQ8_0>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ4_0: dequant_row_bf16<kQuantQ4_0>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ4_1: dequant_row_bf16<kQuantQ4_1>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ5_0: dequant_row_bf16<kQuantQ5_0>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ5_1: dequant_row_bf16<kQuantQ5_1>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantIQ4_NL: dequant_row_bf16<kQuantIQ4_NL>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantMXFP4: dequant_row_bf16<kQuantMXFP4>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ2_K: dequant_row_bf16<kQuantQ2_K>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ3_K: dequant_row_bf16<kQuantQ3_K>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ4_K: dequant_row_bf16<kQuantQ4_K>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ5_K: dequant_row_bf16<kQuantQ5_K>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantQ6_K: dequant_row_bf16<kQuantQ6_K>(row, nb, panel_at(panel, nb, r)); break;
+        case kQuantIQ4_XS: dequant_row_bf16<kQuantIQ4_XS>(row, nb, panel_at(panel, nb, r)); break;
+        default: TORCH_CHECK(false, "quant_linear_bf16: unknown format ", format);
+      }
     }
   }
   for (int64_t r = rows; r < kPanel; ++r)

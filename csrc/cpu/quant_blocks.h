@@ -147,12 +147,13 @@ inline int64_t block_bytes(int64_t format) {
     case kQuantQ2_K: return sizeof(BlockQ2_K);
     case kQuantQ3_K: return sizeof(BlockQ3_K);
     case kQuantQ4_K: return sizeof(BlockQ4_K);
+    case kQuantQ4_KR8: return sizeof(BlockQ4_K) + 4;  // a row's share of a 1184-byte eight-row tile
     case kQuantQ5_K: return sizeof(BlockQ5_K);
-    case kQuantQ6_K: return sizeof(BlockQ6_K);
+    case kQuantQ6_K: case kQuantQ6_KR8: return sizeof(BlockQ6_K);
     default:
       TORCH_CHECK(false, "quant: format id ", format, " has no packed kernel (Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, ",
                   "Q2_K=10, Q3_K=11, Q4_K=12, Q5_K=13, Q6_K=14, IQ4_NL=20, IQ4_XS=23, MXFP4=39, Q4_0r8=1002, Q4_1r8=1003, ",
-                  "Q5_0r8=1006, Q5_1r8=1007, Q8_0r8=1008)");
+                  "Q5_0r8=1006, Q5_1r8=1007, Q8_0r8=1008, Q4_Kr8=1012, Q6_Kr8=1014)");
   }
   return 0;
 }
@@ -160,7 +161,8 @@ inline int64_t block_bytes(int64_t format) {
 // Weights per block of `format` (256 for the K-quants, else 32; block_bytes refuses unknown ids).
 inline int64_t block_weights(int64_t format) {
   return format == kQuantQ2_K || format == kQuantQ3_K || format == kQuantQ4_K || format == kQuantQ5_K ||
-                 format == kQuantQ6_K || format == kQuantIQ4_XS
+                 format == kQuantQ6_K || format == kQuantIQ4_XS || format == kQuantQ4_KR8 ||
+                 format == kQuantQ6_KR8
              ? kSuperBlock
              : kBlock;
 }

@@ -27,6 +27,7 @@
 #include "quant_blocks.h"
 #include "quant_interleaved.h"
 #include "quant_interleaved_q5q8.h"
+#include "quant_interleaved_k.h"
 #include "row_passes.h"
 
 namespace pagedserve::cpu {
@@ -420,11 +421,12 @@ void dequant_groups(const uint8_t* w, int64_t nb, float* out, int64_t k_len, int
 }  // namespace
 
 bool is_interleaved(int64_t format) {
-  return format == kQuantQ4_0R8 || format == kQuantQ4_1R8 || is_interleaved_q5q8(format);
+  return format == kQuantQ4_0R8 || format == kQuantQ4_1R8 || is_interleaved_q5q8(format) || is_interleaved_k(format);
 }
 
 void interleaved_linear(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t format,
                         int64_t n_len, int64_t k_len, const float* bias, int64_t exact) {
+  if (is_interleaved_k(format)) return interleaved_k_linear(out, x, w, format, n_len, k_len, bias, exact);
   TORCH_CHECK(n_len % kRows == 0, "quant_linear: an interleaved weight has a multiple of 8 rows; got ", n_len);
   if (is_interleaved_q5q8(format)) return q5q8_interleaved_linear(out, x, w, format, n_len, k_len, bias, exact);
   if (format == kQuantQ4_0R8) return run_interleaved<kQuantQ4_0>(out, x, w, n_len, k_len, bias, exact);
@@ -432,6 +434,7 @@ void interleaved_linear(const at::Tensor& out, const at::Tensor& x, const uint8_
 }
 
 void interleaved_dequantize(float* out, const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len) {
+  if (is_interleaved_k(format)) return interleaved_k_dequantize(out, w, format, n_len, k_len);
   TORCH_CHECK(n_len % kRows == 0, "dequantize: an interleaved weight has a multiple of 8 rows; got ", n_len);
   if (is_interleaved_q5q8(format)) return q5q8_interleaved_dequantize(out, w, format, n_len, k_len);
   const int64_t nb = k_len / kBlock, groups = n_len / kRows;
@@ -444,6 +447,7 @@ void interleaved_dequantize(float* out, const uint8_t* w, int64_t format, int64_
 }
 
 void interleaved_dequantize_rows(float* out, const uint8_t* w, int64_t format, int64_t k_len, int64_t n0, int64_t n1) {
+  if (is_interleaved_k(format)) return interleaved_k_dequantize_rows(out, w, format, k_len, n0, n1);
   TORCH_CHECK(n0 % kRows == 0 && n1 % kRows == 0, "dequantize: interleaved rows come in groups of 8");
   if (is_interleaved_q5q8(format)) return q5q8_interleaved_dequantize_rows(out, w, format, k_len, n0, n1);
   const int64_t nb = k_len / kBlock, groups = (n1 - n0) / kRows;

@@ -8,7 +8,8 @@
 namespace pagedserve::cpu {
 
 // Whether `format` is an eight-row interleaved one (kQuantQ4_0R8, kQuantQ4_1R8; the Q5_0 / Q5_1 / Q8_0
-// ones of quant_interleaved_q5q8.h, which the entry points below hand on).
+// ones of quant_interleaved_q5q8.h and kQuantQ4_KR8 / kQuantQ6_KR8 of quant_interleaved_k.h, which the
+// entry points below hand on).
 bool is_interleaved(int64_t format);
 
 // out fp32 [M, N] = x fp32 [M, K] . W^T (+ bias [N]) for an interleaved weight `w` of N rows (a

@@ -24,13 +24,15 @@ Q5_0r8, Q5_1r8 and Q8_0r8 (csrc/cpu/quant_interleaved_q5q8.cpp) likewise: Q8_0's
 are eight such chunks; a Q5 tile has, between its fp16 fields and its four nibble chunks, eight
 32-bit masks, mask c (= 4 half + j) holding at bit 4r + i the fifth bit of row r's weight 4c + i
 (chunk j's low nibbles for half 0, high for half 1): the 8 x 8 transpose of the rows' qh nibbles.
+Q4_Kr8 (1012) is Q4_K's eight-row layout, a few bytes larger than the GGUF blocks (148 a row per
+block: ops/reference/quant_k_r8.py); Q6_Kr8 (1014) reorders Q6_K's bytes eight rows at a time, same size.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ops.reference import formats, quantizers
+from ops.reference import formats, quant_k_r8, quantizers
 
 BLOCK = 32
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = (
@@ -41,10 +43,12 @@ K_BLOCKS = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)  # 256-weight blocks
 INTERLEAVED = 1000  # + the base id: eight rows interleaved
 Q4_0R8, Q4_1R8 = INTERLEAVED + Q4_0, INTERLEAVED + Q4_1
 Q5_0R8, Q5_1R8, Q8_0R8 = INTERLEAVED + Q5_0, INTERLEAVED + Q5_1, INTERLEAVED + Q8_0
-R8_BASES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # the formats with an eight-row layout
+Q4_KR8, Q6_KR8 = INTERLEAVED + Q4_K, INTERLEAVED + Q6_K
+R8_BASES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)  # the 32-weight formats with an eight-row layout (Q4_K, Q6_K: quant_k_r8)
 BLOCK_BYTES = {f: formats.packed(f % INTERLEAVED).block_bytes
                for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4, *K_BLOCKS,
-                         *(INTERLEAVED + base for base in R8_BASES))}
+                         *(INTERLEAVED + base for base in R8_BASES), Q6_KR8)}
+BLOCK_BYTES[Q4_KR8] = quant_k_r8.BLOCK_BYTES  # scales and mins unpacked: 148 bytes a row per block
 ROWS_PER_GROUP = 8
 
 
@@ -67,11 +71,15 @@ def _transpose_nibbles(qh: torch.Tensor) -> torch.Tensor:
 
 
 def interleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
-    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weight ``[N, row_bytes]`` (N a multiple of 8) in its r8
-    layout, same shape."""
+    """A Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q6_K weight ``[N, row_bytes]`` (N a multiple of 8) in its r8
+    layout, same shape; Q4_K in Q4_Kr8 (``[N, K / 256 * 148]``)."""
+    if fmt == Q4_K and qweight.shape[0] % ROWS_PER_GROUP == 0:
+        return quant_k_r8.interleave_q4_k(qweight)
+    if fmt == Q6_K and qweight.shape[0] % ROWS_PER_GROUP == 0:
+        return quant_k_r8.interleave_q6_k(qweight)
     if fmt not in R8_BASES or qweight.shape[0] % ROWS_PER_GROUP:
-        raise ValueError(f"only Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 weights of a multiple of {ROWS_PER_GROUP} rows "
-                         "interleave")
+        raise ValueError(f"only Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K weights of a multiple of "
+                         f"{ROWS_PER_GROUP} rows interleave")
     rows, size, head, qh = qweight.shape[0], BLOCK_BYTES[fmt], _scale_bytes(fmt), _mask_bytes(fmt)
     tiles = qweight.reshape(rows // ROWS_PER_GROUP, ROWS_PER_GROUP, -1, size).transpose(1, 2)  # [G, nb, 8, size]
     fields = [tiles[..., i:i + 2].flatten(-2) for i in range(0, head, 2)]  # each [G, nb, 16]
@@ -85,6 +93,10 @@ def deinterleave(qweight: torch.Tensor, fmt: int) -> torch.Tensor:
     """The GGUF-order weight of an r8 one (``interleave``'s inverse); other formats as they are."""
     if fmt < INTERLEAVED:
         return qweight
+    if fmt == Q4_KR8:
+        return quant_k_r8.deinterleave_q4_k(qweight)
+    if fmt == Q6_KR8:
+        return quant_k_r8.deinterleave_q6_k(qweight)
     base = fmt - INTERLEAVED
     rows, size, head, qh = qweight.shape[0], BLOCK_BYTES[base], _scale_bytes(base), _mask_bytes(base)
     tiles = qweight.reshape(rows // ROWS_PER_GROUP, -1, ROWS_PER_GROUP * size)  # [G, nb, 8 * size]

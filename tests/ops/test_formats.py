@@ -43,7 +43,7 @@ def test_cpp_format_ids_equal_the_table() -> None:
     ids = {m[1]: int(m[2]) if m[2].isdigit() else m[2]
            for m in re.finditer(r"constexpr int64_t kQuant(\w+) = ([^;]+);", HEADER.read_text())}
     assert ids.pop("Interleaved") == ref.INTERLEAVED
-    for r8 in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+    for r8 in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"):
         assert ids.pop(f"{r8}R8") == f"kQuantInterleaved + kQuant{r8}"
     assert ids == {f.name: f.type_id for f in formats.TABLE if f.runs == formats.PACKED}
     assert (ids["Q4_0"], ids["Q4_1"], ids["Q5_0"], ids["Q5_1"], ids["Q8_0"]) == (ref.Q4_0, ref.Q4_1, ref.Q5_0, ref.Q5_1,

@@ -196,7 +196,7 @@ def test_experts_stay_packed_with_the_files_values(case: tuple[Path, nn.Module, 
     blocks = _sparse_blocks(ours)
     assert len(blocks) == ours.spec.num_layers
     # the eight-row layout QuantLinear holds too
-    kernel_fmt = {"Q4_0": "Q4_0r8", "Q4_1": "Q4_1r8", "Q8_0": "Q8_0r8"}.get(fmt, fmt)
+    kernel_fmt = {"Q4_0": "Q4_0r8", "Q4_1": "Q4_1r8", "Q8_0": "Q8_0r8", "Q4_K": "Q4_Kr8"}.get(fmt, fmt)
     state = hf.state_dict()
     for i, block in enumerate(blocks):
         assert isinstance(block.experts, PackedExperts) and not isinstance(block.experts, Experts)

@@ -1,0 +1,533 @@
+// Linear layers on Q4_K / Q6_K weights repacked eight rows at a time: Q4_Kr8, Q6_Kr8
+// (ops/reference/quant_k_r8.py).
+//
+//   group g = weight rows 8g..8g+7; per 256-weight block one 1184-byte tile: d[8] and dmin[8] (fp16,
+//   one per row), scales[j][r] and mins[j][r] (sub-block j's 6-bit fields unpacked to bytes), then 32
+//   chunks of 32 bytes: chunk 8c + i holds, for row r at bytes 4r..4r+3, that row's GGUF quant bytes
+//   32c + 4i..+3 (low nibbles: sub-block 2c, weights 4i..4i+3; high nibbles: sub-block 2c + 1).
+//
+// As for Q4_0r8 (quant_interleaved.cpp): one u8 x s8 multiply-add of a chunk's nibbles against four
+// activation quants broadcast to every lane leaves each row's partial sum in its own lane, so eight rows
+// need no horizontal reduction, and a sub-block's scales and mins are one byte vector each (no per-row
+// 6-bit unpacking). Per sub-block j of activation block scale a_j and scaled sum s_j (quantize_row):
+// acc += float(isum) * ((d sc_j) a_j), then acc -= (dmin m_j) s_j, in that order for every row on every
+// path (256-bit, the AVX-512 two-group pass, scalar), so a row's bits do not depend on M or its place.
+//
+// Integer sums of a sub-block stay in int16 lanes on AVX2 (maddubs): each lane sums 8 chunks x 2
+// products, |sum| <= 16 * 15 * 127 = 30480 < 32767.
+//
+// Q6_Kr8 (the same bytes as Q6_K): per block d[8] (fp16), scales[i][r] (int8, one per 16 weights),
+// then ql in 32 chunks (chunk 16h + 8p + i: row r's ql bytes 64h + 32p + 4i..+3 at 4r) and qh in 16
+// (chunk 8h + i: qh bytes 32h + 4i..+3). Sub-block s = 4h + g: unsigned q = nibble g / 2 of the ql
+// chunks p = g % 2, bits 2g of the qh chunks above it (0..63, the - 32 applied through the activations'
+// half-block sums): per 16 weights acc += isum * ((d sc) a), acc -= (d sc) (32 h) (h = a * sum of quants).
+// Integer sums in int32 (maddubs pairs widened at once on AVX2: 8 products of 63 x 127 would overflow int16).
+//
+// fp32 activations (exact rows) and dequantization rebuild the group's eight GGUF rows and run the
+// GGUF-order code on them (quant_blocks.h: fp32_row_dots, dequant_block): the same bits as Q4_K's / Q6_K's.
+#include "quant_interleaved_k.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "ops.h"
+#include "parallel.h"
+#include "quant_blocks.h"
+#include "row_passes.h"
+
+namespace pagedserve::cpu {
+namespace {
+
+using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
+
+constexpr int64_t kRows = 8;
+constexpr int64_t kTileBytes = kQ4KR8TileBytes;
+constexpr int64_t kMinOffset = 16, kScalesAt = 32, kMinsAt = 96, kQuantsAt = 160;
+constexpr int kSubs = kSuperBlock / kBlock;  // sub-blocks of 32 per block
+static_assert(kQuantsAt + kRows * static_cast<int64_t>(sizeof(BlockQ4_K::q)) == kTileBytes, "Q4_Kr8 tile");
+
+constexpr int64_t kQ6TileBytes = kRows * static_cast<int64_t>(sizeof(BlockQ6_K));
+constexpr int64_t kQ6ScalesAt = 16, kQ6LowAt = 144, kQ6HighAt = 1168;
+static_assert(kQ6HighAt + kRows * static_cast<int64_t>(sizeof(BlockQ6_K::qh)) == kQ6TileBytes, "Q6_Kr8 tile");
+
+template <int64_t F>
+constexpr int64_t tile_bytes() {
+  return F == kQuantQ4_K ? kTileBytes : kQ6TileBytes;
+}
+
+// The GGUF block of row r in tile `tile` (scales and mins packed back into their 12 bytes).
+inline void gguf_block(const uint8_t* tile, int r, BlockQ6_K& blk) {
+  std::memcpy(&blk.d, tile + 2 * r, 2);
+  for (int i = 0; i < 16; ++i) blk.scales[i] = static_cast<int8_t>(tile[kQ6ScalesAt + 8 * i + r]);
+  for (int k = 0; k < 32; ++k) std::memcpy(blk.ql + 4 * k, tile + kQ6LowAt + 32 * k + 4 * r, 4);
+  for (int k = 0; k < 16; ++k) std::memcpy(blk.qh + 4 * k, tile + kQ6HighAt + 32 * k + 4 * r, 4);
+}
+
+inline void gguf_block(const uint8_t* tile, int r, BlockQ4_K& blk) {
+  std::memcpy(&blk.d, tile + 2 * r, 2);
+  std::memcpy(&blk.dmin, tile + kMinOffset + 2 * r, 2);
+  const uint8_t* sc = tile + kScalesAt;
+  const uint8_t* mn = tile + kMinsAt;
+  for (int j = 0; j < 4; ++j) {
+    const int s_lo = sc[8 * j + r], s_hi = sc[8 * (j + 4) + r], m_lo = mn[8 * j + r], m_hi = mn[8 * (j + 4) + r];
+    blk.scales[j] = static_cast<uint8_t>(s_lo | ((s_hi >> 4) << 6));
+    blk.scales[j + 4] = static_cast<uint8_t>(m_lo | ((m_hi >> 4) << 6));
+    blk.scales[j + 8] = static_cast<uint8_t>((s_hi & 0x0F) | ((m_hi & 0x0F) << 4));
+  }
+  for (int k = 0; k < 32; ++k) std::memcpy(blk.q + 4 * k, tile + kQuantsAt + 32 * k + 4 * r, 4);
+}
+
+// The eight GGUF rows of group tiles `tiles` (nsb blocks): rows[r * nsb + b].
+template <int64_t F>
+inline void gguf_rows(const uint8_t* tiles, int64_t nsb, BlockOf<F>* rows) {
+  for (int64_t b = 0; b < nsb; ++b)
+    for (int r = 0; r < kRows; ++r) gguf_block(tiles + b * tile_bytes<F>(), r, rows[r * nsb + b]);
+}
+
+#if defined(__AVX2__)
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// acc + the u8 x s8 products of each 4-byte lane (int16 pairs on AVX2, int32 with VNNI).
+inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+#endif
+}
+
+inline __m256i lanes_to_int32(__m256i acc) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return acc;
+#else
+  return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
+#endif
+}
+
+// The eight rows' bytes of sub-block j (scales or mins) as fp32.
+inline __m256 bytes_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEDSERVE_R8K_ZMM 1
+inline __m512i load_pair(const uint8_t* lo_half, const uint8_t* hi_half) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_half))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_half)), 1);
+}
+inline __m512 halves_to_ps(const uint8_t* lo_half, const uint8_t* hi_half) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo_half))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi_half)), 1));
+}
+inline __m512 bytes_pair_ps(const uint8_t* lo_half, const uint8_t* hi_half) {
+  const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo_half)),
+                                          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi_half)));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both));
+}
+
+// Groups g and g + 1 in 512-bit registers (lanes 0-7 group g, 8-15 group g + 1): every lane runs the
+// 256-bit pass's integer sums and fp32 operations in the same order (the same bits).
+template <int M>
+void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t nsb, const uint8_t* w,
+                     const float* bias, float* out, int64_t ldo, int64_t g) {
+  const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+  const uint8_t* tiles0 = w + g * nsb * kTileBytes;
+  const uint8_t* tiles1 = tiles0 + nsb * kTileBytes;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* t0 = tiles0 + b * kTileBytes;
+    const uint8_t* t1 = tiles1 + b * kTileBytes;
+    const __m512 dw = halves_to_ps(t0, t1), mw = halves_to_ps(t0 + kMinOffset, t1 + kMinOffset);
+    for (int c = 0; c < kSubs / 2; ++c) {
+      __m512i lo_sums[M], hi_sums[M];
+      for (int m = 0; m < M; ++m) lo_sums[m] = hi_sums[m] = _mm512_setzero_si512();
+      const uint8_t* q0 = t0 + kQuantsAt + 256 * c;
+      const uint8_t* q1 = t1 + kQuantsAt + 256 * c;
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const __m512i raw = load_pair(q0 + 32 * i, q1 + 32 * i);
+        const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0F));
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const int8_t* a = q + m * k_len + b * kSuperBlock + 64 * c + 4 * i;
+          int32_t lo4, hi4;
+          std::memcpy(&lo4, a, 4);
+          std::memcpy(&hi4, a + kBlock, 4);
+          lo_sums[m] = _mm512_dpbusd_epi32(lo_sums[m], lo, _mm512_set1_epi32(lo4));
+          hi_sums[m] = _mm512_dpbusd_epi32(hi_sums[m], hi, _mm512_set1_epi32(hi4));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * c + h;
+        const __m512 dj = _mm512_mul_ps(dw, bytes_pair_ps(t0 + kScalesAt + 8 * j, t1 + kScalesAt + 8 * j));
+        const __m512 mj = _mm512_mul_ps(mw, bytes_pair_ps(t0 + kMinsAt + 8 * j, t1 + kMinsAt + 8 * j));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const __m512 dot = _mm512_cvtepi32_ps(h ? hi_sums[m] : lo_sums[m]);
+          acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dj, _mm512_set1_ps(ad[m * nb + b * kSubs + j])), acc[m]);
+          acc[m] = _mm512_fnmadd_ps(mj, _mm512_set1_ps(as[m * nb + b * kSubs + j]), acc[m]);
+        }
+      }
+    }
+  }
+  const __m512 vb = bias != nullptr ? _mm512_loadu_ps(bias + g * kRows) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * ldo + g * kRows, _mm512_add_ps(acc[m], vb));
+}
+#endif
+
+// Groups [g_begin, g_end) of out[M][N] from M activation rows (quants q [M][K], block scales ad and
+// scaled sums as [M][K / 32]).
+template <int M>
+void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nsb, const uint8_t* w,
+                 const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+  const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+#if defined(PAGEDSERVE_R8K_ZMM)
+  for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair<M>(q, ad, as, nsb, w, bias, out, ldo, g_begin);
+#endif
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const uint8_t* tiles = w + g * nsb * kTileBytes;
+#if defined(__AVX2__)
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+      const uint8_t* tile = tiles + b * kTileBytes;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kMinOffset)));
+      for (int c = 0; c < kSubs / 2; ++c) {
+        __m256i lo_sums[M], hi_sums[M];
+        for (int m = 0; m < M; ++m) lo_sums[m] = hi_sums[m] = _mm256_setzero_si256();
+        const uint8_t* quants = tile + kQuantsAt + 256 * c;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * i));
+          const __m256i lo = _mm256_and_si256(raw, _mm256_set1_epi8(0x0F));
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            const int8_t* a = q + m * k_len + b * kSuperBlock + 64 * c + 4 * i;
+            lo_sums[m] = accumulate(lo_sums[m], lo, broadcast4(a));
+            hi_sums[m] = accumulate(hi_sums[m], hi, broadcast4(a + kBlock));
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const int j = 2 * c + h;
+          const __m256 dj = _mm256_mul_ps(dw, bytes_ps(tile + kScalesAt + 8 * j));
+          const __m256 mj = _mm256_mul_ps(mw, bytes_ps(tile + kMinsAt + 8 * j));
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(h ? hi_sums[m] : lo_sums[m]));
+            acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dj, _mm256_set1_ps(ad[m * nb + b * kSubs + j])), acc[m]);
+            acc[m] = _mm256_fnmadd_ps(mj, _mm256_set1_ps(as[m * nb + b * kSubs + j]), acc[m]);
+          }
+        }
+      }
+    }
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + g * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ldo + g * kRows, _mm256_add_ps(acc[m], vb));
+#else
+    float acc[M][kRows] = {};
+    for (int64_t b = 0; b < nsb; ++b) {
+      const uint8_t* tile = tiles + b * kTileBytes;
+      for (int r = 0; r < kRows; ++r) {
+        uint16_t h;
+        std::memcpy(&h, tile + 2 * r, 2);
+        const float d = half_to_float(h);
+        std::memcpy(&h, tile + kMinOffset + 2 * r, 2);
+        const float dmin = half_to_float(h);
+        for (int j = 0; j < kSubs; ++j) {
+          const float dj = d * static_cast<float>(tile[kScalesAt + 8 * j + r]);
+          const float mj = dmin * static_cast<float>(tile[kMinsAt + 8 * j + r]);
+          const int c = j / 2, shift = 4 * (j % 2);
+          for (int m = 0; m < M; ++m) {
+            const int8_t* a = q + m * k_len + b * kSuperBlock + kBlock * j;
+            int32_t sum = 0;
+            for (int l = 0; l < kBlock; ++l) {
+              const uint8_t byte = tile[kQuantsAt + 256 * c + 32 * (l / 4) + 4 * r + l % 4];
+              sum += ((byte >> shift) & 0x0F) * a[l];
+            }
+            const int64_t at = m * nb + b * kSubs + j;
+            acc[m][r] = std::fma(static_cast<float>(sum), dj * ad[at], acc[m][r]);
+            acc[m][r] = std::fma(-mj, as[at], acc[m][r]);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRows; ++r)
+        out[m * ldo + g * kRows + r] = acc[m][r] + (bias != nullptr ? bias[g * kRows + r] : 0.f);
+#endif
+  }
+}
+
+
+#if defined(__AVX2__)
+// acc + the u8 x s8 products of each 4-byte lane, in int32 (VNNI, or maddubs pairs widened at once).
+inline __m256i accumulate32(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+#if defined(PAGEDSERVE_R8K_ZMM)
+// Q6_Kr8 groups g and g + 1 in 512-bit registers: every lane runs the 256-bit pass's integer sums and fp32
+// operations in the same order (the same bits).
+template <int M>
+void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
+                        const float* bias, float* out, int64_t ldo, int64_t g) {
+  const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+  const uint8_t* tiles0 = w + g * nsb * kQ6TileBytes;
+  const uint8_t* tiles1 = tiles0 + nsb * kQ6TileBytes;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* t0 = tiles0 + b * kQ6TileBytes;
+    const uint8_t* t1 = tiles1 + b * kQ6TileBytes;
+    const __m512 dw = halves_to_ps(t0, t1);
+    for (int s = 0; s < kSubs; ++s) {
+      const int h = s / 4, gs = s % 4;
+      const int64_t low = kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)), high = kQ6HighAt + 32 * (8 * h);
+      const __m128i low_shift = _mm_cvtsi32_si128(4 * (gs / 2)), high_shift = _mm_cvtsi32_si128(2 * gs);
+      for (int half = 0; half < 2; ++half) {
+        __m512i sums[M];
+        for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int i = 4 * half; i < 4 * half + 4; ++i) {
+          const __m512i lraw = load_pair(t0 + low + 32 * i, t1 + low + 32 * i);
+          const __m512i hraw = load_pair(t0 + high + 32 * i, t1 + high + 32 * i);
+          const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(lraw, low_shift), _mm512_set1_epi8(0x0F));
+          const __m512i hi =
+              _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(hraw, high_shift), _mm512_set1_epi8(3)), 4);
+          const __m512i u = _mm512_or_si512(lo, hi);
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            int32_t a4;
+            std::memcpy(&a4, q + m * k_len + b * kSuperBlock + kBlock * s + 4 * i, 4);
+            sums[m] = _mm512_dpbusd_epi32(sums[m], u, _mm512_set1_epi32(a4));
+          }
+        }
+        const int64_t sc_at = kQ6ScalesAt + 8 * (2 * s + half);
+        const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t0 + sc_at)),
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t1 + sc_at)));
+        const __m512 dj = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * nb + b * kSubs + s;
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_mul_ps(dj, _mm512_set1_ps(ad[at])), acc[m]);
+          acc[m] = _mm512_fnmadd_ps(dj, _mm512_set1_ps(32.f * ah[2 * at + half]), acc[m]);
+        }
+      }
+    }
+  }
+  const __m512 vb = bias != nullptr ? _mm512_loadu_ps(bias + g * kRows) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * ldo + g * kRows, _mm512_add_ps(acc[m], vb));
+}
+#endif
+
+// Q6_Kr8 groups [g_begin, g_end) of out[M][N] (quants q [M][K], block scales ad [M][K / 32], half-block
+// scaled sums ah [M][K / 16]: ActPlanes::h).
+template <int M>
+void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
+                    const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+  const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+#if defined(PAGEDSERVE_R8K_ZMM)
+  for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair_q6<M>(q, ad, ah, nsb, w, bias, out, ldo, g_begin);
+#endif
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    const uint8_t* tiles = w + g * nsb * kQ6TileBytes;
+#if defined(__AVX2__)
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nsb; ++b) {
+      const uint8_t* tile = tiles + b * kQ6TileBytes;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+      for (int s = 0; s < kSubs; ++s) {
+        const int h = s / 4, gs = s % 4;
+        const uint8_t* low = tile + kQ6LowAt + 32 * (16 * h + 8 * (gs % 2));
+        const uint8_t* high = tile + kQ6HighAt + 32 * (8 * h);
+        for (int half = 0; half < 2; ++half) {
+          __m256i sums[M];
+          for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+          for (int i = 4 * half; i < 4 * half + 4; ++i) {
+            const __m256i lraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + 32 * i));
+            const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + 32 * i));
+            const __m256i lo = _mm256_and_si256(shift_right16(lraw, 4 * (gs / 2)), _mm256_set1_epi8(0x0F));
+            const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, 2 * gs), _mm256_set1_epi8(3)), 4);
+            const __m256i u = _mm256_or_si256(lo, hi);
+#pragma GCC unroll 4
+            for (int m = 0; m < M; ++m)
+              sums[m] = accumulate32(sums[m], u, broadcast4(q + m * k_len + b * kSuperBlock + kBlock * s + 4 * i));
+          }
+          const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 8 * (2 * s + half)));
+          const __m256 dj = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            const int64_t at = m * nb + b * kSubs + s;
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m]), _mm256_mul_ps(dj, _mm256_set1_ps(ad[at])), acc[m]);
+            acc[m] = _mm256_fnmadd_ps(dj, _mm256_set1_ps(32.f * ah[2 * at + half]), acc[m]);
+          }
+        }
+      }
+    }
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + g * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ldo + g * kRows, _mm256_add_ps(acc[m], vb));
+#else
+    float acc[M][kRows] = {};
+    for (int64_t b = 0; b < nsb; ++b) {
+      const uint8_t* tile = tiles + b * kQ6TileBytes;
+      for (int r = 0; r < kRows; ++r) {
+        uint16_t hd;
+        std::memcpy(&hd, tile + 2 * r, 2);
+        const float d = half_to_float(hd);
+        for (int s = 0; s < kSubs; ++s) {
+          const int h = s / 4, gs = s % 4;
+          for (int half = 0; half < 2; ++half) {
+            const float dj = d * static_cast<float>(static_cast<int8_t>(tile[kQ6ScalesAt + 8 * (2 * s + half) + r]));
+            for (int m = 0; m < M; ++m) {
+              const int8_t* a = q + m * k_len + b * kSuperBlock + kBlock * s;
+              int32_t sum = 0;
+              for (int l = 16 * half; l < 16 * half + 16; ++l) {
+                const int at = 32 * (l / 4) + 4 * r + l % 4;
+                const int lo = (tile[kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)) + at] >> (4 * (gs / 2))) & 0x0F;
+                const int hi = (tile[kQ6HighAt + 32 * (8 * h) + at] >> (2 * gs)) & 3;
+                sum += (lo | (hi << 4)) * a[l];
+              }
+              const int64_t at = m * nb + b * kSubs + s;
+              acc[m][r] = std::fma(static_cast<float>(sum), dj * ad[at], acc[m][r]);
+              acc[m][r] = std::fma(-dj, 32.f * ah[2 * at + half], acc[m][r]);
+            }
+          }
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kRows; ++r)
+        out[m * ldo + g * kRows + r] = acc[m][r] + (bias != nullptr ? bias[g * kRows + r] : 0.f);
+#endif
+  }
+}
+
+// Every int8 activation row over groups [g_begin, g_end), four rows per pass.
+void int8_chunk(int64_t format, const at::Tensor& out, const ActPlanes& act, int64_t m_len, int64_t nsb,
+                const uint8_t* w, const float* bias, int64_t g_begin, int64_t g_end) {
+  const int64_t nb = act.nb, ldo = out.stride(0);
+  for_row_passes<false>(m_len, [&](auto rows, int64_t row0) {
+    constexpr int M = decltype(rows)::value;
+    const int8_t* q = act.q.data() + row0 * nb * kBlock;
+    float* o = out.data_ptr<float>() + row0 * ldo;
+    if (format == kQuantQ6_KR8) {
+      int8_groups_q6<M>(q, act.d.data() + row0 * nb, act.h.data() + row0 * 2 * nb, nsb, w, bias, o, ldo, g_begin,
+                        g_end);
+    } else {
+      int8_groups<M>(q, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nsb, w, bias, o, ldo, g_begin, g_end);
+    }
+  });
+}
+
+// Rows [0, m_len) of x with fp32 activations over groups [g_begin, g_end): each group's GGUF rows
+// rebuilt once, then Q4_K's own fp32 dot products (quant_blocks.h: fp32_row_dots).
+template <int64_t F>
+void fp32_chunk(const float* x, int64_t ldx, int64_t m_len, int64_t nsb, const uint8_t* w, const float* bias,
+                float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+  thread_local std::vector<BlockOf<F>> rows;
+  rows.resize(kRows * nsb);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    gguf_rows<F>(w + g * nsb * tile_bytes<F>(), nsb, rows.data());
+    for_row_passes<false>(m_len, [&](auto pass, int64_t row0) {
+      constexpr int M = decltype(pass)::value;
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t n = g * kRows + r;
+        float dots[M];
+        fp32_row_dots<F, M>(x + row0 * ldx, ldx, nsb, reinterpret_cast<const uint8_t*>(&rows[r * nsb]),
+                            sizeof(BlockOf<F>), dots);
+        for (int m = 0; m < M; ++m) out[(row0 + m) * ldo + n] = dots[m] + (bias != nullptr ? bias[n] : 0.f);
+      }
+    });
+  }
+}
+
+template <int64_t F>
+void dequant_groups(const uint8_t* w, int64_t nsb, float* out, int64_t k_len, int64_t g_begin, int64_t g_end) {
+  thread_local std::vector<BlockOf<F>> rows;
+  rows.resize(kRows * nsb);
+  for (int64_t g = g_begin; g < g_end; ++g) {
+    gguf_rows<F>(w + g * nsb * tile_bytes<F>(), nsb, rows.data());
+    for (int r = 0; r < kRows; ++r)
+      for (int64_t b = 0; b < nsb; ++b)
+        dequant_block<F>(&rows[r * nsb + b], out + ((g - g_begin) * kRows + r) * k_len + b * kSuperBlock);
+  }
+}
+
+void dequant_any(int64_t format, const uint8_t* w, int64_t nsb, float* out, int64_t k_len, int64_t g_begin,
+                 int64_t g_end) {
+  if (format == kQuantQ4_KR8) return dequant_groups<kQuantQ4_K>(w, nsb, out, k_len, g_begin, g_end);
+  dequant_groups<kQuantQ6_K>(w, nsb, out, k_len, g_begin, g_end);
+}
+
+void check_format(int64_t format) {
+  TORCH_CHECK(format == kQuantQ4_KR8 || format == kQuantQ6_KR8, "quant: format id ", format,
+              " is no eight-row K-quant layout (Q4_Kr8=", kQuantQ4_KR8, ", Q6_Kr8=", kQuantQ6_KR8, ")");
+}
+
+}  // namespace
+
+bool is_interleaved_k(int64_t format) { return format == kQuantQ4_KR8 || format == kQuantQ6_KR8; }
+
+void interleaved_k_linear(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t format,
+                          int64_t n_len, int64_t k_len, const float* bias, int64_t exact) {
+  check_format(format);
+  TORCH_CHECK(n_len % kRows == 0, "quant_linear: an interleaved weight has a multiple of 8 rows; got ", n_len);
+  const int64_t m_len = x.size(0), nsb = k_len / kSuperBlock, groups = n_len / kRows;
+  const at::Tensor out_int8 = out.narrow(0, exact, m_len - exact);
+  const bool q6 = format == kQuantQ6_KR8;
+  std::optional<ActPlanes> act;
+  if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
+  if (act && q6) act->add_half_sums();
+  const int64_t chunk = row_chunk(groups, nsb * (q6 ? kQ6TileBytes : kTileBytes), 64 * 1024);
+  parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
+    if (exact) {
+      const auto exact_rows = q6 ? fp32_chunk<kQuantQ6_K> : fp32_chunk<kQuantQ4_K>;
+      exact_rows(x.data_ptr<float>(), x.stride(0), exact, nsb, w, bias, out.data_ptr<float>(), out.stride(0),
+                 g_begin, g_end);
+    }
+    if (act) int8_chunk(format, out_int8, *act, m_len - exact, nsb, w, bias, g_begin, g_end);
+  }, /*openmp=*/m_len >= openmp_rows());
+}
+
+void interleaved_k_dequantize_rows(float* out, const uint8_t* w, int64_t format, int64_t k_len, int64_t n0,
+                                   int64_t n1) {
+  check_format(format);
+  TORCH_CHECK(n0 % kRows == 0 && n1 % kRows == 0, "dequantize: interleaved rows come in groups of 8");
+  const int64_t nsb = k_len / kSuperBlock;
+  dequant_any(format, w, nsb, out, k_len, n0 / kRows, n1 / kRows);
+}
+
+void interleaved_k_dequantize(float* out, const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len) {
+  check_format(format);
+  TORCH_CHECK(n_len % kRows == 0, "dequantize: an interleaved weight has a multiple of 8 rows; got ", n_len);
+  const int64_t nsb = k_len / kSuperBlock, groups = n_len / kRows;
+  const int64_t chunk = row_chunk(groups, kRows * k_len, 64 * 1024);
+  parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
+    dequant_any(format, w, nsb, out + g_begin * kRows * k_len, k_len, g_begin, g_end);
+  }, /*openmp=*/true);
+}
+
+}  // namespace pagedserve::cpu
