@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ops
 from benchmarks.quality.quant_quality import set_int8_activations
 from engine.model.execution_policy import ExecutionPolicy
 from engine.model.fused_decoder import FusedDecoder
@@ -51,10 +52,12 @@ def moe_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 def _load(file: Path, fused: bool, exact_prompt_rows: bool = True, int8_activations: bool = True,
-          dense_layer: int | None = None) -> LlamaForCausalLM:
-    """The GGUF under a policy with the fused decoder on or off; with `dense_layer`, that layer's
-    MLP replaced by a dense SwiGLU on packed Q8_0 / Q4_1 weights (a model mixing dense and MoE layers)."""
-    model = load_model(file, policy=ExecutionPolicy(fused_decoder=fused, exact_prompt_rows=exact_prompt_rows))
+          dense_layer: int | None = None, bf16: bool = False) -> LlamaForCausalLM:
+    """The GGUF under a policy with the fused decoder on or off (and bf16 linears with `bf16`); with
+    `dense_layer`, that layer's MLP replaced by a dense SwiGLU on packed Q4_1 / Q8_0 weights (a model
+    mixing dense and MoE layers)."""
+    policy = ExecutionPolicy(fused_decoder=fused, exact_prompt_rows=exact_prompt_rows, bf16_linears=bf16)
+    model = load_model(file, policy=policy)
     if dense_layer is not None:
         hidden, inter = model.spec.hidden_size, 96
         gen = torch.Generator().manual_seed(7)
@@ -123,6 +126,17 @@ def test_moe_experts_on_fp32_activations_equal_the_modules(moe_file: Path) -> No
         if "dense_layer" in kwargs:
             assert fused.moe_layers == [0, *[1] * (model.spec.num_layers - 1)]
         _assert_equal(_run(model, torch.float32), _run(_load(moe_file, False, **kwargs), torch.float32))
+
+
+@pytest.mark.skipif(not ops.quant.bf16_all_rows(), reason="bf16 linears take whole steps on AMX-BF16 only")
+def test_bf16_linears_beside_the_experts_equal_the_modules(moe_file: Path) -> None:
+    """bf16 linears (every dense linear of a step of many rows on AMX tiles, the shared expert's too;
+    the experts keep their kernels, the routers fixed_gemm) on both paths alike."""
+    model = _load(moe_file, True, bf16=True)
+    assert model.fused_decoder() is not None
+    fused = _run(model, torch.float32)
+    _assert_equal(fused, _run(_load(moe_file, False, bf16=True), torch.float32))
+    assert not torch.equal(fused[0], _run(_load(moe_file, True), torch.float32)[0])  # the prefill ran in bf16
 
 
 def test_the_routing_is_skewed(moe_file: Path) -> None:
