@@ -1,5 +1,5 @@
 """The fused decoder (`FusedDecoder`) on Qwen3's per-head q/k RMSNorm and on sparse MoE layers
-(Qwen3-MoE, Qwen2-MoE with its gated shared expert, a model mixing dense and MoE layers), against
+(Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral, a model mixing dense and MoE layers), against
 the module path: bit for bit the same logits over prefill chunks, a mixed step and decode rows, on
 fp32 and int8 caches, with the prompt rows exact or not and the experts on int8 or fp32
 activations; the files are tiny GGUFs written as llama.cpp lays them out, their routers tilted so
@@ -25,14 +25,17 @@ from engine.model.moe import SparseMoE
 from engine.model.quant_linear import QuantLinear
 from ops.quant import Q4_1, Q8_0, interleave
 from ops.reference import quant as ref
+from tests.engine.model.gguf_writing import write_llama_gguf
 from tests.engine.model.test_gguf_families import write_family_gguf
+from tests.engine.model.test_gguf_mixtral import make_mixtral
 from tests.engine.model.test_gguf_moe_packed import MODELS, make_moe_model, write_moe_gguf
 from tests.engine.model.test_sliding_window import make_family_dir
 from tests.fixtures.models import PagedHarness, Seq, _byte_tokenizer
 
 pytest.importorskip("gguf")
 
-MOE_CASES = [("qwen3_moe", "Q4_0"), ("qwen3_moe", "Q8_0"), ("qwen2_moe", "Q4_1"), ("qwen3_moe-256", "Q4_K")]
+MOE_CASES = [("qwen3_moe", "Q4_0"), ("qwen3_moe", "Q8_0"), ("qwen2_moe", "Q4_1"), ("qwen3_moe-256", "Q4_K"),
+             ("mixtral", "Q8_0")]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,10 @@ def moe_file(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     directory = tmp_path_factory.mktemp(f"{name}-{fmt}")
     _byte_tokenizer().save_pretrained(str(directory))
     file = directory / "model.gguf"
-    write_moe_gguf(make_moe_model(name, seed=5), file, MODELS[name][1], fmt)
+    if name == "mixtral":
+        write_llama_gguf(make_mixtral(seed=5), file, fmt)
+    else:
+        write_moe_gguf(make_moe_model(name, seed=5), file, MODELS[name][1], fmt)
     return file
 
 
