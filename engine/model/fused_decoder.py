@@ -110,7 +110,7 @@ class FusedDecoder:
         qk_norm = layers[0].self_attn.qk_norm
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qk_norm != qk_norm or qk_norm not in (None, "head"):
+            if attn.qk_norm != qk_norm or qk_norm not in (None, "head") or not attn.use_rope or layer.local_rope:
                 return None
             if isinstance(mlp, SparseMoE):
                 if not _packed_block(mlp):
