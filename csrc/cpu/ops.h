@@ -158,6 +158,13 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
 // (quant_linear). Attention as engine/model/attention.py runs it. With `shards` (one count per
 // linear), a linear is that many consecutive qweights / formats (each its output features, in
 // order), computed apart, concatenated, then its bias added (QuantLinear.forward's order).
+// qk_norms (2 per layer: q, k weights [head_dim]): each head's q and k RMSNormed before rotary (Qwen3).
+// moe_layers (one per layer, 1: MoE): that layer's MLP is a sparse block (SparseMoE) whose linears 3
+// and 4 are its shared expert's gate_up and down (0 shards: none); per MoE layer, in layer order,
+// moe_tensors holds its router's fixed_gemm panels, router bias (numel 0: none), shared-expert gate
+// panels (numel 0: none), packed down [E, H, row_bytes], then its gate/up shards [E, rows, row_bytes],
+// and moe_config top_k, router (kMoESoftmaxTopk / kMoETopkSoftmax), norm_topk_prob, int8_activations,
+// down format, gate/up shard count, then one format per gate/up shard.
 at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
                          const at::Tensor& cos_sin, const at::Tensor& slot_mapping, at::TensorList key_caches,
                          at::TensorList value_caches, int64_t num_prefill_tokens, int64_t exact_rows,
@@ -166,7 +173,9 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          const at::Tensor& decode_context_lens, at::TensorList norm_weights, at::TensorList qweights,
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                         bool bf16_linears, at::IntArrayRef windows = {}, at::IntArrayRef shards = {});
+                         bool bf16_linears, at::IntArrayRef windows = {}, at::IntArrayRef shards = {},
+                         at::TensorList qk_norms = {}, at::IntArrayRef moe_layers = {},
+                         at::TensorList moe_tensors = {}, at::IntArrayRef moe_config = {});
 // A sparse MoE block's packed experts (csrc/cpu/packed_moe.cpp): x fp32 [T, H], the router's
 // experts int64 [T, k] and weights fp32 [T, k] -> [T, H], bit for bit PackedExperts.forward on
 // group_by_expert's pairs. gate_up: each expert's gate/up shards [E, rows, row_bytes] (gate rows then

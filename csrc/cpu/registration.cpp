@@ -47,7 +47,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor prefill_block_tables, Tensor prefill_query_start_loc, Tensor prefill_context_lens, "
       "Tensor decode_block_tables, Tensor decode_context_lens, Tensor[] norm_weights, Tensor[] qweights, "
       "Tensor[] biases, int[] formats, int[] int8_activations, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float scale, bool bf16_linears=False, int[] windows=[], int[] shards=[]) -> Tensor");
+      "float eps, float scale, bool bf16_linears, int[] windows, int[] shards, Tensor[] qk_norms, int[] moe_layers, "
+      "Tensor[] moe_tensors, int[] moe_config) -> Tensor");
   m.def(
       "packed_moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor[] gate_up, int[] gate_up_formats, "
       "Tensor down, int down_format, Tensor? exact_mask, bool int8_activations, int activation, float alpha, "

@@ -5,17 +5,22 @@ from Python, each a few microseconds: longer than the step's kernels once they r
 layout (perf on `benchmarks/kernels/quant_bench.py --batches 1`: over half the step's CPU time in the
 interpreter). `FusedDecoder` hands the same kernels the same tensors in the same order from C++
 (csrc/cpu/decoder.cpp), so a step's hidden states are bit for bit those of the module path
-(tests/engine/model/test_fused_decoder.py compares them).
+(tests/engine/model/test_fused_decoder.py and test_fused_moe_decoder.py compare them).
 
-It serves CPU models whose every decoder linear is a packed `QuantLinear` (one shard or several:
-llama.cpp's Q4_K_M mix stores a layer's V in another format than its Q and K) without
+It serves CPU models whose every dense decoder linear is a packed `QuantLinear` (one shard or
+several: llama.cpp's Q4_K_M mix stores a layer's V in another format than its Q and K) without
 tensor parallelism, for steps of at most `QUANT_GEMV_MAX_ROWS` tokens over a real KV cache (the
-kernel's range: longer prefills go through oneDNN, where Python's share is small); anything else
-runs the modules.
+kernel's range: longer prefills go through oneDNN, where Python's share is small): Llama's layer,
+with Qwen3's per-head q/k RMSNorm, and sparse MoE MLPs (Qwen3-MoE, Qwen2-MoE with its gated shared
+expert, Mixtral; beside dense layers where the config mixes them) whose experts are `PackedExperts`
+with the SwiGLU activation and no expert biases. Anything else (fp32 experts, gpt-oss's attention
+sinks and clamped experts, q/k norm over the whole projection, the other layer options of
+`ModelSpec`) runs the modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +29,14 @@ from torch import Tensor
 
 import ops
 from engine.model.attention import AttentionMetadata
+from engine.model.layers import SwiGLU
+from engine.model.moe import RouterLinear, SparseMoE
+from engine.model.moe_spec import SILU, SOFTMAX_TOPK
+from engine.model.packed_experts import PackedExperts
 from engine.model.quant_linear import QuantLinear
+from engine.model.spec import ModelSpec
 from ops.build import cpu_ops
+from ops.moe import MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
 _NONE = torch.empty(0)  # "no bias" in the op's tensor list
@@ -41,20 +52,54 @@ class FusedDecoder:
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.attn.scale
         self.eps = layers[0].input_layernorm.eps
-        self.linears: list[QuantLinear] = []
+        self.linears: list[QuantLinear | None] = []  # 4 per layer; an MoE layer's shared expert may be absent
         self.norm_weights: list[Tensor] = []
+        self.qk_norms: list[Tensor] = []  # q, k weights per layer (Qwen3), or none
+        self.moe_layers: list[int] = []  # per layer: 1 where its MLP is a sparse MoE block
+        self.moe_tensors: list[Tensor] = []
+        self._moe_config: list[tuple[list[int], PackedExperts, list[int]]] = []  # int8 flag read per call
         for layer in layers:
-            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
-                assert isinstance(module, QuantLinear)
+            mlp = layer.mlp
+            shared = mlp.shared_expert if isinstance(mlp, SparseMoE) else mlp
+            mlp_linears = (None, None) if shared is None else (shared.gate_up_proj, shared.down_proj)
+            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp_linears):
+                assert module is None or isinstance(module, QuantLinear)
                 self.linears.append(module)
             self.norm_weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-        shards = [m.shards() for m in self.linears]
+            if layer.self_attn.qk_norm == "head":
+                self.qk_norms += [layer.self_attn.q_norm.weight.detach(), layer.self_attn.k_norm.weight.detach()]
+            self.moe_layers.append(int(isinstance(mlp, SparseMoE)))
+            if isinstance(mlp, SparseMoE):
+                self._add_moe(mlp)
+        shards = [[] if m is None else m.shards() for m in self.linears]
         self.qweights = [t for parts in shards for _, t in parts]
         self.formats = [fmt.type_id for parts in shards for fmt, _ in parts]  # type: ignore[union-attr]
         self.shard_counts = [len(parts) for parts in shards]
-        self.biases = [_NONE if m.bias is None else m.bias.detach() for m in self.linears]
+        self.biases = [_NONE if m is None or m.bias is None else m.bias.detach() for m in self.linears]
         self.windows = [layer.self_attn.attn.window for layer in layers]  # sliding windows (0: none)
+
+    def _add_moe(self, block: SparseMoE) -> None:
+        """`block`'s tensors and settings in `ops.llama_decoder`'s MoE lists (csrc/cpu/ops.h)."""
+        experts = block.experts
+        assert isinstance(experts, PackedExperts)
+        *gate_up, (down_fmt, down) = experts.shards()
+        gate = block.shared_expert_gate
+        self.moe_tensors += [_fixed(block.gate), _NONE if block.gate.bias is None else block.gate.bias.detach(),
+                             _NONE if gate is None else _fixed(gate), down, *[t for _, t in gate_up]]
+        spec = block.spec
+        router = MOE_SOFTMAX_TOPK if spec.router == SOFTMAX_TOPK else MOE_TOPK_SOFTMAX
+        self._moe_config.append(([spec.top_k, router, int(spec.norm_topk_prob)], experts,
+                                 [down_fmt.type_id, len(gate_up), *[f.type_id for f, _ in gate_up]]))
+
+    @staticmethod
+    def serves(spec: ModelSpec) -> bool:
+        """Whether `spec`'s layer is one the C++ decoder implements: Llama's (`ModelSpec.llama_layout`),
+        optionally with per-head q/k RMSNorm (Qwen3) and sparse MoE MLPs (their blocks: `for_layers`)."""
+        if spec.attention_sinks or spec.qk_norm not in (None, "head"):
+            return False
+        if spec.moe is not None and (spec.moe.activation != SILU or spec.moe.expert_bias):
+            return False  # gpt-oss's experts
+        return dataclasses.replace(spec, qk_norm=None, moe=None).llama_layout
 
     @staticmethod
     def for_layers(layers: Sequence[Any], tp_size: int) -> FusedDecoder | None:
@@ -62,14 +107,28 @@ class FusedDecoder:
         where it does not apply (module docstring)."""
         if tp_size != 1 or not layers:
             return None
+        qk_norm = layers[0].self_attn.qk_norm
         for layer in layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qk_norm != qk_norm or qk_norm not in (None, "head") or not attn.use_rope or layer.local_rope:
+                return None
+            if isinstance(mlp, SparseMoE):
+                if not _packed_block(mlp):
+                    return None
+                shared = mlp.shared_expert
+            elif isinstance(mlp, SwiGLU) and mlp.activation == "silu":
+                shared = mlp
+            else:
+                return None
+            linears = [attn.qkv_proj, attn.o_proj, *(() if shared is None else (shared.gate_up_proj, shared.down_proj))]
             if not all(isinstance(m, QuantLinear) and all(f is not None and t.is_cpu for f, t in m.shards())
                        for m in linears):
                 return None
             if ops.quant.amx_bf16() and any(f.name not in ops.quant.BF16_FORMATS for m in linears for f in m.formats):
                 return None  # its bf16 steps would call the AMX kernel on a format it has no panels for
             eps = {layer.input_layernorm.eps, layer.post_attention_layernorm.eps}
+            if qk_norm is not None:
+                eps |= {attn.q_norm.eps, attn.k_norm.eps}
             if eps != {layers[0].input_layernorm.eps}:
                 return None
         return FusedDecoder(layers)
@@ -107,7 +166,31 @@ class FusedDecoder:
             meta.prefill_context_lens_tensor if prefill else _NO_TABLES,
             meta.decode_block_tables.contiguous(), meta.decode_context_lens.contiguous(),
             self.norm_weights, self.qweights, self.biases, self.formats,
-            [int(m.int8_activations) for m in self.linears],
+            [int(m is not None and m.int8_activations) for m in self.linears],
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, bf16_linears, self.windows,
-            self.shard_counts)
+            self.shard_counts, self.qk_norms, self.moe_layers if self._moe_config else [], self.moe_tensors,
+            [v for head, experts, tail in self._moe_config for v in (*head, int(experts.int8_activations), *tail)])
         return out, residual
+
+
+def _fixed(router: RouterLinear) -> Tensor:
+    """`router`'s `fixed_gemm` panels, made as its own forward makes them (and kept there)."""
+    if router.fixed is None or router.fixed.shape[1] != router.in_features:
+        router.fixed = ops.pack_fixed(router.weight)
+    return router.fixed
+
+
+def _packed_block(block: SparseMoE) -> bool:
+    """Whether the C++ decoder implements `block`: packed CPU experts with SwiGLU and no biases, fp32
+    routers on the CPU (`RouterLinear`), a shared expert (if any) behind a bias-free one-row gate."""
+    spec, experts, gate = block.spec, block.experts, block.shared_expert_gate
+    if not isinstance(experts, PackedExperts) or spec.activation != SILU or spec.expert_bias:
+        return False
+    if not all(t.is_cpu for _, t in experts.shards()):
+        return False
+    routers = [block.gate] if gate is None else [block.gate, gate]
+    if not all(isinstance(r, RouterLinear) and r.weight.is_cpu and r.weight.dtype == torch.float32 for r in routers):
+        return False
+    shared = block.shared_expert
+    return (shared is None) == (gate is None) and (gate is None or gate.bias is None) and \
+        (shared is None or shared.activation == "silu")

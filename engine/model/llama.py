@@ -290,9 +290,9 @@ class LlamaForCausalLM(nn.Module):
         it does not apply or the policy turns it off (`ExecutionPolicy.fused_decoder`)."""
         if not self.policy.fused_decoder:
             return None
-        if not self._fused_checked:  # the C++ decoder implements Llama's layer and no option beyond it
+        if not self._fused_checked:  # the C++ decoder implements Llama's layer, Qwen3's q/k norm and MoE MLPs
             self._fused = (FusedDecoder.for_layers(list(self.model.layers), self.shard.size)
-                           if self.spec.llama_layout else None)
+                           if FusedDecoder.serves(self.spec) else None)
             self._fused_checked = True
         return self._fused
 

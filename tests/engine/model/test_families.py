@@ -104,7 +104,7 @@ def test_teacher_forced_logits_match_hf(family_dir: Path) -> None:
     logits = [harness.step([(seq, 10)], []), harness.step([(seq, 6)], [])]
     logits += [harness.step([], [seq]) for _ in range(8)]
     torch.testing.assert_close(torch.cat(logits), reference, rtol=1e-4, atol=1e-4)
-    assert model.fused_decoder() is None  # the C++ decoder implements none of these options
+    assert model.fused_decoder() is None  # fp32 linears (and options the C++ decoder lacks): the modules
 
 
 def test_prefill_without_a_cache_matches_hf(family_dir: Path) -> None:
