@@ -84,7 +84,7 @@ def test_without_a_bf16_screen_the_int8_pass_reads_the_eight_row_layout(fmt: Qua
     with such a layout, a vocabulary of 8 n): the tokens are still the fp32-activation argmax, at
     one row and at many, and the candidates are still few."""
     monkeypatch.setattr(QuantLogitScreen, "bf16_screen_available", lambda self: False)
-    vocab, hidden = 4096, 576
+    vocab, hidden = 4096, 512  # K = 256 n: the K-quants' layouts too
     lm_head = _lm_head(fmt, vocab, hidden, seed=21)
     screen = QuantLogitScreen.for_lm_head(lm_head)
     assert screen is not None and screen.int8_fmt is ops.quant.INTERLEAVED[fmt] and screen.fmt is fmt
