@@ -90,9 +90,9 @@ def test_a_row_does_not_depend_on_its_batch(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(BASE))
 def test_r8_layouts_compute_as_gguf_order(name: str) -> None:
     """An r8 layout's panels are the GGUF order's, value for value: the same outputs bit for bit."""
-    packed, fmt = _weight(name, 136, 576, seed=7)
+    packed, fmt = _weight(name, 136, 768, seed=7)  # K = 256 n: the K-quants' layouts too
     gguf_order = ref.deinterleave(packed, fmt.type_id)
-    x = torch.randn(45, 576)
+    x = torch.randn(45, 768)
     bias = torch.randn(136)
     assert torch.equal(quant_linear_bf16(x, packed, fmt, bias), quant_linear_bf16(x, gguf_order, BASE[name], bias))
 
