@@ -28,12 +28,14 @@
 #include "quant_interleaved.h"
 #include "quant_interleaved_q5q8.h"
 #include "quant_interleaved_k.h"
+#include "r8_lanes.h"
 #include "row_passes.h"
 
 namespace pagedserve::cpu {
 namespace {
 
 using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
+using namespace r8;     // NOLINT: the r8 lane helpers (r8_lanes.h)
 
 constexpr int64_t kRows = 8;  // weight rows per group
 
@@ -62,44 +64,8 @@ inline void tile_affine(const uint8_t* tile, int r, float& d, float& m) {
   }
 }
 
-#if defined(__AVX2__)
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// acc + the u8 x s8 products of each 4-byte lane (int16 pairs on AVX2, int32 with VNNI).
-inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
-#endif
-}
-
-inline __m256i lanes_to_int32(__m256i acc) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return acc;
-#else
-  return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
-#endif
-}
-#endif
-
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDSERVE_R8_ZMM 1
-inline __m512i load_pair(const uint8_t* lo_half, const uint8_t* hi_half) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_half))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_half)), 1);
-}
-inline __m512 halves_to_ps(const uint8_t* lo_half, const uint8_t* hi_half) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo_half))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi_half)), 1));
-}
 
 // Groups g and g + 1 (output rows 8g..8g+15) in 512-bit registers: lanes 0-7 hold group g's rows,
 // 8-15 group g + 1's, and every lane runs exactly the 256-bit pass's integer sums and fp32

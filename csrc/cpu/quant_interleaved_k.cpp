@@ -36,12 +36,14 @@
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
+#include "r8_lanes.h"
 #include "row_passes.h"
 
 namespace pagedserve::cpu {
 namespace {
 
 using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
+using namespace r8;     // NOLINT: the r8 lane helpers (r8_lanes.h)
 
 constexpr int64_t kRows = 8;
 constexpr int64_t kTileBytes = kQ4KR8TileBytes;
@@ -88,31 +90,6 @@ inline void gguf_rows(const uint8_t* tiles, int64_t nsb, BlockOf<F>* rows) {
 }
 
 #if defined(__AVX2__)
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// acc + the u8 x s8 products of each 4-byte lane (int16 pairs on AVX2, int32 with VNNI).
-inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
-#endif
-}
-
-inline __m256i lanes_to_int32(__m256i acc) {
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-  return acc;
-#else
-  return _mm256_madd_epi16(acc, _mm256_set1_epi16(1));
-#endif
-}
-
 // The eight rows' bytes of sub-block j (scales or mins) as fp32.
 inline __m256 bytes_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -121,15 +98,6 @@ inline __m256 bytes_ps(const uint8_t* p) {
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDSERVE_R8K_ZMM 1
-inline __m512i load_pair(const uint8_t* lo_half, const uint8_t* hi_half) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_half))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_half)), 1);
-}
-inline __m512 halves_to_ps(const uint8_t* lo_half, const uint8_t* hi_half) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo_half))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi_half)), 1));
-}
 inline __m512 bytes_pair_ps(const uint8_t* lo_half, const uint8_t* hi_half) {
   const __m128i both = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(lo_half)),
                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(hi_half)));

@@ -32,10 +32,13 @@
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
+#include "r8_lanes.h"
 #include "row_passes.h"
 
 namespace pagedserve::cpu {
 namespace {
+
+using namespace r8;  // NOLINT: the r8 lane helpers (r8_lanes.h)
 
 using namespace quant;  // NOLINT: the block formats (quant_blocks.h)
 
@@ -82,11 +85,6 @@ void group_to_gguf(const uint8_t* tiles, int64_t nb, uint8_t* dst, int64_t row_b
 }
 
 #if defined(__AVX2__)
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 #define PAGEDSERVE_R8Q_DOT 1
@@ -113,15 +111,6 @@ inline __m256i fifth256(const uint8_t* m) {
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PAGEDSERVE_R8Q_ZMM 1
-inline __m512i load_pair(const uint8_t* lo_half, const uint8_t* hi_half) {
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo_half))),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_half)), 1);
-}
-inline __m512 halves_to_ps(const uint8_t* lo_half, const uint8_t* hi_half) {
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo_half))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi_half)), 1));
-}
 inline __m512i fifth512(const uint8_t* m0, const uint8_t* m1) {
   uint32_t lo, hi;
   std::memcpy(&lo, m0, 4);

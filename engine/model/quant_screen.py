@@ -26,14 +26,15 @@ folded into one factor per row:
 too. The candidates get the same fp32-activation logit, so the token does not depend on which
 screen ran.
 
-Without native bf16 (AVX2, AVX-512 without BF16) the int8 pass is the screen at every row count:
-there it reads a copy of the lm_head in the kernel's eight-row layout where its format has one
-(`ops.quant.interleave`: Q8_0 for SmolLM2's tied embedding), which the int8 kernel sweeps several
-times faster than GGUF rows at many rows; the candidates' fp32-activation logits still read the
-GGUF rows (the bound holds for any kernel computing `w . x_hat` in fp32: only the summation order
-differs). The copy costs the lm_head's size once more, half of what the bf16 screen's copy costs
-on the CPUs that have one. At 128 greedy rows on the AVX2 level, SmolLM2's Q8_0 lm_head took a
-quarter of a decode step in GGUF order.
+The int8 pass reads a copy of the lm_head in the kernel's eight-row layout where its format has
+one (`ops.quant.interleave`: Q8_0 for SmolLM2's tied embedding, Q6_K for llama.cpp's Q4_K_M
+output weights), which the int8 kernel sweeps about twice as fast as GGUF rows at one row and
+several times faster at many; the candidates' fp32-activation logits still read the GGUF rows
+(the bound holds for any kernel computing `w . x_hat` in fp32: only the summation order differs).
+The copy costs the lm_head's size once more (the bf16 screen's copy, where there is one, twice
+that). The int8 pass is a one-stream step's whole lm_head (the random Qwen3-MoE's 41 MB Q6_K one:
+a third of its step in GGUF order) and, without native bf16 (AVX2), every step's (SmolLM2's Q8_0
+lm_head at 128 greedy rows: a quarter of an AVX2 decode step in GGUF order).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class QuantLogitScreen:
         self.int8_fmt, self.int8_weight = fmt, qweight
         if self.bf16_screen_available():  # built now: the first big step must not pay ~1 s for it
             self._bf16_weight()
-        elif qweight.is_cpu:
+        if qweight.is_cpu:
             r8, r8_fmt = interleave(qweight, fmt)
             if r8_fmt is not fmt:
                 self.int8_fmt, self.int8_weight = r8_fmt, r8

@@ -78,11 +78,11 @@ def test_screen_over_many_rows_and_non_finite_rows() -> None:
 
 
 @pytest.mark.parametrize("fmt", sorted(ops.quant.INTERLEAVED, key=lambda f: f.name), ids=lambda f: f.name)
-def test_without_a_bf16_screen_the_int8_pass_reads_the_eight_row_layout(fmt: QuantFormat,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU without native bf16 the int8 pass reads an eight-row copy of the lm_head (a format
-    with such a layout, a vocabulary of 8 n): the tokens are still the fp32-activation argmax, at
-    one row and at many, and the candidates are still few."""
+def test_the_int8_pass_reads_the_eight_row_layout(fmt: QuantFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 pass reads an eight-row copy of the lm_head (a format with such a layout, a
+    vocabulary of 8 n): the tokens are still the fp32-activation argmax, at one row and at many
+    (without a bf16 screen, as on AVX2, every step takes the int8 pass), and the candidates are
+    still few."""
     monkeypatch.setattr(QuantLogitScreen, "bf16_screen_available", lambda self: False)
     vocab, hidden = 4096, 512  # K = 256 n: the K-quants' layouts too
     lm_head = _lm_head(fmt, vocab, hidden, seed=21)
