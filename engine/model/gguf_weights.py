@@ -6,9 +6,8 @@ table's (`ops.reference.formats`: `runs`), and a format not in it is refused by 
 - weights in a packed format (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) become
   `QuantLinear`
   modules; q/k/v and gate/up are stacked as packed row shards (one buffer when their formats
-  agree); Q4_0 / Q4_1 decoder weights
-  are repacked eight rows at a time (`ops.quant.interleave`: the same bytes in the order the CPU
-  kernel reads fastest);
+  agree); Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q6_K decoder weights are repacked eight rows
+  at a time (`ops.quant.interleave`: the same values in the order the CPU kernel reads fastest);
 - F32/F16/BF16 tensors (norms, biases, unquantized weights) are copied in as fp32, and tensors in a
   format without a kernel (none of the table's today) are dequantized to fp32 at load
   with the table's reference dequantization (the `gguf` package's bits);
