@@ -15,6 +15,8 @@ slice of the plain checkpoint; a split that cuts an MXFP4 block is refused.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,6 +110,12 @@ def _rank_main(rank: int, paths: list[str], tokens: list[int], init: str, out: s
             torch.save({"logits": logits if rank == 0 else None, "routes": routes}, f"{out}/{index}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # Done, every result saved: leave without interpreter finalization, where gloo's worker threads can
+    # still abort the process ("terminate called without an active exception", SIGABRT: seen once in CI
+    # on 2026-12-05 after both ranks had loaded and run every model). An exception above still exits 1.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 TOKENS = prompt_ids(24, 5)
