@@ -7,3 +7,7 @@ Redis engine process, `pagedserve engine`). At the root: the public API (`llm.LL
 
 Imports `common` (wire protocol, `SamplingParams`, Redis, logging) and `ops`; never `gateway`
 or `pagedserve`. No torch import here."""
+
+from common.openmp_env import bound_openmp_spin
+
+bound_openmp_spin()  # before any torch import: libgomp reads it once (common/openmp_env.py)

@@ -18,6 +18,7 @@ import torch
 
 import ops
 from common.log import get_logger
+from common.openmp_env import openmp_spin_note
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.kv.block_manager import BlockManager
@@ -132,6 +133,8 @@ class LLMEngine:
                                 spec=spec, policy=engine_policy(config, self.dtype, self.bf16_linears))
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
             set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model), ops.fixed_order()))
+            if (note := openmp_spin_note()) is not None:
+                log.warning("openmp spin", note=note)
         kv_spec = shard.kv_spec(self.model.spec)
         block_bytes = kv_bytes_per_block(kv_spec, config.block_size, self.kv_dtype)
         peak = (profile_peak(self.model, profile_tokens, config.max_num_seqs, kv_spec, config.block_size,

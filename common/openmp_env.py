@@ -1,0 +1,41 @@
+"""How long OpenMP's idle threads spin: bounded before torch loads its OpenMP runtime.
+
+After every parallel region libgomp's worker threads spin `GOMP_SPINCOUNT` rounds before they
+sleep (300,000 by default: ~10-20 ms of `pause` on these CPUs). pagedserve's CPU kernels share the
+cores between OpenMP (oneDNN GEMMs, ATen ops inside the fused decoder, the bf16 lm_head screen)
+and their own chunk pool (csrc/cpu/parallel.h), so a worker still spinning after a GEMM holds a
+core the pool's helper needs: on 2 cores a random Qwen3-MoE's batch-of-32 step spent 30% of its
+samples in libgomp's spin (perf) and took 55 ms, 43 ms with `GOMP_SPINCOUNT=10000`
+(docs/performance.md). libgomp reads the variable once, when it is loaded (by `import torch`), so
+`bound_openmp_spin` runs first thing in `engine`, `ops` and `benchmarks`, none of which import
+torch before it. A choice of the user's (`GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` in the environment)
+is kept. Torch-free (common/ never imports torch).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+SPIN_COUNT = 10_000  # rounds: ~0.5 ms, enough for back-to-back GEMMs to find their threads awake
+USER_CHOICES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def bound_openmp_spin() -> bool:
+    """Set `GOMP_SPINCOUNT` for the OpenMP runtime torch is about to load, unless the user chose a
+    spin or wait policy. True when the spin is bounded (by this call, an earlier one, or the user)."""
+    if any(name in os.environ for name in USER_CHOICES):
+        return True
+    if "torch" in sys.modules:  # libgomp already read its environment: too late
+        return False
+    os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    return True
+
+
+def openmp_spin_note() -> str | None:
+    """A warning for the startup log when OpenMP kept its default spin (torch imported first)."""
+    if any(name in os.environ for name in USER_CHOICES):
+        return None
+    return (f"torch was imported before pagedserve: OpenMP threads spin ~300,000 rounds after each "
+            f"parallel region and take cores from the kernels' own threads; set GOMP_SPINCOUNT={SPIN_COUNT} "
+            f"(or import engine/ops first)")

@@ -1,0 +1,49 @@
+"""OpenMP's idle spin is bounded before torch loads libgomp (common/openmp_env.py): by importing
+`engine`, `ops` or `benchmarks` first, never over the user's own choice, and flagged when too late.
+Each case is a fresh interpreter, since libgomp reads its environment once per process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.openmp_env import SPIN_COUNT, USER_CHOICES
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_PROBE = """
+import os, sys
+for name in sys.argv[1].split(","):
+    __import__(name)
+from common.openmp_env import openmp_spin_note
+print(os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY"), openmp_spin_note() is not None)
+"""
+
+
+def probe(imports: str, **env: str) -> list[str]:
+    """GOMP_SPINCOUNT, OMP_WAIT_POLICY and whether the warning would be logged, after `imports`."""
+    clean = {k: v for k, v in os.environ.items() if k not in USER_CHOICES}
+    result = subprocess.run([sys.executable, "-c", _PROBE, imports], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env={**clean, "PYTHONPATH": str(ROOT), **env})
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+@pytest.mark.parametrize("first", ["engine", "ops", "benchmarks", "engine.llm"])
+def test_a_project_import_before_torch_bounds_the_spin(first: str) -> None:
+    assert probe(f"{first},torch") == [str(SPIN_COUNT), "None", "False"]
+
+
+def test_torch_first_keeps_the_default_and_is_flagged() -> None:
+    assert probe("torch,engine,ops") == ["None", "None", "True"]
+
+
+@pytest.mark.parametrize("env", [{"GOMP_SPINCOUNT": "7"}, {"OMP_WAIT_POLICY": "active"}])
+def test_the_users_choice_is_kept(env: dict[str, str]) -> None:
+    spin, policy, flagged = probe("engine,torch", **env)
+    assert (spin, policy) == (env.get("GOMP_SPINCOUNT", "None"), env.get("OMP_WAIT_POLICY", "None"))
+    assert flagged == "False"
