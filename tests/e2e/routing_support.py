@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.e2e.support import EngineProcess
+from tests.e2e.support import EngineProcess, serve_gateway
 
 WORDS = ["apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "violet", "copper", "desert", "harbor",
          "meadow"]
@@ -69,3 +69,15 @@ async def multi_turn(session: aiohttp.ClientSession, gateway: str, model: str, c
             last[i] = usage["prompt_tokens"]
             history[i] += reply["choices"][0]["text"] + f"\nUser turn {turn}: tell me more.\n"
     return cached, cacheable
+
+
+async def assert_turns_follow_their_prefix(url: str, engines: list[EngineProcess], model: str) -> None:
+    """Four 3-turn conversations through a fresh gateway: >= 90% of the later turns' cacheable
+    history found cached, and every engine served routed requests."""
+    announced(engines)
+    async with aiohttp.ClientSession() as session, serve_gateway(url) as gateway:
+        cached, cacheable = await multi_turn(session, gateway, model, conversations=4, turns=3)
+    assert cacheable > 0
+    assert cached / cacheable >= 0.9, f"later turns found only {cached}/{cacheable} cacheable tokens cached"
+    taken = [fresh_stats(e, time.time()).get("routed_taken", 0.0) for e in engines]
+    assert all(t > 0 for t in taken), f"both engines should serve routed requests: {taken}"

@@ -19,7 +19,13 @@ import redis
 
 from common.protocol import Keys
 from pagedserve.launch.redis_server import RedisServer
-from tests.e2e.routing_support import announced, complete, fresh_stats, multi_turn, system_prompt
+from tests.e2e.routing_support import (
+    announced,
+    assert_turns_follow_their_prefix,
+    complete,
+    fresh_stats,
+    system_prompt,
+)
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 
 MODEL = "tiny"
@@ -51,13 +57,7 @@ async def test_engines_register_their_routed_streams(stack: tuple[str, list[Engi
 
 async def test_multi_turn_conversations_stay_on_their_prefix(stack: tuple[str, list[EngineProcess]]) -> None:
     url, engines = stack
-    announced(engines)
-    async with aiohttp.ClientSession() as session, serve_gateway(url) as gateway:
-        cached, cacheable = await multi_turn(session, gateway, MODEL, conversations=4, turns=3)
-    assert cacheable > 0
-    assert cached / cacheable >= 0.9, f"later turns found only {cached}/{cacheable} cacheable tokens cached"
-    taken = [fresh_stats(e, time.time()).get("routed_taken", 0.0) for e in engines]
-    assert all(t > 0 for t in taken), f"both engines should serve routed requests: {taken}"
+    await assert_turns_follow_their_prefix(url, engines, MODEL)
 
 
 async def owner(session: aiohttp.ClientSession, gateway: str, engines: list[EngineProcess],

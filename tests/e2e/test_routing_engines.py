@@ -6,16 +6,14 @@ resent history cached and both engines serve routed requests."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from pagedserve.launch.redis_server import RedisServer
-from tests.e2e.routing_support import announced, fresh_stats, multi_turn
-from tests.e2e.support import EngineProcess, serve_gateway, start_engines
+from tests.e2e.routing_support import assert_turns_follow_their_prefix
+from tests.e2e.support import EngineProcess, start_engines
 
 MODEL = "tiny"
 COMMON = ("--served-model-name", MODEL, "--kv-cache-memory", "8MiB")
@@ -44,10 +42,4 @@ def fleet(request: pytest.FixtureRequest, tiny_llama_dir: Path,
 async def test_multi_turn_routing_with_tensor_parallel_and_speculative_engines(
         fleet: tuple[str, list[EngineProcess]]) -> None:
     url, engines = fleet
-    announced(engines)
-    async with aiohttp.ClientSession() as session, serve_gateway(url) as gateway:
-        cached, cacheable = await multi_turn(session, gateway, MODEL, conversations=4, turns=3)
-    assert cacheable > 0
-    assert cached / cacheable >= 0.9, f"later turns found only {cached}/{cacheable} cacheable tokens cached"
-    taken = [fresh_stats(e, time.time()).get("routed_taken", 0.0) for e in engines]
-    assert all(t > 0 for t in taken), f"both engines should serve routed requests: {taken}"
+    await assert_turns_follow_their_prefix(url, engines, MODEL)

@@ -19,6 +19,7 @@ from ops.build import cpu_ops
 from ops.quant import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_KR8, Q5_K, Q6_K, Q6_KR8, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import formats
 from ops.reference import quant as ref
+from tests.ops.per_row_checks import per_row_bits_match_alone
 from tests.ops.test_formats import _random_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -212,10 +213,7 @@ def test_r8_per_row_entry_keeps_every_count_on_the_kernel(layout: QuantFormat, m
     it is alone at any count, past the oneDNN crossover too."""
     r8, fmt = ops.quant.interleave(_qweight(R8_BASE[layout], 64, 512, m), R8_BASE[layout])
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m + exact))
-    got = ops.quant.quant_linear_per_row(x, r8, fmt, True, exact)
-    for i in sorted({0, exact - 1, exact, m - 1} & set(range(m))):
-        alone = ops.quant.quant_linear_per_row(x[i:i + 1], r8, fmt, True, int(i < exact))
-        assert torch.equal(got[i:i + 1], alone), i
+    got = per_row_bits_match_alone(x, r8, fmt, exact)
     expected = ref.quant_linear(x, r8, fmt.type_id)
     torch.testing.assert_close(got[:exact], expected[:exact], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[exact:], ref.quant_linear(ref.int8_activations(x[exact:]), r8, fmt.type_id),

@@ -10,6 +10,7 @@ import torch
 import ops
 from ops.quant import FORMATS, INTERLEAVED, Q4_0, Q4_1, Q4_1R8, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat, interleave
 from ops.reference import quant as ref
+from tests.ops.per_row_checks import per_row_bits_match_alone
 
 gguf = pytest.importorskip("gguf")
 GGML = {name: gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")}
@@ -318,10 +319,7 @@ def test_per_row_entry_keeps_every_count_on_the_kernel(name: str, m: int, exact:
     close to the reference."""
     qweight, fmt = _laid_out(name, 64, 160, m)
     x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m + exact))
-    got = ops.quant.quant_linear_per_row(x, qweight, fmt, True, exact)
-    for i in sorted({0, exact - 1, exact, m - 1} & set(range(m))):
-        alone = ops.quant.quant_linear_per_row(x[i:i + 1], qweight, fmt, True, int(i < exact))
-        assert torch.equal(got[i:i + 1], alone), i
+    got = per_row_bits_match_alone(x, qweight, fmt, exact)
     expected = ref.quant_linear(x, qweight, fmt.type_id)
     torch.testing.assert_close(got[:exact], expected[:exact], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[exact:], expected[exact:], rtol=0.05, atol=0.05)  # int8 activations

@@ -13,13 +13,12 @@ from torch import nn
 import ops
 from engine.model.execution_policy import ExecutionPolicy
 from engine.model.fused_decoder import FusedDecoder
-from engine.model.kv_cache import allocate_kv_caches
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
 from engine.model.quant_linear import QuantLinear
 from ops.quant import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, QuantFormat, interleave
 from ops.reference import quant as ref
-from tests.fixtures.models import PagedHarness, Seq
+from tests.fixtures.models import PagedHarness, Seq, mixed_schedule_logits
 
 _LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -60,18 +59,7 @@ def _policy(fused: bool, exact_prompt_rows: bool = True) -> ExecutionPolicy:
     return ExecutionPolicy(fused_decoder=fused, exact_prompt_rows=exact_prompt_rows)
 
 
-def _run(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Logits of a fixed schedule: two prompts prefilled in chunks (one beside decode rows), then
-    decode steps of both."""
-    harness = PagedHarness(model, num_blocks=64, block_size=4, seed=3)
-    if kv_dtype != torch.float32:
-        harness.kv_caches = allocate_kv_caches(model, 64, 4, kv_dtype)
-    gen = torch.Generator().manual_seed(5)
-    a = Seq(torch.randint(0, 320, (40,), generator=gen).tolist())
-    b = Seq(torch.randint(0, 320, (40,), generator=gen).tolist())
-    out = [harness.step([(a, 11)], []), harness.step([(a, 7), (b, 9)], []), harness.step([(b, 5)], [a])]
-    out += [harness.step([], [a, b]) for _ in range(6)]
-    return out
+_run = mixed_schedule_logits
 
 
 @pytest.mark.parametrize("formats,repack,bias,v_format", [

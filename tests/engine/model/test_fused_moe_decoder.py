@@ -17,7 +17,6 @@ import ops
 from benchmarks.quality.quant_quality import set_int8_activations
 from engine.model.execution_policy import ExecutionPolicy
 from engine.model.fused_decoder import FusedDecoder
-from engine.model.kv_cache import allocate_kv_caches
 from engine.model.layers import SwiGLU
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
@@ -30,7 +29,7 @@ from tests.engine.model.test_gguf_families import write_family_gguf
 from tests.engine.model.test_gguf_mixtral import make_mixtral
 from tests.engine.model.test_gguf_moe_packed import MODELS, make_moe_model, write_moe_gguf
 from tests.engine.model.test_sliding_window import make_family_dir
-from tests.fixtures.models import PagedHarness, Seq, _byte_tokenizer
+from tests.fixtures.models import _byte_tokenizer, mixed_schedule_logits
 
 pytest.importorskip("gguf")
 
@@ -79,18 +78,7 @@ def _load(file: Path, fused: bool, exact_prompt_rows: bool = True, int8_activati
     return model
 
 
-def _run(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Logits of a fixed schedule: two prompts prefilled in chunks (one beside a decode row), then
-    decode steps of both."""
-    harness = PagedHarness(model, num_blocks=64, block_size=4, seed=3)
-    if kv_dtype != torch.float32:
-        harness.kv_caches = allocate_kv_caches(model, 64, 4, kv_dtype)
-    gen = torch.Generator().manual_seed(5)
-    a = Seq(torch.randint(0, 320, (40,), generator=gen).tolist())
-    b = Seq(torch.randint(0, 320, (40,), generator=gen).tolist())
-    out = [harness.step([(a, 11)], []), harness.step([(a, 7), (b, 9)], []), harness.step([(b, 5)], [a])]
-    out += [harness.step([], [a, b]) for _ in range(6)]
-    return out
+_run = mixed_schedule_logits
 
 
 def _assert_equal(fused: list[torch.Tensor], modules: list[torch.Tensor]) -> None:
