@@ -3,7 +3,8 @@
 Starts one Redis, `--engines` engine processes (each with its own prefix cache) and one gateway
 per mode (`--routing off`, `--routing on`), then for each mode runs `--conversations` concurrent
 chats of `--turns` turns, each with its own system prompt (distinct per mode too, so no mode finds
-the other's history cached). Every turn resends the whole history. JSON lines on stdout, one per
+the other's history cached). Every turn resends the whole history; `--think-time` spaces a
+conversation's turns as a reader would (the same pauses in every mode and round). JSON lines on stdout, one per
 mode and round (`--rounds`, modes alternating), each round's comparison, then the rounds at a glance:
 
 - `cached_share`: of the resent history that can be cached (the previous turn's prompt, whole
@@ -150,6 +151,7 @@ async def turn(session: Any, url: str, messages: list[dict[str, str]], max_token
 
 async def conversation(session: Any, url: str, c: int, args: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed * 1000 + c)
+    think = random.Random(c)  # the same pauses in every mode and round
     messages = [{"role": "system", "content": system_prompt(rng, args.system_words)}]
     turns = []
     for t in range(args.turns):
@@ -160,6 +162,8 @@ async def conversation(session: Any, url: str, c: int, args: argparse.Namespace,
         if "error" in result:
             break
         messages.append({"role": "assistant", "content": result["text"]})
+        if args.think_time > 0 and t + 1 < args.turns:  # the user reads the answer before the next turn
+            await asyncio.sleep(think.uniform(0.0, 2.0 * args.think_time))
     return turns
 
 
@@ -259,6 +263,9 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=160, help="words of each distinct system prompt")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--think-time", type=float, default=0.0,
+                        help="mean seconds a user waits after an answer before the next turn (uniform on [0, 2x]); "
+                             "0: at once, every conversation's turns in lockstep")
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per engine")
     parser.add_argument("--block-size", type=int, default=16, help="the engines' block size (whole cacheable blocks)")
