@@ -9,7 +9,8 @@ samples in libgomp's spin (perf) and took 55 ms, 43 ms with `GOMP_SPINCOUNT=1000
 (docs/performance.md). libgomp reads the variable once, when it is loaded (by `import torch`), so
 `bound_openmp_spin` runs first thing in `engine`, `ops` and `benchmarks`, none of which import
 torch before it. A choice of the user's (`GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` in the environment)
-is kept. Torch-free (common/ never imports torch).
+is kept. A peer's process in the benchmarks gets the environment without the bound
+(`peer_environ`): llama.cpp's ggml runs on libgomp too. Torch-free (common/ never imports torch).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
+_set_here = False  # whether bound_openmp_spin set the variable (not the user)
 SPIN_COUNT = 10_000  # rounds: ~0.5 ms, enough for back-to-back GEMMs to find their threads awake
 USER_CHOICES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
@@ -28,8 +30,19 @@ def bound_openmp_spin() -> bool:
         return True
     if "torch" in sys.modules:  # libgomp already read its environment: too late
         return False
+    global _set_here
     os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    _set_here = True
     return True
+
+
+def peer_environ() -> dict[str, str]:
+    """This process's environment as a peer system's process should get it (vLLM, llama.cpp in the
+    benchmarks): without the spin bound set here, so each peer runs its OpenMP as its users would."""
+    env = dict(os.environ)
+    if _set_here and env.get("GOMP_SPINCOUNT") == str(SPIN_COUNT):
+        del env["GOMP_SPINCOUNT"]
+    return env
 
 
 def openmp_spin_note() -> str | None:

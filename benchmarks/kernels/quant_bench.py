@@ -37,6 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 import ops
 from benchmarks.helpers.timing import best_seconds
+from common.openmp_env import peer_environ
 from ops.build import cpu_ops
 from ops.quant import FORMATS, QuantFormat
 from ops.reference.quant import quantize
@@ -136,7 +137,7 @@ def peer_round(python: str, gguf: str, prompts_file: str, batch: int, steps: int
     script = Path(__file__).resolve().parents[1] / "peer" / "llama_cpp_bench.py"
     out = subprocess.run([python, str(script), "--gguf", gguf, "--prompts", prompts_file, "--batches", str(batch),
                           "--rounds", "1", "--steps", str(steps), "--threads", str(threads)],
-                         check=True, capture_output=True, text=True).stdout
+                         check=True, capture_output=True, text=True, env=peer_environ()).stdout
     return float(json.loads(out.strip().splitlines()[-1])["step_ms"]) / 1e3
 
 

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common.openmp_env import peer_environ
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -106,7 +108,8 @@ def main() -> None:
     for gguf in args.gguf.split(","):
         gguf = str(Path(gguf).expanduser())
         out = subprocess.run([args.peer_python, __file__, "--gguf", gguf, "--peer-ids", f.name,
-                              "--threads", str(args.threads)], check=True, capture_output=True, text=True).stdout
+                              "--threads", str(args.threads)], check=True, capture_output=True, text=True,
+                             env=peer_environ()).stdout
         peer = float(json.loads(out.strip().splitlines()[-1])["nll"])
         ours = pagedserve_nll(gguf, ids, args.dtype, args.kv_cache_dtype)
         print(json.dumps({"part": "nll", "gguf": Path(gguf).name, "tokens": len(ids), "dtype": args.dtype,

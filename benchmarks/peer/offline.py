@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peer.vllm_env import vllm_env
+from common.openmp_env import peer_environ
 
 VLLM_RUNNER = Path(__file__).resolve().parent / "vllm_offline.py"
 
@@ -101,7 +101,7 @@ def run_vllm(work: Workload, venv: Path, log_path: Path) -> dict[str, Any]:
     job_path, result_path = log_path.with_suffix(".job.json"), log_path.with_suffix(".result.json")
     job_path.write_text(json.dumps(job))
     result_path.unlink(missing_ok=True)
-    env = os.environ | vllm_env(work.kv_cache_gib)
+    env = peer_environ() | vllm_env(work.kv_cache_gib)
     print(f"vllm: starting on {Path(work.model).name} (log {log_path})", file=sys.stderr, flush=True)
     with log_path.open("w") as log:
         proc = subprocess.run([str(venv / "bin" / "python"), str(VLLM_RUNNER), str(job_path), str(result_path)],

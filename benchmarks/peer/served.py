@@ -25,6 +25,7 @@ from typing import Any
 
 from benchmarks.peer.counters import pagedserve_figures, vllm_figures
 from benchmarks.peer.vllm_env import vllm_env
+from common.openmp_env import peer_environ
 from common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,7 +147,7 @@ def server(spec: ServerSpec, log_path: Path, timeout: float = 900.0) -> Iterator
     url = f"http://127.0.0.1:{spec.port}"
     with log_path.open("w") as log:
         proc = subprocess.Popen(spec.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=os.environ | spec.env)
+                                env=peer_environ() | spec.env)
     try:
         start = time.perf_counter()
         name = _wait_model(url, proc, timeout)

@@ -47,3 +47,22 @@ def test_the_users_choice_is_kept(env: dict[str, str]) -> None:
     spin, policy, flagged = probe("engine,torch", **env)
     assert (spin, policy) == (env.get("GOMP_SPINCOUNT", "None"), env.get("OMP_WAIT_POLICY", "None"))
     assert flagged == "False"
+
+
+_PEER_PROBE = """
+import os, benchmarks
+from common.openmp_env import peer_environ
+print(os.environ.get("GOMP_SPINCOUNT"), peer_environ().get("GOMP_SPINCOUNT"))
+"""
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, [str(SPIN_COUNT), "None"]),
+                                                  (str(SPIN_COUNT), [str(SPIN_COUNT)] * 2)])
+def test_peers_get_the_environment_without_our_bound(preset: str | None, expected: list[str]) -> None:
+    """A peer (vLLM, llama.cpp: libgomp too) runs its OpenMP as its users would; a user's own value stays."""
+    clean = {k: v for k, v in os.environ.items() if k not in USER_CHOICES}
+    env = {**clean, "PYTHONPATH": str(ROOT)} | ({"GOMP_SPINCOUNT": preset} if preset else {})
+    result = subprocess.run([sys.executable, "-c", _PEER_PROBE], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == expected
