@@ -6,11 +6,14 @@ the compiler flags, so a changed source or another torch never reuses a stale li
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,20 +95,22 @@ def build_key(kind: str, files: tuple[str, ...], flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-STALE_LOCK_S = 600.0  # no file of a build touched for this long: its builder died holding the lock
-
-
-def _clear_stale_lock(build_dir: Path) -> None:
-    """torch's JIT build waits forever on the `lock` file of a builder that was killed (kill -9,
-    a test timeout): remove it when nothing in the build directory changed for `STALE_LOCK_S`."""
-    lock = build_dir / "lock"
-    try:
-        newest = max(path.stat().st_mtime for path in build_dir.iterdir())
-    except (OSError, ValueError):
-        return
-    if lock.exists() and time.time() - newest > STALE_LOCK_S:
-        log.warning("removing a stale kernel build lock (its builder is gone)", lock=str(lock))
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[None]:
+    """One builder (or loader) of `build_dir` at a time, on an `flock` the kernel releases when its
+    holder dies. torch's own baton (a `lock` file it creates and deletes) waits forever for a builder
+    that was killed (kill -9, a test timeout, an interrupted benchmark); under this lock any `lock`
+    file left there is such a dead builder's, and goes."""
+    with (build_dir / "builder.flock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a dead builder's kernel build lock", lock=str(stale))
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _load(kind: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), **flags: Any) -> str:
@@ -113,7 +118,11 @@ def _load(kind: str, sources: tuple[str, ...], headers: tuple[str, ...] = (), **
     key = build_key(kind, (*sources, *headers), [*flags.get("extra_cflags", []), *flags.get("extra_cuda_cflags", [])])
     build_dir = cache_root() / f"{kind}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir)
+    with _builder_lock(build_dir):
+        return _load_locked(kind, name, build_dir, sources, **flags)
+
+
+def _load_locked(kind: str, name: str, build_dir: Path, sources: tuple[str, ...], **flags: Any) -> str:
     fresh = not (build_dir / f"{name}.so").exists()
     if fresh:
         log.info("building kernels (first use: ~10 s CPU, minutes CUDA)", kind=kind, dir=str(build_dir),

@@ -158,19 +158,32 @@ def test_fused_ops_reject() -> None:
                                        torch.zeros(2, dtype=torch.int64))
 
 
-def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path: Path) -> None:
-    import os
+def test_a_dead_builders_lock_is_removed_and_a_live_builder_waited_for(tmp_path: Path) -> None:
+    """torch's `lock` file left by a killed builder goes once the flock is ours; a live builder's
+    flock (here another process holding it) is waited for, and released when that process dies."""
+    import subprocess
+    import sys
     import time
 
-    from ops.build import STALE_LOCK_S, _clear_stale_lock
+    from ops.build import _builder_lock
 
-    lock = tmp_path / "lock"
-    lock.touch()
-    (tmp_path / "build.ninja").touch()
-    _clear_stale_lock(tmp_path)
-    assert lock.exists()  # a build that is still writing its files keeps its lock
-    old = time.time() - STALE_LOCK_S - 5
-    for path in tmp_path.iterdir():
-        os.utime(path, (old, old))
-    _clear_stale_lock(tmp_path)
-    assert not lock.exists()
+    (tmp_path / "lock").touch()
+    with _builder_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(600)"), str(tmp_path / "builder.flock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        import fcntl
+        with (tmp_path / "builder.flock").open("a") as probe, pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the live holder has it
+        holder.kill()  # dies holding it, as a killed build would
+        holder.wait()
+        started = time.monotonic()
+        with _builder_lock(tmp_path):
+            pass
+        assert time.monotonic() - started < 30
+    finally:
+        holder.kill()
