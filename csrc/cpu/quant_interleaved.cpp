@@ -25,6 +25,7 @@
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
+#include "quant_int8_amx.h"
 #include "quant_interleaved.h"
 #include "quant_interleaved_q5q8.h"
 #include "quant_interleaved_k.h"
@@ -351,18 +352,31 @@ void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, cons
 template <int64_t F>
 void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n_len, int64_t k_len,
                      const float* bias, int64_t exact) {
-  const int64_t m_len = x.size(0), nb = k_len / kBlock, groups = n_len / kRows;
-  const at::Tensor out_int8 = out.narrow(0, exact, m_len - exact);
+  const int64_t m_len = x.size(0), nb = k_len / kBlock, groups = n_len / kRows, int8_rows = m_len - exact;
+  const at::Tensor out_int8 = out.narrow(0, exact, int8_rows);
   std::optional<ActPlanes> act;
-  if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
-  // Chunks of at least ~64 KiB of packed weights, about eight per thread.
-  const int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
+  if (exact < m_len) act.emplace(x.narrow(0, exact, int8_rows), k_len);
+  // Many int8 rows: group pairs on AMX-INT8 tiles (quant_int8_amx.cpp, the same bits), an odd
+  // chunk's last group here.
+  const bool tiles = act && groups >= 2 && int8_rows >= amx_int8::min_rows();
+  std::vector<int8_t> tile_buf;
+  const int8_t* packed = tiles ? amx_int8::pack_rows(act->q.data(), int8_rows, k_len, tile_buf) : nullptr;
+  // Chunks of at least ~64 KiB of packed weights, about eight per thread (whole pairs for the tiles).
+  int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
+  if (tiles) chunk += chunk % 2;
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
                      g_begin, g_end);
     }
-    if (act) int8_chunk<F>(out_int8, *act, m_len - exact, w, bias, g_begin, g_end);
+    if (!act) return;
+    if (tiles) {
+      const int64_t pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
+      amx_int8::groups(F == kQuantQ4_1, packed, act->d.data(), act->s.data(), int8_rows, nb, w, bias,
+                       out_int8.data_ptr<float>(), out_int8.stride(0), g_begin, pairs_end);
+      g_begin = pairs_end;
+    }
+    if (g_begin < g_end) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, g_end);
   }, /*openmp=*/m_len >= openmp_rows());
 }
 

@@ -1,0 +1,28 @@
+// AMX-INT8 tiles for the int8 activation rows of the Q4_0r8 / Q4_1r8 kernel (quant_int8_amx.cpp):
+// the same integer block sums and the same fp32 operations in the same order as the VNNI path of
+// quant_interleaved.cpp, so every output is bit for bit that path's.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pagedserve::cpu::amx_int8 {
+
+// Whether this build targets AMX-INT8, the CPU has it and the OS granted the tile state.
+bool available();
+
+// The fewest int8 rows a call sends to the tiles: PAGEDSERVE_INT8_AMX, read at every call, "0"
+// turns the tiles off (the VNNI path, for tests), "all" takes every row count; otherwise the
+// measured threshold. INT64_MAX where the tiles are not available.
+int64_t min_rows();
+
+// The activation quants q [m_len][k_len] as 16-row tiles of each 32-quant block ([tile][block][16][32],
+// zero rows padding the last tile), 64-byte aligned inside `buf`; returns the tiles' start.
+const int8_t* pack_rows(const int8_t* q, int64_t m_len, int64_t k_len, std::vector<int8_t>& buf);
+
+// Groups [g_begin, g_end) (an even count) of out [m_len][N] (row stride ldo) from the packed
+// activation tiles, their block scales ad and scaled sums as [m_len][nb]; `q4_1` picks Q4_1r8 over Q4_0r8.
+void groups(bool q4_1, const int8_t* packed, const float* ad, const float* as, int64_t m_len, int64_t nb,
+            const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end);
+
+}  // namespace pagedserve::cpu::amx_int8
