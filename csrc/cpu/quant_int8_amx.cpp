@@ -1,7 +1,7 @@
 // AMX-INT8 tiles for the int8 rows of the Q4_0r8 / Q4_1r8 kernel (layout: quant_interleaved.cpp).
 //
 // Per 32-weight block b, a pair of groups (weight rows 8g..8g+15) and 16 activation rows:
-//   A = the rows' 32 quants (s8, 16 x 32 bytes, packed once per call by pack_rows),
+//   A = the rows' 32 quants (s8, 16 x 32 bytes, packed once per call by pack_rows with their scales),
 //   B = the 16 weight rows' 32 nibbles in the VNNI layout (8 x 64 bytes): B row j (< 4) is chunk
 //       j's low nibbles, row 4 + j its high ones, i.e. lane n holds weight row n's weights 4j..4j+3
 //       (16 + 4j.. for the high half), the same K order as A's bytes. The r8 chunks already put the
@@ -10,7 +10,11 @@
 //       rows x 16 weight rows, the same integers the VNNI lanes hold.
 // The fp32 epilogue then runs, per activation row and block in block order, the VNNI pair path's
 // very operations on the same 16 lanes: acc = fma(float(sum), dw * ad, acc), macc = fma(mw, as, macc),
-// out = (acc + macc) + bias_or_0; C's rows are the output rows, so no transpose either.
+// out = (acc + macc) + bias_or_0; C's rows are the output rows, so no transpose either. The epilogue,
+// not the tiles, bounds the kernel (4 vector operations per 16 outputs and block, as in the VNNI
+// path, against its 8 more dot products): the tile products of block b + 2 are issued while block
+// b's sums are scaled (four C tiles in turn, their sums in a 4 KiB ring that stays in L1), the 16
+// rows' acc in registers over all blocks, then macc in a second sweep.
 #include "quant_int8_amx.h"
 
 #include <algorithm>
@@ -64,74 +68,124 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tile 0: C, 16 x 16 int32; 1: A, 16 rows x 32 s8; 2: B, 8 rows x 64 s8.
+// Tiles 0-3: C, 16 x 16 int32 (block b in tile b % 4); 4, 5: A, 16 rows x 32 s8; 6, 7: B, 8 rows x 64
+// s8 (A and B of block b in tiles 4 + b % 2, 6 + b % 2).
 const TileConfig& tile_config() {
   static const TileConfig config = [] {
     TileConfig c;
-    c.rows[0] = kTile;
-    c.colsb[0] = 64;
-    c.rows[1] = kTile;
-    c.colsb[1] = kBlock;
-    c.rows[2] = 8;
-    c.colsb[2] = 64;
+    for (int t = 0; t < 4; ++t) {
+      c.rows[t] = kTile;
+      c.colsb[t] = 64;
+    }
+    for (int t = 4; t < 6; ++t) {
+      c.rows[t] = kTile;
+      c.colsb[t] = kBlock;
+      c.rows[t + 2] = 8;
+      c.colsb[t + 2] = 64;
+    }
     return c;
   }();
   return config;
 }
 
+// 64-byte aligned room for n elements in a buffer.
+template <typename T>
+T* aligned(std::vector<T>& buf, int64_t n) {
+  buf.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+}
+
+// Groups g and g + 1's B tiles bt [nb][8][64] and per-block scales [nb][dw 16, mw 16] (mw as the VNNI
+// path computes it: the fp16 min, or dw * -8).
 template <bool kQ41>
-void tile_groups(const int8_t* packed, const float* ad, const float* as, int64_t m_len, int64_t nb,
-                 const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+void prepare_pair(const uint8_t* w, int64_t nb, int64_t g, int8_t* bt, float* scales) {
   constexpr int64_t tb = 8 * (kQ41 ? sizeof(quant::BlockQ4_1) : sizeof(quant::BlockQ4_0));
   constexpr int64_t qoff = kQ41 ? 32 : 16;
-  const int64_t tiles = (m_len + kTile - 1) / kTile;
+  const uint8_t* tiles0 = w + g * nb * tb;
+  const uint8_t* tiles1 = tiles0 + nb * tb;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t0 = tiles0 + b * tb;
+    const uint8_t* t1 = tiles1 + b * tb;
+    const __m512 dw = r8::halves_to_ps(t0, t1);
+    _mm512_store_ps(scales + 32 * b, dw);
+    _mm512_store_ps(scales + 32 * b + 16,
+                    kQ41 ? r8::halves_to_ps(t0 + 16, t1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f)));
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = r8::load_pair(t0 + qoff + 32 * j, t1 + qoff + 32 * j);
+      _mm512_store_si512(bt + b * kBBytes + 64 * j, _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)));
+      _mm512_store_si512(bt + b * kBBytes + 64 * (4 + j),
+                         _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F)));
+    }
+  }
+}
+
+constexpr int64_t kRing = 4;       // C tiles (and ring slots) in turn
+constexpr int64_t kLookahead = 2;  // blocks whose products are in flight ahead of the epilogue
+
+// Block b's sums (activation tile a, B tiles bt) into ring slot b % kRing, through C tile b % kRing.
+inline void issue(int64_t b, const int8_t* a, const int8_t* bt, int32_t* ring) {
+  const int8_t* ab = a + b * kTileBytes;
+  const int8_t* bb = bt + b * kBBytes;
+  int32_t* cb = ring + (b % kRing) * kTile * kTile;
+#define PAGEDSERVE_ISSUE(C, A, B) \
+  _tile_zero(C);                  \
+  _tile_loadd(A, ab, kBlock);     \
+  _tile_loadd(B, bb, 64);         \
+  _tile_dpbssd(C, A, B);          \
+  _tile_stored(C, cb, 64);        \
+  break;
+  switch (b % kRing) {
+    case 0: PAGEDSERVE_ISSUE(0, 4, 6)
+    case 1: PAGEDSERVE_ISSUE(1, 5, 7)
+    case 2: PAGEDSERVE_ISSUE(2, 4, 6)
+    default: PAGEDSERVE_ISSUE(3, 5, 7)
+  }
+#undef PAGEDSERVE_ISSUE
+}
+
+template <bool kQ41>
+void tile_groups(const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out, int64_t ldo,
+                 int64_t g_begin, int64_t g_end) {
+  const int64_t m_len = rows.m_len, tiles = (m_len + kTile - 1) / kTile;
   thread_local std::vector<int8_t> b_buf;
-  thread_local std::vector<float> scales;  // per block: dw[16], then mw[16]
-  b_buf.resize(nb * kBBytes + 64);
-  scales.resize(32 * nb);
-  int8_t* const bt = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(b_buf.data()) + 63) & ~uintptr_t{63});
-  alignas(64) int32_t c[kTile * kTile];
+  thread_local std::vector<float> s_buf;
+  int8_t* const bt = aligned(b_buf, nb * kBBytes);
+  float* const scales = aligned(s_buf, nb * 32);
+  alignas(64) int32_t ring[kRing * kTile * kTile];
+  alignas(64) float acc_out[kTile][16];
   _tile_loadconfig(&tile_config());
   for (int64_t g = g_begin; g < g_end; g += 2) {
-    const uint8_t* tiles0 = w + g * nb * tb;
-    const uint8_t* tiles1 = tiles0 + nb * tb;
-    for (int64_t b = 0; b < nb; ++b) {  // this pair's B tiles and scales, once for every activation tile
-      const uint8_t* t0 = tiles0 + b * tb;
-      const uint8_t* t1 = tiles1 + b * tb;
-      const __m512 dw = r8::halves_to_ps(t0, t1);
-      _mm512_storeu_ps(&scales[32 * b], dw);
-      _mm512_storeu_ps(&scales[32 * b + 16],
-                       kQ41 ? r8::halves_to_ps(t0 + 16, t1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f)));
-      for (int j = 0; j < 4; ++j) {
-        const __m512i raw = r8::load_pair(t0 + qoff + 32 * j, t1 + qoff + 32 * j);
-        _mm512_store_si512(bt + b * kBBytes + 64 * j, _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)));
-        _mm512_store_si512(bt + b * kBBytes + 64 * (4 + j),
-                           _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F)));
-      }
-    }
+    prepare_pair<kQ41>(w, nb, g, bt, scales);
     const __m512 vb = bias != nullptr ? _mm512_loadu_ps(bias + g * 8) : _mm512_setzero_ps();
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t m0 = t * kTile, rows = std::min(kTile, m_len - m0);
-      const int8_t* a = packed + t * nb * kTileBytes;
-      __m512 acc[kTile], macc[kTile];
-      for (int m = 0; m < kTile; ++m) acc[m] = macc[m] = _mm512_setzero_ps();
+      const int8_t* a = rows.q + t * nb * kTileBytes;
+      const float* ad = rows.ad + t * nb * kTile;
+      const float* as = rows.as + t * nb * kTile;
+      __m512 acc[kTile];
+      for (int r = 0; r < kTile; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < std::min(kLookahead, nb); ++b) issue(b, a, bt, ring);
       for (int64_t b = 0; b < nb; ++b) {
-        _tile_zero(0);
-        _tile_loadd(1, a + b * kTileBytes, kBlock);
-        _tile_loadd(2, bt + b * kBBytes, 64);
-        _tile_dpbssd(0, 1, 2);
-        _tile_stored(0, c, 64);
-        const __m512 dw = _mm512_loadu_ps(&scales[32 * b]), mw = _mm512_loadu_ps(&scales[32 * b + 16]);
-        const float* adb = ad + m0 * nb + b;
-        const float* asb = as + m0 * nb + b;
-        for (int64_t m = 0; m < rows; ++m) {
-          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(c + kTile * m));
-          acc[m] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(adb[m * nb])), acc[m]);
-          macc[m] = _mm512_fmadd_ps(mw, _mm512_set1_ps(asb[m * nb]), macc[m]);
+        if (b + kLookahead < nb) issue(b + kLookahead, a, bt, ring);
+        const __m512 dw = _mm512_load_ps(scales + 32 * b);
+        const int32_t* cb = ring + (b % kRing) * kTile * kTile;
+#pragma GCC unroll 16
+        for (int r = 0; r < kTile; ++r) {
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(cb + kTile * r));
+          acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(ad[b * kTile + r])), acc[r]);
         }
       }
-      for (int64_t m = 0; m < rows; ++m)
-        _mm512_storeu_ps(out + (m0 + m) * ldo + g * 8, _mm512_add_ps(_mm512_add_ps(acc[m], macc[m]), vb));
+      for (int r = 0; r < kTile; ++r) _mm512_store_ps(acc_out[r], acc[r]);
+      __m512 macc[kTile];
+      for (int r = 0; r < kTile; ++r) macc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512 mw = _mm512_load_ps(scales + 32 * b + 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < kTile; ++r) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(as[b * kTile + r]), macc[r]);
+      }
+      const int64_t valid = std::min(kTile, m_len - t * kTile);
+      float* o = out + t * kTile * ldo + g * 8;
+      for (int64_t r = 0; r < valid; ++r)
+        _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(acc_out[r]), macc[r]), vb));
     }
   }
   _tile_release();
@@ -157,26 +211,36 @@ int64_t min_rows() {
   return kMinRows;
 }
 
-const int8_t* pack_rows(const int8_t* q, int64_t m_len, int64_t k_len, std::vector<int8_t>& buf) {
+void pack_rows(const int8_t* q, const float* ad, const float* as, int64_t m_len, int64_t k_len, PackedRows& rows) {
   const int64_t nb = k_len / kBlock, tiles = (m_len + kTile - 1) / kTile;
-  buf.assign(tiles * nb * kTileBytes + 64, 0);
-  int8_t* const dst = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
-  for (int64_t m = 0; m < m_len; ++m)
-    for (int64_t b = 0; b < nb; ++b)
-      std::memcpy(dst + ((m / kTile) * nb + b) * kTileBytes + (m % kTile) * kBlock, q + m * k_len + b * kBlock,
-                  kBlock);
-  return dst;
+  rows.m_len = m_len;
+  rows.q_buf.assign(tiles * nb * kTileBytes + 64, 0);
+  rows.s_buf.assign(2 * tiles * nb * kTile + 16, 0.f);
+  int8_t* const dq = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(rows.q_buf.data()) + 63) & ~uintptr_t{63});
+  float* const dd = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(rows.s_buf.data()) + 63) & ~uintptr_t{63});
+  float* const ds = dd + tiles * nb * kTile;
+  for (int64_t m = 0; m < m_len; ++m) {
+    const int64_t t = m / kTile, r = m % kTile;
+    for (int64_t b = 0; b < nb; ++b) {
+      std::memcpy(dq + (t * nb + b) * kTileBytes + r * kBlock, q + m * k_len + b * kBlock, kBlock);
+      dd[(t * nb + b) * kTile + r] = ad[m * nb + b];
+      ds[(t * nb + b) * kTile + r] = as[m * nb + b];
+    }
+  }
+  rows.q = dq;
+  rows.ad = dd;
+  rows.as = ds;
 }
 
-void groups(bool q4_1, const int8_t* packed, const float* ad, const float* as, int64_t m_len, int64_t nb,
-            const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+void groups(bool q4_1, const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out,
+            int64_t ldo, int64_t g_begin, int64_t g_end) {
   TORCH_CHECK((g_end - g_begin) % 2 == 0, "amx_int8::groups: an even number of groups");
 #if defined(PAGEDSERVE_AMX_INT8)
   TORCH_CHECK(granted(), "amx_int8::groups: no AMX-INT8 tile state on this CPU");
-  if (q4_1) return tile_groups<true>(packed, ad, as, m_len, nb, w, bias, out, ldo, g_begin, g_end);
-  tile_groups<false>(packed, ad, as, m_len, nb, w, bias, out, ldo, g_begin, g_end);
+  if (q4_1) return tile_groups<true>(rows, nb, w, bias, out, ldo, g_begin, g_end);
+  tile_groups<false>(rows, nb, w, bias, out, ldo, g_begin, g_end);
 #else
-  (void)q4_1, (void)packed, (void)ad, (void)as, (void)m_len, (void)nb, (void)w, (void)bias, (void)out, (void)ldo;
+  (void)q4_1, (void)rows, (void)nb, (void)w, (void)bias, (void)out, (void)ldo;
   TORCH_CHECK(false, "amx_int8::groups: this build has no AMX-INT8 (PAGEDSERVE_CPU_ISA below amx or no CPU support)");
 #endif
 }

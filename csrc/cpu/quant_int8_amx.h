@@ -16,13 +16,24 @@ bool available();
 // measured threshold. INT64_MAX where the tiles are not available.
 int64_t min_rows();
 
-// The activation quants q [m_len][k_len] as 16-row tiles of each 32-quant block ([tile][block][16][32],
-// zero rows padding the last tile), 64-byte aligned inside `buf`; returns the tiles' start.
-const int8_t* pack_rows(const int8_t* q, int64_t m_len, int64_t k_len, std::vector<int8_t>& buf);
+// A call's int8 activation rows in 16-row tiles, zero rows padding the last one (64-byte aligned
+// inside the owner's buffers): quants [tile][block][16][32], block scales ad and scaled sums as
+// [tile][block][16].
+struct PackedRows {
+  const int8_t* q = nullptr;
+  const float* ad = nullptr;
+  const float* as = nullptr;
+  int64_t m_len = 0;
+  std::vector<int8_t> q_buf;
+  std::vector<float> s_buf;
+};
 
-// Groups [g_begin, g_end) (an even count) of out [m_len][N] (row stride ldo) from the packed
-// activation tiles, their block scales ad and scaled sums as [m_len][nb]; `q4_1` picks Q4_1r8 over Q4_0r8.
-void groups(bool q4_1, const int8_t* packed, const float* ad, const float* as, int64_t m_len, int64_t nb,
-            const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end);
+// Packs q [m_len][k_len], ad and as [m_len][k_len / 32] (ActPlanes' planes) into `rows`.
+void pack_rows(const int8_t* q, const float* ad, const float* as, int64_t m_len, int64_t k_len, PackedRows& rows);
+
+// Groups [g_begin, g_end) (an even count) of out [m_len][N] (row stride ldo) from the packed rows
+// (nb blocks each); `q4_1` picks Q4_1r8 over Q4_0r8.
+void groups(bool q4_1, const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out,
+            int64_t ldo, int64_t g_begin, int64_t g_end);
 
 }  // namespace pagedserve::cpu::amx_int8

@@ -359,8 +359,8 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   // Many int8 rows: group pairs on AMX-INT8 tiles (quant_int8_amx.cpp, the same bits), an odd
   // chunk's last group here.
   const bool tiles = act && groups >= 2 && int8_rows >= amx_int8::min_rows();
-  std::vector<int8_t> tile_buf;
-  const int8_t* packed = tiles ? amx_int8::pack_rows(act->q.data(), int8_rows, k_len, tile_buf) : nullptr;
+  amx_int8::PackedRows packed;
+  if (tiles) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), int8_rows, k_len, packed);
   // Chunks of at least ~64 KiB of packed weights, about eight per thread (whole pairs for the tiles).
   int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
   if (tiles) chunk += chunk % 2;
@@ -372,8 +372,8 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
     if (!act) return;
     if (tiles) {
       const int64_t pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
-      amx_int8::groups(F == kQuantQ4_1, packed, act->d.data(), act->s.data(), int8_rows, nb, w, bias,
-                       out_int8.data_ptr<float>(), out_int8.stride(0), g_begin, pairs_end);
+      amx_int8::groups(F == kQuantQ4_1, packed, nb, w, bias, out_int8.data_ptr<float>(), out_int8.stride(0),
+                       g_begin, pairs_end);
       g_begin = pairs_end;
     }
     if (g_begin < g_end) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, g_end);
