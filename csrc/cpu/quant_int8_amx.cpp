@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 
 #include <c10/util/Exception.h>
 
@@ -44,8 +43,10 @@ using quant::kBlock;
 constexpr int64_t kTile = 16;                    // activation rows per tile
 constexpr int64_t kTileBytes = kTile * kBlock;   // one A tile: 16 rows x 32 quants
 constexpr int64_t kBBytes = 8 * 64;              // one B tile: 8 rows x 64 bytes
-// From this many int8 rows the tiles beat the VNNI kernel (benchmarks/kernels/quant_rows_bench.py).
+// From this many int8 rows the tiles beat the VNNI kernel, and a last partial tile of kMinTail rows
+// (it costs a whole one) beats those rows on it (benchmarks/kernels/quant_rows_bench.py).
 constexpr int64_t kMinRows = 16;
+constexpr int64_t kMinTail = 13;
 
 #if defined(PAGEDSERVE_AMX_INT8)
 // The CPU reports AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25); Linux hands the tile state
@@ -202,13 +203,14 @@ bool available() {
 #endif
 }
 
-int64_t min_rows() {
-  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
-  if (!available()) return kNever;
+int64_t tile_rows(int64_t m) {
+  if (!available()) return 0;
   const char* mode = std::getenv("PAGEDSERVE_INT8_AMX");
-  if (mode != nullptr && std::strcmp(mode, "0") == 0) return kNever;
-  if (mode != nullptr && std::strcmp(mode, "all") == 0) return 1;
-  return kMinRows;
+  if (mode != nullptr && std::strcmp(mode, "0") == 0) return 0;
+  if (mode != nullptr && std::strcmp(mode, "all") == 0) return m;
+  if (m < kMinRows) return 0;
+  const int64_t whole = m / kTile * kTile;
+  return m - whole >= kMinTail ? m : whole;
 }
 
 void pack_rows(const int8_t* q, const float* ad, const float* as, int64_t m_len, int64_t k_len, PackedRows& rows) {

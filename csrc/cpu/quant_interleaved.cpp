@@ -337,14 +337,14 @@ void int8_pass(const at::Tensor& out, const ActPlanes& act, int64_t row0, const 
                     w, bias, out.data_ptr<float>() + row0 * ldo, ldo, g_begin, g_end);
 }
 
-// Every activation row over groups [g_begin, g_end), four rows per pass (the chunk's tiles stay
+// Activation rows [m_begin, m_len) over groups [g_begin, g_end), four rows per pass (the chunk's tiles stay
 // in cache between passes). A pass of five for a verify row of 1 + 4 did not pay here: five rows
 // cost 1.15x four rows either way (benchmarks/quant_rows_bench.py; its registers spill).
 template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
-                int64_t g_begin, int64_t g_end) {
-  for_row_passes<false>(m_len, [&](auto rows, int64_t row0) {
-    int8_pass<F, decltype(rows)::value>(out, act, row0, w, bias, g_begin, g_end);
+                int64_t g_begin, int64_t g_end, int64_t m_begin = 0) {
+  for_row_passes<false>(m_len - m_begin, [&](auto rows, int64_t row0) {
+    int8_pass<F, decltype(rows)::value>(out, act, m_begin + row0, w, bias, g_begin, g_end);
   });
 }
 
@@ -356,24 +356,26 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   const at::Tensor out_int8 = out.narrow(0, exact, int8_rows);
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x.narrow(0, exact, int8_rows), k_len);
-  // Many int8 rows: group pairs on AMX-INT8 tiles (quant_int8_amx.cpp, the same bits), an odd
-  // chunk's last group here.
-  const bool tiles = act && groups >= 2 && int8_rows >= amx_int8::min_rows();
+  // Many int8 rows: the group pairs of whole 16-row tiles (and of a last partial one where it pays)
+  // on AMX-INT8 tiles (quant_int8_amx.cpp, the same bits); the other rows, and an odd chunk's last
+  // group, here.
+  const int64_t tile_rows = act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
   amx_int8::PackedRows packed;
-  if (tiles) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), int8_rows, k_len, packed);
+  if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
   // Chunks of at least ~64 KiB of packed weights, about eight per thread (whole pairs for the tiles).
   int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
-  if (tiles) chunk += chunk % 2;
+  if (tile_rows) chunk += chunk % 2;
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
                      g_begin, g_end);
     }
     if (!act) return;
-    if (tiles) {
+    if (tile_rows) {
       const int64_t pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
       amx_int8::groups(F == kQuantQ4_1, packed, nb, w, bias, out_int8.data_ptr<float>(), out_int8.stride(0),
                        g_begin, pairs_end);
+      if (tile_rows < int8_rows) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, pairs_end, tile_rows);
       g_begin = pairs_end;
     }
     if (g_begin < g_end) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, g_end);

@@ -1,8 +1,8 @@
 """AMX-INT8 tiles for the int8 rows of the Q4_0r8 / Q4_1r8 kernel (csrc/cpu/quant_int8_amx.cpp): bit for
 bit the VNNI path's output (``torch.equal``) at every row count, tile-partial ones included, with and
 without bias and fp32 ``exact_rows`` ahead of the int8 ones. ``PAGEDSERVE_INT8_AMX`` (read at every
-call) forces the path: ``0`` the VNNI kernel, ``all`` the tiles from one row; unset, the tiles take
-calls of 16 int8 rows or more."""
+call) forces the path: ``0`` the VNNI kernel, ``all`` the tiles for every row (partial tiles too);
+unset, whole tiles from 16 int8 rows, a last partial tile from 13 rows, the other rows on VNNI."""
 
 from __future__ import annotations
 
@@ -64,8 +64,8 @@ def _inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 @pytest.mark.parametrize("k", [32, 64, 576, 1536])
 @pytest.mark.parametrize("n", [8, 16, 24, 576])
 def test_tiles_equal_vnni_bit_for_bit(base: QuantFormat, k: int, n: int) -> None:
-    """Every row count 1..70, bias or none, no exact rows or some: the tiles (forced from one row,
-    and the default threshold) give exactly the VNNI kernel's bits."""
+    """Every row count 1..70, bias or none, no exact rows or some: the tiles (forced for every row,
+    and the default split between tiles and VNNI rows) give exactly the VNNI kernel's bits."""
     w, fmt = _weight(base, n, k, n * k)
     x, bias = _inputs(max(ROWS) + 3, k, n, n + k)
     for m in ROWS:
@@ -74,8 +74,7 @@ def test_tiles_equal_vnni_bit_for_bit(base: QuantFormat, k: int, n: int) -> None
                 rows = x[:m + exact]
                 vnni = _kernel(rows, w, fmt, b, exact, "0")
                 assert torch.equal(_kernel(rows, w, fmt, b, exact, "all"), vnni), (m, exact, b is None)
-                if m >= 16:
-                    assert torch.equal(_kernel(rows, w, fmt, b, exact, "auto"), vnni), (m, exact, b is None)
+                assert torch.equal(_kernel(rows, w, fmt, b, exact, "auto"), vnni), (m, exact, b is None)
 
 
 @pytest.mark.parametrize("base", [Q4_0, Q4_1], ids=lambda f: f.name)
