@@ -28,6 +28,7 @@ Prints one JSON object per line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,7 +46,7 @@ LAYERS = 30
 PROMPT_ROWS = 32  # a prompt chunk: its rows keep fp32 activations (`exact_rows`)
 
 
-def sample(fn: Callable[[], None], samples: list[float]) -> None:
+def sample(fn: Callable[[], object], samples: list[float]) -> None:
     """Time one call of `fn` into `samples`."""
     start = time.perf_counter()
     fn()
@@ -117,7 +118,7 @@ def main() -> None:
     xh = torch.randn(5, 576, generator=gen)
     for _ in range(max(10, args.iters // 8)):
         for rows, samples in head_rows.items():
-            sample(lambda rows=rows: oq.quant_linear(xh[:rows], head, oq.Q8_0, checked=True), samples)
+            sample(functools.partial(oq.quant_linear, xh[:rows], head, oq.Q8_0, checked=True), samples)
     for rows, samples in head_rows.items():
         seconds = statistics.median(samples)
         print(json.dumps({"bench": "lm_head", "format": "Q8_0", "rows": rows, "threads": 2,
@@ -129,9 +130,9 @@ def main() -> None:
         for _ in range(max(10, args.iters // 16)):
             for (kind, rows), samples in both.items():
                 if kind == "int8":
-                    sample(lambda rows=rows: oq.quant_linear(xs64[:rows], head, oq.Q8_0, checked=True), samples)
+                    sample(functools.partial(oq.quant_linear, xs64[:rows], head, oq.Q8_0, checked=True), samples)
                 else:
-                    sample(lambda rows=rows: screen_logits(xs64[:rows], packed), samples)
+                    sample(functools.partial(screen_logits, xs64[:rows], packed), samples)
         print(json.dumps({"bench": "lm_head_bf16_screen", "format": "Q8_0", "threads": 2, "ms": {
             f"{kind}_{rows}": round(1e3 * statistics.median(s), 2) for (kind, rows), s in both.items()}}))
     if oq.amx_bf16():

@@ -1,4 +1,5 @@
-// AMX-INT8 tiles for the int8 rows of the Q4_0r8 / Q4_1r8 kernel (layout: quant_interleaved.cpp).
+// AMX-INT8 tiles for the int8 rows of the Q4_0r8 / Q4_1r8 kernel (layout: quant_interleaved.cpp) and
+// of Q8_0r8 (quant_interleaved_q5q8.cpp: eight chunks of signed quants, B as they are, no min term).
 //
 // Per 32-weight block b, a pair of groups (weight rows 8g..8g+15) and 16 activation rows:
 //   A = the rows' 32 quants (s8, 16 x 32 bytes, packed once per call by pack_rows with their scales),
@@ -97,11 +98,13 @@ T* aligned(std::vector<T>& buf, int64_t n) {
 }
 
 // Groups g and g + 1's B tiles bt [nb][8][64] and per-block scales [nb][dw 16, mw 16] (mw as the VNNI
-// path computes it: the fp16 min, or dw * -8).
-template <bool kQ41>
+// path computes it: the fp16 min, or dw * -8; none for Q8_0).
+template <Kind K>
 void prepare_pair(const uint8_t* w, int64_t nb, int64_t g, int8_t* bt, float* scales) {
-  constexpr int64_t tb = 8 * (kQ41 ? sizeof(quant::BlockQ4_1) : sizeof(quant::BlockQ4_0));
-  constexpr int64_t qoff = kQ41 ? 32 : 16;
+  constexpr int64_t tb = 8 * (K == Kind::kQ4_1   ? sizeof(quant::BlockQ4_1)
+                              : K == Kind::kQ4_0 ? sizeof(quant::BlockQ4_0)
+                                                 : sizeof(quant::BlockQ8_0));
+  constexpr int64_t qoff = K == Kind::kQ4_1 ? 32 : 16;
   const uint8_t* tiles0 = w + g * nb * tb;
   const uint8_t* tiles1 = tiles0 + nb * tb;
   for (int64_t b = 0; b < nb; ++b) {
@@ -109,13 +112,18 @@ void prepare_pair(const uint8_t* w, int64_t nb, int64_t g, int8_t* bt, float* sc
     const uint8_t* t1 = tiles1 + b * tb;
     const __m512 dw = r8::halves_to_ps(t0, t1);
     _mm512_store_ps(scales + 32 * b, dw);
-    _mm512_store_ps(scales + 32 * b + 16,
-                    kQ41 ? r8::halves_to_ps(t0 + 16, t1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f)));
-    for (int j = 0; j < 4; ++j) {
-      const __m512i raw = r8::load_pair(t0 + qoff + 32 * j, t1 + qoff + 32 * j);
-      _mm512_store_si512(bt + b * kBBytes + 64 * j, _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)));
-      _mm512_store_si512(bt + b * kBBytes + 64 * (4 + j),
-                         _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F)));
+    if constexpr (K == Kind::kQ8_0) {
+      for (int j = 0; j < 8; ++j)  // chunk j: the rows' signed weights 4j..4j+3, B row j as it is
+        _mm512_store_si512(bt + b * kBBytes + 64 * j, r8::load_pair(t0 + qoff + 32 * j, t1 + qoff + 32 * j));
+    } else {
+      _mm512_store_ps(scales + 32 * b + 16,
+                      K == Kind::kQ4_1 ? r8::halves_to_ps(t0 + 16, t1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f)));
+      for (int j = 0; j < 4; ++j) {
+        const __m512i raw = r8::load_pair(t0 + qoff + 32 * j, t1 + qoff + 32 * j);
+        _mm512_store_si512(bt + b * kBBytes + 64 * j, _mm512_and_si512(raw, _mm512_set1_epi8(0x0F)));
+        _mm512_store_si512(bt + b * kBBytes + 64 * (4 + j),
+                           _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F)));
+      }
     }
   }
 }
@@ -144,7 +152,7 @@ inline void issue(int64_t b, const int8_t* a, const int8_t* bt, int32_t* ring) {
 #undef PAGEDSERVE_ISSUE
 }
 
-template <bool kQ41>
+template <Kind K>
 void tile_groups(const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out, int64_t ldo,
                  int64_t g_begin, int64_t g_end) {
   const int64_t m_len = rows.m_len, tiles = (m_len + kTile - 1) / kTile;
@@ -156,7 +164,7 @@ void tile_groups(const PackedRows& rows, int64_t nb, const uint8_t* w, const flo
   alignas(64) float acc_out[kTile][16];
   _tile_loadconfig(&tile_config());
   for (int64_t g = g_begin; g < g_end; g += 2) {
-    prepare_pair<kQ41>(w, nb, g, bt, scales);
+    prepare_pair<K>(w, nb, g, bt, scales);
     const __m512 vb = bias != nullptr ? _mm512_loadu_ps(bias + g * 8) : _mm512_setzero_ps();
     for (int64_t t = 0; t < tiles; ++t) {
       const int8_t* a = rows.q + t * nb * kTileBytes;
@@ -178,15 +186,19 @@ void tile_groups(const PackedRows& rows, int64_t nb, const uint8_t* w, const flo
       for (int r = 0; r < kTile; ++r) _mm512_store_ps(acc_out[r], acc[r]);
       __m512 macc[kTile];
       for (int r = 0; r < kTile; ++r) macc[r] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m512 mw = _mm512_load_ps(scales + 32 * b + 16);
+      if constexpr (K != Kind::kQ8_0) {
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m512 mw = _mm512_load_ps(scales + 32 * b + 16);
 #pragma GCC unroll 16
-        for (int r = 0; r < kTile; ++r) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(as[b * kTile + r]), macc[r]);
+          for (int r = 0; r < kTile; ++r) macc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(as[b * kTile + r]), macc[r]);
+        }
       }
       const int64_t valid = std::min(kTile, m_len - t * kTile);
       float* o = out + t * kTile * ldo + g * 8;
-      for (int64_t r = 0; r < valid; ++r)
-        _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(acc_out[r]), macc[r]), vb));
+      for (int64_t r = 0; r < valid; ++r) {
+        const __m512 a = _mm512_load_ps(acc_out[r]);  // Q8_0: acc + bias, Q4: (acc + macc) + bias
+        _mm512_storeu_ps(o + r * ldo, _mm512_add_ps(K == Kind::kQ8_0 ? a : _mm512_add_ps(a, macc[r]), vb));
+      }
     }
   }
   _tile_release();
@@ -234,15 +246,18 @@ void pack_rows(const int8_t* q, const float* ad, const float* as, int64_t m_len,
   rows.as = ds;
 }
 
-void groups(bool q4_1, const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out,
+void groups(Kind kind, const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out,
             int64_t ldo, int64_t g_begin, int64_t g_end) {
   TORCH_CHECK((g_end - g_begin) % 2 == 0, "amx_int8::groups: an even number of groups");
 #if defined(PAGEDSERVE_AMX_INT8)
   TORCH_CHECK(granted(), "amx_int8::groups: no AMX-INT8 tile state on this CPU");
-  if (q4_1) return tile_groups<true>(rows, nb, w, bias, out, ldo, g_begin, g_end);
-  tile_groups<false>(rows, nb, w, bias, out, ldo, g_begin, g_end);
+  switch (kind) {
+    case Kind::kQ4_0: return tile_groups<Kind::kQ4_0>(rows, nb, w, bias, out, ldo, g_begin, g_end);
+    case Kind::kQ4_1: return tile_groups<Kind::kQ4_1>(rows, nb, w, bias, out, ldo, g_begin, g_end);
+    case Kind::kQ8_0: return tile_groups<Kind::kQ8_0>(rows, nb, w, bias, out, ldo, g_begin, g_end);
+  }
 #else
-  (void)q4_1, (void)rows, (void)nb, (void)w, (void)bias, (void)out, (void)ldo;
+  (void)kind, (void)rows, (void)nb, (void)w, (void)bias, (void)out, (void)ldo;
   TORCH_CHECK(false, "amx_int8::groups: this build has no AMX-INT8 (PAGEDSERVE_CPU_ISA below amx or no CPU support)");
 #endif
 }

@@ -1,6 +1,7 @@
-// AMX-INT8 tiles for the int8 activation rows of the Q4_0r8 / Q4_1r8 kernel (quant_int8_amx.cpp):
-// the same integer block sums and the same fp32 operations in the same order as the VNNI path of
-// quant_interleaved.cpp, so every output is bit for bit that path's.
+// AMX-INT8 tiles for the int8 activation rows of the Q4_0r8 / Q4_1r8 / Q8_0r8 kernels
+// (quant_int8_amx.cpp): the same integer block sums and the same fp32 operations in the same order as
+// the VNNI paths of quant_interleaved.cpp / quant_interleaved_q5q8.cpp, so every output is bit for bit
+// theirs.
 #pragma once
 
 #include <cstdint>
@@ -32,9 +33,11 @@ struct PackedRows {
 // Packs q [m_len][k_len], ad and as [m_len][k_len / 32] (ActPlanes' planes) into `rows`.
 void pack_rows(const int8_t* q, const float* ad, const float* as, int64_t m_len, int64_t k_len, PackedRows& rows);
 
+enum class Kind { kQ4_0, kQ4_1, kQ8_0 };  // the r8 weight layout
+
 // Groups [g_begin, g_end) (an even count) of out [m_len][N] (row stride ldo) from the packed rows
-// (nb blocks each); `q4_1` picks Q4_1r8 over Q4_0r8.
-void groups(bool q4_1, const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out,
+// (nb blocks each) and an r8 weight of layout `kind`.
+void groups(Kind kind, const PackedRows& rows, int64_t nb, const uint8_t* w, const float* bias, float* out,
             int64_t ldo, int64_t g_begin, int64_t g_end);
 
 }  // namespace pagedserve::cpu::amx_int8

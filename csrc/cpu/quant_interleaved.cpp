@@ -373,8 +373,8 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
     if (!act) return;
     if (tile_rows) {
       const int64_t pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
-      amx_int8::groups(F == kQuantQ4_1, packed, nb, w, bias, out_int8.data_ptr<float>(), out_int8.stride(0),
-                       g_begin, pairs_end);
+      constexpr auto kind = F == kQuantQ4_1 ? amx_int8::Kind::kQ4_1 : amx_int8::Kind::kQ4_0;
+      amx_int8::groups(kind, packed, nb, w, bias, out_int8.data_ptr<float>(), out_int8.stride(0), g_begin, pairs_end);
       if (tile_rows < int8_rows) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, pairs_end, tile_rows);
       g_begin = pairs_end;
     }

@@ -1,4 +1,4 @@
-"""AMX-INT8 tiles for the int8 rows of the Q4_0r8 / Q4_1r8 kernel (csrc/cpu/quant_int8_amx.cpp): bit for
+"""AMX-INT8 tiles for the int8 rows of the Q4_0r8 / Q4_1r8 / Q8_0r8 kernels (csrc/cpu/quant_int8_amx.cpp): bit for
 bit the VNNI path's output (``torch.equal``) at every row count, tile-partial ones included, with and
 without bias and fp32 ``exact_rows`` ahead of the int8 ones. ``PAGEDSERVE_INT8_AMX`` (read at every
 call) forces the path: ``0`` the VNNI kernel, ``all`` the tiles for every row (partial tiles too);
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ops.build import cpu_ops
-from ops.quant import INTERLEAVED, Q4_0, Q4_1, QuantFormat, interleave
+from ops.quant import INTERLEAVED, Q4_0, Q4_1, Q8_0, QuantFormat, interleave
 from ops.reference import quant as ref
 
 ROWS = range(1, 71)  # 15, 16, 17, 31, 32, 33 and 64 among them: partial and whole tiles
@@ -60,7 +60,7 @@ def _inputs(m: int, k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return x, torch.randn(n, generator=gen)
 
 
-@pytest.mark.parametrize("base", [Q4_0, Q4_1], ids=lambda f: f.name)
+@pytest.mark.parametrize("base", [Q4_0, Q4_1, Q8_0], ids=lambda f: f.name)
 @pytest.mark.parametrize("k", [32, 64, 576, 1536])
 @pytest.mark.parametrize("n", [8, 16, 24, 576])
 def test_tiles_equal_vnni_bit_for_bit(base: QuantFormat, k: int, n: int) -> None:
@@ -77,7 +77,7 @@ def test_tiles_equal_vnni_bit_for_bit(base: QuantFormat, k: int, n: int) -> None
                 assert torch.equal(_kernel(rows, w, fmt, b, exact, "auto"), vnni), (m, exact, b is None)
 
 
-@pytest.mark.parametrize("base", [Q4_0, Q4_1], ids=lambda f: f.name)
+@pytest.mark.parametrize("base", [Q4_0, Q4_1, Q8_0], ids=lambda f: f.name)
 def test_tiles_equal_vnni_threaded(base: QuantFormat) -> None:
     """Two threads split the weight into chunks of group pairs (an odd weight: 71 groups): the same bits."""
     w, fmt = _weight(base, 8 * 71, 576, 7)
@@ -92,7 +92,7 @@ def test_tiles_equal_vnni_threaded(base: QuantFormat) -> None:
 
 def test_tiles_equal_avx512_build() -> None:
     """The tiles against a build capped at ``PAGEDSERVE_CPU_ISA=avx512`` (no AMX compiled in), run
-    in a subprocess: the same bits for Q4_0r8 and Q4_1r8 at 1, 17 and 64 rows."""
+    in a subprocess: the same bits for Q4_0r8, Q4_1r8 and Q8_0r8 at 1, 17 and 64 rows."""
     if os.environ.get("PAGEDSERVE_SLOW_TESTS") != "1":
         pytest.skip("builds the kernels a second time (minutes): PAGEDSERVE_SLOW_TESTS=1")
     root = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def test_tiles_equal_avx512_build() -> None:
         "torch.save(outs, sys.argv[2])\n"
     )
     x, bias = _inputs(64, 576, 576, 1)
-    weights = [_weight(base, 576, 576, 2) for base in (Q4_0, Q4_1)]
+    weights = [_weight(base, 576, 576, 2) for base in (Q4_0, Q4_1, Q8_0)]
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"amx_int8_{os.getpid()}"
     tmp.mkdir(exist_ok=True)
     torch.save((x, [w for w, _ in weights], bias, [f.name for _, f in weights]), tmp / "in.pt")
