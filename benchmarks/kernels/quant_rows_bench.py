@@ -16,8 +16,8 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
 - `amx_bf16` (CPUs with the AMX-BF16 kernel only): one layer's four r8 linears at 8 to 1024 rows,
   the int8 kernel, `quant_linear_bf16` (bf16 AMX tiles, `dtype bfloat16`), oneDNN's bf16 GEMM on
   cached bf16 weights (what a bf16 checkpoint runs) and the fp32 prompt-row path (`exact_rows`);
-- `amx_int8` (CPUs with AMX-INT8 only): a SmolLM2-shaped Q4_1r8 linear pair (576 -> 1536, 1536 -> 576)
-  at 1 to 128 int8 rows, 1 and 2 threads, the AMX-INT8 tiles (`PAGEDSERVE_INT8_AMX=all`) against the
+- `amx_int8` (CPUs with AMX-INT8 only): a SmolLM2-shaped linear pair (576 -> 1536, 1536 -> 576) in
+  Q4_1r8 and Q8_0r8 at 1 to 128 int8 rows, 1 and 2 threads, the AMX-INT8 tiles (`PAGEDSERVE_INT8_AMX=all`) against the
   VNNI kernel (`=0`): the same bits (tests/ops/test_quant_int8_amx.py). `--amx-int8-only` runs just this.
 
 Prints one JSON object per line.
@@ -141,33 +141,36 @@ def main() -> None:
 
 
 def amx_int8_rows(gen: torch.Generator, iters: int) -> None:
-    """SmolLM2's MLP-shaped Q4_1r8 pair (576 -> 1536, 1536 -> 576) per int8 row count, AMX-INT8 tiles
-    against the VNNI kernel (the `PAGEDSERVE_INT8_AMX` switch, read at every call), interleaved."""
+    """SmolLM2's MLP-shaped pair (576 -> 1536, 1536 -> 576) in Q4_1r8 and Q8_0r8 per int8 row count,
+    AMX-INT8 tiles against the VNNI kernel (the `PAGEDSERVE_INT8_AMX` switch, read at every call),
+    interleaved."""
     from ops.build import cpu_ops
 
     if not cpu_ops().int8_amx_available():
         return
     shapes = [(1536, 576), (576, 1536)]
-    weights = [(_laid_out(rq.quantize(torch.randn(n, k, generator=gen) * 0.05, rq.Q4_1), oq.Q4_1R8), k)
-               for n, k in shapes]
     xs = {k: torch.randn(128, k, generator=gen) for _, k in shapes}
     modes = {"amx": "all", "vnni": "0"}
     previous = os.environ.get("PAGEDSERVE_INT8_AMX")
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
-        for rows in (1, 4, 16, 32, 64, 128):
-            times = {name: [] for name in modes}  # type: dict[str, list[float]]
-            for _ in range(iters):
-                for name, mode in modes.items():
-                    os.environ["PAGEDSERVE_INT8_AMX"] = mode
-                    start = time.perf_counter()
-                    for w, k in weights:
-                        oq.quant_linear(xs[k][:rows], w, oq.Q4_1R8, checked=True)
-                    times[name].append(time.perf_counter() - start)
-            ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-            print(json.dumps({"bench": "amx_int8", "format": "Q4_1r8", "shapes": "576x1536+1536x576",
-                              "rows": rows, "threads": threads, "ms": {n: round(v, 4) for n, v in ms.items()},
-                              "vnni_over_amx": round(ms["vnni"] / ms["amx"], 3)}), flush=True)
+    for base in (oq.Q4_1, oq.Q8_0):
+        fmt = oq.INTERLEAVED[base]
+        weights = [(oq.interleave(rq.quantize(torch.randn(n, k, generator=gen) * 0.05, base.type_id), base)[0], k)
+                   for n, k in shapes]
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 4, 16, 32, 64, 128):
+                times = {name: [] for name in modes}  # type: dict[str, list[float]]
+                for _ in range(iters):
+                    for name, mode in modes.items():
+                        os.environ["PAGEDSERVE_INT8_AMX"] = mode
+                        start = time.perf_counter()
+                        for w, k in weights:
+                            oq.quant_linear(xs[k][:rows], w, fmt, checked=True)
+                        times[name].append(time.perf_counter() - start)
+                ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+                print(json.dumps({"bench": "amx_int8", "format": fmt.name, "shapes": "576x1536+1536x576",
+                                  "rows": rows, "threads": threads, "ms": {n: round(v, 4) for n, v in ms.items()},
+                                  "vnni_over_amx": round(ms["vnni"] / ms["amx"], 3)}), flush=True)
     if previous is None:
         os.environ.pop("PAGEDSERVE_INT8_AMX", None)
     else:
