@@ -3,15 +3,17 @@
 //
 // Per 32-weight block b, a pair of groups (weight rows 8g..8g+15) and 16 activation rows:
 //   A = the rows' 32 quants (s8, 16 x 32 bytes, packed once per call by pack_rows with their scales),
-//   B = the 16 weight rows' 32 nibbles in the VNNI layout (8 x 64 bytes): B row j (< 4) is chunk
-//       j's low nibbles, row 4 + j its high ones, i.e. lane n holds weight row n's weights 4j..4j+3
-//       (16 + 4j.. for the high half), the same K order as A's bytes. The r8 chunks already put the
-//       rows' 4-byte pieces side by side, so B is the masked chunks stored as they are;
-//   C = A . B (TDPBSSD: the nibbles 0..15 are valid s8) = the exact int32 block sums, 16 activation
+//   B = the 16 weight rows' 32 weights in the VNNI layout (8 x 64 bytes): for Q4 B row j (< 4) is
+//       chunk j's low nibbles, row 4 + j its high ones, i.e. lane n holds weight row n's weights
+//       4j..4j+3 (16 + 4j.. for the high half), the same K order as A's bytes; for Q8_0 row j is
+//       chunk j. The r8 chunks already put the rows' 4-byte pieces side by side, so B is the
+//       (masked) chunks stored as they are;
+//   C = A . B (TDPBSSD: nibbles 0..15 are valid s8) = the exact int32 block sums, 16 activation
 //       rows x 16 weight rows, the same integers the VNNI lanes hold.
 // The fp32 epilogue then runs, per activation row and block in block order, the VNNI pair path's
 // very operations on the same 16 lanes: acc = fma(float(sum), dw * ad, acc), macc = fma(mw, as, macc),
-// out = (acc + macc) + bias_or_0; C's rows are the output rows, so no transpose either. The epilogue,
+// out = (acc + macc) + bias_or_0 (Q8_0: acc + bias_or_0); C's rows are the output rows, so no
+// transpose either. The epilogue,
 // not the tiles, bounds the kernel (4 vector operations per 16 outputs and block, as in the VNNI
 // path, against its 8 more dot products): the tile products of block b + 2 are issued while block
 // b's sums are scaled (four C tiles in turn, their sums in a 4 KiB ring that stays in L1), the 16
@@ -44,10 +46,12 @@ using quant::kBlock;
 constexpr int64_t kTile = 16;                    // activation rows per tile
 constexpr int64_t kTileBytes = kTile * kBlock;   // one A tile: 16 rows x 32 quants
 constexpr int64_t kBBytes = 8 * 64;              // one B tile: 8 rows x 64 bytes
-// From this many int8 rows the tiles beat the VNNI kernel, and a last partial tile of kMinTail rows
-// (it costs a whole one) beats those rows on it (benchmarks/kernels/quant_rows_bench.py).
+// From this many int8 rows the tiles beat the VNNI kernel (benchmarks/kernels/quant_rows_bench.py),
+// and a last partial tile of kMinTail rows (it costs a whole one) those rows on it: SmolLM2's MLP
+// shapes, one thread, 24 rows as 16 + 8 on VNNI 0.242 ms / two tiles 0.242 (Q4_1r8), 0.291 / 0.263
+// (Q8_0r8); 20 rows 0.201 / 0.235, 28 rows 0.281 / 0.248.
 constexpr int64_t kMinRows = 16;
-constexpr int64_t kMinTail = 13;
+constexpr int64_t kMinTail = 8;
 
 #if defined(PAGEDSERVE_AMX_INT8)
 // The CPU reports AMX-TILE and AMX-INT8 (CPUID.(7,0):EDX bits 24, 25); Linux hands the tile state

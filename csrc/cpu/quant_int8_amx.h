@@ -15,7 +15,7 @@ bool available();
 // How many of a call's first m int8 rows go to the tiles: PAGEDSERVE_INT8_AMX, read at every call,
 // "0" turns the tiles off (0: the VNNI path, for tests and benchmarks), "all" sends every row
 // (partial tiles too); by default whole 16-row tiles from 16 rows on, plus a last partial tile of
-// 13 rows or more (fewer cost less on the VNNI kernel). 0 where the tiles are not available.
+// 8 rows or more (fewer cost less on the VNNI kernel). 0 where the tiles are not available.
 int64_t tile_rows(int64_t m);
 
 // A call's int8 activation rows in 16-row tiles, zero rows padding the last one (64-byte aligned
