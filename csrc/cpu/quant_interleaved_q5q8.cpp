@@ -346,7 +346,7 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
       }
     }
   }
-  // Q8_0r8's int8 rows of whole 16-row tiles on AMX-INT8 tiles where the CPU has them (quant_int8_amx.cpp:
+  // Q8_0r8's int8 rows in 16-row tiles on AMX-INT8 where the CPU has it (quant_int8_amx.cpp, its split:
   // the same integer sums and fp32 operations, so the same bits), as for Q4 (quant_interleaved.cpp).
   const int64_t int8_rows = m_len - exact;
   const int64_t tile_rows = F == kQuantQ8_0 && act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
