@@ -15,17 +15,22 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
   `engine/model/quant_screen.py` uses from `BF16_SCREEN_MIN_ROWS` greedy rows on;
 - `amx_bf16` (CPUs with the AMX-BF16 kernel only): one layer's four r8 linears at 8 to 1024 rows,
   the int8 kernel, `quant_linear_bf16` (bf16 AMX tiles, `dtype bfloat16`), oneDNN's bf16 GEMM on
-  cached bf16 weights (what a bf16 checkpoint runs) and the fp32 prompt-row path (`exact_rows`).
+  cached bf16 weights (what a bf16 checkpoint runs) and the fp32 prompt-row path (`exact_rows`);
+- `amx_int8` (CPUs with AMX-INT8 only): a SmolLM2-shaped linear pair (576 -> 1536, 1536 -> 576) in
+  Q4_1r8 and Q8_0r8 at 1 to 128 int8 rows, 1 and 2 threads, the AMX-INT8 tiles (`PAGEDSERVE_INT8_AMX=all`) against the
+  VNNI kernel (`=0`): the same bits (tests/ops/test_quant_int8_amx.py). `--amx-int8-only` runs just this.
 
 Prints one JSON object per line.
 
-    .venv/bin/python benchmarks/kernels/quant_rows_bench.py [--iters 300]
+    .venv/bin/python benchmarks/kernels/quant_rows_bench.py [--iters 300] [--amx-int8-only]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -41,7 +46,7 @@ LAYERS = 30
 PROMPT_ROWS = 32  # a prompt chunk: its rows keep fp32 activations (`exact_rows`)
 
 
-def sample(fn: Callable[[], None], samples: list[float]) -> None:
+def sample(fn: Callable[[], object], samples: list[float]) -> None:
     """Time one call of `fn` into `samples`."""
     start = time.perf_counter()
     fn()
@@ -51,8 +56,12 @@ def sample(fn: Callable[[], None], samples: list[float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=300)
+    parser.add_argument("--amx-int8-only", action="store_true", help="only the AMX-INT8 against VNNI lines")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.amx_int8_only:
+        amx_int8_rows(gen, max(20, args.iters // 3))
+        return
     raw_layer = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for n, k in SHAPES]
     raw_model = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for _ in range(LAYERS) for n, k in SHAPES]
     layouts = {"gguf": oq.Q4_1, "r8": oq.Q4_1R8}
@@ -109,7 +118,7 @@ def main() -> None:
     xh = torch.randn(5, 576, generator=gen)
     for _ in range(max(10, args.iters // 8)):
         for rows, samples in head_rows.items():
-            sample(lambda rows=rows: oq.quant_linear(xh[:rows], head, oq.Q8_0, checked=True), samples)
+            sample(functools.partial(oq.quant_linear, xh[:rows], head, oq.Q8_0, checked=True), samples)
     for rows, samples in head_rows.items():
         seconds = statistics.median(samples)
         print(json.dumps({"bench": "lm_head", "format": "Q8_0", "rows": rows, "threads": 2,
@@ -121,13 +130,51 @@ def main() -> None:
         for _ in range(max(10, args.iters // 16)):
             for (kind, rows), samples in both.items():
                 if kind == "int8":
-                    sample(lambda rows=rows: oq.quant_linear(xs64[:rows], head, oq.Q8_0, checked=True), samples)
+                    sample(functools.partial(oq.quant_linear, xs64[:rows], head, oq.Q8_0, checked=True), samples)
                 else:
-                    sample(lambda rows=rows: screen_logits(xs64[:rows], packed), samples)
+                    sample(functools.partial(screen_logits, xs64[:rows], packed), samples)
         print(json.dumps({"bench": "lm_head_bf16_screen", "format": "Q8_0", "threads": 2, "ms": {
             f"{kind}_{rows}": round(1e3 * statistics.median(s), 2) for (kind, rows), s in both.items()}}))
     if oq.amx_bf16():
         amx_rows(layer["r8"], gen, max(5, args.iters // 30))
+    amx_int8_rows(gen, max(20, args.iters // 3))
+
+
+def amx_int8_rows(gen: torch.Generator, iters: int) -> None:
+    """SmolLM2's MLP-shaped pair (576 -> 1536, 1536 -> 576) in Q4_1r8 and Q8_0r8 per int8 row count,
+    AMX-INT8 tiles against the VNNI kernel (the `PAGEDSERVE_INT8_AMX` switch, read at every call),
+    interleaved."""
+    from ops.build import cpu_ops
+
+    if not cpu_ops().int8_amx_available():
+        return
+    shapes = [(1536, 576), (576, 1536)]
+    xs = {k: torch.randn(128, k, generator=gen) for _, k in shapes}
+    modes = {"amx": "all", "vnni": "0"}
+    previous = os.environ.get("PAGEDSERVE_INT8_AMX")
+    for base in (oq.Q4_1, oq.Q8_0):
+        fmt = oq.INTERLEAVED[base]
+        weights = [(oq.interleave(rq.quantize(torch.randn(n, k, generator=gen) * 0.05, base.type_id), base)[0], k)
+                   for n, k in shapes]
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (1, 4, 16, 32, 64, 128):
+                times = {name: [] for name in modes}  # type: dict[str, list[float]]
+                for _ in range(iters):
+                    for name, mode in modes.items():
+                        os.environ["PAGEDSERVE_INT8_AMX"] = mode
+                        start = time.perf_counter()
+                        for w, k in weights:
+                            oq.quant_linear(xs[k][:rows], w, fmt, checked=True)
+                        times[name].append(time.perf_counter() - start)
+                ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+                print(json.dumps({"bench": "amx_int8", "format": fmt.name, "shapes": "576x1536+1536x576",
+                                  "rows": rows, "threads": threads, "ms": {n: round(v, 4) for n, v in ms.items()},
+                                  "vnni_over_amx": round(ms["vnni"] / ms["amx"], 3)}), flush=True)
+    if previous is None:
+        os.environ.pop("PAGEDSERVE_INT8_AMX", None)
+    else:
+        os.environ["PAGEDSERVE_INT8_AMX"] = previous
 
 
 def amx_rows(weights: list[tuple[torch.Tensor, int]], gen: torch.Generator, iters: int) -> None:

@@ -25,6 +25,7 @@
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
+#include "quant_int8_amx.h"
 #include "quant_interleaved.h"
 #include "quant_interleaved_q5q8.h"
 #include "quant_interleaved_k.h"
@@ -336,14 +337,14 @@ void int8_pass(const at::Tensor& out, const ActPlanes& act, int64_t row0, const 
                     w, bias, out.data_ptr<float>() + row0 * ldo, ldo, g_begin, g_end);
 }
 
-// Every activation row over groups [g_begin, g_end), four rows per pass (the chunk's tiles stay
+// Activation rows [m_begin, m_len) over groups [g_begin, g_end), four rows per pass (the chunk's tiles stay
 // in cache between passes). A pass of five for a verify row of 1 + 4 did not pay here: five rows
 // cost 1.15x four rows either way (benchmarks/quant_rows_bench.py; its registers spill).
 template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
-                int64_t g_begin, int64_t g_end) {
-  for_row_passes<false>(m_len, [&](auto rows, int64_t row0) {
-    int8_pass<F, decltype(rows)::value>(out, act, row0, w, bias, g_begin, g_end);
+                int64_t g_begin, int64_t g_end, int64_t m_begin = 0) {
+  for_row_passes<false>(m_len - m_begin, [&](auto rows, int64_t row0) {
+    int8_pass<F, decltype(rows)::value>(out, act, m_begin + row0, w, bias, g_begin, g_end);
   });
 }
 
@@ -351,18 +352,33 @@ void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, cons
 template <int64_t F>
 void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* w, int64_t n_len, int64_t k_len,
                      const float* bias, int64_t exact) {
-  const int64_t m_len = x.size(0), nb = k_len / kBlock, groups = n_len / kRows;
-  const at::Tensor out_int8 = out.narrow(0, exact, m_len - exact);
+  const int64_t m_len = x.size(0), nb = k_len / kBlock, groups = n_len / kRows, int8_rows = m_len - exact;
+  const at::Tensor out_int8 = out.narrow(0, exact, int8_rows);
   std::optional<ActPlanes> act;
-  if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
-  // Chunks of at least ~64 KiB of packed weights, about eight per thread.
-  const int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
+  if (exact < m_len) act.emplace(x.narrow(0, exact, int8_rows), k_len);
+  // Many int8 rows: the group pairs of whole 16-row tiles (and of a last partial one where it pays)
+  // on AMX-INT8 tiles (quant_int8_amx.cpp, the same bits); the other rows, and an odd chunk's last
+  // group, here.
+  const int64_t tile_rows = act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
+  amx_int8::PackedRows packed;
+  if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
+  // Chunks of at least ~64 KiB of packed weights, about eight per thread (whole pairs for the tiles).
+  int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
+  if (tile_rows) chunk += chunk % 2;
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
                      g_begin, g_end);
     }
-    if (act) int8_chunk<F>(out_int8, *act, m_len - exact, w, bias, g_begin, g_end);
+    if (!act) return;
+    if (tile_rows) {
+      const int64_t pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
+      constexpr auto kind = F == kQuantQ4_1 ? amx_int8::Kind::kQ4_1 : amx_int8::Kind::kQ4_0;
+      amx_int8::groups(kind, packed, nb, w, bias, out_int8.data_ptr<float>(), out_int8.stride(0), g_begin, pairs_end);
+      if (tile_rows < int8_rows) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, pairs_end, tile_rows);
+      g_begin = pairs_end;
+    }
+    if (g_begin < g_end) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, g_end);
   }, /*openmp=*/m_len >= openmp_rows());
 }
 

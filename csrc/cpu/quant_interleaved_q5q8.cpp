@@ -32,6 +32,7 @@
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
+#include "quant_int8_amx.h"
 #include "r8_lanes.h"
 #include "row_passes.h"
 
@@ -291,12 +292,13 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, const int32_
   }
 }
 
-// Every activation row over groups [g_begin, g_end), up to four rows per pass.
+// Activation rows [m_begin, m_len) over groups [g_begin, g_end), up to four rows per pass.
 template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, const std::vector<int32_t>& qsum, int64_t m_len,
-                const uint8_t* w, const float* bias, int64_t g_begin, int64_t g_end) {
+                const uint8_t* w, const float* bias, int64_t g_begin, int64_t g_end, int64_t m_begin = 0) {
   const int64_t nb = act.nb, ldo = out.stride(0);
-  for_row_passes<false>(m_len, [&](auto rows, int64_t row0) {
+  for_row_passes<false>(m_len - m_begin, [&](auto rows, int64_t pass_row) {
+    const int64_t row0 = m_begin + pass_row;
     int8_groups<F, decltype(rows)::value>(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb,
                                           act.s.data() + row0 * nb, qsum.data() + row0 * nb, nb, w, bias,
                                           out.data_ptr<float>() + row0 * ldo, ldo, g_begin, g_end);
@@ -344,13 +346,28 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
       }
     }
   }
-  const int64_t chunk = row_chunk(groups, nb * kTileBytes<F>, 64 * 1024);
+  // Q8_0r8's int8 rows in 16-row tiles on AMX-INT8 where the CPU has it (quant_int8_amx.cpp, its split:
+  // the same integer sums and fp32 operations, so the same bits), as for Q4 (quant_interleaved.cpp).
+  const int64_t int8_rows = m_len - exact;
+  const int64_t tile_rows = F == kQuantQ8_0 && act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
+  amx_int8::PackedRows packed;
+  if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
+  int64_t chunk = row_chunk(groups, nb * kTileBytes<F>, 64 * 1024);
+  if (tile_rows) chunk += chunk % 2;
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
                      g_begin, g_end);
     }
-    if (act) int8_chunk<F>(out_int8, *act, qsum, m_len - exact, w, bias, g_begin, g_end);
+    if (!act) return;
+    if (tile_rows) {
+      const int64_t pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
+      amx_int8::groups(amx_int8::Kind::kQ8_0, packed, nb, w, bias, out_int8.data_ptr<float>(), out_int8.stride(0),
+                       g_begin, pairs_end);
+      if (tile_rows < int8_rows) int8_chunk<F>(out_int8, *act, qsum, int8_rows, w, bias, g_begin, pairs_end, tile_rows);
+      g_begin = pairs_end;
+    }
+    if (g_begin < g_end) int8_chunk<F>(out_int8, *act, qsum, int8_rows, w, bias, g_begin, g_end);
   }, /*openmp=*/m_len >= openmp_rows());
 }
 

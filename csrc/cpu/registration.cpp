@@ -3,6 +3,7 @@
 
 #include "ops.h"
 #include "parallel.h"
+#include "quant_int8_amx.h"
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def(
@@ -59,6 +60,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
     pagedserve::cpu::openmp_rows_setting().store(rows, std::memory_order_relaxed);
   });
   m.def("amx_bf16_available() -> bool", []() { return pagedserve::cpu::amx_bf16_available(); });
+  m.def("int8_amx_available() -> bool", []() { return pagedserve::cpu::amx_int8::available(); });
   m.def("bf16_linear_kernel() -> int", []() { return pagedserve::cpu::bf16_linear_kernel(); });
   m.def("openmp_rows() -> int", []() { return pagedserve::cpu::openmp_rows(); });
 }
