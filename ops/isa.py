@@ -5,9 +5,9 @@ Levels, lowest first: ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL/VNNI/VBM
 caps what the project uses below what the CPU has: the C++ kernels are compiled with the higher
 extensions switched off (``compiler_flags``; the build key includes them, so each level has its own
 library), the Python feature checks behind ``dtype auto`` and the bf16 screens see the CPU's flags
-less those above the cap (``flags``), and oneDNN inside torch is capped to match
-(``ONEDNN_MAX_CPU_ISA``, set on import of ``ops`` unless already set). A cap above the machine's
-level, or an unknown name, is refused: a cap can only take paths away.
+less those above the cap (``flags``), and oneDNN and MKL inside torch are capped to match
+(``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``, set on import of ``ops`` unless already
+set). A cap above the machine's level, or an unknown name, is refused: a cap can only take paths away.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ COMPILER_OFF: dict[str, tuple[str, ...]] = {
     "avx512_bf16": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
     "amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
 }
+# MKL's names (MKL_ENABLE_INSTRUCTIONS; Intel CPUs only, MKL ignores it elsewhere): E1 adds VNNI,
+# E3 VNNI and bf16; amx is the top level, left uncapped.
+MKL_ISA: dict[str, str | None] = {"avx2": "AVX2", "avx512": "AVX512_E1", "avx512_bf16": "AVX512_E3", "amx": None}
 ONEDNN_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16",
               "amx": "AVX512_CORE_AMX"}
 
@@ -124,8 +127,12 @@ def machine_levels() -> list[str]:
 
 
 def apply_onednn_cap() -> None:
-    """Cap oneDNN (inside torch) at the same level, unless ONEDNN_MAX_CPU_ISA is set already;
-    effective only before oneDNN's first use in the process."""
+    """Cap oneDNN and MKL (inside torch) at the same level, unless ONEDNN_MAX_CPU_ISA /
+    MKL_ENABLE_INSTRUCTIONS are set already; effective only before their first use in the process.
+    torch's fp32 GEMMs (`F.linear`) run on MKL, which ignores oneDNN's variable: capped to avx2 on
+    this Xeon they still ran AVX-512 (386 GFLOP/s on two threads; 218 under MKL's own cap)."""
     level = cap()
     if level is not None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[level])
+        if MKL_ISA[level] is not None:
+            os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", str(MKL_ISA[level]))

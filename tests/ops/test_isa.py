@@ -57,6 +57,20 @@ def _capped(level: str, code: str) -> subprocess.CompletedProcess[str]:
                           timeout=1200, check=False)
 
 
+@pytest.mark.skipif(not LOWER, reason="this CPU has no level below its own")
+@pytest.mark.parametrize("preset", [None, "AVX"])
+def test_a_cap_reaches_onednn_and_mkl_unless_set(preset: str | None) -> None:
+    """torch's fp32 GEMMs run on MKL, which reads its own variable, not oneDNN's: both follow the cap,
+    and a value already in the environment stays."""
+    level = LOWER[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")}
+    env |= {isa.ENV: level} | ({"MKL_ENABLE_INSTRUCTIONS": preset} if preset else {})
+    code = "import os, ops; print(os.environ['ONEDNN_MAX_CPU_ISA'], os.environ.get('MKL_ENABLE_INSTRUCTIONS'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == [isa.ONEDNN_ISA[level], preset or str(isa.MKL_ISA[level])]
+
+
 FIXED_GEMM = """
 import sys, torch, ops
 from ops.build import cpu_library
