@@ -69,8 +69,9 @@ def main() -> int:
     venv = parts.vllm_venv(args.vllm_venv)
     emit({"part": "setup", "model": parts.model_dir(args), "kv_cache_gib": args.kv_cache_gib, "quick": args.quick,
           "vllm_venv": str(venv) if venv else None, "cpus": os.cpu_count(), "log_dir": str(log_dir),
-          "omp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")},
-          "isa_caps": {k: os.environ.get(k) for k in ("PAGEDSERVE_CPU_ISA", "ONEDNN_MAX_CPU_ISA")},
+          "omp_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+          "isa_caps": {k: os.environ.get(k)
+                       for k in ("PAGEDSERVE_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},
           "uptime": parts.uptime()})
     start = time.perf_counter()
     for name in args.only:
