@@ -7,8 +7,9 @@ and their own chunk pool (csrc/cpu/parallel.h), so a worker still spinning after
 core the pool's helper needs: on 2 cores a random Qwen3-MoE's batch-of-32 step spent 30% of its
 samples in libgomp's spin (perf) and took 55 ms, 43 ms with `GOMP_SPINCOUNT=10000`
 (docs/performance.md). libgomp reads the variable once, when it is loaded (by `import torch`), so
-`bound_openmp_spin` runs first thing in `engine`, `ops` and `benchmarks`, none of which import
-torch before it. A choice of the user's (`GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` in the environment)
+`bound_openmp_spin` runs first thing in `engine` and `benchmarks`, neither of which imports torch
+before it (`ops`, the kernels' package, imports nothing of the project's: it is reached through
+`engine`). A choice of the user's (`GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` in the environment)
 is kept. A peer's process in the benchmarks gets the environment without the bound
 (`peer_environ`): llama.cpp's ggml runs on libgomp too. Torch-free (common/ never imports torch).
 """
@@ -51,4 +52,4 @@ def openmp_spin_note() -> str | None:
         return None
     return (f"torch was imported before pagedserve: OpenMP threads spin ~300,000 rounds after each "
             f"parallel region and take cores from the kernels' own threads; set GOMP_SPINCOUNT={SPIN_COUNT} "
-            f"(or import engine/ops first)")
+            f"(or import engine first)")

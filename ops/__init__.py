@@ -6,10 +6,6 @@ build, dispatch, checks and the torch reference.
 ``"auto"`` (the default) uses the compiled kernels: C++ for CPU tensors, CUDA for CUDA tensors.
 """
 
-from common.openmp_env import bound_openmp_spin
-
-bound_openmp_spin()  # before any torch import: libgomp reads it once (common/openmp_env.py)
-
 from ops import backend, isa, reference
 from ops.attention import paged_attention, paged_prefill_attention
 from ops.backend import fixed_order, get_backend, set_backend, set_fixed_order

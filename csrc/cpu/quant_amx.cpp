@@ -11,12 +11,11 @@
 
 #if defined(PAGEDSERVE_AMX_BF16)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "quant_blocks.h"
 
 namespace pagedserve::cpu::bf16 {
@@ -24,20 +23,7 @@ namespace {
 
 using quant::kBlock;
 
-// Linux hands a process the AMX tile state only on request (arch_prctl); once per process.
-bool request_amx() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::TileConfig;
 
 // Every tile used here is 16 rows of 64 bytes: C (0-3) 16 x 16 fp32, A (4, 5) 16 x 32 bf16, B (6,
 // 7) 16 pairs x 16 columns x 2 bf16.
@@ -141,7 +127,7 @@ void tile_panels(const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len,
 
 }  // namespace
 
-bool amx_granted() { return request_amx(); }
+bool amx_granted() { return amx::request_tile_state(); }
 
 void amx_panels(const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len, const c10::BFloat16* packed,
                 int64_t rows, const float* bias, float* out, int64_t ldo, int64_t p_begin, int64_t p_end) {

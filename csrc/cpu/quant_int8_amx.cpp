@@ -33,9 +33,7 @@
 #define PAGEDSERVE_AMX_INT8 1
 #include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx_tiles.h"
 #include "r8_lanes.h"
 #endif
 
@@ -60,19 +58,12 @@ bool granted() {
   static const bool ok = [] {
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
-    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    return amx::request_tile_state();
   }();
   return ok;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using amx::TileConfig;
 
 // Tiles 0-3: C, 16 x 16 int32 (block b in tile b % 4); 4, 5: A, 16 rows x 32 s8; 6, 7: B, 8 rows x 64
 // s8 (A and B of block b in tiles 4 + b % 2, 6 + b % 2).

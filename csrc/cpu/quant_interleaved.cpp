@@ -289,8 +289,7 @@ void fp32_group_rows(const float* x, int64_t ldx, int64_t nb, const float* wide,
       for (int j = 0; j < 4; ++j) {
         Vec xq[M];
         for (int m = 0; m < M; ++m) {
-          const float* xp = x + m * ldx + b * kBlock + half * (kBlock / 2) + 4 * j;
-          xq[m] = Vec{xp[0], xp[1], xp[2], xp[3], xp[0], xp[1], xp[2], xp[3]};
+          xq[m] = vec::load4_twice(x + m * ldx + b * kBlock + half * (kBlock / 2) + 4 * j);
         }
 #pragma GCC unroll 4
         for (int p = 0; p < 4; ++p) {

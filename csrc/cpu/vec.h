@@ -26,6 +26,15 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+// p[0..3] in both halves: one 16-byte load broadcast (vbroadcastf128 on AVX), where building the
+// vector from lanes loaded 32 bytes (split across cache lines every other time) and shuffled.
+inline Vec load4_twice(const float* p) {
+  typedef float Vec4 __attribute__((vector_size(16)));
+  Vec4 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_shufflevector(h, h, 0, 1, 2, 3, 0, 1, 2, 3);
+}
+
 inline Vec splat(float x) { return Vec{} + x; }
 
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
