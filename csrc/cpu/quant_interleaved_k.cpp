@@ -241,19 +241,6 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nsb,
 }
 
 
-#if defined(__AVX2__)
-// acc + the u8 x s8 products of each 4-byte lane, in int32 (VNNI, or maddubs pairs widened at once).
-inline __m256i accumulate32(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-#endif
-
 #if defined(PAGEDSERVE_R8K_ZMM)
 // Q6_Kr8 groups g and g + 1 in 512-bit registers: every lane runs the 256-bit pass's integer sums and fp32
 // operations in the same order (the same bits).
