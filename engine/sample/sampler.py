@@ -196,23 +196,25 @@ class Logprobs:
         if not self.rows:
             return
         index = _rows(self.rows, batch.size, logits.device)
-        self.raw = logits[index].float().clone() if isinstance(index, torch.Tensor) else logits.float().clone()
-        self.lse = torch.logsumexp(self.raw, dim=-1, keepdim=True)
+        # log_softmax sums each row on its own, in one order; torch.logsumexp splits a row's sum
+        # between threads when the batch has fewer rows than threads (a row's logprob then
+        # depended on what else was in its step).
+        self.logp = torch.log_softmax(logits[index].float(), dim=-1)
         k = max(self.num)
         self.top_values: torch.Tensor | None = None
         self.top_ids: torch.Tensor | None = None
         if k:
-            self.top_values, self.top_ids = torch.topk(self.raw, k, dim=-1)
+            self.top_values, self.top_ids = torch.topk(self.logp, k, dim=-1)
 
     def gather(self, tokens: torch.Tensor) -> tuple[list[float], list[list[tuple[int, float]]]]:
         """Per logprob row: the chosen token's logprob and its top alternatives."""
         if not self.rows:
             return [], []
         chosen = tokens[_rows(self.rows, tokens.shape[0], tokens.device)].unsqueeze(1)
-        values = (self.raw.gather(1, chosen) - self.lse).squeeze(1).tolist()
+        values = self.logp.gather(1, chosen).squeeze(1).tolist()
         tops: list[list[tuple[int, float]]] = [[] for _ in self.rows]
         if self.top_values is not None and self.top_ids is not None:
-            top_values = (self.top_values - self.lse).tolist()
+            top_values = self.top_values.tolist()
             top_ids = self.top_ids.tolist()
             for j, n in enumerate(self.num):
                 tops[j] = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))

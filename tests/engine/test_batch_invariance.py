@@ -6,10 +6,12 @@ fp32 and int8 KV caches. Shapes off the kernels' tile sizes (hidden 96, intermed
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
@@ -18,6 +20,16 @@ from tests.fixtures.models import make_tiny_model_dir
 
 NEW = 24
 PARAMS = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+
+@pytest.fixture(autouse=True)
+def two_threads() -> Iterator[None]:
+    """Two torch threads whatever OMP_NUM_THREADS says (CI runs one a worker): a kernel or torch op
+    that splits one row's work between threads when a step has few rows shows up only then."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

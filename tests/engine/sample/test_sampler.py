@@ -122,6 +122,25 @@ def test_logprobs_are_of_the_unmodified_logits() -> None:
     assert results[1].top_logprobs == [] and results[2].top_logprobs is None
 
 
+def test_a_rows_logprobs_do_not_depend_on_its_batch_or_threads() -> None:
+    """Greedy rows with logprobs over a real vocabulary's width, with two threads: each row's logprob
+    and top alternatives alone equal, bit for bit, the same row's inside batches of 3 and 8 (a
+    row's normalizer summed across threads when the batch had fewer rows than threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        spec = (SamplingParams(temperature=0.0, logprobs=3), "g", 0)
+        for _ in range(30):
+            logits = torch.randn(8, 49152, generator=gen) * 3
+            batched = sample(logits, [spec] * 8)
+            assert sample(logits[:3], [spec] * 3) == batched[:3]
+            for row in range(8):
+                assert sample(logits[row:row + 1], [spec]) == batched[row:row + 1], row
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     counts = torch.bincount(tokens, minlength=probs.numel()).double()
     expected = probs.double() * tokens.numel()
