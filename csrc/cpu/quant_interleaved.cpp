@@ -18,6 +18,7 @@
 // own weights and activation row (not on M or the row's place in the batch).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -191,139 +192,162 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
   }
 }
 
-// fp32 activations. Each group's tiles are widened once to fp32 (wide[b][half][j][pair][8]: rows
-// 2p and 2p + 1, four weights each, of chunk j's low (half 0: weights 4j..) or high nibbles (half
-// 1: 16 + 4j..)), then every activation row's four weights of each (half, j) are broadcast to both
-// 128-bit lanes and FMA'd with the four row pairs: the same multiply-adds for a row whatever M is.
-constexpr int64_t kWideBlock = kRows * kBlock;  // floats per widened tile
+// fp32 activations. A chunk's groups are widened to fp32 a panel at a time: kPanelGroups groups
+// (fewer at a chunk's end) side by side, wide[k][lane] for every weight index k of the row (GGUF
+// order) and lane 8i + r = row r of the panel's group i. Each activation row's x[k] is broadcast and
+// FMA'd into its lanes, k = 0, 1, ..., K - 1 in turn: output row n of activation row m is one
+// sequential FMA chain over k (then + bias), whatever M, the panel's width, the register blocking or
+// the ISA level is (AVX2 and AVX-512 give the same bits). The blocking is a GEMM micro-kernel's:
+// AVX2 carries 6 rows x 16 lanes in 12 accumulators, AVX-512 12 rows x 32 lanes in 24.
+#if defined(__AVX512F__)
+constexpr int64_t kPanelGroups = 4;
+constexpr int kPanelRows = 12;
+#else
+constexpr int64_t kPanelGroups = 2;
+constexpr int kPanelRows = 6;
+#endif
 
+// Group `tiles` widened into lanes [0, 8) of wide[k][stride] (k < nb * 32): d * q + m per weight.
 template <int64_t F>
-void widen_group(const uint8_t* tiles, int64_t nb, float* wide) {
+void widen_group(const uint8_t* tiles, int64_t nb, float* wide, int64_t stride) {
   constexpr int64_t tb = tile_bytes<F>();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* tile = tiles + b * tb;
-    float* dst = wide + b * kWideBlock;
+    const uint8_t* quants = tile + quants_offset<F>();
+    float* dst = wide + b * kBlock * stride;
 #if defined(__AVX2__)
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
     const __m256 mw = F == kQuantQ4_1
                           ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
                           : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
-    __m256 dpair[4], mpair[4];
-    for (int p = 0; p < 4; ++p) {
-      const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
-      dpair[p] = _mm256_permutevar8x32_ps(dw, idx);
-      mpair[p] = _mm256_permutevar8x32_ps(mw, idx);
-    }
-    const uint8_t* quants = tile + quants_offset<F>();
-    alignas(32) uint8_t nibbles[2][32];
+    // Chunk j holds row r's packed byte 4j + t at 4r + t; reorder to 8t + r (rows 0-3 from the low
+    // 128-bit lane, 4-7 from the high one), so each t is eight rows' bytes in a row.
+    const __m256i by_t = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                          0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i halves = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(nibbles[0]), _mm256_and_si256(raw, _mm256_set1_epi8(0x0F)));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(nibbles[1]),
-                         _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F)));
-      for (int half = 0; half < 2; ++half)
-        for (int p = 0; p < 4; ++p) {
-          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(nibbles[half] + 8 * p));
-          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-          _mm256_storeu_ps(dst + ((half * 4 + j) * 4 + p) * 8, _mm256_fmadd_ps(q, dpair[p], mpair[p]));
+      const __m256i t_major = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(raw, by_t), halves);
+      const __m256i nibbles[2] = {_mm256_and_si256(t_major, _mm256_set1_epi8(0x0F)),
+                                  _mm256_and_si256(_mm256_srli_epi16(t_major, 4), _mm256_set1_epi8(0x0F))};
+      for (int half = 0; half < 2; ++half) {
+        const __m128i lo = _mm256_castsi256_si128(nibbles[half]), hi = _mm256_extracti128_si256(nibbles[half], 1);
+        const __m128i bytes[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int t = 0; t < 4; ++t) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes[t]));
+          _mm256_storeu_ps(dst + (half * (kBlock / 2) + 4 * j + t) * stride, _mm256_fmadd_ps(q, dw, mw));
         }
+      }
     }
 #else
-    const uint8_t* quants = tile + quants_offset<F>();
     for (int r = 0; r < kRows; ++r) {
       float d, m;
       tile_affine<F>(tile, r, d, m);
       for (int i = 0; i < kBlock / 2; ++i) {
         const uint8_t byte = tile_byte(quants, r, i);
-        const int j = i / 4, p = r / 2, lane = (r % 2) * 4 + i % 4;
-        dst[((0 * 4 + j) * 4 + p) * 8 + lane] = d * static_cast<float>(byte & 0x0F) + m;
-        dst[((1 * 4 + j) * 4 + p) * 8 + lane] = d * static_cast<float>(byte >> 4) + m;
+        dst[i * stride + r] = d * static_cast<float>(byte & 0x0F) + m;
+        dst[(kBlock / 2 + i) * stride + r] = d * static_cast<float>(byte >> 4) + m;
       }
     }
 #endif
   }
 }
 
-// Rows [0, M) of x (stride ldx) against one widened group: out[m * ldo + r] for its 8 rows r.
-template <int M>
-void fp32_group_rows(const float* x, int64_t ldx, int64_t nb, const float* wide, const float* bias, float* out,
-                     int64_t ldo) {
+// Rows [0, M) of x (stride ldx) against a panel of V groups (wide[k][8V]): out[m * ldo + l] for
+// its 8V rows l, each one FMA chain over k (see above).
+template <int M, int V>
+void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* wide, const float* bias, float* out,
+                int64_t ldo) {
+  constexpr int64_t kLanes = 8 * V;
 #if defined(__AVX512F__)
-  // Two row pairs per 512-bit register (the widened tile keeps pairs p and p + 1 side by side):
-  // every lane runs the 256-bit loop's multiply-adds in the same order, and each row is summed
-  // from its four lanes the same way, so the bits are the same with half the instructions.
-  __m512 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* wb = wide + b * kWideBlock;
-    for (int half = 0; half < 2; ++half)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        __m512 xq[M];
-        for (int m = 0; m < M; ++m)
-          xq[m] = _mm512_broadcast_f32x4(_mm_loadu_ps(x + m * ldx + b * kBlock + half * (kBlock / 2) + 4 * j));
-#pragma GCC unroll 2
-        for (int q = 0; q < 2; ++q) {
-          const __m512 wv = _mm512_loadu_ps(wb + ((half * 4 + j) * 4 + 2 * q) * 8);
-          for (int m = 0; m < M; ++m) acc[m][q] = _mm512_fmadd_ps(wv, xq[m], acc[m][q]);
-        }
-      }
+  constexpr int Z = V / 2;        // 16-lane columns
+  constexpr bool kOdd = V % 2;    // and one of 8 lanes
+  __m512 acc[M][Z > 0 ? Z : 1];
+  __m256 acc8[M];
+  for (int m = 0; m < M; ++m) {
+    for (int z = 0; z < Z; ++z) acc[m][z] = _mm512_setzero_ps();
+    acc8[m] = _mm256_setzero_ps();
   }
-  for (int m = 0; m < M; ++m)
-    for (int q = 0; q < 2; ++q) {
-      alignas(64) float a[16];
-      _mm512_store_ps(a, acc[m][q]);
-      for (int s = 0; s < 4; ++s) {
-        const int r = 4 * q + s;
-        out[m * ldo + r] = ((a[4 * s] + a[4 * s + 1]) + (a[4 * s + 2] + a[4 * s + 3])) +
-                           (bias != nullptr ? bias[r] : 0.f);
-      }
+  for (int64_t k = 0; k < k_len; ++k) {
+    const float* wk = wide + k * kLanes;
+    __m512 wz[Z > 0 ? Z : 1];
+    for (int z = 0; z < Z; ++z) wz[z] = _mm512_loadu_ps(wk + 16 * z);
+    const __m256 w8 = kOdd ? _mm256_loadu_ps(wk + 16 * Z) : _mm256_setzero_ps();
+#pragma GCC unroll 12
+    for (int m = 0; m < M; ++m) {
+      const float xv = x[m * ldx + k];
+      for (int z = 0; z < Z; ++z) acc[m][z] = _mm512_fmadd_ps(wz[z], _mm512_set1_ps(xv), acc[m][z]);
+      if constexpr (kOdd) acc8[m] = _mm256_fmadd_ps(w8, _mm256_set1_ps(xv), acc8[m]);
     }
+  }
+  for (int m = 0; m < M; ++m) {
+    float* o = out + m * ldo;
+    for (int z = 0; z < Z; ++z) {
+      const __m512 a = acc[m][z];
+      _mm512_storeu_ps(o + 16 * z, bias != nullptr ? _mm512_add_ps(a, _mm512_loadu_ps(bias + 16 * z)) : a);
+    }
+    if constexpr (kOdd) {
+      const __m256 a = acc8[m];
+      _mm256_storeu_ps(o + 16 * Z, bias != nullptr ? _mm256_add_ps(a, _mm256_loadu_ps(bias + 16 * Z)) : a);
+    }
+  }
 #else
   using vec::Vec;
-  Vec acc[M][4] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* wb = wide + b * kWideBlock;
-    for (int half = 0; half < 2; ++half)
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        Vec xq[M];
-        for (int m = 0; m < M; ++m) {
-          xq[m] = vec::load4_twice(x + m * ldx + b * kBlock + half * (kBlock / 2) + 4 * j);
-        }
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; ++p) {
-          const Vec wv = vec::load(wb + ((half * 4 + j) * 4 + p) * 8);
-          for (int m = 0; m < M; ++m) acc[m][p] += wv * xq[m];
-        }
-      }
+  Vec acc[M][V] = {};
+  for (int64_t k = 0; k < k_len; ++k) {
+    const float* wk = wide + k * kLanes;
+    Vec wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = vec::load(wk + 8 * v);
+#pragma GCC unroll 6
+    for (int m = 0; m < M; ++m) {
+      const Vec xb = vec::broadcast(x + m * ldx + k);
+      for (int v = 0; v < V; ++v) acc[m][v] += wv[v] * xb;
+    }
   }
   for (int m = 0; m < M; ++m)
-    for (int p = 0; p < 4; ++p)
-      for (int s = 0; s < 2; ++s) {
-        const Vec& a = acc[m][p];
-        const int r = 2 * p + s;
-        out[m * ldo + r] = ((a[4 * s] + a[4 * s + 1]) + (a[4 * s + 2] + a[4 * s + 3])) +
-                           (bias != nullptr ? bias[r] : 0.f);
-      }
+    for (int v = 0; v < V; ++v)
+      vec::store(out + m * ldo + 8 * v, bias != nullptr ? acc[m][v] + vec::load(bias + 8 * v) : acc[m][v]);
 #endif
 }
 
-// Groups [g_begin, g_end) of out[M][N] with fp32 activations x[M][K], two rows per pass.
+// Every row of x against one panel of V groups: kPanelRows rows a pass, the rest in passes of
+// 4, 2 and 1 (each pass streams the panel once more; the bits do not depend on the split).
+template <int V>
+void panel_passes(const float* x, int64_t ldx, int64_t m_len, int64_t k_len, const float* wide, const float* bias,
+                  float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + kPanelRows <= m_len; m += kPanelRows)
+    panel_rows<kPanelRows, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+#if defined(__AVX512F__)
+  for (; m + 8 <= m_len; m += 8) panel_rows<8, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+#endif
+  for (; m + 4 <= m_len; m += 4) panel_rows<4, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+  for (; m + 2 <= m_len; m += 2) panel_rows<2, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+  for (; m < m_len; ++m) panel_rows<1, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+}
+
+// Groups [g_begin, g_end) of out[M][N] with fp32 activations x[M][K], a panel of groups at a time.
 template <int64_t F>
 void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t nb, const uint8_t* w, const float* bias,
                  float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
   thread_local std::vector<float> wide;
-  wide.resize(nb * kWideBlock);
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    widen_group<F>(w + g * nb * tile_bytes<F>(), nb, wide.data());
-    const float* gb = bias != nullptr ? bias + g * kRows : nullptr;
-    for (int64_t m = 0; m < m_len; m += 2) {
-      if (m + 1 < m_len) {
-        fp32_group_rows<2>(x + m * ldx, ldx, nb, wide.data(), gb, out + m * ldo + g * kRows, ldo);
-      } else {
-        fp32_group_rows<1>(x + m * ldx, ldx, nb, wide.data(), gb, out + m * ldo + g * kRows, ldo);
-      }
+  const int64_t k_len = nb * kBlock;
+  for (int64_t g = g_begin; g < g_end; g += kPanelGroups) {
+    const int64_t groups = std::min(kPanelGroups, g_end - g), lanes = kRows * groups;
+    wide.resize(k_len * lanes);
+    for (int64_t i = 0; i < groups; ++i)
+      widen_group<F>(w + (g + i) * nb * tile_bytes<F>(), nb, wide.data() + kRows * i, lanes);
+    const float* pb = bias != nullptr ? bias + g * kRows : nullptr;
+    float* po = out + g * kRows;
+    switch (groups) {
+      case 1: panel_passes<1>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+#if defined(__AVX512F__)
+      case 2: panel_passes<2>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+      case 3: panel_passes<3>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+      default: panel_passes<4>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+#else
+      default: panel_passes<2>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+#endif
     }
   }
 }
@@ -364,6 +388,7 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   // Chunks of at least ~64 KiB of packed weights, about eight per thread (whole pairs for the tiles).
   int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
   if (tile_rows) chunk += chunk % 2;
+  if (exact) chunk = (chunk + kPanelGroups - 1) / kPanelGroups * kPanelGroups;  // whole fp32 panels
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
@@ -384,17 +409,12 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
 template <int64_t F>
 void dequant_groups(const uint8_t* w, int64_t nb, float* out, int64_t k_len, int64_t g_begin, int64_t g_end) {
   thread_local std::vector<float> wide;
-  wide.resize(nb * kWideBlock);
+  wide.resize(nb * kBlock * kRows);
   for (int64_t g = g_begin; g < g_end; ++g) {
-    widen_group<F>(w + g * nb * tile_bytes<F>(), nb, wide.data());
+    widen_group<F>(w + g * nb * tile_bytes<F>(), nb, wide.data(), kRows);
     for (int r = 0; r < kRows; ++r) {
       float* row = out + (g * kRows + r) * k_len;
-      for (int64_t b = 0; b < nb; ++b)
-        for (int half = 0; half < 2; ++half)
-          for (int j = 0; j < 4; ++j)
-            std::memcpy(row + b * kBlock + half * (kBlock / 2) + 4 * j,
-                        wide.data() + b * kWideBlock + ((half * 4 + j) * 4 + r / 2) * 8 + (r % 2) * 4,
-                        4 * sizeof(float));
+      for (int64_t k = 0; k < k_len; ++k) row[k] = wide[k * kRows + r];
     }
   }
 }

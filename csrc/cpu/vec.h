@@ -37,6 +37,13 @@ inline Vec load4_twice(const float* p) {
 
 inline Vec splat(float x) { return Vec{} + x; }
 
+// *p in every lane: one vbroadcastss from memory (splat's + 0 costs an add and a register
+// broadcast, and keeps -0 from reaching the lanes; this keeps it).
+inline Vec broadcast(const float* p) {
+  const float x = *p;
+  return Vec{x, x, x, x, x, x, x, x};
+}
+
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
 
 // A shuffle tree, not a chain of eight dependent scalar adds.
