@@ -244,14 +244,15 @@ def quant_linear_per_row(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantForma
 
 def _fixed_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
                 int8_activations: bool, exact_rows: int) -> torch.Tensor:
-    """``quant_linear`` under fixed order: the exact (fp32-activation) rows through
-    ``quant_fixed_gemm`` where it pays (fixed_gemm's fma chain over the dequantized weight, the
-    weight dequantized a tile at a time), the int8 rows through the kernel, which gives a row the
-    same bits at any row count; oneDNN past the crossover would not."""
+    """``quant_linear`` under fixed order: a row gets the same bits at any row count (oneDNN past
+    the crossover would not). The int8 rows run on the kernel. The exact (fp32-activation) rows of
+    the eight-row layouts too: their fp32 panels are fixed_gemm's fma chain over the dequantized
+    weight, the bits ``quant_fixed_gemm`` gives, faster at every count (AVX2 and AVX-512); those of
+    GGUF-order weights through ``quant_fixed_gemm`` where it pays (``panel_exact_rows``)."""
     rows = x.shape[0]
     exact = rows if not int8_activations else max(0, min(exact_rows, rows))
     out = x.new_empty((rows, qweight.shape[0]))
-    if not exact or not panel_exact_rows():  # the kernel's own exact rows: also the same at any count
+    if not exact or fmt in INTERLEAVED.values() or not panel_exact_rows():
         _kernel()(out, x, qweight, fmt.type_id, bias, int8_activations, exact_rows)
         return out
     cpu_ops().quant_fixed_gemm(out[:exact], x[:exact], qweight, fmt.type_id, bias)
@@ -262,8 +263,9 @@ def _fixed_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: 
 
 @cache
 def panel_exact_rows() -> bool:
-    """Whether deterministic mode's exact rows run on ``quant_fixed_gemm``: with AVX-512 its tiles
-    beat the kernel's exact rows from ~64 rows (1.6x at 1,024); with AVX2 they do not (0.7x)."""
+    """Whether deterministic mode's exact rows of GGUF-order weights run on ``quant_fixed_gemm``: with
+    AVX-512 its tiles beat that kernel's exact rows from ~64 rows (1.6x at 1,024); with AVX2 they do
+    not (0.7x). The eight-row layouts' own exact rows beat both."""
     from ops import isa
 
     return "avx512f" in isa.flags()

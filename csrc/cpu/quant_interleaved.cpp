@@ -23,6 +23,7 @@
 #include <optional>
 #include <vector>
 
+#include "fp32_panels.h"
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
@@ -192,21 +193,7 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
   }
 }
 
-// fp32 activations. A chunk's groups are widened to fp32 a panel at a time: kPanelGroups groups
-// (fewer at a chunk's end) side by side, wide[k][lane] for every weight index k of the row (GGUF
-// order) and lane 8i + r = row r of the panel's group i. Each activation row's x[k] is broadcast and
-// FMA'd into its lanes, k = 0, 1, ..., K - 1 in turn: output row n of activation row m is one
-// sequential FMA chain over k (then + bias), whatever M, the panel's width, the register blocking or
-// the ISA level is (AVX2 and AVX-512 give the same bits). The blocking is a GEMM micro-kernel's:
-// AVX2 carries 6 rows x 16 lanes in 12 accumulators, AVX-512 12 rows x 32 lanes in 24.
-#if defined(__AVX512F__)
-constexpr int64_t kPanelGroups = 4;
-constexpr int kPanelRows = 12;
-#else
-constexpr int64_t kPanelGroups = 2;
-constexpr int kPanelRows = 6;
-#endif
-
+// fp32 activations: each group widened into its lanes of an fp32 panel (fp32_panels.h).
 // Group `tiles` widened into lanes [0, 8) of wide[k][stride] (k < nb * 32): d * q + m per weight.
 template <int64_t F>
 void widen_group(const uint8_t* tiles, int64_t nb, float* wide, int64_t stride) {
@@ -253,103 +240,14 @@ void widen_group(const uint8_t* tiles, int64_t nb, float* wide, int64_t stride) 
   }
 }
 
-// Rows [0, M) of x (stride ldx) against a panel of V groups (wide[k][8V]): out[m * ldo + l] for
-// its 8V rows l, each one FMA chain over k (see above).
-template <int M, int V>
-void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* wide, const float* bias, float* out,
-                int64_t ldo) {
-  constexpr int64_t kLanes = 8 * V;
-#if defined(__AVX512F__)
-  constexpr int Z = V / 2;        // 16-lane columns
-  constexpr bool kOdd = V % 2;    // and one of 8 lanes
-  __m512 acc[M][Z > 0 ? Z : 1];
-  __m256 acc8[M];
-  for (int m = 0; m < M; ++m) {
-    for (int z = 0; z < Z; ++z) acc[m][z] = _mm512_setzero_ps();
-    acc8[m] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < k_len; ++k) {
-    const float* wk = wide + k * kLanes;
-    __m512 wz[Z > 0 ? Z : 1];
-    for (int z = 0; z < Z; ++z) wz[z] = _mm512_loadu_ps(wk + 16 * z);
-    const __m256 w8 = kOdd ? _mm256_loadu_ps(wk + 16 * Z) : _mm256_setzero_ps();
-#pragma GCC unroll 12
-    for (int m = 0; m < M; ++m) {
-      const float xv = x[m * ldx + k];
-      for (int z = 0; z < Z; ++z) acc[m][z] = _mm512_fmadd_ps(wz[z], _mm512_set1_ps(xv), acc[m][z]);
-      if constexpr (kOdd) acc8[m] = _mm256_fmadd_ps(w8, _mm256_set1_ps(xv), acc8[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    float* o = out + m * ldo;
-    for (int z = 0; z < Z; ++z) {
-      const __m512 a = acc[m][z];
-      _mm512_storeu_ps(o + 16 * z, bias != nullptr ? _mm512_add_ps(a, _mm512_loadu_ps(bias + 16 * z)) : a);
-    }
-    if constexpr (kOdd) {
-      const __m256 a = acc8[m];
-      _mm256_storeu_ps(o + 16 * Z, bias != nullptr ? _mm256_add_ps(a, _mm256_loadu_ps(bias + 16 * Z)) : a);
-    }
-  }
-#else
-  using vec::Vec;
-  Vec acc[M][V] = {};
-  for (int64_t k = 0; k < k_len; ++k) {
-    const float* wk = wide + k * kLanes;
-    Vec wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = vec::load(wk + 8 * v);
-#pragma GCC unroll 6
-    for (int m = 0; m < M; ++m) {
-      const Vec xb = vec::broadcast(x + m * ldx + k);
-      for (int v = 0; v < V; ++v) acc[m][v] += wv[v] * xb;
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < V; ++v)
-      vec::store(out + m * ldo + 8 * v, bias != nullptr ? acc[m][v] + vec::load(bias + 8 * v) : acc[m][v]);
-#endif
-}
-
-// Every row of x against one panel of V groups: kPanelRows rows a pass, the rest in passes of
-// 4, 2 and 1 (each pass streams the panel once more; the bits do not depend on the split).
-template <int V>
-void panel_passes(const float* x, int64_t ldx, int64_t m_len, int64_t k_len, const float* wide, const float* bias,
-                  float* out, int64_t ldo) {
-  int64_t m = 0;
-  for (; m + kPanelRows <= m_len; m += kPanelRows)
-    panel_rows<kPanelRows, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
-#if defined(__AVX512F__)
-  for (; m + 8 <= m_len; m += 8) panel_rows<8, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
-#endif
-  for (; m + 4 <= m_len; m += 4) panel_rows<4, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
-  for (; m + 2 <= m_len; m += 2) panel_rows<2, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
-  for (; m < m_len; ++m) panel_rows<1, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
-}
-
-// Groups [g_begin, g_end) of out[M][N] with fp32 activations x[M][K], a panel of groups at a time.
+// Groups [g_begin, g_end) of out[M][N] with fp32 activations x[M][K].
 template <int64_t F>
 void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t nb, const uint8_t* w, const float* bias,
                  float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
-  thread_local std::vector<float> wide;
-  const int64_t k_len = nb * kBlock;
-  for (int64_t g = g_begin; g < g_end; g += kPanelGroups) {
-    const int64_t groups = std::min(kPanelGroups, g_end - g), lanes = kRows * groups;
-    wide.resize(k_len * lanes);
-    for (int64_t i = 0; i < groups; ++i)
-      widen_group<F>(w + (g + i) * nb * tile_bytes<F>(), nb, wide.data() + kRows * i, lanes);
-    const float* pb = bias != nullptr ? bias + g * kRows : nullptr;
-    float* po = out + g * kRows;
-    switch (groups) {
-      case 1: panel_passes<1>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
-#if defined(__AVX512F__)
-      case 2: panel_passes<2>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
-      case 3: panel_passes<3>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
-      default: panel_passes<4>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
-#else
-      default: panel_passes<2>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
-#endif
-    }
-  }
+  panels::fp32_groups(x, ldx, m_len, nb * kBlock, bias, out, ldo, g_begin, g_end,
+                      [&](int64_t g, float* wide, int64_t stride) {
+                        widen_group<F>(w + g * nb * tile_bytes<F>(), nb, wide, stride);
+                      });
 }
 
 template <int64_t F, int M>
@@ -388,7 +286,7 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   // Chunks of at least ~64 KiB of packed weights, about eight per thread (whole pairs for the tiles).
   int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
   if (tile_rows) chunk += chunk % 2;
-  if (exact) chunk = (chunk + kPanelGroups - 1) / kPanelGroups * kPanelGroups;  // whole fp32 panels
+  if (exact) chunk = panels::whole_panels(chunk);
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),

@@ -23,8 +23,9 @@
 // half-block sums): per 16 weights acc += isum * ((d sc) a), acc -= (d sc) (32 h) (h = a * sum of quants).
 // Integer sums in int32 (maddubs pairs widened at once on AVX2: 8 products of 63 x 127 would overflow int16).
 //
-// fp32 activations (exact rows) and dequantization rebuild the group's eight GGUF rows and run the
-// GGUF-order code on them (quant_blocks.h: fp32_row_dots, dequant_block): the same bits as Q4_K's / Q6_K's.
+// fp32 activations (exact rows) and dequantization rebuild the group's eight GGUF rows and dequantize
+// them with the GGUF-order code (quant_blocks.h: dequant_block, the same values as Q4_K's / Q6_K's);
+// the exact rows then run the fp32 panel kernel (fp32_panels.h).
 #include "quant_interleaved_k.h"
 
 #include <ATen/Parallel.h>
@@ -33,6 +34,7 @@
 #include <optional>
 #include <vector>
 
+#include "fp32_panels.h"
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
@@ -398,25 +400,25 @@ void int8_chunk(int64_t format, const at::Tensor& out, const ActPlanes& act, int
 }
 
 // Rows [0, m_len) of x with fp32 activations over groups [g_begin, g_end): each group's GGUF rows
-// rebuilt once, then Q4_K's own fp32 dot products (quant_blocks.h: fp32_row_dots).
+// rebuilt, their super-blocks dequantized (dequant_block) into the lanes of an fp32 panel
+// (fp32_panels.h: one FMA chain per output over k).
 template <int64_t F>
 void fp32_chunk(const float* x, int64_t ldx, int64_t m_len, int64_t nsb, const uint8_t* w, const float* bias,
                 float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
-  thread_local std::vector<BlockOf<F>> rows;
-  rows.resize(kRows * nsb);
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    gguf_rows<F>(w + g * nsb * tile_bytes<F>(), nsb, rows.data());
-    for_row_passes<false>(m_len, [&](auto pass, int64_t row0) {
-      constexpr int M = decltype(pass)::value;
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t n = g * kRows + r;
-        float dots[M];
-        fp32_row_dots<F, M>(x + row0 * ldx, ldx, nsb, reinterpret_cast<const uint8_t*>(&rows[r * nsb]),
-                            sizeof(BlockOf<F>), dots);
-        for (int m = 0; m < M; ++m) out[(row0 + m) * ldo + n] = dots[m] + (bias != nullptr ? bias[n] : 0.f);
-      }
-    });
-  }
+  panels::fp32_groups(x, ldx, m_len, nsb * kSuperBlock, bias, out, ldo, g_begin, g_end,
+                      [&](int64_t g, float* wide, int64_t stride) {
+                        float rows[kRows * kSuperBlock];
+                        BlockOf<F> block;
+                        const uint8_t* tiles = w + g * nsb * tile_bytes<F>();
+                        for (int64_t b = 0; b < nsb; ++b) {
+                          for (int r = 0; r < kRows; ++r) {
+                            gguf_block(tiles + b * tile_bytes<F>(), r, block);
+                            dequant_block<F>(&block, rows + r * kSuperBlock);
+                          }
+                          panels::transpose_rows(rows, kSuperBlock, kSuperBlock, wide + b * kSuperBlock * stride,
+                                                 stride);
+                        }
+                      });
 }
 
 template <int64_t F>
@@ -456,7 +458,8 @@ void interleaved_k_linear(const at::Tensor& out, const at::Tensor& x, const uint
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
   if (act && q6) act->add_half_sums();
-  const int64_t chunk = row_chunk(groups, nsb * (q6 ? kQ6TileBytes : kTileBytes), 64 * 1024);
+  int64_t chunk = row_chunk(groups, nsb * (q6 ? kQ6TileBytes : kTileBytes), 64 * 1024);
+  if (exact) chunk = panels::whole_panels(chunk);
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       const auto exact_rows = q6 ? fp32_chunk<kQuantQ6_K> : fp32_chunk<kQuantQ4_K>;

@@ -19,8 +19,9 @@
 // int16 (|sum| <= 2 * 2 * 31 * 127 = 15748) and widened to int32 every chunk; Q8_0's |w| <= 128
 // pairs reach 2 * 128 * 127 = 32512 and are widened at once.
 //
-// The fp32 (exact) rows, dequantization and bf16 panels read a group's tiles back in GGUF order
-// (group_to_gguf) and take the GGUF-order code (quant_blocks.h), so they give its bits exactly.
+// Dequantization and bf16 panels read a group's tiles back in GGUF order and take the GGUF-order
+// code (quant_blocks.h), so they give its values exactly; the fp32 (exact) rows run those values
+// through the fp32 panel kernel (fp32_panels.h).
 #include "quant_interleaved_q5q8.h"
 
 #include <ATen/Parallel.h>
@@ -29,6 +30,7 @@
 #include <optional>
 #include <vector>
 
+#include "fp32_panels.h"
 #include "ops.h"
 #include "parallel.h"
 #include "quant_blocks.h"
@@ -305,27 +307,24 @@ void int8_chunk(const at::Tensor& out, const ActPlanes& act, const std::vector<i
   });
 }
 
-// fp32 activations: each group read back in GGUF order, then that order's row dot products
-// (quant_gemm.cpp: fp32_rows), so an exact row has the GGUF-order layout's bits.
+// fp32 activations: each group's blocks dequantized in GGUF order (dequant_block), eight rows a
+// block, into the lanes of an fp32 panel (fp32_panels.h: one FMA chain per output over k).
 template <int64_t F>
 void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t nb, const uint8_t* w, const float* bias,
                  float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
-  constexpr int64_t bsize = sizeof(BlockOf<F>);
-  const int64_t row_bytes = nb * bsize;
-  thread_local std::vector<uint8_t> rows;
-  rows.resize(kRows * row_bytes);
-  for (int64_t g = g_begin; g < g_end; ++g) {
-    group_to_gguf<F>(w + g * nb * kTileBytes<F>, nb, rows.data(), row_bytes);
-    for_row_passes<false>(m_len, [&](auto pass, int64_t row0) {
-      constexpr int M = decltype(pass)::value;
-      for (int r = 0; r < kRows; ++r) {
-        const int64_t n = g * kRows + r;
-        float dots[M];
-        fp32_row_dots<F, M>(x + row0 * ldx, ldx, nb, rows.data() + r * row_bytes, bsize, dots);
-        for (int m = 0; m < M; ++m) out[(row0 + m) * ldo + n] = dots[m] + (bias != nullptr ? bias[n] : 0.f);
-      }
-    });
-  }
+  panels::fp32_groups(x, ldx, m_len, nb * kBlock, bias, out, ldo, g_begin, g_end,
+                      [&](int64_t g, float* wide, int64_t stride) {
+                        alignas(8) uint8_t blk[sizeof(BlockOf<F>)];
+                        float rows[kRows * kBlock];
+                        const uint8_t* tiles = w + g * nb * kTileBytes<F>;
+                        for (int64_t b = 0; b < nb; ++b) {
+                          for (int r = 0; r < kRows; ++r) {
+                            tile_to_block<F>(tiles + b * kTileBytes<F>, r, blk);
+                            dequant_block<F>(blk, rows + r * kBlock);
+                          }
+                          panels::transpose_rows(rows, kBlock, kBlock, wide + b * kBlock * stride, stride);
+                        }
+                      });
 }
 
 template <int64_t F>
@@ -354,6 +353,7 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
   int64_t chunk = row_chunk(groups, nb * kTileBytes<F>, 64 * 1024);
   if (tile_rows) chunk += chunk % 2;
+  if (exact) chunk = panels::whole_panels(chunk);
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),

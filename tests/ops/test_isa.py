@@ -1,6 +1,7 @@
 """PAGEDSERVE_CPU_ISA: the cap's logic on synthetic CPUs, and on this machine every lower level it
 can run: the kernel library built without the higher extensions (no zmm register in it under
-avx2), the kernel and engine tests green there, and fixed_gemm's bits the same at every level."""
+avx2), the kernel and engine tests green there, and fixed_gemm's and the Q4 layouts' fp32 rows' bits the
+same at every level."""
 
 from __future__ import annotations
 
@@ -74,12 +75,27 @@ def test_a_cap_reaches_onednn_and_mkl_unless_set(preset: str | None) -> None:
 FIXED_GEMM = """
 import sys, torch, ops
 from ops.build import cpu_library
+from tests.ops.test_isa import q4_exact_rows
 g = torch.Generator().manual_seed(1)
 w, x, b = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(200, generator=g)
 out = ops.linear(x, w, b, fixed=ops.pack_fixed(w))
-torch.save(out, sys.argv[-1] if len(sys.argv) > 1 else "/dev/null")
+torch.save([out, *q4_exact_rows()], sys.argv[-1] if len(sys.argv) > 1 else "/dev/null")
 print(cpu_library())
 """
+
+
+def q4_exact_rows() -> list[torch.Tensor]:
+    """The Q4 eight-row layouts' fp32 (exact) rows on 37 rows and 25 groups, bias included: one FMA
+    chain per output over k, the same bits at every level (the capped run imports this)."""
+    from ops.quant import Q4_0, Q4_1, interleave, quant_linear
+    from ops.reference import quant as ref
+    g = torch.Generator().manual_seed(2)
+    w, x, b = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(200, generator=g)
+    outs = []
+    for fmt in (Q4_0, Q4_1):
+        r8, r8_fmt = interleave(ref.quantize(w, fmt.type_id), fmt)
+        outs.append(quant_linear(x, r8, r8_fmt, b, True, exact_rows=37))
+    return outs
 
 
 @pytest.mark.skipif(not LOWER, reason="this CPU has no level below its own")
@@ -99,7 +115,10 @@ def test_capped_library_and_fixed_gemm_bits(level: str, tmp_path: Path) -> None:
     import ops
     g = torch.Generator().manual_seed(1)
     w, x, b = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(200, generator=g)
-    assert torch.equal(torch.load(tmp_path / "out.pt"), ops.linear(x, w, b, fixed=ops.pack_fixed(w)))
+    capped = torch.load(tmp_path / "out.pt")
+    assert torch.equal(capped[0], ops.linear(x, w, b, fixed=ops.pack_fixed(w)))
+    for got, want in zip(capped[1:], q4_exact_rows(), strict=True):
+        assert torch.equal(got, want), "the Q4 r8 fp32 rows differ from this machine's level"
 
 
 @pytest.mark.skipif(not LOWER, reason="this CPU has no level below its own")
