@@ -8,6 +8,10 @@
 // whatever M, the panel's width, the register blocking or the ISA level is (AVX2 and AVX-512 give
 // the same bits). The blocking is a GEMM micro-kernel's: AVX2 carries 6 rows x 16 lanes in 12
 // accumulators, AVX-512 12 rows x 32 lanes in 24, the weights' loads and the rows' broadcasts shared.
+// A long row's panel is widened in depths of at most kMaxPanelDepth weights of k (128 / 256 KiB, held
+// in L2 while every row pass reads it); between depths each output's running sum waits in `out` (an
+// exact fp32 store and reload, so the chain and its bits are the same), and the bias joins after the
+// last. Depths of 512 split K = 576 into 512 + 64 and cost AVX-512 5–20% on short rows.
 #pragma once
 
 #if defined(__AVX2__)
@@ -16,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -31,14 +36,25 @@ constexpr int64_t kPanelGroups = 2;
 constexpr int kPanelRows = 6;
 #endif
 
+constexpr int64_t kMaxPanelDepth = 2048;  // weights of k per widening, at most
+constexpr int64_t kDepthStep = 256;       // depth boundaries: a multiple of every block size
+
+// The depth of each widening for rows of k_len weights: K split evenly, rounded up to kDepthStep.
+inline int64_t panel_depth(int64_t k_len) {
+  const int64_t parts = (k_len + kMaxPanelDepth - 1) / kMaxPanelDepth;
+  return (k_len + parts * kDepthStep - 1) / (parts * kDepthStep) * kDepthStep;
+}
+
 // A chunk of `groups` groups rounded up to whole panels (a partial panel runs narrower).
 inline int64_t whole_panels(int64_t groups) { return (groups + kPanelGroups - 1) / kPanelGroups * kPanelGroups; }
 
-// Rows [0, M) of x (stride ldx) against a panel of V groups (wide[k][8V]): out[m * ldo + l] for
-// its 8V rows l, each one FMA chain over k.
+// Rows [0, M) of x (stride ldx) against a panel of V groups (wide[k][8V], k < k_len): out[m * ldo + l]
+// for its 8V rows l, each one FMA chain over k, starting from 0 (`first`) or from the sum `out` holds,
+// + bias when `last`.
 template <int M, int V>
 inline void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* wide, const float* bias, float* out,
-                       int64_t ldo) {
+                       int64_t ldo, bool first, bool last) {
+  if (!last) bias = nullptr;
   constexpr int64_t kLanes = kGroupRows * V;
 #if defined(__AVX512F__)
   constexpr int Z = V / 2;      // 16-lane columns
@@ -46,8 +62,9 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* 
   __m512 acc[M][Z > 0 ? Z : 1];
   __m256 acc8[M];
   for (int m = 0; m < M; ++m) {
-    for (int z = 0; z < Z; ++z) acc[m][z] = _mm512_setzero_ps();
-    acc8[m] = _mm256_setzero_ps();
+    const float* o = out + m * ldo;
+    for (int z = 0; z < Z; ++z) acc[m][z] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(o + 16 * z);
+    acc8[m] = first || !kOdd ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 16 * Z);
   }
   for (int64_t k = 0; k < k_len; ++k) {
     const float* wk = wide + k * kLanes;
@@ -75,6 +92,9 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* 
 #else
   using vec::Vec;
   Vec acc[M][V] = {};
+  if (!first)
+    for (int m = 0; m < M; ++m)
+      for (int v = 0; v < V; ++v) acc[m][v] = vec::load(out + m * ldo + 8 * v);
   for (int64_t k = 0; k < k_len; ++k) {
     const float* wk = wide + k * kLanes;
     Vec wv[V];
@@ -95,40 +115,47 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* 
 // (8,) 4, 2 and 1 (each pass streams the panel once more; the bits do not depend on the split).
 template <int V>
 inline void panel_passes(const float* x, int64_t ldx, int64_t m_len, int64_t k_len, const float* wide,
-                         const float* bias, float* out, int64_t ldo) {
+                         const float* bias, float* out, int64_t ldo, bool first, bool last) {
+  const auto pass = [&](auto rows, int64_t m) {
+    panel_rows<decltype(rows)::value, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo, first, last);
+  };
   int64_t m = 0;
-  for (; m + kPanelRows <= m_len; m += kPanelRows)
-    panel_rows<kPanelRows, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+  for (; m + kPanelRows <= m_len; m += kPanelRows) pass(std::integral_constant<int, kPanelRows>{}, m);
 #if defined(__AVX512F__)
-  for (; m + 8 <= m_len; m += 8) panel_rows<8, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+  for (; m + 8 <= m_len; m += 8) pass(std::integral_constant<int, 8>{}, m);
 #endif
-  for (; m + 4 <= m_len; m += 4) panel_rows<4, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
-  for (; m + 2 <= m_len; m += 2) panel_rows<2, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
-  for (; m < m_len; ++m) panel_rows<1, V>(x + m * ldx, ldx, k_len, wide, bias, out + m * ldo, ldo);
+  for (; m + 4 <= m_len; m += 4) pass(std::integral_constant<int, 4>{}, m);
+  for (; m + 2 <= m_len; m += 2) pass(std::integral_constant<int, 2>{}, m);
+  for (; m < m_len; ++m) pass(std::integral_constant<int, 1>{}, m);
 }
 
-// Groups [g_begin, g_end) of out[M][N] (N = 8 x groups) with fp32 activations x[M][K], a panel at a
-// time. widen(g, wide, stride) writes group g's eight rows as fp32, row r's weight k at
-// wide[k * stride + r].
+// Groups [g_begin, g_end) of out[M][N] (N = 8 x groups) with fp32 activations x[M][K], a panel and
+// panel_depth(k_len) weights of k at a time. widen(g, k0, k1, wide, stride) writes group g's eight rows'
+// weights [k0, k1) as fp32, row r's weight k at wide[(k - k0) * stride + r].
 template <class Widen>
 void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t k_len, const float* bias, float* out,
                  int64_t ldo, int64_t g_begin, int64_t g_end, Widen&& widen) {
   thread_local std::vector<float> wide;
+  const int64_t step = panel_depth(k_len);
   for (int64_t g = g_begin; g < g_end; g += kPanelGroups) {
     const int64_t groups = std::min(kPanelGroups, g_end - g), lanes = kGroupRows * groups;
-    wide.resize(k_len * lanes);
-    for (int64_t i = 0; i < groups; ++i) widen(g + i, wide.data() + kGroupRows * i, lanes);
     const float* pb = bias != nullptr ? bias + g * kGroupRows : nullptr;
     float* po = out + g * kGroupRows;
-    switch (groups) {
-      case 1: panel_passes<1>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+    for (int64_t k0 = 0; k0 < k_len; k0 += step) {
+      const int64_t k1 = std::min(k_len, k0 + step), depth = k1 - k0;
+      const bool first = k0 == 0, last = k1 == k_len;
+      wide.resize(depth * lanes);
+      for (int64_t i = 0; i < groups; ++i) widen(g + i, k0, k1, wide.data() + kGroupRows * i, lanes);
+      switch (groups) {
+        case 1: panel_passes<1>(x + k0, ldx, m_len, depth, wide.data(), pb, po, ldo, first, last); break;
 #if defined(__AVX512F__)
-      case 2: panel_passes<2>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
-      case 3: panel_passes<3>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
-      default: panel_passes<4>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+        case 2: panel_passes<2>(x + k0, ldx, m_len, depth, wide.data(), pb, po, ldo, first, last); break;
+        case 3: panel_passes<3>(x + k0, ldx, m_len, depth, wide.data(), pb, po, ldo, first, last); break;
+        default: panel_passes<4>(x + k0, ldx, m_len, depth, wide.data(), pb, po, ldo, first, last); break;
 #else
-      default: panel_passes<2>(x, ldx, m_len, k_len, wide.data(), pb, po, ldo); break;
+        default: panel_passes<2>(x + k0, ldx, m_len, depth, wide.data(), pb, po, ldo, first, last); break;
 #endif
+      }
     }
   }
 }

@@ -245,8 +245,8 @@ template <int64_t F>
 void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t nb, const uint8_t* w, const float* bias,
                  float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
   panels::fp32_groups(x, ldx, m_len, nb * kBlock, bias, out, ldo, g_begin, g_end,
-                      [&](int64_t g, float* wide, int64_t stride) {
-                        widen_group<F>(w + g * nb * tile_bytes<F>(), nb, wide, stride);
+                      [&](int64_t g, int64_t k0, int64_t k1, float* wide, int64_t stride) {
+                        widen_group<F>(w + (g * nb + k0 / kBlock) * tile_bytes<F>(), (k1 - k0) / kBlock, wide, stride);
                       });
 }
 

@@ -313,16 +313,16 @@ template <int64_t F>
 void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t nb, const uint8_t* w, const float* bias,
                  float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
   panels::fp32_groups(x, ldx, m_len, nb * kBlock, bias, out, ldo, g_begin, g_end,
-                      [&](int64_t g, float* wide, int64_t stride) {
+                      [&](int64_t g, int64_t k0, int64_t k1, float* wide, int64_t stride) {
                         alignas(8) uint8_t blk[sizeof(BlockOf<F>)];
                         float rows[kRows * kBlock];
                         const uint8_t* tiles = w + g * nb * kTileBytes<F>;
-                        for (int64_t b = 0; b < nb; ++b) {
+                        for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) {
                           for (int r = 0; r < kRows; ++r) {
                             tile_to_block<F>(tiles + b * kTileBytes<F>, r, blk);
                             dequant_block<F>(blk, rows + r * kBlock);
                           }
-                          panels::transpose_rows(rows, kBlock, kBlock, wide + b * kBlock * stride, stride);
+                          panels::transpose_rows(rows, kBlock, kBlock, wide + (b * kBlock - k0) * stride, stride);
                         }
                       });
 }

@@ -355,9 +355,10 @@ def test_r8_extreme_quants_do_not_overflow(name: str, sign: float) -> None:
 @pytest.mark.parametrize("base", sorted(INTERLEAVED, key=lambda f: f.name), ids=lambda f: f.name)
 def test_r8_exact_rows_are_fixed_gemm_on_the_dequantized_weight(base: QuantFormat) -> None:
     """Every eight-row layout's fp32 (exact) rows, at 1 to 37 rows, over 9 groups (a last partial
-    panel) with bias and without: the bits of ``quant_fixed_gemm`` and of ``fixed_gemm`` on the
-    dequantized weight (one fma chain per output over k), so deterministic mode may take either."""
-    k = 512 if base.block_size == 256 else 160
+    panel) and K = 2,304 (two panel depths, 1,280 + 1,024) with bias and without: the bits of
+    ``quant_fixed_gemm`` and of ``fixed_gemm`` on the dequantized weight (one fma chain per output
+    over k), so deterministic mode may take either."""
+    k = 2304
     packed = ref.quantize(torch.randn(72, k, generator=torch.Generator().manual_seed(3)) * 0.05, base.type_id)
     r8, fmt = interleave(packed, base)
     dense = ops.quant.dequantize(r8, fmt, k)
