@@ -18,7 +18,6 @@
 // own weights and activation row (not on M or the row's place in the batch).
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <vector>

@@ -33,10 +33,8 @@ inline __m256i accumulate(__m256i acc, __m256i u, __m256i s) {
 // acc + the u8 x s8 products of each 4-byte lane in int32 lanes (VNNI, or maddubs pairs widened at
 // once on AVX2), for sums whose int16 pairs could overflow (Q6_K's 6-bit quants).
 inline __m256i accumulate32(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return accumulate(acc, u, s);  // VNNI's lanes are int32 already
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 #endif
