@@ -12,6 +12,7 @@ import functools
 import hashlib
 import os
 import platform
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,8 +63,22 @@ def cpu_cflags() -> list[str]:
     flags = ["-O3", "-fopenmp"]  # the C++ standard is torch's choice (C++20 for torch 2.13)
     if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDSERVE_NATIVE", "1") != "0":
         flags.append("-march=native")
-        flags += isa.compiler_flags()  # PAGEDSERVE_CPU_ISA: the extensions above the cap switched off
+        # PAGEDSERVE_CPU_ISA: the extensions above the cap switched off (those this compiler knows:
+        # one it does not know is one -march=native cannot have switched on)
+        flags += [flag for flag in isa.compiler_flags() if _compiler_accepts(flag)]
     return flags
+
+
+@functools.cache
+def _compiler_accepts(flag: str) -> bool:
+    """Whether the C++ compiler torch's extension builder runs (``$CXX``, else ``c++``) takes `flag`."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, flag, "-x", "c++", "-fsyntax-only", "-"], input="", capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # let the build say what is wrong with the compiler
+    return done.returncode == 0
 
 
 def cuda_cflags() -> list[str]:

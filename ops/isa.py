@@ -26,16 +26,20 @@ LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512_bf16": ("avx512_bf16",),
     "amx": ("amx_tile", "amx_bf16"),
 }
-# Flags a cap at the level below hides, and the compiler switches that turn their code off.
+# Flags a cap at the level below hides, and the compiler switches that turn their code off. The AMX
+# Xeons' AVX512-FP16 and AVX-VNNI go with amx: Zen 4, Zen 5 and Ice Lake lack FP16, Zen 4 and Ice
+# Lake AVX-VNNI, and with -march=native on a Xeon gcc emitted both (vmovw, {vex} vpdpbusd) under
+# the avx512_bf16 cap, code that not every CPU of that level can run.
 HIDDEN_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512": ("avx512", "amx", "avx10", "avx_vnni"),
     "avx512_bf16": ("avx512_bf16", "amx", "avx10"),
-    "amx": ("amx",),
+    "amx": ("amx", "avx512_fp16", "avx_vnni"),
 }
 COMPILER_OFF: dict[str, tuple[str, ...]] = {
     "avx512": ("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
-    "avx512_bf16": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
-    "amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+    "avx512_bf16": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512fp16",
+                    "-mno-avxvnni"),
+    "amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512fp16", "-mno-avxvnni"),
 }
 # MKL's names (MKL_ENABLE_INSTRUCTIONS; Intel CPUs only, MKL ignores it elsewhere): E1 adds VNNI,
 # E3 VNNI and bf16; amx is the top level, left uncapped.

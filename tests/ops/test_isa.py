@@ -6,6 +6,7 @@ same at every level."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,8 @@ CAPPED_TESTS = ["tests/ops/test_attention.py", "tests/ops/test_prefill_attention
 def test_levels_of_known_cpus() -> None:
     assert isa.level_of(ZEN3) == "avx2" and isa.level_of(ZEN5) == "avx512_bf16" and isa.level_of(XEON) == "amx"
     assert isa.level_of({"sse2"}) is None
-    assert isa.capped_flags(XEON, "avx512_bf16") == ZEN5 | {"avx512_fp16"}
+    # below amx the Xeon's AVX512-FP16 and AVX-VNNI go too (Zen 4 has neither)
+    assert isa.capped_flags(XEON, "avx512_bf16") == ZEN5 - {"avx_vnni"}
     assert isa.capped_flags(ZEN5, "avx2") == ZEN3
     assert isa.capped_flags(ZEN5, None) == ZEN5
 
@@ -109,7 +111,11 @@ def test_capped_library_and_fixed_gemm_bits(level: str, tmp_path: Path) -> None:
                                  check=True).stdout
     if level == "avx2":
         assert "zmm" not in disassembly, "an avx2-capped library holds AVX-512 code"
-    assert "tdpbf16ps" not in disassembly  # below amx: no tile instruction
+    mnemonics = set(re.findall(r"^\s*[0-9a-f]+:\s+(?:\{vex\}\s+)?([a-z][a-z0-9]*)", disassembly, re.MULTILINE))
+    assert not {m for m in mnemonics if m.startswith(("tdp", "tile"))}, "below amx: no tile instruction"
+    fp16 = {m for m in mnemonics if m == "vmovw" or (re.fullmatch(r"v\w+(ph|sh)x?", m) and m != "vcvtps2ph")}
+    assert not fp16, f"below amx: no AVX512-FP16 instruction (Zen 4/5 and Ice Lake lack it): {sorted(fp16)[:5]}"
+    assert "{vex} vpdp" not in disassembly, "below amx: no AVX-VNNI (Zen 4 and Ice Lake lack it)"
     if isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16"):
         assert "vdpbf16ps" not in disassembly, "a library capped below avx512_bf16 holds bf16 dot products"
     import ops
