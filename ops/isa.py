@@ -1,7 +1,8 @@
 """The x86 instruction-set level the project uses, and a cap that lowers it on one machine.
 
-Levels, lowest first: ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL/VNNI/VBMI), ``avx512_bf16``
-(adds the bf16 dot products), ``amx`` (adds AMX tiles for bf16). ``PAGEDSERVE_CPU_ISA=<level>``
+Levels, lowest first: ``avx2`` (AVX2 + FMA + F16C), ``avx512`` (F/BW/VL/VNNI: Cascade Lake up),
+``avx512_bf16`` (adds the bf16 dot products and VBMI's byte permutes, which the bf16 kernel needs:
+Zen 4/5), ``amx`` (adds AMX tiles for bf16). ``PAGEDSERVE_CPU_ISA=<level>``
 caps what the project uses below what the CPU has: the C++ kernels are compiled with the higher
 extensions switched off (``compiler_flags``; the build key includes them, so each level has its own
 library), the Python feature checks behind ``dtype auto`` and the bf16 screens see the CPU's flags
@@ -22,23 +23,24 @@ LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 # /proc/cpuinfo flags each level adds to the one below (all of them must be present).
 LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"),
-    "avx512_bf16": ("avx512_bf16",),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    "avx512_bf16": ("avx512_bf16", "avx512vbmi"),
     "amx": ("amx_tile", "amx_bf16"),
 }
 # Flags a cap at the level below hides, and the compiler switches that turn their code off. The AMX
 # Xeons' AVX512-FP16 and AVX-VNNI go with amx: Zen 4, Zen 5 and Ice Lake lack FP16, Zen 4 and Ice
 # Lake AVX-VNNI, and with -march=native on a Xeon gcc emitted both (vmovw, {vex} vpdpbusd) under
-# the avx512_bf16 cap, code that not every CPU of that level can run.
+# the avx512_bf16 cap, code that not every CPU of that level can run. VBMI goes with avx512_bf16
+# (only the bf16 kernel uses it), so a Cascade Lake Xeon, without it, is an avx512 CPU.
 HIDDEN_FLAGS: dict[str, tuple[str, ...]] = {
     "avx512": ("avx512", "amx", "avx10", "avx_vnni"),
-    "avx512_bf16": ("avx512_bf16", "amx", "avx10"),
+    "avx512_bf16": ("avx512_bf16", "avx512vbmi", "amx", "avx10"),
     "amx": ("amx", "avx512_fp16", "avx_vnni"),
 }
 COMPILER_OFF: dict[str, tuple[str, ...]] = {
     "avx512": ("-mno-avx512f", "-mno-avxvnni", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
-    "avx512_bf16": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512fp16",
-                    "-mno-avxvnni"),
+    "avx512_bf16": ("-mno-avx512bf16", "-mno-avx512vbmi", "-mno-avx512vbmi2", "-mno-amx-tile", "-mno-amx-bf16",
+                    "-mno-amx-int8", "-mno-avx512fp16", "-mno-avxvnni"),
     "amx": ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512fp16", "-mno-avxvnni"),
 }
 # MKL's names (MKL_ENABLE_INSTRUCTIONS; Intel CPUs only, MKL ignores it elsewhere): E1 adds VNNI,

@@ -19,6 +19,8 @@ from ops import isa
 ZEN3 = {"avx2", "fma", "f16c", "vaes"}
 ZEN5 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx512_bf16", "avx_vnni"}
 XEON = ZEN5 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16"}
+CASCADE_LAKE = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+COOPER_LAKE = CASCADE_LAKE | {"avx512_bf16"}  # no VBMI: the bf16 kernel's byte permutes are missing
 LOWER = isa.machine_levels()[:-1]  # the machine's own level is what the rest of the suite runs
 ROOT = Path(__file__).resolve().parents[2]
 # What a capped run checks: the kernels against the reference, the linears (the bf16 ones on
@@ -40,6 +42,8 @@ CAPPED_TESTS = ["tests/ops/test_attention.py", "tests/ops/test_prefill_attention
 def test_levels_of_known_cpus() -> None:
     assert isa.level_of(ZEN3) == "avx2" and isa.level_of(ZEN5) == "avx512_bf16" and isa.level_of(XEON) == "amx"
     assert isa.level_of({"sse2"}) is None
+    assert isa.level_of(CASCADE_LAKE) == "avx512" and isa.level_of(COOPER_LAKE) == "avx512"
+    assert isa.capped_flags(XEON, "avx512") == CASCADE_LAKE
     # below amx the Xeon's AVX512-FP16 and AVX-VNNI go too (Zen 4 has neither)
     assert isa.capped_flags(XEON, "avx512_bf16") == ZEN5 - {"avx_vnni"}
     assert isa.capped_flags(ZEN5, "avx2") == ZEN3
@@ -48,6 +52,7 @@ def test_levels_of_known_cpus() -> None:
 
 def test_a_cap_above_the_cpu_or_unknown_is_refused() -> None:
     assert isa.cap_from_env("avx512", ZEN5) == "avx512" and isa.cap_from_env(None, ZEN5) is None
+    assert isa.cap_from_env("avx512", CASCADE_LAKE) == "avx512"
     with pytest.raises(isa.IsaCapError, match="above this CPU"):
         isa.cap_from_env("amx", ZEN5)
     with pytest.raises(isa.IsaCapError, match="not a level"):
@@ -118,6 +123,8 @@ def test_capped_library_and_fixed_gemm_bits(level: str, tmp_path: Path) -> None:
     assert "{vex} vpdp" not in disassembly, "below amx: no AVX-VNNI (Zen 4 and Ice Lake lack it)"
     if isa.LEVELS.index(level) < isa.LEVELS.index("avx512_bf16"):
         assert "vdpbf16ps" not in disassembly, "a library capped below avx512_bf16 holds bf16 dot products"
+        vbmi = mnemonics & {"vpermb", "vpermi2b", "vpermt2b", "vpmultishiftqb"}
+        assert not vbmi, f"below avx512_bf16: no VBMI instruction (Cascade Lake lacks it): {sorted(vbmi)}"
     import ops
     g = torch.Generator().manual_seed(1)
     w, x, b = torch.randn(200, 96, generator=g), torch.randn(37, 96, generator=g), torch.randn(200, generator=g)
