@@ -188,4 +188,16 @@ inline void transpose_rows(const float* rows, int64_t ld, int64_t k_len, float* 
     for (int r = 0; r < 8; ++r) wide[k * stride + r] = rows[r * ld + k];
 }
 
+// Weights [k0, k1) of a group whose rows are dequantized a block at a time (the K-quants, Q5, Q8):
+// row_block(b, r, dst) writes row r's block b (kBlockLen fp32 values) to dst; each block's eight
+// rows are then transposed into lanes [0, 8) of wide[k][stride]. k0 and k1 are multiples of kBlockLen.
+template <int64_t kBlockLen, class RowBlock>
+inline void widen_blocks(int64_t k0, int64_t k1, float* wide, int64_t stride, RowBlock&& row_block) {
+  float rows[kGroupRows * kBlockLen];
+  for (int64_t b = k0 / kBlockLen; b < k1 / kBlockLen; ++b) {
+    for (int r = 0; r < kGroupRows; ++r) row_block(b, r, rows + r * kBlockLen);
+    transpose_rows(rows, kBlockLen, kBlockLen, wide + (b * kBlockLen - k0) * stride, stride);
+  }
+}
+
 }  // namespace pagedserve::cpu::panels

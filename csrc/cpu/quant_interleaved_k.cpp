@@ -407,17 +407,12 @@ void fp32_chunk(const float* x, int64_t ldx, int64_t m_len, int64_t nsb, const u
                 float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
   panels::fp32_groups(x, ldx, m_len, nsb * kSuperBlock, bias, out, ldo, g_begin, g_end,
                       [&](int64_t g, int64_t k0, int64_t k1, float* wide, int64_t stride) {
-                        float rows[kRows * kSuperBlock];
-                        BlockOf<F> block;
                         const uint8_t* tiles = w + g * nsb * tile_bytes<F>();
-                        for (int64_t b = k0 / kSuperBlock; b < k1 / kSuperBlock; ++b) {
-                          for (int r = 0; r < kRows; ++r) {
-                            gguf_block(tiles + b * tile_bytes<F>(), r, block);
-                            dequant_block<F>(&block, rows + r * kSuperBlock);
-                          }
-                          panels::transpose_rows(rows, kSuperBlock, kSuperBlock,
-                                                 wide + (b * kSuperBlock - k0) * stride, stride);
-                        }
+                        panels::widen_blocks<kSuperBlock>(k0, k1, wide, stride, [&](int64_t b, int r, float* dst) {
+                          BlockOf<F> block;
+                          gguf_block(tiles + b * tile_bytes<F>(), r, block);
+                          dequant_block<F>(&block, dst);
+                        });
                       });
 }
 

@@ -314,16 +314,12 @@ void fp32_groups(const float* x, int64_t ldx, int64_t m_len, int64_t nb, const u
                  float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
   panels::fp32_groups(x, ldx, m_len, nb * kBlock, bias, out, ldo, g_begin, g_end,
                       [&](int64_t g, int64_t k0, int64_t k1, float* wide, int64_t stride) {
-                        alignas(8) uint8_t blk[sizeof(BlockOf<F>)];
-                        float rows[kRows * kBlock];
                         const uint8_t* tiles = w + g * nb * kTileBytes<F>;
-                        for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) {
-                          for (int r = 0; r < kRows; ++r) {
-                            tile_to_block<F>(tiles + b * kTileBytes<F>, r, blk);
-                            dequant_block<F>(blk, rows + r * kBlock);
-                          }
-                          panels::transpose_rows(rows, kBlock, kBlock, wide + (b * kBlock - k0) * stride, stride);
-                        }
+                        panels::widen_blocks<kBlock>(k0, k1, wide, stride, [&](int64_t b, int r, float* dst) {
+                          alignas(8) uint8_t blk[sizeof(BlockOf<F>)];
+                          tile_to_block<F>(tiles + b * kTileBytes<F>, r, blk);
+                          dequant_block<F>(blk, dst);
+                        });
                       });
 }
 
