@@ -102,7 +102,7 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* 
 #pragma GCC unroll 6
     for (int m = 0; m < M; ++m) {
       const Vec xb = vec::broadcast(x + m * ldx + k);
-      for (int v = 0; v < V; ++v) acc[m][v] += wv[v] * xb;
+      for (int v = 0; v < V; ++v) acc[m][v] = vec::fma(wv[v], xb, acc[m][v]);
     }
   }
   for (int m = 0; m < M; ++m)
