@@ -17,6 +17,7 @@ Files go to ``${PAGEDSERVE_CACHE:-~/.cache/pagedserve}/ladder/<rung>/``; a file 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -207,7 +208,7 @@ def make_rung(rung: Rung, peer_python: str | None, formats: list[str], seed: int
         paths[fmt] = folder / f"{rung.name}.{fmt}.gguf"
         if peer_python is None:
             raise SystemExit("quantized formats need --peer-python (llama.cpp's quantizer)")
-        steps.append((fmt, lambda fmt=fmt: quantize(peer_python, paths["F16"], fmt, paths[fmt], threads)))
+        steps.append((fmt, functools.partial(quantize, peer_python, paths["F16"], fmt, paths[fmt], threads)))
     for kind, step in steps:
         if paths[kind].exists():
             continue
