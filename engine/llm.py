@@ -99,9 +99,9 @@ class LLM:
         with the pooling runner (`runner="pooling"`, or an embedding model's folder). A prompt the
         engine refuses raises ValueError before anything runs."""
         self.engine.check_open()
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]  # type: ignore[list-item]
-        token_lists = [self._encode(p) for p in prompts]  # type: ignore[arg-type]
+        items: list[Any] = [prompts] if isinstance(prompts, str) or (
+            prompts and all(isinstance(t, int) for t in prompts)) else list(prompts)
+        token_lists = [self._encode(p) for p in items]
         ids = [f"embed-{next(self._ids)}" for _ in token_lists]
         params = SamplingParams(max_tokens=1)
         pooling = pooling_params or PoolingParams()

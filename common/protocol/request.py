@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.pooling_params import PoolingParamError, PoolingParams
 from common.protocol.fields import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -20,7 +21,6 @@ from common.protocol.fields import (
     text,
     unpack,
 )
-from common.pooling_params import PoolingParamError, PoolingParams
 from common.sampling_params import ParamError, SamplingParams
 
 MAX_ABORT_IDS = 10_000

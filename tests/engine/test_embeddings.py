@@ -89,7 +89,7 @@ def test_vector_does_not_depend_on_batch_chunking_or_cache(embedder: LLM) -> Non
     others = [[rng.randrange(256) for _ in range(rng.randrange(1, 120))] for _ in range(7)]
     alone = embedder.embed([target])[0].outputs.embedding
     embedder.reset_prefix_cache()
-    mixed = embedder.embed(others[:4] + [target] + others[4:])
+    mixed = embedder.embed([*others[:4], target, *others[4:]])
     assert mixed[4].outputs.embedding == alone
     cached = embedder.embed([target])[0].outputs.embedding  # its full blocks are prefix-cache hits now
     assert cached == alone
@@ -114,7 +114,7 @@ def test_refusals_leave_the_engine_serving(embedder: LLM) -> None:
         llm.embed([[]])
     with pytest.raises(ValueError, match="max_model_len"):
         llm.embed([[1] * 600])
-    with pytest.raises(ValueError, match="vocabulary|token ids"):
+    with pytest.raises(ValueError, match=r"vocabulary|token ids"):
         llm.embed([[1, 2, 99999]])
     assert_no_leaks(llm)
     assert len(llm.embed([[1, 2, 3]])[0].outputs.embedding) == 64
