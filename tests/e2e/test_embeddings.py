@@ -84,11 +84,10 @@ async def test_float_and_base64_match_the_engine_and_hf(stack: tuple[str, Engine
         assert [d.embedding for d in default.data] == want
         by_ids = await client.embeddings.create(model=EMBED, input=ids[2], encoding_format="float")
         assert by_ids.data[0].embedding == want[2]
-        async with aiohttp.ClientSession() as session:  # raw base64: little-endian float32
-            async with session.post(f"{url}/v1/embeddings", json={"model": EMBED, "input": [ids[1], ids[0]],
-                                                                  "encoding_format": "base64"}) as resp:
-                assert resp.status == 200
-                body = await resp.json()
+        raw_body = {"model": EMBED, "input": [ids[1], ids[0]], "encoding_format": "base64"}
+        async with aiohttp.ClientSession() as session, session.post(f"{url}/v1/embeddings", json=raw_body) as resp:
+            assert resp.status == 200  # raw base64: little-endian float32
+            body = await resp.json()
         raw = [array("f", base64.b64decode(d["embedding"])).tolist() for d in body["data"]]
         assert raw == [want[1], want[0]]
         models = {m.id: m for m in (await client.models.list()).data}
