@@ -115,7 +115,9 @@ class LLM:
         vectors: dict[str, bytes] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.error is not None:
+                if out.error is not None:  # refused by the scheduler: the others stop too
+                    for request_id in ids:
+                        self.engine.abort_request(request_id)
                     raise ValueError(out.error)
                 if out.finished and out.embedding is not None:
                     vectors[out.request_id] = out.embedding
