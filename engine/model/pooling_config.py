@@ -70,6 +70,12 @@ def _pooling_dir(folder: Path, modules: list[dict[str, Any]] | None) -> Path:
     return folder / "1_Pooling"
 
 
+def is_headless(hf_config: Any) -> bool:
+    """Architectures without an LM head (`Qwen3Model`, `LlamaModel`): an embedding checkpoint."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    return bool(archs) and all(str(a).endswith("Model") for a in archs)
+
+
 def is_pooling_model(model: str, hf_config: Any) -> bool:
     """An embedding model's folder: a headless architecture or a sentence-transformers layout."""
     folder = Path(model).expanduser()
@@ -77,12 +83,14 @@ def is_pooling_model(model: str, hf_config: Any) -> bool:
         return False  # a GGUF file is served as the generative model it holds
     if (folder / "modules.json").is_file() or (folder / "1_Pooling" / "config.json").is_file():
         return True
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    return bool(archs) and all(str(a).endswith("Model") for a in archs)
+    return is_headless(hf_config)
 
 
 def resolve_runner(runner: str, model: str, hf_config: Any) -> str:
     """`generate` or `pooling` for `--runner` (auto: `is_pooling_model`)."""
+    if runner == "generate" and is_headless(hf_config):
+        raise PoolingConfigError(f"{model}: {', '.join(hf_config.architectures)} has no LM head to generate with; "
+                                 "serve it with --runner pooling (or auto)")
     if runner != "auto":
         return runner
     return "pooling" if is_pooling_model(model, hf_config) else "generate"

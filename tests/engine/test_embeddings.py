@@ -161,3 +161,10 @@ def test_unserved_architecture_is_refused_by_name(tmp_path: Path) -> None:
                          intermediate_size=64)).save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedModelError, match="bert"):
         LLM(str(tmp_path), **SMALL, runner="pooling")
+
+
+def test_headless_model_cannot_generate(qwen3_embedder_dir: Path) -> None:
+    from engine.model.pooling_config import PoolingConfigError
+
+    with pytest.raises(PoolingConfigError, match="no LM head"):
+        LLM(str(qwen3_embedder_dir), **SMALL, runner="generate")
