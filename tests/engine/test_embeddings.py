@@ -25,6 +25,16 @@ SMALL = {"dtype": "float32", "kv_cache_memory": 8 << 20, "swap_space": 1 << 20}
 PROMPTS = [[5, 9, 200, 31, 77], list(range(40, 140)), [3], [250, 7, 7, 7, 19, 64, 100, 8, 2, 11, 90]]
 
 
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Two torch threads whatever OMP_NUM_THREADS says: work a kernel splits between threads only
+    when a step is small shows up only then (as in test_batch_invariance)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def qwen3_embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A headless random Qwen3 (`Qwen3Model`): served as pooling by auto-detection."""
@@ -74,6 +84,7 @@ def test_last_token_of_headless_qwen3_matches_hf(embedder: LLM, qwen3_embedder_d
 
 
 @pytest.mark.parametrize("pooling", ["MEAN", "CLS"])
+@pytest.mark.usefixtures("two_threads")
 def test_generative_model_pooled_with_runner_pooling(llama_dir: Path, pooling: str) -> None:
     with LLM(str(llama_dir), **SMALL, runner="pooling", pooling_type=pooling, max_num_batched_tokens=32) as llm:
         results = llm.embed(PROMPTS)
@@ -81,8 +92,11 @@ def test_generative_model_pooled_with_runner_pooling(llama_dir: Path, pooling: s
         again = llm.embed(PROMPTS)  # full prompt blocks now come from the prefix cache: recomputed rows
         assert [r.outputs.embedding for r in again] == [r.outputs.embedding for r in results]
         assert_no_leaks(llm)
+    with LLM(str(llama_dir), **SMALL, runner="pooling", pooling_type=pooling) as whole:  # no chunking, one batch
+        assert [r.outputs.embedding for r in whole.embed(PROMPTS)] == [r.outputs.embedding for r in results]
 
 
+@pytest.mark.usefixtures("two_threads")
 def test_vector_does_not_depend_on_batch_chunking_or_cache(embedder: LLM) -> None:
     rng = random.Random(3)
     target = [rng.randrange(256) for _ in range(90)]
