@@ -18,6 +18,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 2048}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # engine/model/spec.py sizes each
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner: auto reads the model folder (engine.model.pooling_config)
 QUANTIZATIONS = ("auto", "requantize", "dequantize")  # a .gguf's tensors: in their own formats (those
 # without a kernel in fp32), those as Q8_0, or everything converted to dtype
 
@@ -66,6 +67,10 @@ class EngineConfig:
     # Seconds a request's grammar (structured output) may take to compile, off the engine thread,
     # before the request is refused with a 400; the compile itself runs on (it cannot be interrupted)
     grammar_compile_timeout: float = 10.0
+    # "pooling": serve embeddings (/v1/embeddings) from the final hidden states instead of generating;
+    # "auto": pooling for an embedding model's folder (engine.model.pooling_config), else generate
+    runner: str = "auto"
+    pooling_type: str | None = None  # LAST | MEAN | CLS; None: the folder's sentence-transformers config, else LAST
 
     @property
     def serves_quantized_weights(self) -> bool:
@@ -101,6 +106,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1 and tensor_parallel_timeout > 0")
         if self.tensor_parallel_threads is not None and self.tensor_parallel_threads < 1:
             raise ValueError("tensor_parallel_threads must be >= 1")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooling_type is not None and self.pooling_type not in ("LAST", "MEAN", "CLS"):
+            raise ValueError(f"pooling_type must be LAST, MEAN or CLS, got {self.pooling_type!r}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be > 0 seconds")
         if isinstance(self.speculative_config, dict):

@@ -79,6 +79,7 @@ class EngineHeartbeat:
     routed: bool = False
     block_size: int = 0
     cached: list[int] = field(default_factory=list)
+    runner: str = "generate"  # "pooling": the engine serves embeddings, not generation
 
     def identity(self) -> tuple[str, int, int]:
         """What must be equal between engines serving one model name."""
@@ -98,6 +99,8 @@ class EngineHeartbeat:
             fields["block_size"] = str(self.block_size)
         if self.cached:
             fields["cached"] = pack_keys(self.cached[:MAX_CACHED])
+        if self.runner != "generate":
+            fields["runner"] = self.runner
         if self.tables:
             fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
         return fields
@@ -121,7 +124,10 @@ class EngineHeartbeat:
                 vocab_size=int(text.get("vocab_size", "0")), draining=text.get("draining", "0") == "1",
                 routed=text.get("routed", "0") == "1", block_size=int(text.get("block_size", "0")),
                 cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED],
+                runner=text.get("runner", "generate"),
             )
+            if beat.runner not in ("generate", "pooling"):
+                raise ProtocolError(f"heartbeat: unknown runner {beat.runner[:20]!r}")
             if beat.block_size < 0 or (beat.cached and beat.block_size == 0):
                 raise ProtocolError("heartbeat: cached keys without a positive block size")
             if not beat.engine_id or not beat.model or beat.max_model_len < 0 or beat.vocab_size < 0:

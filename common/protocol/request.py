@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.pooling_params import PoolingParamError, PoolingParams
 from common.protocol.fields import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -35,7 +36,8 @@ class EngineRequest:
     running before admitting it. `gateway_token` is the submitting gateway process's liveness
     token (the value of its ``{prefix}:gateway:<id>`` key): an engine stops the request at once
     when that key holds another token (the gateway restarted under the same id); empty: an older
-    gateway, only the key's presence counts."""
+    gateway, only the key's presence counts. `pooling`: an embedding request (a pooling engine
+    prefills the prompt and answers with its pooled vector instead of tokens); None: generation."""
 
     id: str
     gateway: str
@@ -47,14 +49,18 @@ class EngineRequest:
     handoffs: int = 0
     epoch: str = ""
     gateway_token: str = ""
+    pooling: PoolingParams | None = None
 
     def encode(self) -> bytes:
-        return pack({
+        obj = {
             "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
             "prompt_token_ids": list(self.prompt_token_ids), "params": self.params.to_dict(),
             "arrival": self.arrival, "deadline": self.deadline, "handoffs": self.handoffs,
             "epoch": self.epoch, "gateway_token": self.gateway_token,
-        })
+        }
+        if self.pooling is not None:  # absent for generation: older engines read the message as before
+            obj["pooling"] = self.pooling.to_dict()
+        return pack(obj)
 
     @classmethod
     def decode(cls, data: bytes) -> EngineRequest:
@@ -70,6 +76,7 @@ class EngineRequest:
                 handoffs=integer(obj, "handoffs", what, hi=1 << 20, default=0),
                 epoch=text(obj, "epoch", what, default=""),
                 gateway_token=text(obj, "gateway_token", what, default=""),
+                pooling=None if obj.get("pooling") is None else _pooling(mapping(obj, "pooling", what)),
             )
         if not request.id:
             raise ProtocolError("request: empty id")
@@ -83,6 +90,13 @@ def _params(raw: dict[str, object]) -> SamplingParams:
         return SamplingParams.from_dict(raw)
     except ParamError as exc:
         raise ProtocolError(f"request: params.{exc.param}: {exc}") from exc
+
+
+def _pooling(raw: dict[str, object]) -> PoolingParams:
+    try:
+        return PoolingParams.from_dict({str(k): v for k, v in raw.items()})
+    except PoolingParamError as exc:
+        raise ProtocolError(f"request: pooling.{exc.param}: {exc}") from exc
 
 
 @dataclass(slots=True)

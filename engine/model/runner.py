@@ -132,6 +132,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
         out.prompt_hidden = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
+        if plan.pooling:
+            out.pooled_hidden = _chunk_rows(hidden, sched.scheduled, plan.pooling)
         return out
 
     def _sample_rows(self, rows: Tensor, plan: StepPlan) -> tuple[Tensor, Tensor | None]:
@@ -207,6 +209,17 @@ class ModelRunner:
         return StepBatch(_on(input_ids, self.device), _on(positions, self.device), inputs.metadata(self.device),
                          inputs, None if sample_rows is None else _on(sample_rows, self.device), sampling,
                          prompt_rows, None if spec_rows is None else _on(spec_rows, self.device))
+
+
+def _chunk_rows(hidden: Tensor, scheduled: list[ScheduledSeq],
+                chunks: tuple[ScheduledSeq, ...]) -> list[tuple[ScheduledSeq, Tensor]]:
+    """Each of `chunks`' rows of the step's hidden states (laid out in `batch_order`)."""
+    first: dict[int, int] = {}
+    row = 0
+    for s in batch_order(scheduled):
+        first[id(s)] = row
+        row += len(s.token_ids)
+    return [(s, hidden[first[id(s)] : first[id(s)] + len(s.token_ids)]) for s in chunks]
 
 
 def _on(tensor: Tensor, device: torch.device) -> Tensor:

@@ -49,6 +49,7 @@ class StepPlan:
     spec_picker: TokenPlan = field(default_factory=lambda: TokenPlan(Draws()))  # every position's token
     # spec row index -> its positions' range among all speculative positions, for rows that need logits
     spec_logit_ranges: Mapping[int, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
+    pooling: tuple[ScheduledSeq, ...] = ()  # chunks of pooling requests: their rows' hidden states, no token
 
     @property
     def picked_rows(self) -> list[int]:
@@ -73,8 +74,9 @@ def plan_step(scheduled: list[ScheduledSeq], eos_token_ids: list[int], pick_toke
             draws.add(i - len(logit_rows), seq.request.params, seq.stream, seq.num_output_tokens)
     picker = TokenPlan(draws) if len(logit_rows) < len(sampling) else None
     widths = tuple(_width(sampling[i].seq) for i in logit_rows)
+    pooling = tuple(s for s in order if s.seq.request.pooling is not None)
     return StepPlan(sampling, tuple(logit_rows), widths, picker, spec, _verify_picker(spec),
-                    MappingProxyType(_spec_logit_ranges(spec, eos_token_ids)))
+                    MappingProxyType(_spec_logit_ranges(spec, eos_token_ids)), pooling)
 
 
 def _width(seq: Sequence) -> int:
@@ -114,10 +116,12 @@ class ModelOutput:
     """The runner's answer to a `StepPlan`: fp32 `logits` of the plan's `logit_rows` (in order),
     the picker's `tokens` of the other sampling rows (in order; None without a picker), the
     hidden states of each chunk's rows that predict prompt tokens (prompt logprobs), the target's
-    token at every speculative position, and the fp32 logits of each `spec_logit_ranges` range."""
+    token at every speculative position, the fp32 logits of each `spec_logit_ranges` range, and
+    the final-norm hidden states of every row of the plan's pooling chunks."""
 
     logits: torch.Tensor
     tokens: torch.Tensor | None = None
     prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)
     spec_tokens: torch.Tensor | None = None
     spec_logits: list[torch.Tensor] = field(default_factory=list)
+    pooled_hidden: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)  # per `StepPlan.pooling`

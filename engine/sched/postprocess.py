@@ -68,6 +68,11 @@ class Postprocessor:
                 seq.num_computed += len(item.token_ids)
             self.block_manager.mark_computed(seq.seq_id, seq.num_computed)
         touched: dict[str, Request] = {}
+        for item in sched.scheduled:  # a pooling request ends when its prompt is computed
+            seq = item.seq
+            if seq.request.pooling is not None and not seq.is_finished and seq.num_computed >= len(seq.token_ids):
+                self.finish_seq(seq, "stop")
+                touched[seq.request.request_id] = seq.request
         for request_id, (start, entries) in samples.prompt_logprobs.items():
             request = self._request_of(sched, request_id)
             gathered = request.prompt_logprobs or []
@@ -189,7 +194,9 @@ class Postprocessor:
     def _output(self, request: Request) -> RequestOutput | None:
         finished = request.is_finished
         params = request.params
-        if not params.use_beam_search and params.num_candidates == params.n:
+        if request.pooling is not None:  # no tokens: the finish alone (the engine attaches the vector)
+            outputs = [CompletionOutput(0, [], "stop")] if finished else []
+        elif not params.use_beam_search and params.num_candidates == params.n:
             outputs = [self._delta(seq) for seq in request.seqs if seq.num_emitted < seq.num_output_tokens]
         elif finished:
             outputs = self._beam_outputs(request) if request.beam else self._best_of(request)

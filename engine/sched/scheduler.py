@@ -172,8 +172,9 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end] + proposals, start, table, False,
                                                   seq.keep_kv_below, 0, len(proposals)))
             else:
+                samples = end == len(seq.token_ids) and seq.request.pooling is None  # pooling: no token
                 out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end], start, table,
-                                                  end == len(seq.token_ids), seq.keep_kv_below, prompt_rows))
+                                                  samples, seq.keep_kv_below, prompt_rows))
             budget.tokens -= end - start + len(proposals)
             budget.seqs -= 1
 
@@ -315,7 +316,7 @@ class Scheduler:
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = seq.num_computed
             seq.keep_kv_below = 0
-            if seq.request.needs_prompt_logprobs:  # the cached part's logits are needed too:
+            if seq.request.recomputes_cached_prefix:  # the cached part's rows are needed too:
                 seq.keep_kv_below, seq.num_computed = seq.num_computed, 0  # recompute, keep its K/V
             seq.status = SeqStatus.RUNNING
             done.append(seq)

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 
 
@@ -128,6 +129,15 @@ class Request:
     # `prefix_donor` and run none of their tokens until it has computed those `num_shared_prefix`
     prefix_donor: Sequence | None = None
     num_shared_prefix: int = 0
+    # an embedding request (a pooling engine): its prompt is prefilled, then it finishes with its
+    # pooled vector and no token; its `pooling_type` is the engine's, set at admission
+    pooling: PoolingParams | None = None
+
+    @property
+    def recomputes_cached_prefix(self) -> bool:
+        """Prompt rows found in the prefix cache are run again (their K/V kept as cached): their
+        hidden states are needed, for prompt logprobs or for pooling over more than the last row."""
+        return self.needs_prompt_logprobs or (self.pooling is not None and self.pooling.pooling_type != "LAST")
 
     @property
     def needs_prompt_logprobs(self) -> bool:

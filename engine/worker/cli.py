@@ -19,7 +19,7 @@ from common.log import get_logger
 from common.protocol import DEFAULT_PREFIX
 from common.redis_spec import add_redis_arguments, spec_from_args
 from common.sizes import parse_size
-from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig
+from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, RUNNERS, EngineConfig
 
 if TYPE_CHECKING:
     from engine.worker.engine_worker import EngineWorker
@@ -98,6 +98,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grammar-compile-timeout", type=_positive_seconds, default=10.0,
                         help="seconds a request's grammar (guided_choice, regex, JSON schema) may take to compile, "
                              "off the step path, before the request is refused with a 400 (default %(default)s)")
+    parser.add_argument("--runner", default="auto", choices=RUNNERS,
+                        help="pooling serves /v1/embeddings from the model's final hidden states (any served "
+                             "architecture, a generative one too); auto: pooling for an embedding model's folder "
+                             "(an architecture without LM head such as Qwen3Model, or a sentence-transformers "
+                             "modules.json), else generate")
+    parser.add_argument("--pooling-type", choices=("LAST", "MEAN", "CLS"),
+                        help="with the pooling runner: last token, mean of the prompt or first token (default: "
+                             "the folder's sentence-transformers pooling config, else LAST)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between heartbeats; a silent engine's requests move after 5 intervals")
     parser.add_argument("--max-claims", type=int, default=3,
@@ -133,6 +141,7 @@ def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = 
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_timeout=args.tensor_parallel_timeout,
         tensor_parallel_threads=args.tensor_parallel_threads, master_addr=args.master_addr,
         master_port=args.master_port, grammar_compile_timeout=args.grammar_compile_timeout,
+        runner=args.runner, pooling_type=args.pooling_type,
     )
 
 

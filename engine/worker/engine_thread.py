@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from common.log import get_logger
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
@@ -42,6 +43,7 @@ class AddJob:
     prompt_token_ids: list[int]
     params: SamplingParams
     generated: list[int] = field(default_factory=list)
+    pooling: PoolingParams | None = None  # an embedding request
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +111,8 @@ class EngineThread:
 
     def add(self, job: AddJob) -> None:
         """Queue a request; a resumed one restarts by recompute from prompt + generated tokens."""
-        self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, generated=job.generated)
+        self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, generated=job.generated,
+                                pooling=job.pooling)
 
     def step(self, jobs: list[AddJob], aborts: list[str]) -> StepResult:
         """Apply aborts and adds, then run one engine step when there is work."""

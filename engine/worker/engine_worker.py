@@ -116,7 +116,8 @@ class EngineWorker:
         intake.on_data_lost = lambda: self._forget_everything(intake)
         beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, engine.tokenizer_dir,
                          engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
-                         config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size)
+                         config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size,
+                         runner=engine.runner_kind)
         runner = None
         tasks: list[asyncio.Task[None]] = []
         try:

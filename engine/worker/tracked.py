@@ -81,7 +81,8 @@ def to_wire(tracked: Tracked, out: RequestOutput) -> OutputMessage:
                                                      out.error_code or "engine_error")
     prompt = None if out.prompt_logprobs is None else [
         None if e is None else _token_logprob(e) for e in out.prompt_logprobs]
-    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt, tracked.engine_id())
+    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt, tracked.engine_id(),
+                         out.embedding)
 
 
 def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_error",
@@ -105,4 +106,4 @@ def resume(request: EngineRequest, entry_id: str, progress: Progress,
         tracked.sent = {0: len(generated)}
         if generated:
             tracked.first_token_at = tracked.started
-    return tracked, AddJob(request.id, request.prompt_token_ids, request.params, generated)
+    return tracked, AddJob(request.id, request.prompt_token_ids, request.params, generated, request.pooling)

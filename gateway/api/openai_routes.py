@@ -61,6 +61,9 @@ async def _run_generation(request: web.Request, kind: Endpoint) -> web.StreamRes
     if req.params.structured_output is not None:
         await off_loop(request.app, check_structured, req.params.structured_output, req.structured_param)
     model = await find_model(request, req.model)
+    if model.runner == "pooling":
+        raise OpenAIError(400, f"the model '{model.name}' is served for embeddings (runner pooling): use "
+                               "/v1/embeddings, not text generation", "model", "model_not_supported")
     tokenizer = await request.app[REGISTRY].tokenizer(model)
     ids = await off_loop(request.app, prompt_ids, req, tokenizer)  # a 1 MB prompt takes a second
     check_context(req, len(ids), model.max_model_len, cfg)

@@ -80,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks the engine splits the model over (see `pagedserve engine`; default 1)")
+    parser.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                        help="pooling serves /v1/embeddings instead of generation (see `pagedserve engine`; "
+                             "default %(default)s: pooling for an embedding model's folder)")
+    parser.add_argument("--pooling-type", choices=("LAST", "MEAN", "CLS"),
+                        help="with the pooling runner: which rows are pooled (see `pagedserve engine`)")
     parser.add_argument("--metrics-port", type=int, help="engine Prometheus port (gateway: /metrics)")
     parser.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
     parser.add_argument("--rate-limits", metavar="FILE",
@@ -370,7 +375,8 @@ def run(args: argparse.Namespace) -> int:
                        "--kv-cache-dtype", kv_cache_dtype, *(["--tokenizer", tokenizer] if tokenizer else []),
                        "--device", args.device,
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
-                       "--tensor-parallel-size", str(args.tensor_parallel_size)]
+                       "--tensor-parallel-size", str(args.tensor_parallel_size), "--runner", args.runner,
+                       *(["--pooling-type", args.pooling_type] if args.pooling_type else [])]
         gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), *tls,
                         "--sse-keepalive", str(args.sse_keepalive),
                         *(["--rate-limits", os.path.abspath(args.rate_limits)] if args.rate_limits else []),
