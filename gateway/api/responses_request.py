@@ -18,7 +18,8 @@ from gateway.errors import OpenAIError, bad_request
 
 # fields handed to the chat request as they are (beyond OpenAI's Responses fields: vLLM's extras)
 PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-          "repetition_penalty", "ignore_eos", "min_tokens", "parallel_tool_calls", "stream", "chat_template_kwargs")
+          "repetition_penalty", "logit_bias", "ignore_eos", "min_tokens", "parallel_tool_calls", "stream",
+          "chat_template_kwargs")
 # fields refused when set: what the gateway cannot honour
 REFUSED = {"background": "background responses", "conversation": "conversations (use previous_response_id)",
            "prompt": "prompt templates"}

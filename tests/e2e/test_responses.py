@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
@@ -38,8 +39,12 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "minLength
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, EngineProcess]]:
-    model_dir = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=4096)
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-long"), max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, EngineProcess]]:
     with RedisServer() as server:
         [engine] = start_engines(model_dir, server.url, tmp_path_factory.mktemp("e2e-responses"), ["resp-0"],
                                  "--served-model-name", MODEL, "--kv-cache-memory", "8MiB")
@@ -109,7 +114,7 @@ async def test_streamed_events(stack: tuple[str, EngineProcess]) -> None:
     created, final = events[0].response, events[-1].response  # type: ignore[union-attr]
     assert created.status == "in_progress" and created.output == [] and created.id == final.id
     text = "".join(d.delta for d in deltas)  # type: ignore[union-attr]
-    assert text == events[-5].text == final.output_text == whole.output_text  # type: ignore[union-attr]
+    assert text == events[-4].text == final.output_text == whole.output_text  # type: ignore[union-attr]
     assert {d.item_id for d in deltas} == {final.output[0].id}  # type: ignore[union-attr]
     assert final.usage.output_tokens == 12 and final.incomplete_details.reason == "max_output_tokens"
     engine.wait_drained()
@@ -136,13 +141,14 @@ async def test_tool_calls_and_previous_response_on_another_gateway(stack: tuple[
     async with serve_gateway(redis_url) as url_a, serve_gateway(redis_url) as url_b, \
             _client(url_a) as a, _client(url_b) as b:
         first = await a.responses.create(model=MODEL, input=ask, tools=TOOLS, tool_choice=tool_choice,
-                                         parallel_tool_calls=False, temperature=1.0, seed=3, max_output_tokens=300)
+                                         parallel_tool_calls=False, temperature=1.0, extra_body={"seed": 3},
+                                         max_output_tokens=300)
         assert first.status == "completed"
         [call] = _calls(first.output)
 
         stream = await a.responses.create(model=MODEL, input=ask, tools=TOOLS, tool_choice=tool_choice,
-                                          parallel_tool_calls=False, temperature=1.0, seed=3, max_output_tokens=300,
-                                          stream=True)
+                                          parallel_tool_calls=False, temperature=1.0, extra_body={"seed": 3},
+                                          max_output_tokens=300, stream=True)
         events = [event async for event in stream]
         assert [e.type for e in events] == [
             "response.created", "response.in_progress", "response.output_item.added",
@@ -163,7 +169,10 @@ async def test_tool_calls_and_previous_response_on_another_gateway(stack: tuple[
                                               {"type": "function_call", "call_id": call.call_id, "name": call.name,
                                                "arguments": call.arguments}, result])
         assert follow.usage is not None and replay.usage is not None
-        assert follow.usage.input_tokens == replay.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+        alone = await b.responses.create(model=MODEL, input=[result], tools=TOOLS, tool_choice="none",
+                                         max_output_tokens=1, store=False)  # type: ignore[list-item]
+        assert alone.usage is not None
+        assert follow.usage.input_tokens == replay.usage.input_tokens > alone.usage.input_tokens
         assert follow.output_text == replay.output_text
         got = await b.responses.retrieve(first.id)  # stored by A, read through B
         assert got.output[0].call_id == call.call_id  # type: ignore[union-attr]
@@ -176,11 +185,11 @@ async def test_json_schema_output_validates(stack: tuple[str, EngineProcess]) ->
     async with serve_gateway(redis_url) as url, _client(url) as client:
         for seed in range(3):
             resp = await client.responses.create(model=MODEL, input="Describe a person as JSON.", text={"format": fmt},
-                                                 temperature=1.0, seed=seed, max_output_tokens=200)
+                                                 temperature=1.0, extra_body={"seed": seed}, max_output_tokens=200)
             assert resp.status == "completed"
             jsonschema.validate(json.loads(resp.output_text), PERSON)
             assert resp.text is not None and resp.text.format.type == "json_schema"
-        obj = await client.responses.create(model=MODEL, input="JSON please", temperature=1.0, seed=9,
+        obj = await client.responses.create(model=MODEL, input="JSON please", temperature=1.0, extra_body={"seed": 9},
                                             max_output_tokens=300, text={"format": {"type": "json_object"}})
         assert isinstance(json.loads(obj.output_text), dict)
     engine.wait_drained()
@@ -234,10 +243,14 @@ async def test_byte_bound_keeps_nothing_larger(stack: tuple[str, EngineProcess])
     engine.wait_drained()
 
 
-async def test_agents_sdk_runs_a_tool(stack: tuple[str, EngineProcess]) -> None:
+async def test_agents_sdk_runs_a_tool(stack: tuple[str, EngineProcess], model_dir: Path) -> None:
     """An Agents SDK agent over /v1/responses: forced to call its tool on the first turn (the
-    SDK then resets tool_choice to auto), the tool runs, the agent finishes with text."""
+    SDK then resets tool_choice to auto), the tool runs, the agent finishes with text. The SDK
+    takes an incomplete response for a failure, so the random model must end its answer: EOS is
+    pushed up once `min_tokens` are out (under the first turn's grammar EOS stays masked until
+    the call is whole), which makes the final answer 3 tokens long."""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from transformers import AutoTokenizer
 
     set_tracing_disabled(True)
     calls: list[str] = []
@@ -249,14 +262,15 @@ async def test_agents_sdk_runs_a_tool(stack: tuple[str, EngineProcess]) -> None:
         return f"sunny in {city}"
 
     redis_url, engine = stack
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=1.0,
+                             extra_body={"seed": 5, "min_tokens": 3, "logit_bias": {str(eos): 100}})
     async with serve_gateway(redis_url) as url, _client(url) as client:
         agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
-                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=40,
-                                                   temperature=1.0))
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client), model_settings=settings)
         result = await Runner.run(agent, "Weather in Oslo?", max_turns=4)
-    assert len(calls) == 1 and calls[0]
-    assert isinstance(result.final_output, str)
+    assert len(calls) == 1 and calls[0] in ("Paris", "Oslo", "Lima")
+    assert isinstance(result.final_output, str) and result.final_output
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
     engine.wait_drained()
