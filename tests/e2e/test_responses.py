@@ -20,8 +20,10 @@ import aiohttp
 import jsonschema
 import openai
 import pytest
+import redis.asyncio as aioredis
 from openai import AsyncOpenAI
 
+from common.protocol import Keys
 from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 from tests.fixtures.models import make_tiny_model_dir
@@ -231,12 +233,20 @@ async def test_errors_are_openai_4xx(stack: tuple[str, EngineProcess]) -> None:
                 assert resp.status == 404 and (await resp.json())["error"]["code"] == "response_not_found"
 
 
-async def test_byte_bound_keeps_nothing_larger(stack: tuple[str, EngineProcess]) -> None:
+async def test_byte_bound_and_ttl(stack: tuple[str, EngineProcess]) -> None:
+    """A record past --responses-max-bytes is not kept (the response says store: false); a kept
+    one expires after --responses-ttl."""
     redis_url, engine = stack
-    async with serve_gateway(redis_url, responses_max_bytes=2000) as url, _client(url) as client:
+    async with serve_gateway(redis_url, responses_max_bytes=2000, responses_ttl_s=50) as url, _client(url) as client:
         small = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0)
         large = await client.responses.create(model=MODEL, input="hi " * 400, max_output_tokens=2, temperature=0)
         assert small.store is True and large.store is False
+        redis = aioredis.Redis.from_url(redis_url)
+        try:
+            assert 0 < await redis.ttl(Keys().response(small.id)) <= 50
+            assert not await redis.exists(Keys().response(large.id))
+        finally:
+            await redis.aclose()
         assert (await client.responses.retrieve(small.id)).id == small.id
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(large.id)
