@@ -21,6 +21,7 @@ from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.offload import cpu_pool_ctx
 from gateway.api.openai_routes import add_routes as add_openai_routes
 from gateway.api.ratelimit import install as install_rate_limits
+from gateway.api.responses_api import add_routes as add_responses_routes
 from gateway.broker.broker import Broker
 from gateway.broker.engines import EngineRegistry
 from gateway.broker.router import Router
@@ -111,6 +112,7 @@ def create_app(config: GatewayConfig) -> web.Application:
         install_rate_limits(app, config.rate_limits_path)
     add_openai_routes(app)
     add_embedding_routes(app)
+    add_responses_routes(app)
     add_misc_routes(app)
     add_ui_routes(app)
     return app

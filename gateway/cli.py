@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-limits", default=None, metavar="FILE",
                         help="per-API-key requests and tokens per minute, shared by all gateways through Redis "
                              "(JSON, or TOML for *.toml; reloaded on change and on SIGHUP; default: no limits)")
+    parser.add_argument("--responses-ttl", type=int, default=defaults.responses_ttl_s, metavar="SECONDS",
+                        help="keep each /v1/responses response (store: true) this long in Redis, for "
+                             "previous_response_id and GET /v1/responses/{id} on any gateway; 0 = never store "
+                             "(default %(default)s)")
+    parser.add_argument("--responses-max-bytes", type=int, default=defaults.responses_max_bytes, metavar="BYTES",
+                        help="largest stored response with its conversation, as JSON; a larger one is not "
+                             "stored and says store: false (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -86,7 +93,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_queued_per_model=args.max_queued, redis_pool=args.redis_pool,
         sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout,
         routing=args.routing == "on", route_load_slack=args.route_load_slack,
-        rate_limits_path=args.rate_limits, **extra,
+        rate_limits_path=args.rate_limits, responses_ttl_s=args.responses_ttl,
+        responses_max_bytes=args.responses_max_bytes, **extra,
     )
 
 

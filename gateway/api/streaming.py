@@ -40,7 +40,7 @@ class ClientGone(Exception):
     """The HTTP client closed the connection."""
 
 
-def _check_client(request: web.Request) -> None:
+def check_client(request: web.Request) -> None:
     if request.transport is None or request.transport.is_closing():
         raise ClientGone()
 
@@ -81,7 +81,7 @@ async def stream(request: web.Request, req: GenerationRequest, gen: Generation, 
     try:
         try:
             async for ev in gen.events():
-                _check_client(request)
+                check_client(request)
                 if ev is None:
                     if cfg.sse_keepalive_s > 0 and time.monotonic() - last_write >= cfg.sse_keepalive_s:
                         if not sse.started:
@@ -121,7 +121,7 @@ async def complete(request: web.Request, req: GenerationRequest, gen: Generation
     """Non-streaming: gather every choice, answer one JSON object. Raises GenerationError."""
     outs = [ChoiceOutput(req, tok) for _ in range(req.params.n)]
     async for ev in gen.events():
-        _check_client(request)
+        check_client(request)
         if ev is not None:
             outs[ev.index].feed(ev, gen.prompt_logprobs)
     choices = []
