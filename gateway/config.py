@@ -45,6 +45,14 @@ class GatewayConfig:
     routing: bool = True
     route_load_slack: float = 4.0  # requests more than the least loaded engine before routing by load
     rate_limits_path: str | None = None  # per-API-key limits file (gateway/ratelimit_config.py); None: no limits
+    # --reasoning-parser: (model name, parser name) pairs, model "" for every model; they override what
+    # engines announce and what chat templates imply (gateway/text/reasoning.py)
+    reasoning_parsers: tuple[tuple[str, str], ...] = ()
+
+    def reasoning_parser_for(self, model: str) -> str | None:
+        """This gateway's --reasoning-parser for `model` (a parser name or "none"), None when not set."""
+        named = dict(self.reasoning_parsers)
+        return named.get(model, named.get(""))
 
     @property
     def redis_spec(self) -> RedisSpec:

@@ -10,6 +10,7 @@ from redis.exceptions import RedisError
 
 from common.protocol import EngineRequest
 from common.redis_conn import PoolBusy
+from gateway.api import reasoning
 from gateway.api.body import read_json
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
@@ -62,7 +63,9 @@ async def _run_generation(request: web.Request, kind: Endpoint) -> web.StreamRes
         await off_loop(request.app, check_structured, req.params.structured_output, req.structured_param)
     model = await find_model(request, req.model)
     tokenizer = await request.app[REGISTRY].tokenizer(model)
+    reasoning.choose(req, cfg, model, tokenizer)
     ids = await off_loop(request.app, prompt_ids, req, tokenizer)  # a 1 MB prompt takes a second
+    reasoning.check_constraint(req)
     check_context(req, len(ids), model.max_model_len, cfg)
     await admit(request, len(ids) + req.params.n * req.params.max_tokens)  # per-key limits (429 over them)
     rid = kind.id_prefix + uuid.uuid4().hex
@@ -78,7 +81,7 @@ async def _run_generation(request: web.Request, kind: Endpoint) -> web.StreamRes
         raise OpenAIError(429, f"server busy: {exc}", code="overloaded",
                           headers={"Retry-After": str(cfg.retry_after_s)}) from exc
     gen = Generation(broker, collector, tokenizer, req.stop, len(ids), cfg.request_timeout_s, cfg.sse_ping_s,
-                     req.tools.active, req.tools.max_calls)
+                     req.tools.active, req.tools.max_calls, reasoning.factory(req))
     metrics.in_flight.inc()
     try:
         try:
