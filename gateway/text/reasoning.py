@@ -152,7 +152,7 @@ def template_default(chat_template: str | None) -> str | None:
         return None
     if "<|channel|>" in chat_template and "<|message|>" in chat_template:
         return "gpt_oss"
-    if CLOSE not in chat_template:
+    if OPEN not in chat_template and CLOSE not in chat_template:
         return None
     return "qwen3" if "enable_thinking" in chat_template else "deepseek_r1"
 
