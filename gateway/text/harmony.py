@@ -27,8 +27,15 @@ START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", 
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)
 MAX_HEADER = 1024  # characters of a header without <|message|> before the text is taken as plain content
+# (text that does not open with a marker is plain content at once: a model not speaking harmony)
 _CHANNEL = re.compile(r"<\|channel\|>\s*([\w.-]+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+
+def _header_like(text: str) -> bool:
+    """Whether `text` may be (the start of) a message header: it opens with a marker."""
+    head = text.lstrip()
+    return any(head.startswith(m) or m.startswith(head) for m in (START, CHANNEL))
 
 
 def call_block(name: str, arguments: str) -> str:
@@ -53,20 +60,24 @@ class HarmonyReasoningParser(ReasoningParser):
         self._channel = ""
         self._recipient: str | None = None
         self._call_args = ""
+        self._done = False  # past <|return|> or <|call|>: the answer is over (what follows is EOS text)
 
     def feed(self, text: str) -> tuple[str, str]:
-        self._buf += text
+        self._buf = "" if self._done else self._buf + text
         reasoning = content = ""
         while True:
+            if self._done:
+                self._buf = ""
+                return reasoning, content
             if self._raw:
                 content, self._buf = content + self._buf, ""
                 return reasoning, content
             if not self._in_body:
                 at = self._buf.find(MESSAGE)
+                if not _header_like(self._buf) or (at < 0 and len(self._buf) > MAX_HEADER):
+                    self._raw = True
+                    continue
                 if at < 0:
-                    if len(self._buf) > MAX_HEADER:
-                        self._raw = True
-                        continue
                     return reasoning, content
                 self._header(self._buf[:at])
                 self._buf, self._in_body = self._buf[at + len(MESSAGE):], True
@@ -77,6 +88,7 @@ class HarmonyReasoningParser(ReasoningParser):
                 r2, c2 = self._close()
                 reasoning, content = reasoning + r + r2, content + c + c2
                 self._buf, self._in_body = self._buf[end + len(marker):], False
+                self._done = marker != ENDS[0]
                 continue
             keep = max(partial_suffix(self._buf, m) for m in ENDS)
             r, c = self._body(self._buf[:len(self._buf) - keep])
@@ -85,6 +97,8 @@ class HarmonyReasoningParser(ReasoningParser):
 
     def finish(self) -> tuple[str, str]:
         """At the end: an open message ends there (max_tokens); a header alone is dropped."""
+        if self._done:
+            return "", ""
         if self._raw or not self._in_body:
             rest, self._buf = self._buf, ""
             plain = not any(m in rest for m in MARKERS) and not self._channel

@@ -9,7 +9,6 @@ then answers at once, all content."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp

@@ -72,8 +72,10 @@ async def _run(gw: Gateway, body: dict[str, Any], texts: list[str]) -> tuple[int
 def _streamed(events: list[dict[str, Any]], index: int = 0) -> tuple[str, str, str, list[dict[str, Any]]]:
     """Joined reasoning, reasoning_content and content deltas of one choice, and its deltas."""
     deltas = [c["delta"] for e in events for c in e["choices"] if c["index"] == index]
-    return ("".join(d.get("reasoning") or "" for d in deltas), "".join(d.get("reasoning_content") or "" for d in deltas),
-            "".join(d.get("content") or "" for d in deltas), deltas)
+    def joined(key: str) -> str:
+        return "".join(d.get(key) or "" for d in deltas)
+
+    return joined("reasoning"), joined("reasoning_content"), joined("content"), deltas
 
 
 async def test_whole_and_streamed_split(qwen3: Gateway) -> None:
