@@ -20,8 +20,9 @@ from tests.e2e.support import EngineProcess, GatewayProcess, start_engines
 from tests.fixtures.scripted_model import make_scripted_model_dir
 
 MODEL = "qwen3-scripted"
-QWEN3_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+QWEN3_TEMPLATE = (  # Qwen3's shape: tools rendered natively, enable_thinking false closes an empty think block
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
