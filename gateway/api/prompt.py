@@ -35,10 +35,11 @@ def chat_ids(req: GenerationRequest, tokenizer: ModelTokenizer) -> list[int]:
     text the template appends for the answer (it may open or close the thinking)."""
     try:
         messages, tools = _template_input(req, tokenizer)
-        if req.reasoning_parser is not None:
-            added = tokenizer.generation_prompt(messages, tools=tools, template_args=req.extra_template_args)
-            req.reasoning_start = prompt_start(added)
-        return tokenizer.encode_chat(messages, tools=tools, template_args=req.extra_template_args)
+        if req.reasoning_parser is None:
+            return tokenizer.encode_chat(messages, tools=tools, template_args=req.extra_template_args)
+        text, added = tokenizer.render_with_answer_prefix(messages, tools=tools, template_args=req.extra_template_args)
+        req.reasoning_start = prompt_start(added)
+        return tokenizer.encode(text, add_special_tokens=False)  # as encode_chat does
     except TemplateError as exc:
         raise bad_request(str(exc), "messages", "invalid_messages") from exc
 

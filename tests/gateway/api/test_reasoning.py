@@ -191,3 +191,55 @@ async def test_openai_client_reads_the_fields(qwen3: Gateway) -> None:
     message = (await post).choices[0].message
     assert message.content == "Hello there!"
     assert getattr(message, "reasoning_content", None) == "The user greets me. I greet back."
+
+
+HARMONY_TEMPLATE = (  # gpt-oss's shape (its channels imply the gpt_oss parser)
+    "{% for m in messages %}{% if m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+    "{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endif %}{% endfor %}"
+    "{% if tools %}<|start|>developer<|message|>functions:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|end|>{% endif %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+@pytest.fixture
+async def gpt_oss(redis_server: str, tiny_tokenizer_dir: Path, tmp_path: Path) -> AsyncIterator[Gateway]:
+    """A tokenizer with harmony's markers as special tokens and a harmony template."""
+    from tokenizers import Tokenizer
+
+    path = _tokenizer_dir(tiny_tokenizer_dir, tmp_path / "oss", HARMONY_TEMPLATE)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(HARMONY_MARKERS)
+    tok.save(str(path / "tokenizer.json"))
+    async with open_gateway(redis_server, path) as gw:
+        gw.engine.max_model_len = 4096
+        await gw.engine.beat()
+        yield gw
+
+
+async def test_harmony_channels_and_function_calls(gpt_oss: Gateway) -> None:
+    analysis = "<|channel|>analysis<|message|>Need the weather tool.<|end|>"
+    call = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city":"Paris"}<|call|>')
+    final = "<|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>"
+    _, body, prompt = await _run(gpt_oss, {}, [analysis + final])
+    assert prompt.endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+    message = body["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Need the weather tool.", "It is sunny.")
+
+    for stream in (False, True):
+        _, out, prompt = await _run(gpt_oss, {"tools": TOOLS, "stream": stream}, [analysis + call])
+        assert "functions: get_weather" in prompt
+        if stream:
+            reasoning, _, content, deltas = _streamed(out)
+            calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+            args = "".join(tc["function"].get("arguments") or "" for tc in calls)
+            assert (reasoning, content, calls[0]["function"]["name"]) == ("Need the weather tool.", "", "get_weather")
+            assert json.loads(args) == {"city": "Paris"}
+            assert [c["finish_reason"] for e in out for c in e["choices"] if c["finish_reason"]] == ["tool_calls"]
+        else:
+            choice = out["choices"][0]
+            assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+            assert choice["message"]["reasoning_content"] == "Need the weather tool."
+            assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                    for c in choice["message"]["tool_calls"]] == [("get_weather", {"city": "Paris"})]
