@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import re
 
-from gateway.text.reasoning import ReasoningParser, Start
+from gateway.text.think import ReasoningParser, Start
 from gateway.text.tool_parser import CLOSE as CALL_CLOSE
 from gateway.text.tool_parser import OPEN as CALL_OPEN
 from gateway.text.tool_parser import partial_suffix
