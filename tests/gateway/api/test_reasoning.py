@@ -243,3 +243,26 @@ async def test_harmony_channels_and_function_calls(gpt_oss: Gateway) -> None:
             assert choice["message"]["reasoning_content"] == "Need the weather tool."
             assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                     for c in choice["message"]["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+
+
+def test_reasoning_parser_flags() -> None:
+    """`pagedserve gateway --reasoning-parser [MODEL=]PARSER` (repeatable; a bare name is every
+    model's, a model's own wins) and the engine's `--reasoning-parser`, which `up` passes on."""
+    import argparse
+
+    from engine.worker.cli import add_arguments as engine_arguments
+    from gateway.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--reasoning-parser", "qwen3", "--reasoning-parser", "r1=deepseek_r1"]))
+    assert (cfg.reasoning_parser_for("any"), cfg.reasoning_parser_for("r1")) == ("qwen3", "deepseek_r1")
+    assert config_from_args(parser.parse_args([])).reasoning_parser_for("any") is None
+    for bad in ("nope", "=qwen3", "m=nope"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--reasoning-parser", bad])
+    engine = argparse.ArgumentParser()
+    engine_arguments(engine)
+    assert engine.parse_args(["--reasoning-parser", "gpt_oss"]).reasoning_parser == "gpt_oss"
+    with pytest.raises(SystemExit):
+        engine.parse_args(["--reasoning-parser", "nope"])
