@@ -19,9 +19,8 @@ import json
 import re
 
 from gateway.text.think import ReasoningParser, Start
-from gateway.text.tool_parser import CLOSE as CALL_CLOSE
-from gateway.text.tool_parser import OPEN as CALL_OPEN
 from gateway.text.tool_parser import partial_suffix
+from gateway.text.tool_prompt import call_block
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -36,15 +35,6 @@ def _header_like(text: str) -> bool:
     """Whether `text` may be (the start of) a message header: it opens with a marker."""
     head = text.lstrip()
     return any(head.startswith(m) or m.startswith(head) for m in (START, CHANNEL))
-
-
-def call_block(name: str, arguments: str) -> str:
-    """A call in the notation `gateway.text.tool_parser` reads; arguments kept as JSON when they are."""
-    try:
-        args: object = json.loads(arguments)
-    except ValueError:
-        args = arguments
-    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CALL_CLOSE}"
 
 
 class HarmonyReasoningParser(ReasoningParser):
@@ -127,5 +117,9 @@ class HarmonyReasoningParser(ReasoningParser):
         recipient, self._recipient = self._recipient, None
         if recipient is None:
             return "", ""
-        name = recipient.removeprefix("functions.")
-        return "", call_block(name, self._call_args.strip())
+        args = self._call_args.strip()
+        try:
+            json.loads(args)
+        except ValueError:  # not JSON: handed on as a string, as the tool parser reads it
+            args = json.dumps(args, ensure_ascii=False)
+        return "", call_block(recipient.removeprefix("functions."), args)

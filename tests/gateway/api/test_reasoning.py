@@ -27,9 +27,10 @@ QWEN3_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
-# DeepSeek-R1's shape: the generation prompt opens the thinking
+# DeepSeek-R1's shape: the generation prompt opens the thinking; an earlier turn's thinking rendered back
 R1_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+    "</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
 )
 MSG = [{"role": "user", "content": "Hi"}]
@@ -160,6 +161,14 @@ async def test_prompt_that_opens_the_thinking(redis_server: str, tiny_tokenizer_
         assert (message["reasoning_content"], message["content"]) == ("Thinking it over.", "Done.")
         _, events, _ = await _run(gw, {"stream": True}, ["Still thinking when cut off"])
         assert _streamed(events)[0::2][:2] == ("Still thinking when cut off", "")
+        # a response's message sent back: its thinking reaches the template
+        history = [*MSG, {"role": "assistant", "content": "Done.", "reasoning": "Thinking it over."},
+                   {"role": "user", "content": "Again"}]
+        _, _, prompt = await _run(gw, {"messages": history}, ["x</think>y"])
+        assert "<|im_start|>assistant\n<think>Thinking it over.</think>Done.<|im_end|>" in prompt
+        resp = await gw.client.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+            *MSG, {"role": "assistant", "content": "x", "reasoning_content": 3}]})
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages[1].reasoning_content"
 
 
 @pytest.mark.parametrize(("announced", "flag", "split"), [
