@@ -8,7 +8,7 @@ import os
 import sys
 
 from common.log import get_logger
-from common.protocol import DEFAULT_PREFIX
+from common.protocol import DEFAULT_PREFIX, REASONING_PARSER_NAMES
 from common.redis_spec import add_redis_arguments, spec_from_args
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -24,6 +24,14 @@ def _model_spec(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _reasoning_spec(value: str) -> tuple[str, str]:
+    """``PARSER`` (every model) or ``MODEL=PARSER``."""
+    model, sep, name = value.rpartition("=")
+    if (sep and not model) or name not in (*REASONING_PARSER_NAMES, "none"):
+        raise argparse.ArgumentTypeError(f"expected [MODEL=]PARSER, PARSER one of {[*REASONING_PARSER_NAMES, 'none']}")
+    return model, name
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = GatewayConfig()
     parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
@@ -37,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="NAME=TOKENIZER_DIR",
                         help="tokenizer directory for a model name (repeatable); by default the gateway "
                              "uses the directory each engine announces in its heartbeat")
+    parser.add_argument("--reasoning-parser", action="append", default=[], type=_reasoning_spec,
+                        dest="reasoning_parsers", metavar="[MODEL=]PARSER",
+                        help="split the thinking of a model (or of every model) into reasoning_content: deepseek_r1, "
+                             "qwen3, gpt_oss, or none (repeatable; default: what the engine announces, else what "
+                             "the chat template implies)")
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--max-n", type=int, default=defaults.max_n)
     parser.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens_limit)
@@ -94,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout,
         routing=args.routing == "on", route_load_slack=args.route_load_slack,
         rate_limits_path=args.rate_limits, responses_ttl_s=args.responses_ttl,
-        responses_max_bytes=args.responses_max_bytes, **extra,
+        responses_max_bytes=args.responses_max_bytes, reasoning_parsers=tuple(args.reasoning_parsers), **extra,
     )
 
 

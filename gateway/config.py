@@ -48,6 +48,14 @@ class GatewayConfig:
     # /v1/responses kept in Redis for previous_response_id and GET: how long, and the largest kept (0: none)
     responses_ttl_s: int = 86400
     responses_max_bytes: int = 1 << 20
+    # --reasoning-parser: (model name, parser name) pairs, model "" for every model; they override what
+    # engines announce and what chat templates imply (gateway/text/reasoning.py)
+    reasoning_parsers: tuple[tuple[str, str], ...] = ()
+
+    def reasoning_parser_for(self, model: str) -> str | None:
+        """This gateway's --reasoning-parser for `model` (a parser name or "none"), None when not set."""
+        named = dict(self.reasoning_parsers)
+        return named.get(model, named.get(""))
 
     @property
     def redis_spec(self) -> RedisSpec:

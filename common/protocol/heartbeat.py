@@ -14,6 +14,8 @@ from common.protocol.fields import ProtocolError, decoding
 
 MAX_FIELD = 1 << 22  # bytes of one hash field (the pool snapshot of a 100k-block pool is far less)
 MAX_CACHED = 16384  # block keys one heartbeat announces (128 KiB packed)
+# vLLM's names of the reasoning parsers an engine may announce for its model (gateway/text/reasoning.py)
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3", "gpt_oss")
 
 
 def pack_keys(keys: list[int]) -> str:
@@ -63,7 +65,9 @@ class EngineHeartbeat:
     (`Keys.routed`), so gateways may send requests there; `block_size` and `cached` (at most
     MAX_CACHED prefix-cache keys, `common.block_hash`, most recently used first, held in its
     device pool in use or free-but-revivable) say which prompt prefixes it would find cached.
-    Field ``cached`` is base64 of little-endian uint64s."""
+    Field ``cached`` is base64 of little-endian uint64s. `reasoning_parser` (field
+    ``reasoning_parser``, absent when empty) is the engine's ``--reasoning-parser``: how gateways
+    split the model's thinking from its answer ("none": never; "": the chat template decides)."""
 
     engine_id: str
     model: str
@@ -80,6 +84,7 @@ class EngineHeartbeat:
     block_size: int = 0
     cached: list[int] = field(default_factory=list)
     runner: str = "generate"  # "pooling": the engine serves embeddings, not generation
+    reasoning_parser: str = ""
 
     def identity(self) -> tuple[str, int, int]:
         """What must be equal between engines serving one model name."""
@@ -101,6 +106,8 @@ class EngineHeartbeat:
             fields["cached"] = pack_keys(self.cached[:MAX_CACHED])
         if self.runner != "generate":
             fields["runner"] = self.runner
+        if self.reasoning_parser:
+            fields["reasoning_parser"] = self.reasoning_parser
         if self.tables:
             fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
         return fields
@@ -125,6 +132,7 @@ class EngineHeartbeat:
                 routed=text.get("routed", "0") == "1", block_size=int(text.get("block_size", "0")),
                 cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED],
                 runner=text.get("runner", "generate"),
+                reasoning_parser=text.get("reasoning_parser", ""),
             )
             if beat.runner not in ("generate", "pooling"):
                 raise ProtocolError(f"heartbeat: unknown runner {beat.runner[:20]!r}")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 
 from common.log import get_logger
-from common.protocol import DEFAULT_PREFIX
+from common.protocol import DEFAULT_PREFIX, REASONING_PARSER_NAMES
 from common.redis_spec import add_redis_arguments, spec_from_args
 from common.sizes import parse_size
 from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, RUNNERS, EngineConfig
@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="model name clients ask for (default: the directory name; "
                                                     "for a .gguf the directory beside it when it holds the tokenizer, "
                                                     "else the file name without .gguf)")
+    parser.add_argument("--reasoning-parser", choices=(*REASONING_PARSER_NAMES, "none"),
+                        help="announced to gateways: how they split the model's thinking (reasoning_content) from "
+                             "its answer (content); none: never (default: what the chat template implies, if any)")
     add_redis_arguments(parser)
     parser.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="key prefix of streams and channels")
     parser.add_argument("--engine-id", help="consumer name in group 'engines' (default: host-pid)")
@@ -202,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, redis=redis_spec, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval, max_claims=args.max_claims,
         drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size, gateway_grace_s=args.gateway_grace,
-        routing=not args.no_routing, steal_after_s=args.steal_after,
+        routing=not args.no_routing, steal_after_s=args.steal_after, reasoning_parser=args.reasoning_parser or "",
     ), config)
     try:
         asyncio.run(_serve(worker))

@@ -66,6 +66,7 @@ class WorkerConfig:
     redis_pool_timeout_s: float = 10.0
     routing: bool = True  # read an own routed stream first and announce it (cache-aware routing, issue 40)
     steal_after_s: float | None = 3.0  # with routing: take peers' routed entries waiting this long; None: never
+    reasoning_parser: str = ""  # announced to gateways: how they split thinking from the answer ("": the template)
 
     @property
     def redis_spec(self) -> RedisSpec:
@@ -117,7 +118,8 @@ class EngineWorker:
         beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, engine.tokenizer_dir,
                          engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
                          config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size,
-                         runner=engine.runner_kind)
+                         runner=engine.runner_kind,
+                         reasoning_parser=cfg.reasoning_parser)
         runner = None
         tasks: list[asyncio.Task[None]] = []
         try:

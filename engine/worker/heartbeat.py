@@ -71,7 +71,8 @@ class Heartbeat:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, engine_id: str, model: str, tokenizer: str,
                  max_model_len: int, ttl_s: float, config_hash: str = "", vocab_size: int = 0,
-                 runner: str = "generate") -> None:
+                 runner: str = "generate",
+                 reasoning_parser: str = "") -> None:
         self.client = client
         self.keys = keys
         self.key = keys.engine(engine_id)
@@ -82,6 +83,7 @@ class Heartbeat:
         self.config_hash = config_hash
         self.vocab_size = vocab_size
         self.runner = runner
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser, passed on to gateways
         self.ttl_s = ttl_s
         self.ttl_ms = max(1000, int(ttl_s * 1000))
         self.started = time.time()
@@ -100,7 +102,8 @@ class Heartbeat:
         return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
                                list(stats.get("block_tables", [])), self.config_hash, self.vocab_size,
                                self.draining, routed=routed, block_size=self.block_size,
-                               cached=list(stats.get("cached_keys", [])) if routed else [], runner=self.runner)
+                               cached=list(stats.get("cached_keys", [])) if routed else [], runner=self.runner,
+                               reasoning_parser=self.reasoning_parser)
 
     def fresh(self, margin_s: float) -> bool:
         """The key certainly still exists (written less than ttl - margin ago, no gap since)."""

@@ -13,6 +13,7 @@ from redis.exceptions import RedisError
 
 from common.protocol import EngineRequest
 from common.redis_conn import PoolBusy
+from gateway.api import reasoning
 from gateway.api.body import read_json
 from gateway.api.endpoint import Endpoint
 from gateway.api.generation import Generation, GenerationError
@@ -89,7 +90,9 @@ async def serve_generation(request: web.Request, req: GenerationRequest, id_pref
         raise OpenAIError(400, f"the model '{model.name}' is served for embeddings (runner pooling): use "
                                "/v1/embeddings, not text generation", "model", "model_not_supported")
     tokenizer = await request.app[REGISTRY].tokenizer(model)
+    reasoning.choose(req, cfg, model, tokenizer)
     ids = await off_loop(request.app, prompt_ids, req, tokenizer)  # a 1 MB prompt takes a second
+    reasoning.check_constraint(req)
     check_context(req, len(ids), model.max_model_len, cfg)
     await admit(request, len(ids) + req.params.n * req.params.max_tokens)  # per-key limits (429 over them)
     rid = id_prefix + uuid.uuid4().hex
@@ -105,7 +108,7 @@ async def serve_generation(request: web.Request, req: GenerationRequest, id_pref
         raise OpenAIError(429, f"server busy: {exc}", code="overloaded",
                           headers={"Retry-After": str(cfg.retry_after_s)}) from exc
     gen = Generation(broker, collector, tokenizer, req.stop, len(ids), cfg.request_timeout_s, cfg.sse_ping_s,
-                     req.tools.active, req.tools.max_calls)
+                     req.tools.active, req.tools.max_calls, reasoning.factory(req))
     metrics.in_flight.inc()
     try:
         try:

@@ -11,7 +11,6 @@ and output grammars, rate limits); only the answer's shape differs: output items
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +21,7 @@ from gateway.api.openai_routes import guarded, serve_generation
 from gateway.api.responses import ENGINE_HEADER
 from gateway.api.responses_events import Event, OutputBuilder, response_object, usage_obj
 from gateway.api.responses_input import output_as_input
-from gateway.api.responses_output import ReasoningParser, ResponseOutput
+from gateway.api.responses_output import ResponseOutput
 from gateway.api.responses_request import ResponsesRequest, parse_responses, previous_id, responses_param
 from gateway.api.responses_store import ResponseStore
 from gateway.api.sse import SSEStream
@@ -32,9 +31,6 @@ from gateway.state import BROKER, CONFIG
 from gateway.text.tokenizer import ModelTokenizer
 
 ID_PREFIX = "resp_"
-# where a reasoning parser plugs in: a factory on the app gives each response its own parser
-ReasoningFactory = Callable[[], ReasoningParser]
-REASONING: web.AppKey[ReasoningFactory] = web.AppKey("responses_reasoning")
 
 
 def _store(request: web.Request) -> ResponseStore:
@@ -68,9 +64,8 @@ class _Answer:
 
     def __init__(self, request: web.Request, req: ResponsesRequest, gen: Generation, tokenizer: ModelTokenizer,
                  store: ResponseStore) -> None:
-        factory = request.app.get(REASONING)
         self.req, self.gen, self.store = req, gen, store
-        self.out = ResponseOutput(req.chat, tokenizer, factory() if factory is not None else None)
+        self.out = ResponseOutput(req.chat, tokenizer)
         self.builder = OutputBuilder(first_seq=2)  # 0 and 1: response.created and response.in_progress
         self.created = int(time.time())
 

@@ -25,6 +25,7 @@ from gateway.api.responses import (
     chat_chunk,
     completion_chunk,
     full_response,
+    reasoning_fields,
     tool_call_deltas,
     tool_call_obj,
     usage_chunk,
@@ -52,7 +53,10 @@ def _chunks(req: GenerationRequest, rid: str, created: int, index: int, piece: P
     if req.kind is Endpoint.COMPLETION:
         return [completion_chunk(rid, created, req.model, index, piece.text, piece.finish_reason, piece.logprobs,
                                  usage, fingerprint)]
-    deltas: list[dict[str, Any]] = [{"content": piece.text}] if piece.text else []
+    first: dict[str, Any] = reasoning_fields(piece.reasoning) if piece.reasoning else {}
+    if piece.text:
+        first["content"] = piece.text
+    deltas: list[dict[str, Any]] = [first] if first else []
     for k, call in enumerate(piece.calls):
         deltas.extend(tool_call_deltas(call, piece.first_call_index + k))
     deltas = deltas or [{}]
@@ -129,8 +133,10 @@ async def complete(request: web.Request, req: GenerationRequest, gen: Generation
         logprobs = out.whole_logprobs(gen.prompt_logprobs)
         if req.kind is Endpoint.CHAT:
             calls_only = bool(out.calls) or req.tools.constrained  # a grammar made the answer calls
-            content = None if calls_only and not out.text else out.text
+            content = None if (calls_only or out.reasoning) and not out.text else out.text
             message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if req.reasoning_parser is not None:
+                message.update(reasoning_fields(out.reasoning or None))
             if out.calls:
                 message["tool_calls"] = [tool_call_obj(c) for c in out.calls]
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})

@@ -27,6 +27,7 @@ class ModelInfo:
     engines: tuple[str, ...]
     created: int
     runner: str = "generate"  # "pooling": served for /v1/embeddings only
+    reasoning_parser: str = ""  # what its engines announce (--reasoning-parser): a name, "none" or ""
 
 
 class EngineRegistry:
@@ -86,7 +87,8 @@ class EngineRegistry:
             tokenizer_dir = self.static_models.get(name) or beats[0].tokenizer
             max_len = min((b.max_model_len for b in beats if b.max_model_len > 0), default=0)
             models[name] = ModelInfo(name, tokenizer_dir, max_len, tuple(b.engine_id for b in beats),
-                                     int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)), beats[0].runner)
+                                     int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)), beats[0].runner,
+                                     next((b.reasoning_parser for b in beats if b.reasoning_parser), ""))
         return models
 
     @staticmethod

@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from common.log import get_logger
+from common.protocol import REASONING_PARSER_NAMES
 from common.redis_conn import redact_url
 from common.redis_spec import parse_sentinels
 from pagedserve.launch.redis_server import RedisServer, RedisServerError
@@ -59,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "fetched on first run)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's; see `pagedserve engine`)")
     parser.add_argument("--served-model-name", help="model name for clients (default: the directory name)")
+    parser.add_argument("--reasoning-parser", choices=(*REASONING_PARSER_NAMES, "none"),
+                        help="split the model's thinking (reasoning_content) from its answer (content); none: never "
+                             "(default: what the chat template implies, if any)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "requantize", "dequantize"),
                         help="a .gguf's tensors: auto serves them as they are (default; formats without a kernel in "
                              "fp32), requantize serves those as Q8_0, dequantize converts them all (the default "
@@ -376,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
                        "--device", args.device,
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
                        "--tensor-parallel-size", str(args.tensor_parallel_size), "--runner", args.runner,
-                       *(["--pooling-type", args.pooling_type] if args.pooling_type else [])]
+                       *(["--pooling-type", args.pooling_type] if args.pooling_type else []),
+                       *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else [])]
         gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), *tls,
                         "--sse-keepalive", str(args.sse_keepalive),
                         *(["--rate-limits", os.path.abspath(args.rate_limits)] if args.rate_limits else []),

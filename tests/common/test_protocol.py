@@ -57,6 +57,14 @@ def test_version_2_fields_round_trip_and_version_1_is_refused() -> None:
     assert again.identity() == ("h1", 320, 512) and again.draining
 
 
+def test_heartbeat_reasoning_parser_round_trips() -> None:
+    beat = EngineHeartbeat("e", "m", "/tok", 512, 1.0, reasoning_parser="qwen3")
+    assert beat.to_hash()["reasoning_parser"] == "qwen3"
+    assert EngineHeartbeat.from_hash(beat.to_hash()) == beat
+    plain = EngineHeartbeat("e", "m", "/tok", 512, 1.0).to_hash()
+    assert "reasoning_parser" not in plain and EngineHeartbeat.from_hash(plain).reasoning_parser == ""
+
+
 def test_heartbeat_routing_fields_round_trip_and_bad_ones_are_refused() -> None:
     keys = [0, 1, 2**64 - 1, hash_block(None, (1, 2, 3))]
     beat = EngineHeartbeat("e", "m", "/tok", 512, 1.0, routed=True, block_size=16, cached=keys)

@@ -2,8 +2,8 @@
 reasoning parser's text becomes a `reasoning` item before the message (whole and streamed, in
 the spec's event order), text and tool calls of an `auto` answer become a message and
 `function_call` items, and an engine failure mid-stream is an `error` event then
-`response.failed`. The reasoning parser here is a trivial in-test splitter (everything before
-the first "|" is reasoning): the item and event shapes are what is checked."""
+`response.failed`. The engine announces the `deepseek_r1` reasoning parser (text before
+`</think>` is reasoning), so the gateway's own parser splits the scripted text."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import redis.asyncio as aioredis
 from aiohttp.test_utils import TestClient, TestServer
 
 from common.protocol import ErrorInfo, Keys, SeqOutput
-from gateway.api.responses_api import REASONING
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.state import BROKER
@@ -31,35 +30,18 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
 
 
-class BarSplitter:
-    """Everything before the first "|" is reasoning, the rest the answer."""
-
-    def __init__(self) -> None:
-        self.answering = False
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        if self.answering:
-            return "", delta
-        head, bar, tail = delta.partition("|")
-        self.answering = bool(bar)
-        return head, tail
-
-    def finish(self) -> tuple[str, str]:
-        return "", ""
-
-
 @pytest.fixture
 async def gateway(redis_server: str, tiny_tokenizer_dir: Path) -> AsyncIterator[Gateway]:
-    """A gateway whose responses split reasoning with `BarSplitter`, one scripted engine."""
+    """A gateway and one scripted engine that announces the deepseek_r1 reasoning parser."""
     config = GatewayConfig(redis_url=redis_server, sse_ping_s=0.2, request_timeout_s=10.0)
     redis = aioredis.Redis.from_url(redis_server)
     app = create_app(config)
-    app[REASONING] = BarSplitter
     try:
         async with TestClient(TestServer(app)) as client:
             gw = Gateway(client, FakeEngine(redis, Keys(config.redis_prefix), str(tiny_tokenizer_dir)), config, redis)
             await asyncio.wait_for(app[BROKER].subscribed.wait(), 5)
             gw.engine.max_model_len = 8192  # the fallback tool prompt is long in the near-byte-level tokenizer
+            gw.engine.reasoning_parser = "deepseek_r1"
             await gw.engine.beat()
             yield gw
     finally:
@@ -90,14 +72,14 @@ def _collapse(types: list[str]) -> list[str]:
 
 
 async def test_reasoning_item_comes_before_the_message(gateway: Gateway) -> None:
-    body = await _respond(gateway, {"input": "hi"}, "think it over|The answer.")
+    body = await _respond(gateway, {"input": "hi"}, "think it over</think>The answer.")
     reasoning, message = body["output"]
     assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "think it over"}]
     assert message["type"] == "message" and message["content"][0]["text"] == "The answer."
     assert body["status"] == "completed" and body["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
 
-    events = await _respond(gateway, {"input": "hi", "stream": True}, "think it over|The answer.")
+    events = await _respond(gateway, {"input": "hi", "stream": True}, "think it over</think>The answer.")
     assert _collapse([e["type"] for e in events]) == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
@@ -115,7 +97,7 @@ async def test_reasoning_item_comes_before_the_message(gateway: Gateway) -> None
 
 
 async def test_auto_answer_with_text_and_a_call(gateway: Gateway) -> None:
-    script = f"plan|Let me check.\n{CALL}"
+    script = f"plan</think>Let me check.\n{CALL}"
     body = await _respond(gateway, {"input": "weather?", "tools": TOOLS}, script)
     assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call"]
     call = body["output"][2]
@@ -134,7 +116,7 @@ async def test_auto_answer_with_text_and_a_call(gateway: Gateway) -> None:
 
 
 async def test_length_cut_is_incomplete(gateway: Gateway) -> None:
-    body = await _respond(gateway, {"input": "hi", "max_output_tokens": 5}, "x|abcd", finish="length")
+    body = await _respond(gateway, {"input": "hi", "max_output_tokens": 5}, "x</think>abcd", finish="length")
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][-1]["status"] == "incomplete" and body["max_output_tokens"] == 5
 
@@ -143,7 +125,7 @@ async def test_engine_error_mid_stream_fails_the_response(gateway: Gateway) -> N
     post = asyncio.create_task(gateway.client.post("/v1/responses", json={"model": MODEL, "input": "hi",
                                                                            "stream": True}))
     req = await gateway.engine.next_request()
-    ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode("a|bc", add_special_tokens=False)
+    ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode("a</think>bc", add_special_tokens=False)
     await gateway.engine.publish(req, [SeqOutput(0, ids, 0, None)])
     await gateway.engine.publish(req, [], error=ErrorInfo("the engine broke", "server_error", "engine_failed"))
     resp = await post
