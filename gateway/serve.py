@@ -54,6 +54,7 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout_s: flo
         if reuse_port:
             _warn_without_request_migration()
         await stop.wait()
+        app[DRAIN].draining = True  # first: once a connect is refused, /health says draining
         await _stop_listening(site, runner)
         await app[DRAIN].run(app[BROKER], drain_timeout_s)
         await _linger(runner, app, drain_timeout_s)

@@ -52,11 +52,14 @@ def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int,
-                  first: asyncio.Event | None = None) -> list[Any]:
-    """Every SSE payload of a streamed completion, SSE_DONE included when it came."""
+                  first: asyncio.Event | None = None, headers: dict[str, str] | None = None) -> list[Any]:
+    """Every SSE payload of a streamed completion, SSE_DONE included when it came (the response's
+    headers into `headers`)."""
     payloads: list[Any] = []
     async with session.post(f"{url}/v1/completions", json=_body(prompt, max_tokens, True)) as resp:
         assert resp.status == 200, await resp.text()
+        if headers is not None:
+            headers.update(resp.headers)
         async for payload in sse_payloads(resp.content):
             payloads.append(payload)
             if first is not None:
@@ -100,7 +103,7 @@ def _frozen(engine: EngineProcess) -> Iterator[None]:
 @contextlib.asynccontextmanager
 async def _held_connection(url: str) -> AsyncIterator[aiohttp.ClientSession]:
     """A session whose one keep-alive connection to `url` is open (and idle) on return."""
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=3600)) as session:
         async with session.get(f"{url}/health") as resp:
             assert resp.status == 200 and resp.headers.get("Connection", "").lower() != "close"
             await resp.read()
@@ -134,34 +137,33 @@ async def test_sigterm_closes_the_listener_and_drains_every_open_stream_whole(
                                                                 for q in [*prompts, "late"]))]
     gateway = GatewayProcess(redis_url, "gw-drain", tmp_path, "--drain-timeout", "300").wait_healthy()
     try:
-        async with (aiohttp.ClientSession() as session, _held_connection(gateway.url) as probe,
-                    _held_connection(gateway.url) as held):
+        async with aiohttp.ClientSession() as session:
             tasks = [asyncio.create_task(_stream(session, gateway.url, q, 48)) for q in prompts]
 
             async def all_submitted() -> bool:
                 return await _in_flight(session, gateway.url) + sum(t.done() for t in tasks) == STREAMS
 
             await _until(all_submitted, "every stream submitted")
-            with _frozen(engine):
-                open_streams = await _in_flight(session, gateway.url)
-                gateway.proc.send_signal(signal.SIGTERM)
+            async with _held_connection(gateway.url) as probe, _held_connection(gateway.url) as held:
+                with _frozen(engine):
+                    open_streams = await _in_flight(session, gateway.url)
+                    gateway.proc.send_signal(signal.SIGTERM)
 
-                async def draining() -> bool:  # on a connection opened before: it is served
-                    async with probe.get(f"{gateway.url}/health") as resp:
-                        return resp.status == 503 and (await resp.json())["error"]["code"] == "draining"
+                    await _until(lambda: _refused(gateway.port), "the listener to close")
+                    async with probe.get(f"{gateway.url}/health") as resp:  # on a connection opened before
+                        assert resp.status == 503 and resp.headers["Connection"] == "close"
+                        assert (await resp.json())["error"]["code"] == "draining"
+                    # a request on a connection held from before is served, and the connection closed
+                    queued = _queued(redis_url)
+                    late_headers: dict[str, str] = {}
+                    late = asyncio.create_task(_stream(held, gateway.url, "late", 48, headers=late_headers))
 
-                await _until(draining, "/health to say draining")
-                assert await _refused(gateway.port)  # the listener closed before the drain began
-                # a request on a connection held from before is served, and the connection closed
-                queued = _queued(redis_url)
-                late = asyncio.create_task(_stream(held, gateway.url, "late", 48))
+                    async def late_submitted() -> bool:
+                        return _queued(redis_url) == queued + 1
 
-                async def late_submitted() -> bool:
-                    return _queued(redis_url) == queued + 1
-
-                await _until(late_submitted, "the late request submitted")
-            results = await asyncio.gather(*tasks, late)
-        assert open_streams > 0
+                    await _until(late_submitted, "the late request submitted")
+                results = await asyncio.gather(*tasks, late)
+        assert open_streams > 0 and late_headers["Connection"] == "close"
         for payloads, want in zip(results, reference, strict=True):
             assert payloads[-1] == SSE_DONE and not any("error" in p for p in payloads if p != SSE_DONE)
             assert _text(payloads) == want
