@@ -17,7 +17,9 @@ commandstats, stats, cpu) read before and after, it prints JSON lines:
 
 Commands run inside MULTI/EXEC and Lua scripts are counted one by one by Redis; the submit script's
 XADD, GET and EXISTS (one each per request) are counted as submission, the other XADDs as output
-entries, the other GETs and EXISTS as the flush's probes and fence (transactions)."""
+entries, the other GETs and EXISTS as the flush's probes and fence (transactions). The command µs
+of EXEC and EVALSHA include the commands run inside them, so the sources' µs overlap; the Redis
+process's CPU (``cpu_us``, network reads and writes included) is the figure to size a master by."""
 
 from __future__ import annotations
 
@@ -143,10 +145,13 @@ class Cost:
         return out
 
     def report(self, per: float, requests: int) -> dict[str, Any]:
-        scaled = self.scaled(1.0 / per) if per else self
+        """Every figure divided by `per`; `requests` is how many submissions the totals hold."""
+        scale = 1.0 / per if per else 1.0
+        scaled = self.scaled(scale)
+        sources = {s: {k: v * scale for k, v in row.items()} for s, row in self.by_source(requests).items()}
         return {"commands": _round({n: c for n, c in sorted(scaled.calls.items()) if abs(c) >= 1e-4}),
                 "command_usec": _round({n: u for n, u in sorted(scaled.usec.items()) if abs(u) >= 1e-4}),
-                "by_source": {s: _round(v) for s, v in sorted(scaled.by_source(requests).items())},
+                "by_source": {s: _round(v) for s, v in sorted(sources.items())},
                 "calls": round(sum(scaled.calls.values()), 4), "net_in_bytes": round(scaled.net_in, 1),
                 "net_out_bytes": round(scaled.net_out, 1), "cpu_us": round(scaled.cpu_us, 2),
                 "cpu_main_thread_us": round(scaled.cpu_main_us, 2)}
