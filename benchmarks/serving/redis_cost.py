@@ -13,7 +13,7 @@ commandstats, stats, cpu) read before and after, it prints JSON lines:
   carry at its measured CPU per token (``saturation_tok_s``).
 
     python benchmarks/serving/redis_cost.py --requests 200 --max-tokens 64               # tiny random model
-    python benchmarks/serving/redis_cost.py --fake-engines 4 --engine-tok-s 500,2000 --gateways 2
+    python benchmarks/serving/redis_cost.py --fake-engines 4 --engine-tok-s 1000,4000 --gateways 2
 
 Commands run inside MULTI/EXEC and Lua scripts are counted one by one by Redis; the submit script's
 XADD, GET and EXISTS (one each per request) are counted as submission, the other XADDs as output
@@ -39,6 +39,7 @@ import aiohttp
 import redis
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 from benchmarks.serving.burst_bench import ROOT, _healthy, _start
 from common.ports import free_port
 from common.protocol import Keys
