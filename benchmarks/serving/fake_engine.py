@@ -146,9 +146,13 @@ def fake_worker(engine_id: str, model_name: str, model_dir: str, redis_url: str,
 async def run_fleet(args: argparse.Namespace) -> None:
     workers = [fake_worker(f"{args.id_prefix}-{i}", args.model_name, args.model_dir, args.redis_url, args.tok_s,
                            args.max_num_seqs) for i in range(args.engines)]
+    def drain() -> None:
+        for worker in workers:
+            worker.stop.set()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, lambda: [w.stop.set() for w in workers])
+        loop.add_signal_handler(signum, drain)
     await asyncio.gather(*(w.run() for w in workers))
 
 
