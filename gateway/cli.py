@@ -70,11 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-timeout", type=float, default=defaults.write_timeout_s, metavar="SECONDS",
                         help="abort a request whose client reads nothing for this long (default %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM, let open requests run this long before they end with an error "
-                             "(new ones get 503 meanwhile; a second signal exits at once; default %(default)s)")
+                        help="on SIGTERM, stop listening (new connections are refused) and let open requests "
+                             "run this long before they end with an error (a second signal exits at once; "
+                             "default %(default)s)")
     parser.add_argument("--reuse-port", action="store_true",
                         help="bind with SO_REUSEPORT, so a new gateway can listen on the same port while this "
-                             "one drains; on SIGTERM this one then stops listening at once")
+                             "one drains")
     parser.add_argument("--routing", choices=("on", "off"), default="on" if defaults.routing else "off",
                         help="cache-aware routing: send each request to the engine holding the longest cached "
                              "prefix of its prompt (off: every engine of a model reads one shared stream; "

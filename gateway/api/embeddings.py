@@ -19,14 +19,13 @@ from common.sampling_params import SamplingParams
 from gateway.api.body import read_json
 from gateway.api.embedding_request import EmbeddingRequest, parse_embedding_request
 from gateway.api.offload import off_loop
-from gateway.api.openai_routes import find_model
+from gateway.api.openai_routes import find_model, guarded
 from gateway.api.prompt import check_vocab
 from gateway.api.ratelimit import admit
 from gateway.broker.broker import Broker, BrokerUnavailable, QueueFull
 from gateway.broker.collector import RequestCollector
-from gateway.drain import DRAIN_CODE
 from gateway.errors import OpenAIError, bad_request, redis_unavailable
-from gateway.state import BROKER, CONFIG, DRAIN, METRICS, REGISTRY
+from gateway.state import BROKER, CONFIG, METRICS, REGISTRY
 from gateway.text.tokenizer import ModelTokenizer
 
 _ERROR_STATUS = {"invalid_request_error": 400, "service_unavailable": 503, "timeout": 504}
@@ -84,14 +83,8 @@ async def _release(broker: Broker, collectors: list[RequestCollector]) -> None:
         await broker.abort(unfinished, collectors[0].model)
 
 
-async def embeddings(request: web.Request) -> web.Response:
-    drain = request.app[DRAIN]
-    if drain.refusing:
-        await request.read()
-        raise OpenAIError(503, "the gateway is shutting down; retry on another", code=DRAIN_CODE,
-                          headers={"Retry-After": "1"})
-    with drain.track():
-        return await _embed(request)
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await guarded(request, lambda: _embed(request))
 
 
 async def _embed(request: web.Request) -> web.Response:

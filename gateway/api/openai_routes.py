@@ -25,7 +25,6 @@ from gateway.api.structured import check_structured
 from gateway.api.validation import GenerationRequest, check_context, parse_request
 from gateway.broker.broker import BrokerUnavailable, QueueFull
 from gateway.broker.engines import ModelInfo
-from gateway.drain import DRAIN_CODE
 from gateway.errors import OpenAIError, redis_unavailable
 from gateway.state import BROKER, CONFIG, DRAIN, METRICS, REGISTRY
 from gateway.text.tokenizer import ModelTokenizer
@@ -51,14 +50,10 @@ async def find_model(request: web.Request, name: str) -> ModelInfo:
 
 async def guarded(request: web.Request, handler: Callable[[], Awaitable[web.StreamResponse]]
                   ) -> web.StreamResponse:
-    """503 while the gateway drains; otherwise `handler()`, counted open until it answers."""
-    drain = request.app[DRAIN]
-    if drain.refusing:
-        # read the body first: closing a connection with unread data resets it (no 503 read)
-        await request.read()
-        raise OpenAIError(503, "the gateway is shutting down; retry on another", code=DRAIN_CODE,
-                          headers={"Retry-After": "1"})
-    with drain.track():
+    """`handler()`, counted open until it answers. While the gateway drains its listener is
+    closed: a request that still arrives came on an open connection and is served (the response
+    closes the connection)."""
+    with request.app[DRAIN].track():
         return await handler()
 
 
