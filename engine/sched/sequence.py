@@ -56,7 +56,7 @@ def sample_stream(index: int) -> str:
     return f"sample/{index}"
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Sequence:
     """One token stream. `num_computed` tokens have K/V in the cache; the rest are scheduled."""
 
@@ -106,7 +106,7 @@ class Sequence:
         )
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Request:
     """A prompt and its sampling parameters; the scheduler's unit of admission and preemption."""
 

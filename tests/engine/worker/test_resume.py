@@ -44,9 +44,9 @@ def _run(host: EngineThread, job: AddJob) -> list[int]:
 def test_resume_continues_the_same_tokens(host: EngineThread, raw: dict[str, Any]) -> None:
     params = SamplingParams.from_dict(raw)
     prompt = [5, 80, 17, 33, 101, 7]
-    full = _run(host, AddJob("req-a", prompt, params))
+    full = _run(host, AddJob(request_id="req-a", prompt_token_ids=prompt, params=params))
     assert len(full) == 24
-    resumed = _run(host, AddJob("req-a", prompt, params, generated=full[:9]))
+    resumed = _run(host, AddJob(request_id="req-a", prompt_token_ids=prompt, params=params, generated=full[:9]))
     assert full[:9] + resumed == full
     assert host.engine.block_manager.num_used_blocks == 0
 
@@ -65,7 +65,7 @@ def test_to_wire_numbers_messages_and_offsets(host: EngineThread) -> None:
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
     tracked = Tracked(EngineRequest("req-w", "gw", "tiny", [4, 5, 6], params, 0.0), "1-0")
     messages = []
-    result = host.step([AddJob("req-w", [4, 5, 6], tracked.request.params)], [])
+    result = host.step([AddJob(request_id="req-w", prompt_token_ids=[4, 5, 6], params=tracked.request.params)], [])
     while result.outputs or host.engine.has_unfinished_requests():
         messages += [to_wire(tracked, out) for out in result.outputs]
         result = host.step([], [])

@@ -11,7 +11,9 @@ from engine.worker.tracked import Tracked, error_output, resume, to_wire
 
 
 def _delta(token: int, finished: bool = False) -> RequestOutput:
-    return RequestOutput("r1", [CompletionOutput(0, [token], "length" if finished else None)], finished, 3, 1)
+    choice = CompletionOutput(index=0, token_ids=[token], finish_reason="length" if finished else None)
+    return RequestOutput(request_id="r1", outputs=[choice], finished=finished, num_prompt_tokens=3,
+                         num_generated_tokens=1)
 
 
 def test_the_first_message_names_the_engine_and_the_rest_do_not() -> None:
