@@ -128,7 +128,7 @@ class EngineWorker:
             await stream.ensure_group()
             if routed is not None:  # group and set member first: then the heartbeat may announce `routed`
                 await routed.ensure_group()
-                beat.block_size = self.engine_config.block_size
+                beat.routed_block_size = self.engine_config.block_size
                 self.thread.cached_limit = MAX_CACHED
             if cfg.metrics_port is not None:
                 runner = await start_metrics_server(self.metrics, cfg.metrics_host, cfg.metrics_port)

@@ -87,17 +87,18 @@ class Heartbeat:
         self.last_ok = -1e9
         self.suspect = False
         self.beats = 0
-        self.block_size = 0  # > 0: this engine reads its own routed stream and announces its cached keys
+        # set: this engine reads its own routed stream and announces its cached keys (by this block size)
+        self.routed_block_size: int | None = None
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
         """`stats` may carry ``block_tables`` and ``cached_keys`` (lists, so `flatten_stats`
-        leaves them out); with a `block_size` the beat announces ``routed`` and those keys."""
+        leaves them out); with a `routed_block_size` the beat announces ``routed`` and those keys."""
         now = time.time()
         figures = flatten_stats(stats) | extra | {"uptime_s": now - self.started}
-        routed = self.block_size > 0
+        routed = self.routed_block_size is not None
         return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
                                list(stats.get("block_tables", [])), self.config_hash, self.vocab_size,
-                               self.draining, routed=routed, block_size=self.block_size,
+                               self.draining, routed=routed, block_size=self.routed_block_size or 0,
                                cached=list(stats.get("cached_keys", [])) if routed else [])
 
     def fresh(self, margin_s: float) -> bool:
