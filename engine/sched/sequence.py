@@ -143,7 +143,7 @@ class Request:
     def num_seqs_at_peak(self) -> int:
         """Sequences this request will run at once: before its first token, the n / best_of /
         beam width it forks into then; after, its unfinished ones. Admission counts this against
-        `max_num_seqs`, so a queue of n = 16 requests cannot become 16x the sequences it allows."""
+        `max_num_seqs`, so a queue of n = 16 requests cannot become sixteen times the sequences it allows."""
         unfinished = len(self.unfinished_seqs())
         if self.first_token_time is None and self.beam is None:
             return max(unfinished, self.params.num_candidates)

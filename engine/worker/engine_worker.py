@@ -64,7 +64,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     redis_pool_size: int = 16
     redis_pool_timeout_s: float = 10.0
-    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing, issue 40)
+    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing)
     steal_after_s: float | None = 3.0  # with routing: take peers' routed entries waiting this long; None: never
 
     @property
