@@ -48,7 +48,7 @@ def _float(value: str) -> float:
     return number
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineHeartbeat:
     """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
     `tokenizer` the directory a gateway loads the tokenizer and chat template from. `pool` is

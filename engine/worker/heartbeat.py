@@ -96,9 +96,11 @@ class Heartbeat:
         now = time.time()
         figures = flatten_stats(stats) | extra | {"uptime_s": now - self.started}
         routed = self.routed_block_size is not None
-        return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
-                               list(stats.get("block_tables", [])), self.config_hash, self.vocab_size,
-                               self.draining, routed=routed, block_size=self.routed_block_size or 0,
+        return EngineHeartbeat(engine_id=self.engine_id, model=self.model, tokenizer=self.tokenizer,
+                               max_model_len=self.max_model_len, time=now, stats=figures, pool=pool,
+                               tables=list(stats.get("block_tables", [])), config_hash=self.config_hash,
+                               vocab_size=self.vocab_size,
+                               draining=self.draining, routed=routed, block_size=self.routed_block_size or 0,
                                cached=list(stats.get("cached_keys", [])) if routed else [])
 
     def fresh(self, margin_s: float) -> bool:
