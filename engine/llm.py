@@ -75,7 +75,7 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         results = {
-            request_id: RequestOutput(request_id, prompt_token_ids=t)
+            request_id: RequestOutput(request_id=request_id, prompt_token_ids=t)
             for request_id, t in zip(ids, token_lists, strict=True)
         }
         progress = _progress(len(prompts), use_tqdm)
@@ -167,7 +167,7 @@ def _merge(result: RequestOutput, delta: RequestOutput) -> None:
     for choice in delta.outputs:
         have = by_index.get(choice.index)
         if have is None:
-            have = by_index[choice.index] = CompletionOutput(choice.index, [], logprobs=None)
+            have = by_index[choice.index] = CompletionOutput(index=choice.index, token_ids=[], logprobs=None)
             result.outputs.append(have)
         have.token_ids.extend(choice.token_ids)
         if choice.logprobs is not None:

@@ -67,7 +67,7 @@ class EngineClosedError(RuntimeError):
 COMPILE_POLL_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one of them
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Compiling:
     """A request whose grammar is being compiled: queued in the scheduler once it is ready."""
 
@@ -84,8 +84,8 @@ GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (Python's de
 def quiet_gc() -> None:
     """Move everything alive after start-up (torch, transformers, the model's modules: ~10^6
     objects) out of the collector's sight, and collect the young generation less often. A step
-    allocates thousands of short-lived objects; with the defaults the collector's scans of the
-    start-up heap were ~5% of a batched run's CPU samples (perf, the offline trace)."""
+    allocates thousands of short-lived objects; with the defaults the collector would scan the
+    start-up heap again and again."""
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
@@ -219,10 +219,12 @@ class LLMEngine:
         if generated and not params.resumes_in_place:
             raise RequestRejected("only a single-sequence request resumes from generated tokens", "invalid_parameter")
         params = params.with_default_seed(request_id)
-        request = Request(request_id, list(prompt_token_ids), params, pooling=pooling)
+        request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                          pooling=pooling)
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        seq = Sequence(request, 0, list(prompt_token_ids) + generated, len(prompt_token_ids))
+        seq = Sequence(request=request, index=0, token_ids=list(prompt_token_ids) + generated,
+                       num_prompt_tokens=len(prompt_token_ids))
         seq.num_emitted = len(generated)  # the client has them
         request.prompt_logprobs_sent = bool(generated)  # they came with the first delta
         request.seqs.append(seq)
@@ -230,7 +232,8 @@ class LLMEngine:
             future = self.grammars.submit(params.structured_output)
             if not future.done():
                 deadline = time.monotonic() + self.config.grammar_compile_timeout
-                self.compiling[request_id] = Compiling(request, seq, generated, future, deadline)
+                self.compiling[request_id] = Compiling(request=request, seq=seq, generated=generated, future=future,
+                                                       deadline=deadline)
                 self.requests[request_id] = request
                 return
             seq.grammar = self.grammars.follow(future.result(), generated)

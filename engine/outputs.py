@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class CompletionOutput:
     """One choice: tokens produced (new ones in a step delta, all of them in a final result)."""
 
@@ -18,7 +18,7 @@ class CompletionOutput:
     text: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RequestOutput:
     """A request's delta for one step (engine.step) or its final result (LLM.generate)."""
 

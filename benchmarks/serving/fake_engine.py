@@ -86,7 +86,8 @@ class FakeLLMEngine:
             token = self.cycle[req.generated % len(self.cycle)]
             req.generated += 1
             done = req.generated >= req.max_tokens
-            outputs.append(RequestOutput(request_id, [CompletionOutput(0, [token], "length" if done else None)],
+            outputs.append(RequestOutput(request_id=request_id, outputs=[CompletionOutput(index=0, token_ids=[token],
+                                         finish_reason="length" if done else None)],
                                          finished=done, num_prompt_tokens=req.prompt_len,
                                          num_generated_tokens=req.generated))
             if done:

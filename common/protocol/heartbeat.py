@@ -50,7 +50,7 @@ def _float(value: str) -> float:
     return number
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineHeartbeat:
     """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
     `tokenizer` the directory a gateway loads the tokenizer and chat template from. `pool` is
@@ -61,7 +61,7 @@ class EngineHeartbeat:
     `vocab_size` identify the weights and tokenizer: engines announcing one name must agree,
     or failover between them would change answers. `draining` is set after SIGTERM.
 
-    Routing (issue 40): `routed` says the engine reads its own request stream
+    Routing: `routed` says the engine reads its own request stream
     (`Keys.routed`), so gateways may send requests there; `block_size` and `cached` (at most
     MAX_CACHED prefix-cache keys, `common.block_hash`, most recently used first, held in its
     device pool in use or free-but-revivable) say which prompt prefixes it would find cached.

@@ -71,7 +71,7 @@ def _is_logprob(value: Any) -> bool:
     return is_number(value) or value == float("-inf")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SeqOutput:
     """New tokens of one choice (`index`), starting at generated-token index `offset`."""
 
@@ -126,7 +126,7 @@ class ErrorInfo:
     code: str | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class OutputMessage:
     """One request's part of an output batch. `usage` comes with the message that finishes
     the last choice; `error` ends the request. `prompt_logprobs` (asked for with
@@ -185,7 +185,8 @@ class OutputMessage:
         """What a resuming engine needs of this message: tokens, offsets, finish state, usage
         and error, without logprobs, prompt logprobs (which can be most of its bytes) or the
         engine id."""
-        return OutputMessage(self.id, self.seq, [o.without_logprobs() for o in self.outputs], self.usage, self.error)
+        return OutputMessage(id=self.id, seq=self.seq, outputs=[o.without_logprobs() for o in self.outputs],
+                             usage=self.usage, error=self.error)
 
     def encode(self) -> bytes:
         """A single output (used for progress checkpoints)."""
@@ -255,8 +256,9 @@ class Progress:
 
     def snapshot(self, request_id: str) -> OutputMessage:
         """One checkpoint entry that folds to the same progress as every message folded here."""
-        return OutputMessage(request_id, self.last_seq, [
-            SeqOutput(index, list(tokens), self.starts.get(index, 0), self.finished.get(index))
+        return OutputMessage(id=request_id, seq=self.last_seq, outputs=[
+            SeqOutput(index=index, token_ids=list(tokens), offset=self.starts.get(index, 0),
+                      finish_reason=self.finished.get(index))
             for index, tokens in sorted(self.token_ids.items())])
 
 

@@ -26,7 +26,7 @@ from common.sampling_params import ParamError, SamplingParams
 MAX_ABORT_IDS = 10_000
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineRequest:
     """One generation request, XADDed to its model's request stream under field ``m``; its
     `params` are decoded and validated (`SamplingParams`) on both sides. `handoffs` counts how

@@ -258,7 +258,7 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError.
     `spec` is the caller's `ModelSpec` of `load_hf_config(path)` if it has one (for a .gguf that read
-    parses the file's whole metadata, ~10 s for SmolLM2's tokenizer arrays: once is enough).
+    parses the file's whole metadata, tokenizer arrays included: once is enough).
 
     A `.gguf` keeps its quantized weights packed (`engine.model.gguf_weights`; fp32 activations on
     the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first;

@@ -169,12 +169,14 @@ class Scheduler:
                     copy = self.block_manager.append_slot(seq.seq_id, token)
                     if copy is not None:
                         out.blocks_to_copy.append(copy)
-                out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end] + proposals, start, table, False,
-                                                  seq.keep_kv_below, 0, len(proposals)))
+                out.scheduled.append(ScheduledSeq(seq=seq, token_ids=seq.token_ids[start:end] + proposals,
+                                                  start=start, block_table=table, sample=False,
+                                                  write_from=seq.keep_kv_below, num_spec=len(proposals)))
             else:
                 samples = end == len(seq.token_ids) and seq.request.pooling is None  # pooling: no token
-                out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end], start, table,
-                                                  samples, seq.keep_kv_below, prompt_rows))
+                out.scheduled.append(ScheduledSeq(seq=seq, token_ids=seq.token_ids[start:end], start=start,
+                                                  block_table=table, sample=samples,
+                                                  write_from=seq.keep_kv_below, num_prompt_logits=prompt_rows))
             budget.tokens -= end - start + len(proposals)
             budget.seqs -= 1
 

@@ -57,7 +57,7 @@ def sample_stream(index: int) -> str:
     return f"sample/{index}"
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Sequence:
     """One token stream. `num_computed` tokens have K/V in the cache; the rest are scheduled."""
 
@@ -107,7 +107,7 @@ class Sequence:
         )
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Request:
     """A prompt and its sampling parameters; the scheduler's unit of admission and preemption."""
 
@@ -153,7 +153,7 @@ class Request:
     def num_seqs_at_peak(self) -> int:
         """Sequences this request will run at once: before its first token, the n / best_of /
         beam width it forks into then; after, its unfinished ones. Admission counts this against
-        `max_num_seqs`, so a queue of n = 16 requests cannot become 16x the sequences it allows."""
+        `max_num_seqs`, so a queue of n = 16 requests cannot become sixteen times the sequences it allows."""
         unfinished = len(self.unfinished_seqs())
         if self.first_token_time is None and self.beam is None:
             return max(unfinished, self.params.num_candidates)

@@ -35,7 +35,7 @@ T = TypeVar("T")
 log = get_logger("worker.engine")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class AddJob:
     """A request to start; `generated` holds tokens a dead engine already sent (resume)."""
 
@@ -46,7 +46,7 @@ class AddJob:
     pooling: PoolingParams | None = None  # an embedding request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Queues:
     """How many requests the engine holds in each queue after a trip: what the worker steers by."""
 
@@ -60,7 +60,7 @@ class Queues:
         return self.running + self.waiting + self.swapped + self.compiling
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepResult:
     """What one trip to the engine thread produced."""
 
@@ -139,8 +139,9 @@ class EngineThread:
                 failed = self._fail_step(in_step, exc)
         rejected.update(self.engine.take_refused())  # grammars that failed or ran out of time
         running, waiting, swapped = self.engine.queue_lengths()
-        queues = Queues(running, waiting, swapped, self.engine.num_compiling())
-        return StepResult(outputs, rejected, aborted, self._refresh_cache(), queues, failed)
+        queues = Queues(running=running, waiting=waiting, swapped=swapped, compiling=self.engine.num_compiling())
+        return StepResult(outputs=outputs, rejected=rejected, aborted=aborted, stats=self._refresh_cache(),
+                          queues=queues, failed=failed)
 
     def _refresh_cache(self, full: bool = False) -> dict[str, Any]:
         # idle after this trip: no later step would refresh it, so take the full snapshot now

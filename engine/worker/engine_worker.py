@@ -64,7 +64,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     redis_pool_size: int = 16
     redis_pool_timeout_s: float = 10.0
-    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing, issue 40)
+    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing)
     steal_after_s: float | None = 3.0  # with routing: take peers' routed entries waiting this long; None: never
     reasoning_parser: str = ""  # announced to gateways: how they split thinking from the answer ("": the template)
 
@@ -131,7 +131,7 @@ class EngineWorker:
             await stream.ensure_group()
             if routed is not None:  # group and set member first: then the heartbeat may announce `routed`
                 await routed.ensure_group()
-                beat.block_size = self.engine_config.block_size
+                beat.routed_block_size = self.engine_config.block_size
                 self.thread.cached_limit = MAX_CACHED
             if cfg.metrics_port is not None:
                 runner = await start_metrics_server(self.metrics, cfg.metrics_host, cfg.metrics_port)

@@ -91,19 +91,22 @@ class Heartbeat:
         self.last_ok = -1e9
         self.suspect = False
         self.beats = 0
-        self.block_size = 0  # > 0: this engine reads its own routed stream and announces its cached keys
+        # set: this engine reads its own routed stream and announces its cached keys (by this block size)
+        self.routed_block_size: int | None = None
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
         """`stats` may carry ``block_tables`` and ``cached_keys`` (lists, so `flatten_stats`
-        leaves them out); with a `block_size` the beat announces ``routed`` and those keys."""
+        leaves them out); with a `routed_block_size` the beat announces ``routed`` and those keys."""
         now = time.time()
         figures = flatten_stats(stats) | extra | {"uptime_s": now - self.started}
-        routed = self.block_size > 0
-        return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
-                               list(stats.get("block_tables", [])), self.config_hash, self.vocab_size,
-                               self.draining, routed=routed, block_size=self.block_size,
-                               cached=list(stats.get("cached_keys", [])) if routed else [], runner=self.runner,
-                               reasoning_parser=self.reasoning_parser)
+        routed = self.routed_block_size is not None
+        return EngineHeartbeat(engine_id=self.engine_id, model=self.model, tokenizer=self.tokenizer,
+                               max_model_len=self.max_model_len, time=now, stats=figures, pool=pool,
+                               tables=list(stats.get("block_tables", [])), config_hash=self.config_hash,
+                               vocab_size=self.vocab_size,
+                               draining=self.draining, routed=routed, block_size=self.routed_block_size or 0,
+                               cached=list(stats.get("cached_keys", [])) if routed else [],
+                               runner=self.runner, reasoning_parser=self.reasoning_parser)
 
     def fresh(self, margin_s: float) -> bool:
         """The key certainly still exists (written less than ttl - margin ago, no gap since)."""

@@ -100,8 +100,9 @@ async def _embed(request: web.Request) -> web.Response:
     await admit(request, total)
     now = time.time()
     params = SamplingParams(max_tokens=1)
-    requests = [EngineRequest("embd-" + uuid.uuid4().hex, cfg.gateway_id, model.name, ids, params, now,
-                              now + cfg.request_timeout_s, pooling=req.pooling) for ids in token_lists]
+    requests = [EngineRequest(id="embd-" + uuid.uuid4().hex, gateway=cfg.gateway_id, model=model.name,
+                              prompt_token_ids=ids, params=params, arrival=now, deadline=now + cfg.request_timeout_s,
+                              pooling=req.pooling) for ids in token_lists]
     try:
         collectors = await _submit_all(broker, requests)
     except BrokerUnavailable as exc:

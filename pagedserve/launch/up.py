@@ -314,7 +314,7 @@ def up_kv_cache_dtype(requested: str, model: str, quantization: str) -> str:
     """The KV cache dtype `up` runs: `requested`, except that "auto" for a .gguf served quantized
     (the default model) is int8 — with prompt rows on fp32 activations it states every fact the
     fp32 model does (tests/pagedserve/launch/test_up_default_answers.py), it decodes faster than the
-    fp32 cache and holds 3.9x its tokens (docs/cpu-fast-path.md)."""
+    fp32 cache and holds nearly four times its tokens (docs/cpu-fast-path.md)."""
     if requested == "auto" and model.endswith(".gguf") and quantization in ("auto", "requantize"):
         return "int8"
     return requested

@@ -14,7 +14,8 @@ from common.sampling_params import SamplingParams
 
 
 def _request(pooling: PoolingParams | None) -> EngineRequest:
-    return EngineRequest("r1", "gw", "m", [1, 2, 3], SamplingParams(max_tokens=1), 1.0, pooling=pooling)
+    return EngineRequest(id="r1", gateway="gw", model="m", prompt_token_ids=[1, 2, 3],
+                         params=SamplingParams(max_tokens=1), arrival=1.0, pooling=pooling)
 
 
 def test_pooling_round_trips_and_generation_carries_none() -> None:
@@ -43,16 +44,17 @@ def test_params_validate() -> None:
 
 def test_embedding_round_trips_as_float32_bytes() -> None:
     vector = struct.pack("<3f", 0.5, -1.25, 3.0)
-    out = OutputMessage("r1", 0, [SeqOutput(0, [], 0, "stop")], embedding=vector)
+    out = OutputMessage(id="r1", seq=0, outputs=[SeqOutput(index=0, token_ids=[], offset=0, finish_reason="stop")],
+                        embedding=vector)
     back = OutputMessage.decode(out.encode())
     assert back.embedding == vector and embedding_floats(back.embedding) == [0.5, -1.25, 3.0]
-    assert OutputMessage.decode(OutputMessage("r1", 0).encode()).embedding is None
+    assert OutputMessage.decode(OutputMessage(id="r1", seq=0).encode()).embedding is None
     assert out.checkpoint().embedding is None  # progress keeps tokens and finish state only
 
 
 @pytest.mark.parametrize("bad", [b"abc", "text", [1.0, 2.0], 7])
 def test_bad_embedding_decodes_to_protocol_error(bad: object) -> None:
-    obj = OutputMessage("r1", 0).to_obj()
+    obj = OutputMessage(id="r1", seq=0).to_obj()
     obj["embedding"] = bad
     with pytest.raises(ProtocolError):
         OutputMessage.from_obj(obj)

@@ -28,8 +28,8 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineThread]:
 
 
 def _request(request_id: str, pooling: PoolingParams | None) -> EngineRequest:
-    return EngineRequest(request_id, "gw", "m", [4, 8, 15, 16, 23, 42], SamplingParams(max_tokens=1), 0.0,
-                         pooling=pooling)
+    return EngineRequest(id=request_id, gateway="gw", model="m", prompt_token_ids=[4, 8, 15, 16, 23, 42],
+                         params=SamplingParams(max_tokens=1), arrival=0.0, pooling=pooling)
 
 
 def _start(request: EngineRequest) -> tuple[Tracked, AddJob]:
@@ -69,7 +69,8 @@ def test_generation_refused_on_a_pooling_engine(host: EngineThread) -> None:
 
 
 def test_heartbeat_announces_the_runner() -> None:
-    beat = EngineHeartbeat("e", "m", "/tok", 512, 1.0, runner="pooling")
+    beat = EngineHeartbeat(engine_id="e", model="m", tokenizer="/tok", max_model_len=512, time=1.0,
+                           runner="pooling")
     assert EngineHeartbeat.from_hash(beat.to_hash()).runner == "pooling"
-    plain = EngineHeartbeat("e", "m", "/tok", 512, 1.0).to_hash()
+    plain = EngineHeartbeat(engine_id="e", model="m", tokenizer="/tok", max_model_len=512, time=1.0).to_hash()
     assert "runner" not in plain and EngineHeartbeat.from_hash(plain).runner == "generate"

@@ -126,7 +126,7 @@ async def test_engine_error_mid_stream_fails_the_response(gateway: Gateway) -> N
                                                                            "stream": True}))
     req = await gateway.engine.next_request()
     ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode("a</think>bc", add_special_tokens=False)
-    await gateway.engine.publish(req, [SeqOutput(0, ids, 0, None)])
+    await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=ids, offset=0)])
     await gateway.engine.publish(req, [], error=ErrorInfo("the engine broke", "server_error", "engine_failed"))
     resp = await post
     events = [json.loads(b.split("data: ", 1)[1]) for b in (await resp.text()).split("\n\n") if b]
