@@ -132,13 +132,20 @@ def engine_round(engine: Any, prompts: list[list[int]], steps: int) -> tuple[flo
     return statistics.median(times), statistics.median(cpu)
 
 
-def peer_round(python: str, gguf: str, prompts_file: str, batch: int, steps: int, threads: int) -> float:
-    """One llama.cpp round (benchmarks/peer/llama_cpp_bench.py in its own venv): step seconds."""
+def peer_line(python: str, gguf: str, prompts_file: str, batch: int, steps: int, threads: int) -> dict[str, Any]:
+    """One llama.cpp round (benchmarks/peer/llama_cpp_bench.py in its own venv): its JSON line
+    (``step_ms``, and ``buffers``: the weight buffers llama.cpp used)."""
     script = Path(__file__).resolve().parents[1] / "peer" / "llama_cpp_bench.py"
     out = subprocess.run([python, str(script), "--gguf", gguf, "--prompts", prompts_file, "--batches", str(batch),
                           "--rounds", "1", "--steps", str(steps), "--threads", str(threads)],
                          check=True, capture_output=True, text=True, env=peer_environ()).stdout
-    return float(json.loads(out.strip().splitlines()[-1])["step_ms"]) / 1e3
+    line: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return line
+
+
+def peer_round(python: str, gguf: str, prompts_file: str, batch: int, steps: int, threads: int) -> float:
+    """One llama.cpp round's step seconds (`peer_line`)."""
+    return float(peer_line(python, gguf, prompts_file, batch, steps, threads)["step_ms"]) / 1e3
 
 
 def bench_engine(args: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
-from benchmarks.kernels.quant_bench import engine_round, peer_round, prompts_for
+from benchmarks.kernels.quant_bench import engine_round, peer_line, prompts_for
 
 
 def load(gguf: str, dtype: str, kv_cache_dtype: str, tokenizer: str | None = None) -> Any:
@@ -65,17 +65,20 @@ def main() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     times: dict[tuple[str, str, int], list[float]] = {}
+    buffers: dict[str, list[str]] = {}  # the weight buffers llama.cpp reported per file (CPU_REPACK: repacked)
     with torch.inference_mode():
         engines = {g: load(g, args.dtype, args.kv_cache_dtype, args.tokenizer) for g in files}
         for r in range(args.rounds):
             for batch in batches:
                 for g in files:
                     ours, _ = engine_round(engines[g], prompts[:batch], args.steps)
-                    peer = peer_round(args.peer_python, g, f.name, batch, args.steps, args.threads)
+                    peer_out = peer_line(args.peer_python, g, f.name, batch, args.steps, args.threads)
+                    peer_s = float(peer_out["step_ms"]) / 1e3
+                    buffers[g] = peer_out.get("buffers", [])
                     times.setdefault((g, "pagedserve", batch), []).append(ours)
-                    times.setdefault((g, "llama.cpp", batch), []).append(peer)
+                    times.setdefault((g, "llama.cpp", batch), []).append(peer_s)
                     print(json.dumps({"part": "round", "round": r, "gguf": Path(g).name, "batch": batch,
-                                      "pagedserve_ms": round(ours * 1e3, 2), "llama_cpp_ms": round(peer * 1e3, 2)}),
+                                      "pagedserve_ms": round(ours * 1e3, 2), "llama_cpp_ms": round(peer_s * 1e3, 2)}),
                           file=sys.stderr, flush=True)
     Path(f.name).unlink()
     isa = os.environ.get("PAGEDSERVE_CPU_ISA") or "machine"
@@ -83,9 +86,12 @@ def main() -> None:
         for batch in batches:
             ours, peer = times[g, "pagedserve", batch], times[g, "llama.cpp", batch]
             for system, seconds in (("pagedserve", ours), ("llama.cpp", peer)):
-                print(json.dumps({"part": "engine", "gguf": Path(g).name, "system": system, "batch": batch,
-                                  "isa_cap": isa, "tok_s": round(batch / min(seconds), 2),
-                                  "step_ms": round(min(seconds) * 1e3, 2)}), flush=True)
+                line: dict[str, Any] = {"part": "engine", "gguf": Path(g).name, "system": system, "batch": batch,
+                                        "isa_cap": isa, "tok_s": round(batch / min(seconds), 2),
+                                        "step_ms": round(min(seconds) * 1e3, 2)}
+                if system == "llama.cpp":
+                    line["buffers"] = buffers.get(g, [])
+                print(json.dumps(line), flush=True)
             per_round = [p / o for o, p in zip(ours, peer, strict=True)]
             print(json.dumps({"part": "ratio", "gguf": Path(g).name, "batch": batch, "isa_cap": isa,
                               "best_over_best": round(min(peer) / min(ours), 3),
