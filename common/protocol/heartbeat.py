@@ -63,7 +63,8 @@ class EngineHeartbeat:
     (`Keys.routed`), so gateways may send requests there; `block_size` and `cached` (at most
     MAX_CACHED prefix-cache keys, `common.block_hash`, most recently used first, held in its
     device pool in use or free-but-revivable) say which prompt prefixes it would find cached.
-    Field ``cached`` is base64 of little-endian uint64s."""
+    Field ``cached`` is base64 of little-endian uint64s. `loras`: the LoRA adapters it serves
+    over `model` (gateways list each as a model whose parent is `model`), JSON in field ``loras``."""
 
     engine_id: str
     model: str
@@ -79,6 +80,7 @@ class EngineHeartbeat:
     routed: bool = False
     block_size: int = 0
     cached: list[int] = field(default_factory=list)
+    loras: list[str] = field(default_factory=list)
 
     def identity(self) -> tuple[str, int, int]:
         """What must be equal between engines serving one model name."""
@@ -98,6 +100,8 @@ class EngineHeartbeat:
             fields["block_size"] = str(self.block_size)
         if self.cached:
             fields["cached"] = pack_keys(self.cached[:MAX_CACHED])
+        if self.loras:
+            fields["loras"] = json.dumps(self.loras)
         if self.tables:
             fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
         return fields
@@ -109,6 +113,9 @@ class EngineHeartbeat:
             text = {_text(k): _text(v) for k, v in data.items()}
             if any(len(v) > MAX_FIELD for v in text.values()):
                 raise ProtocolError("heartbeat: a field is too large")
+            loras = json.loads(text.get("loras", "[]"))
+            if not isinstance(loras, list) or not all(isinstance(n, str) and n for n in loras):
+                raise ProtocolError("heartbeat: loras must be a list of names")
             tables = json.loads(text.get("tables", "[]"))
             if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
                 raise ProtocolError("heartbeat: tables must be a list of maps")
@@ -120,7 +127,7 @@ class EngineHeartbeat:
                 tables=tables, config_hash=text.get("config_hash", ""),
                 vocab_size=int(text.get("vocab_size", "0")), draining=text.get("draining", "0") == "1",
                 routed=text.get("routed", "0") == "1", block_size=int(text.get("block_size", "0")),
-                cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED],
+                cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED], loras=loras,
             )
             if beat.block_size < 0 or (beat.cached and beat.block_size == 0):
                 raise ProtocolError("heartbeat: cached keys without a positive block size")

@@ -35,7 +35,8 @@ class EngineRequest:
     running before admitting it. `gateway_token` is the submitting gateway process's liveness
     token (the value of its ``{prefix}:gateway:<id>`` key): an engine stops the request at once
     when that key holds another token (the gateway restarted under the same id); empty: an older
-    gateway, only the key's presence counts."""
+    gateway, only the key's presence counts. `lora_name`: the LoRA adapter of `model` to run it
+    with (empty: the base model)."""
 
     id: str
     gateway: str
@@ -47,13 +48,14 @@ class EngineRequest:
     handoffs: int = 0
     epoch: str = ""
     gateway_token: str = ""
+    lora_name: str = ""
 
     def encode(self) -> bytes:
         return pack({
             "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
             "prompt_token_ids": list(self.prompt_token_ids), "params": self.params.to_dict(),
             "arrival": self.arrival, "deadline": self.deadline, "handoffs": self.handoffs,
-            "epoch": self.epoch, "gateway_token": self.gateway_token,
+            "epoch": self.epoch, "gateway_token": self.gateway_token, "lora_name": self.lora_name,
         })
 
     @classmethod
@@ -70,6 +72,7 @@ class EngineRequest:
                 handoffs=integer(obj, "handoffs", what, hi=1 << 20, default=0),
                 epoch=text(obj, "epoch", what, default=""),
                 gateway_token=text(obj, "gateway_token", what, default=""),
+                lora_name=text(obj, "lora_name", what, default=""),
             )
         if not request.id:
             raise ProtocolError("request: empty id")

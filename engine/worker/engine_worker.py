@@ -117,6 +117,7 @@ class EngineWorker:
         beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, engine.tokenizer_dir,
                          engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
                          config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size)
+        beat.loras = engine.lora_names()  # the --lora-modules it serves (read before any step runs)
         runner = None
         tasks: list[asyncio.Task[None]] = []
         try:

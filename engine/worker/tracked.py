@@ -105,4 +105,4 @@ def resume(request: EngineRequest, entry_id: str, progress: Progress,
         tracked.sent = {0: len(generated)}
         if generated:
             tracked.first_token_at = tracked.started
-    return tracked, AddJob(request.id, request.prompt_token_ids, request.params, generated)
+    return tracked, AddJob(request.id, request.prompt_token_ids, request.params, generated, request.lora_name)

@@ -67,8 +67,8 @@ async def _run_generation(request: web.Request, kind: Endpoint) -> web.StreamRes
     await admit(request, len(ids) + req.params.n * req.params.max_tokens)  # per-key limits (429 over them)
     rid = kind.id_prefix + uuid.uuid4().hex
     now = time.time()
-    engine_req = EngineRequest(rid, cfg.gateway_id, model.name, ids, req.params, now,
-                               now + cfg.request_timeout_s)
+    engine_req = EngineRequest(rid, cfg.gateway_id, model.base, ids, req.params, now,
+                               now + cfg.request_timeout_s, lora_name=model.lora_name)
     try:
         collector = await broker.submit(engine_req, req.params.n)
     except BrokerUnavailable as exc:

@@ -19,13 +19,25 @@ log = get_logger("gateway.engines")
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """A served model: its name, tokenizer directory, context length, owning engines."""
+    """A served model: its name, tokenizer directory, context length, owning engines; for a LoRA
+    adapter, `parent` names its base model (whose request stream it goes to), else empty."""
 
     name: str
     tokenizer_dir: str
     max_model_len: int
     engines: tuple[str, ...]
     created: int
+    parent: str = ""
+
+    @property
+    def base(self) -> str:
+        """The model whose engines run it: the parent of an adapter, else itself."""
+        return self.parent or self.name
+
+    @property
+    def lora_name(self) -> str:
+        """The adapter the engines apply ("" for a base model)."""
+        return self.name if self.parent else ""
 
 
 class EngineRegistry:
@@ -86,6 +98,14 @@ class EngineRegistry:
             max_len = min((b.max_model_len for b in beats if b.max_model_len > 0), default=0)
             models[name] = ModelInfo(name, tokenizer_dir, max_len, tuple(b.engine_id for b in beats),
                                      int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)))
+        for base in list(models.values()):  # each LoRA adapter as a model of its own, parent = its base
+            for lora in sorted({n for b in by_name[base.name] for n in b.loras}):
+                if lora in models:
+                    log.warning("lora adapter name shadowed by a model", lora=lora, parent=base.name)
+                    continue
+                engines = tuple(b.engine_id for b in by_name[base.name] if lora in b.loras)
+                models[lora] = ModelInfo(lora, base.tokenizer_dir, base.max_model_len, engines, base.created,
+                                         base.name)
         return models
 
     @staticmethod

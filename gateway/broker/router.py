@@ -138,15 +138,17 @@ class Router:
             if not view.engines and not view.hints:
                 del self.models[model]
 
-    def choose(self, model: str, token_ids: Sequence[int]) -> Route:
-        """The stream for a prompt of `model` (see the module docstring); counts the reason and
-        remembers a routed prompt's keys as a hint for its engine."""
+    def choose(self, model: str, token_ids: Sequence[int], lora_name: str = "") -> Route:
+        """The stream for a prompt of `model` (see the module docstring), under LoRA adapter
+        `lora_name` (its prefix keys are the adapter's); counts the reason and remembers a
+        routed prompt's keys as a hint for its engine."""
         view = self.models.get(model)
         if view is None or not view.engines:
             self.counts["shared"] += 1
             return Route(self.keys.requests(model), None, "shared")
         engines = sorted(view.engines.values(), key=lambda e: e.engine_id)
-        keys_by_size = {size: prefix_keys(token_ids, size) for size in {e.block_size for e in engines}}
+        sizes = {e.block_size for e in engines}
+        keys_by_size = {size: prefix_keys(token_ids, size, lora_name or None) for size in sizes}
         matches = {e.engine_id: self._match(view, e, keys_by_size[e.block_size]) for e in engines}
         load = {e.engine_id: self._load(e, model) for e in engines}
         best = max(engines, key=lambda e: (matches[e.engine_id], -load[e.engine_id]))
