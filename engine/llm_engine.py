@@ -141,7 +141,7 @@ class LLMEngine:
         kv_spec = shard.kv_spec(self.model.spec)
         block_bytes = kv_bytes_per_block(kv_spec, config.block_size, self.kv_dtype)
         peak = (profile_peak(self.model, profile_tokens, config.max_num_seqs, kv_spec, config.block_size,
-                             self.kv_dtype, self.device) if self.device.type == "cuda" else 0)
+                             self.kv_dtype, self.device, self.lora is not None) if self.device.type == "cuda" else 0)
         num_blocks = num_device_blocks(config, block_bytes, self.device, peak)
         num_cpu = num_host_blocks(config, block_bytes)
         if self.parallel is not None:  # one block manager for the group: the smallest rank's pool
