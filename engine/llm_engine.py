@@ -202,6 +202,29 @@ class LLMEngine:
         self.check_open()
         return [] if self.lora is None else self.lora.names()
 
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Serve `lora` (read from its path now; vLLM's `add_lora`): True once served, a
+        RequestRejected with the adapter's error code when it cannot be."""
+        self.check_open()
+        if not lora.lora_path:
+            raise RequestRejected(f"LoRA adapter {lora.lora_name!r}: lora_path is required", "lora_invalid")
+        return self._lora_name(lora) is not None
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name`; False when it is not served. Refused (RequestRejected,
+        `lora_in_use`) while a request of it is queued or running: those finish first. The prefix
+        cache's free blocks are dropped with it (its K/V is keyed by its name, which a later
+        adapter may take)."""
+        self.check_open()
+        if self.lora is None or name not in self.lora.paths:
+            return False
+        users = sorted(r.request_id for r in self.requests.values() if r.lora_name == name)
+        if users:
+            raise RequestRejected(f"LoRA adapter {name!r} is in use by {len(users)} request(s), e.g. {users[0]}",
+                                  "lora_in_use")
+        self.block_manager.reset_prefix_cache()
+        return self.lora.unregister(name)
+
     def _lora_name(self, lora: LoRARequest | None) -> str | None:
         """The adapter a request runs with, registered (from its path) or known by name; a
         RequestRejected with the adapter's error code otherwise."""

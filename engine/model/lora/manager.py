@@ -87,6 +87,19 @@ class LoRAManager:
         self.paths[name] = path
         return adapter
 
+    def unregister(self, name: str) -> bool:
+        """Stop serving `name`: forgotten, its host copy dropped, its slot emptied. False when it
+        was not registered. The caller makes sure no request still runs with it."""
+        if self.paths.pop(name, None) is None:
+            return False
+        self.resident.pop(name, None)
+        if name in self.placed:
+            slot = self.placed.index(name)
+            for slots in self.linears.values():
+                slots.clear(slot)
+            self.placed[slot] = None
+        return True
+
     def adapter(self, name: str) -> LoRAAdapter:
         """A registered adapter, read again from its folder if it left host memory."""
         if name not in self.paths:
