@@ -16,6 +16,7 @@ from redis.backoff import ExponentialBackoff
 from common.protocol import Keys
 from common.redis_conn import MeteredPool, ReplicaAck, pooled_client, single_client
 from common.shutdown import shut_down
+from gateway.api.lora_routes import add_routes as add_lora_routes
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.offload import cpu_pool_ctx
 from gateway.api.openai_routes import add_routes as add_openai_routes
@@ -110,5 +111,6 @@ def create_app(config: GatewayConfig) -> web.Application:
         install_rate_limits(app, config.rate_limits_path)
     add_openai_routes(app)
     add_misc_routes(app)
+    add_lora_routes(app)
     add_ui_routes(app)
     return app

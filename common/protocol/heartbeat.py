@@ -64,7 +64,8 @@ class EngineHeartbeat:
     MAX_CACHED prefix-cache keys, `common.block_hash`, most recently used first, held in its
     device pool in use or free-but-revivable) say which prompt prefixes it would find cached.
     Field ``cached`` is base64 of little-endian uint64s. `loras`: the LoRA adapters it serves
-    over `model` (gateways list each as a model whose parent is `model`), JSON in field ``loras``."""
+    over `model` (gateways list each as a model whose parent is `model`), JSON in field ``loras``;
+    `lora_errors`: why adapters of `Keys.loras` could not be loaded here (name -> message)."""
 
     engine_id: str
     model: str
@@ -81,6 +82,7 @@ class EngineHeartbeat:
     block_size: int = 0
     cached: list[int] = field(default_factory=list)
     loras: list[str] = field(default_factory=list)
+    lora_errors: dict[str, str] = field(default_factory=dict)
 
     def identity(self) -> tuple[str, int, int]:
         """What must be equal between engines serving one model name."""
@@ -102,6 +104,8 @@ class EngineHeartbeat:
             fields["cached"] = pack_keys(self.cached[:MAX_CACHED])
         if self.loras:
             fields["loras"] = json.dumps(self.loras)
+        if self.lora_errors:
+            fields["lora_errors"] = json.dumps(self.lora_errors)
         if self.tables:
             fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
         return fields
@@ -116,6 +120,9 @@ class EngineHeartbeat:
             loras = json.loads(text.get("loras", "[]"))
             if not isinstance(loras, list) or not all(isinstance(n, str) and n for n in loras):
                 raise ProtocolError("heartbeat: loras must be a list of names")
+            lora_errors = json.loads(text.get("lora_errors", "{}"))
+            if not isinstance(lora_errors, dict) or not all(isinstance(v, str) for v in lora_errors.values()):
+                raise ProtocolError("heartbeat: lora_errors must map names to messages")
             tables = json.loads(text.get("tables", "[]"))
             if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
                 raise ProtocolError("heartbeat: tables must be a list of maps")
@@ -127,7 +134,7 @@ class EngineHeartbeat:
                 tables=tables, config_hash=text.get("config_hash", ""),
                 vocab_size=int(text.get("vocab_size", "0")), draining=text.get("draining", "0") == "1",
                 routed=text.get("routed", "0") == "1", block_size=int(text.get("block_size", "0")),
-                cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED], loras=loras,
+                cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED], loras=loras, lora_errors=lora_errors,
             )
             if beat.block_size < 0 or (beat.cached and beat.block_size == 0):
                 raise ProtocolError("heartbeat: cached keys without a positive block size")

@@ -89,6 +89,7 @@ class Heartbeat:
         self.beats = 0
         self.block_size = 0  # > 0: this engine reads its own routed stream and announces its cached keys
         self.loras: list[str] = []  # the LoRA adapters it serves over `model`
+        self.lora_errors: dict[str, str] = {}  # adapters of `Keys.loras` it could not load, and why
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
         """`stats` may carry ``block_tables`` and ``cached_keys`` (lists, so `flatten_stats`
@@ -99,7 +100,8 @@ class Heartbeat:
         return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
                                list(stats.get("block_tables", [])), self.config_hash, self.vocab_size,
                                self.draining, routed=routed, block_size=self.block_size,
-                               cached=list(stats.get("cached_keys", [])) if routed else [], loras=list(self.loras))
+                               cached=list(stats.get("cached_keys", [])) if routed else [], loras=list(self.loras),
+                               lora_errors=dict(self.lora_errors))
 
     def fresh(self, margin_s: float) -> bool:
         """The key certainly still exists (written less than ttl - margin ago, no gap since)."""

@@ -23,10 +23,16 @@ def test_request_carries_its_adapter() -> None:
 
 
 def test_heartbeat_adapters_must_be_names() -> None:
-    fields = EngineHeartbeat("e1", "m", "/tok", 512, 1.0, loras=["a"]).to_hash()
+    sent = EngineHeartbeat("e1", "m", "/tok", 512, 1.0, loras=["a"], lora_errors={"b": "no folder"})
+    fields = sent.to_hash()
+    got = EngineHeartbeat.from_hash(fields)
+    assert (got.loras, got.lora_errors) == (["a"], {"b": "no folder"})
     for bad in ([1], "a", [""], {"a": 1}):
         with pytest.raises(ProtocolError):
             EngineHeartbeat.from_hash({**fields, "loras": json.dumps(bad)})
+    for bad_errors in (["b"], {"b": 1}):
+        with pytest.raises(ProtocolError):
+            EngineHeartbeat.from_hash({**fields, "lora_errors": json.dumps(bad_errors)})
 
 
 def test_adapter_keys_are_apart() -> None:

@@ -2,7 +2,8 @@
 model with three adapters (`--lora-modules` in both forms), an in-process gateway, the `openai`
 client. `/v1/models` lists each adapter with its base as `parent`; a request picks its adapter by
 `model`, and concurrent requests of the base and of every adapter each get the in-process engine's
-greedy answer for that adapter; an unknown model is a 404."""
+greedy answer for that adapter; an unknown model is a 404. Adapters loaded and unloaded at run
+time over HTTP (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) reach the engine through Redis."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -47,7 +50,8 @@ def stack(tiny_llama_dir: Path, adapters: dict[str, Path],
             engine.stop()
 
 
-def _expected(model_dir: Path, adapters: dict[str, Path]) -> dict[tuple[str, str], str]:
+def _expected(model_dir: Path, adapters: dict[str, Path], names: tuple[str, ...] = (MODEL, *ADAPTERS)
+              ) -> dict[tuple[str, str], str]:
     """The in-process engine's greedy text per (model or adapter, prompt), decoded as the gateway does."""
     from common.sampling_params import SamplingParams
     from engine.llm import LLM
@@ -56,7 +60,6 @@ def _expected(model_dir: Path, adapters: dict[str, Path]) -> dict[tuple[str, str
 
     tok = ModelTokenizer(str(model_dir))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    names = [MODEL, *ADAPTERS]
     with LLM(str(model_dir), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True, max_loras=4,
              max_lora_rank=8) as llm:
         keys = [(name, prompt) for name in names for prompt in PROMPTS]
@@ -92,4 +95,43 @@ async def test_adapters_by_model_name(stack: tuple[str, EngineProcess], tiny_lla
             assert text == expected[key], key
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="a9", prompt="x", max_tokens=2)
+    engine.wait_drained()
+
+
+async def _post(session: aiohttp.ClientSession, url: str, route: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with session.post(f"{url}/v1/{route}", json=body) as resp:
+        return resp.status, (await resp.text() if resp.status == 200 else (await resp.json())["error"])
+
+
+async def test_load_and_unload_at_run_time(stack: tuple[str, EngineProcess], tiny_llama_dir: Path,
+                                           tmp_path: Path) -> None:
+    redis_url, engine = stack
+    dyn = make_adapter(tiny_llama_dir, tmp_path / "dyn", seed=77, r=8)
+    expected = _expected(tiny_llama_dir, {"dyn": dyn}, ("dyn",))
+    async with serve_gateway(redis_url) as url, _client(url) as client, aiohttp.ClientSession() as session:
+        status, text = await _post(session, url, "load_lora_adapter", {"lora_name": "dyn", "lora_path": str(dyn)})
+        assert (status, text) == (200, "Success: LoRA adapter 'dyn' added successfully.")
+        models = {m.id: m for m in (await client.models.list()).data}
+        assert models["dyn"].model_extra is not None and models["dyn"].model_extra["parent"] == MODEL
+        out = await client.completions.create(model="dyn", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert out.choices[0].text == expected[("dyn", PROMPTS[0])]
+
+        status, error = await _post(session, url, "load_lora_adapter", {"lora_name": "dyn", "lora_path": str(dyn)})
+        assert (status, error["code"]) == (400, "lora_already_loaded")
+        status, error = await _post(session, url, "load_lora_adapter",
+                                    {"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})
+        assert (status, error["code"]) == (400, "lora_invalid") and "does not exist" in error["message"]
+        status, error = await _post(session, url, "load_lora_adapter", {"lora_name": "x"})
+        assert (status, error["param"]) == (400, "lora_path")
+        status, error = await _post(session, url, "unload_lora_adapter", {"lora_name": "a0"})
+        assert (status, error["code"]) == (400, "lora_static")
+
+        status, text = await _post(session, url, "unload_lora_adapter", {"lora_name": "dyn"})
+        assert (status, text) == (200, "Success: LoRA adapter 'dyn' removed successfully.")
+        assert "dyn" not in {m.id for m in (await client.models.list()).data}
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="dyn", prompt="x", max_tokens=2)
+        status, error = await _post(session, url, "unload_lora_adapter", {"lora_name": "dyn"})
+        assert (status, error["code"]) == (404, "lora_not_found")
     engine.wait_drained()
