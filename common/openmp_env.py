@@ -1,17 +1,16 @@
 """How long OpenMP's idle threads spin: bounded before torch loads its OpenMP runtime.
 
 After every parallel region libgomp's worker threads spin `GOMP_SPINCOUNT` rounds before they
-sleep (300,000 by default: ~10-20 ms of `pause` on these CPUs). pagedserve's CPU kernels share the
+sleep (300,000 by default: milliseconds of `pause`). pagedserve's CPU kernels share the
 cores between OpenMP (oneDNN GEMMs, ATen ops inside the fused decoder, the bf16 lm_head screen)
 and their own chunk pool (csrc/cpu/parallel.h), so a worker still spinning after a GEMM holds a
-core the pool's helper needs: on 2 cores a random Qwen3-MoE's batch-of-32 step spent 30% of its
-samples in libgomp's spin (perf) and took 55 ms, 43 ms with `GOMP_SPINCOUNT=10000`
-(docs/performance.md). libgomp reads the variable once, when it is loaded (by `import torch`), so
-`bound_openmp_spin` runs first thing in `engine` and `benchmarks`, neither of which imports torch
-before it (`ops`, the kernels' package, imports nothing of the project's: it is reached through
-`engine`). A choice of the user's (`GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` in the environment)
-is kept. A peer's process in the benchmarks gets the environment without the bound
-(`peer_environ`): llama.cpp's ggml runs on libgomp too. Torch-free (common/ never imports torch).
+core the pool's helper needs (docs/performance.md). libgomp reads the variable once, when it is
+loaded (by `import torch`), so `bound_openmp_spin` runs first thing in `engine` and `benchmarks`,
+neither of which imports torch before it (`ops`, the kernels' package, imports nothing of the
+project's: it is reached through `engine`). A choice of the user's (`GOMP_SPINCOUNT` or
+`OMP_WAIT_POLICY` in the environment) is kept. A peer's process in the benchmarks gets the
+environment without the bound (`peer_environ`): llama.cpp's ggml runs on libgomp too. Torch-free
+(common/ never imports torch).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import os
 import sys
 
 _set_here = False  # whether bound_openmp_spin set the variable (not the user)
-SPIN_COUNT = 10_000  # rounds: ~0.5 ms, enough for back-to-back GEMMs to find their threads awake
+SPIN_COUNT = 10_000  # rounds: under a millisecond, enough for back-to-back GEMMs to find their threads awake
 USER_CHOICES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 

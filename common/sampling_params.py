@@ -14,7 +14,7 @@ from common.structured_limits import limit_error
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID_LIST = 1024  # stop_token_ids and logit_bias entries: a request is no place for a vocabulary
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
-GRAMMAR_DIALECTS = ("lark", "gbnf")  # a grammar's "dialect", decided by the gateway (issue 41)
+GRAMMAR_DIALECTS = ("lark", "gbnf")  # a grammar's "dialect", decided by the gateway
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_TOP_K = 1 << 20
 MAX_LENGTH_PENALTY = 10.0

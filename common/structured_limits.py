@@ -3,8 +3,8 @@
 The gateway checks them with a 400 naming the field (`gateway.api.structured`), and
 `SamplingParams` checks them again (an engine never compiles an oversized grammar, whoever
 sent it). They keep a request from reaching the grammar library's internal limits (whose
-complaints carry a Rust backtrace) and from spending seconds of compile time: 50,000
-choices compile in about 6 s, 200,000 in minutes.
+complaints carry a Rust backtrace) and from spending seconds of compile time (compile time
+grows with the number of choices).
 
 `library_message` is what a client may see of a grammar library error: its first line."""
 

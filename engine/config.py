@@ -11,13 +11,13 @@ from engine.spec.config import SpeculativeConfig
 log = get_logger("config")
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
-# Tokens per step when max_num_batched_tokens is not given. On the CPU a 2,048-token step of
-# SmolLM2 takes ~2.3 s, so a burst's first tokens come in waves that far apart; 1,024 halves the
-# wave and keeps throughput (benchmarks/peer/peer_bench.py --only served, docs/performance.md).
-# CUDA keeps vLLM's online default; it has not been measured here.
+# Tokens per step when max_num_batched_tokens is not given. On the CPU a burst's first tokens come
+# in waves one step apart, so a smaller budget shortens the wave; 1,024 keeps throughput
+# (benchmarks/peer/peer_bench.py --only served, docs/performance.md). CUDA keeps vLLM's online default.
 DEFAULT_TOKEN_BUDGET = {"cpu": 1024, "cuda": 2048}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # engine/model/spec.py sizes each
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's --runner: auto reads the model folder (engine.model.pooling_config)
 QUANTIZATIONS = ("auto", "requantize", "dequantize")  # a .gguf's tensors: in their own formats (those
 # without a kernel in fp32), those as Q8_0, or everything converted to dtype
 
@@ -30,7 +30,7 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: quantized rows (1.94x the tokens of bf16)
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8: quantized rows (nearly twice the tokens of bf16)
     quantization: str = "auto"  # a .gguf model: auto keeps its quantized tensors (fp32 activations, CPU)
     block_size: int = 16
     kv_cache_memory: int = 1 << 30
@@ -48,7 +48,7 @@ class EngineConfig:
     debug_blocks: bool = False
     logit_screen: bool = True  # greedy tokens through a bf16 screen of the lm_head where the CPU has one
     # Quantized weights: prompt rows on fp32 activations (exact prompt logits and first token); False:
-    # int8 activations like decode rows, 1.4-1.6x faster prefill on the eight-row Q4 layouts
+    # int8 activations like decode rows, faster prefill on the eight-row Q4 layouts
     exact_prompt_rows: bool = True
     # Batch-invariant CPU arithmetic (ops.backend.set_fixed_order): every fp32 linear row through one
     # reduction order and prefill attention with decode's per-row arithmetic, so a request's tokens
@@ -74,6 +74,10 @@ class EngineConfig:
     max_loras: int = 1
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    # "pooling": serve embeddings (/v1/embeddings) from the final hidden states instead of generating;
+    # "auto": pooling for an embedding model's folder (engine.model.pooling_config), else generate
+    runner: str = "auto"
+    pooling_type: str | None = None  # LAST | MEAN | CLS; None: the folder's sentence-transformers config, else LAST
 
     @property
     def serves_quantized_weights(self) -> bool:
@@ -109,6 +113,10 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1 and tensor_parallel_timeout > 0")
         if self.tensor_parallel_threads is not None and self.tensor_parallel_threads < 1:
             raise ValueError("tensor_parallel_threads must be >= 1")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooling_type is not None and self.pooling_type not in ("LAST", "MEAN", "CLS"):
+            raise ValueError(f"pooling_type must be LAST, MEAN or CLS, got {self.pooling_type!r}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be > 0 seconds")
         self._check_lora()

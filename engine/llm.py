@@ -5,11 +5,12 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from common.pooling_params import PoolingParams, embedding_floats
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.lora import LoRARequest
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 
 
 class LLM:
@@ -80,7 +81,7 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise
         results = {
-            request_id: RequestOutput(request_id, prompt_token_ids=t)
+            request_id: RequestOutput(request_id=request_id, prompt_token_ids=t)
             for request_id, t in zip(ids, token_lists, strict=True)
         }
         progress = _progress(len(prompts), use_tqdm)
@@ -97,6 +98,37 @@ class LLM:
                 for choice in result.outputs:
                     choice.text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
         return out
+
+    def embed(self, prompts: str | list[str] | list[int] | list[list[int]],
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """The pooled vector of each prompt (vLLM's `LLM.embed`), in input order, from an engine
+        with the pooling runner (`runner="pooling"`, or an embedding model's folder). A prompt the
+        engine refuses raises ValueError before anything runs."""
+        self.engine.check_open()
+        items: list[Any] = [prompts] if isinstance(prompts, str) or (
+            prompts and all(isinstance(t, int) for t in prompts)) else list(prompts)
+        token_lists = [self._encode(p) for p in items]
+        ids = [f"embed-{next(self._ids)}" for _ in token_lists]
+        params = SamplingParams(max_tokens=1)
+        pooling = pooling_params or PoolingParams()
+        try:
+            for request_id, tokens in zip(ids, token_lists, strict=True):
+                self.engine.add_request(request_id, tokens, params, pooling=pooling)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        vectors: dict[str, bytes] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.error is not None:  # refused by the scheduler: the others stop too
+                    for request_id in ids:
+                        self.engine.abort_request(request_id)
+                    raise ValueError(out.error)
+                if out.finished and out.embedding is not None:
+                    vectors[out.request_id] = out.embedding
+        return [EmbeddingRequestOutput(request_id, EmbeddingOutput(embedding_floats(vectors[request_id])), tokens)
+                for request_id, tokens in zip(ids, token_lists, strict=True)]
 
     def chat(self, conversations: list[list[dict[str, str]]],
              params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -141,7 +173,7 @@ def _merge(result: RequestOutput, delta: RequestOutput) -> None:
     for choice in delta.outputs:
         have = by_index.get(choice.index)
         if have is None:
-            have = by_index[choice.index] = CompletionOutput(choice.index, [], logprobs=None)
+            have = by_index[choice.index] = CompletionOutput(index=choice.index, token_ids=[], logprobs=None)
             result.outputs.append(have)
         have.token_ids.extend(choice.token_ids)
         if choice.logprobs is not None:

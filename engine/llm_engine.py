@@ -19,6 +19,7 @@ import torch
 import ops
 from common.log import get_logger
 from common.openmp_env import openmp_spin_note
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.kv.block_manager import BlockManager
@@ -39,6 +40,8 @@ from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dty
 from engine.model.loader import load_hf_config, load_model, tokenizer_dir
 from engine.model.lora import LoRAError, LoRARequest
 from engine.model.lora.manager import LoRAManager
+from engine.model.pooling import Pooler
+from engine.model.pooling_config import PoolerConfig, pooler_config, resolve_runner
 from engine.model.quant_linear import all_linears_quantized
 from engine.model.runner import ModelRunner
 from engine.model.sharding import SINGLE, TPShard
@@ -66,7 +69,7 @@ class EngineClosedError(RuntimeError):
 COMPILE_POLL_S = 0.05  # a step with nothing to run but grammars compiling waits this long for one of them
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Compiling:
     """A request whose grammar is being compiled: queued in the scheduler once it is ready."""
 
@@ -83,8 +86,8 @@ GC_GEN0_THRESHOLD = 20_000  # allocations between young collections (Python's de
 def quiet_gc() -> None:
     """Move everything alive after start-up (torch, transformers, the model's modules: ~10^6
     objects) out of the collector's sight, and collect the young generation less often. A step
-    allocates thousands of short-lived objects; with the defaults the collector's scans of the
-    start-up heap were ~5% of a batched run's CPU samples (perf, the offline trace)."""
+    allocates thousands of short-lived objects; with the defaults the collector would scan the
+    start-up heap again and again."""
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
@@ -114,6 +117,13 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(config.model if Path(config.model).is_dir() else self.tokenizer_dir,
                                      self.hf_config)
         spec = ModelSpec.from_hf_config(self.hf_config)
+        self.runner_kind = resolve_runner(config.runner, config.model, self.hf_config)  # generate | pooling
+        self.pooler_config: PoolerConfig | None = None
+        if self.runner_kind == "pooling":
+            if not Path(config.model).expanduser().is_dir() or config.tensor_parallel_size > 1:
+                raise ValueError("the pooling runner serves a Hugging Face model folder on one device "
+                                 "(not a .gguf file, tensor_parallel_size 1)")
+            self.pooler_config = pooler_config(config.model, self.hf_config, config.pooling_type)
         self.max_model_len = config.resolve_max_model_len(spec.max_position_embeddings, spec.exact_context())
         profile_tokens = min(config.token_budget(self.device.type), self.max_model_len)
         self.parallel: TensorParallelGroup | None = start_group(config, spec, self.device, self.dtype,
@@ -132,7 +142,8 @@ class LLMEngine:
     def _build(self, config: EngineConfig, spec: ModelSpec, shard: TPShard, profile_tokens: int) -> None:
         """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
         self.model = load_model(config.model, device=self.device, quantization=config.quantization, shard=shard,
-                                spec=spec, policy=engine_policy(config, self.dtype, self.bf16_linears))
+                                spec=spec, policy=engine_policy(config, self.dtype, self.bf16_linears),
+                                pooling=self.pooler_config is not None)
         self.lora = self._start_lora(config)  # before profiling: its slots are part of the device's memory
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
             set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model), ops.fixed_order()))
@@ -174,6 +185,7 @@ class LLMEngine:
                                    self.speculator, config.max_loras if self.lora is not None else 0)
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.vocab_size, sorted(self.eos_token_ids))
         self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
+        self.pooler = Pooler(self.pooler_config) if self.pooler_config is not None else None
         self.requests: dict[str, Request] = {}
         self.compiling: dict[str, Compiling] = {}  # request id -> its grammar's compile (not in the scheduler yet)
         self.refused: dict[str, tuple[str, str]] = {}  # request id -> (why, code): refused after add_request
@@ -245,7 +257,7 @@ class LLMEngine:
     # ----- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, generated: list[int] | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue a request; raises RequestRejected (a ValueError; nothing is queued) when it can never run.
 
         A grammar (`structured_output`) not compiled yet is compiled off this thread
@@ -259,20 +271,26 @@ class LLMEngine:
         grammar advanced over them; its deltas (and prompt logprobs) start after them.
 
         `lora_request`: run it with that LoRA adapter (read from its path the first time, or one
-        already served under its name); its K/V is never shared with another adapter's."""
+        already served under its name); its K/V is never shared with another adapter's.
+
+        `pooling`: an embedding request (a pooling engine only, and only such requests there): the
+        prompt is prefilled and the request finishes with its pooled vector (`RequestOutput.embedding`)."""
         self.check_open()
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", "duplicate_request_id")
+        pooling = self._check_pooling(pooling)
         check_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.block_manager,
                       self.config.max_num_seqs)
         generated = list(generated or [])
         if generated and not params.resumes_in_place:
             raise RequestRejected("only a single-sequence request resumes from generated tokens", "invalid_parameter")
         params = params.with_default_seed(request_id)
-        request = Request(request_id, list(prompt_token_ids), params, lora_name=self._lora_name(lora_request))
+        request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                          lora_name=self._lora_name(lora_request), pooling=pooling)
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        seq = Sequence(request, 0, list(prompt_token_ids) + generated, len(prompt_token_ids))
+        seq = Sequence(request=request, index=0, token_ids=list(prompt_token_ids) + generated,
+                       num_prompt_tokens=len(prompt_token_ids))
         seq.num_emitted = len(generated)  # the client has them
         request.prompt_logprobs_sent = bool(generated)  # they came with the first delta
         request.seqs.append(seq)
@@ -280,11 +298,33 @@ class LLMEngine:
             future = self.grammars.submit(params.structured_output)
             if not future.done():
                 deadline = time.monotonic() + self.config.grammar_compile_timeout
-                self.compiling[request_id] = Compiling(request, seq, generated, future, deadline)
+                self.compiling[request_id] = Compiling(request=request, seq=seq, generated=generated, future=future,
+                                                       deadline=deadline)
                 self.requests[request_id] = request
                 return
             seq.grammar = self.grammars.follow(future.result(), generated)
         self._queue(request)
+
+    def _check_pooling(self, pooling: PoolingParams | None) -> PoolingParams | None:
+        """The request's pooling with this engine's pooling type; RequestRejected for a generation
+        request on a pooling engine, an embedding request on a generating one, or `dimensions`
+        the model cannot give."""
+        if self.pooler_config is None:
+            if pooling is not None:
+                raise RequestRejected("this model is served for generation, not embeddings (start the engine with "
+                                      "--runner pooling to serve its hidden states)", "invalid_request")
+            return None
+        if pooling is None:
+            raise RequestRejected("this model is served for embeddings (runner pooling): use /v1/embeddings, "
+                                  "not text generation", "invalid_request")
+        try:
+            pooling.validate()
+        except ValueError as exc:
+            raise RequestRejected(str(exc), "invalid_parameter") from exc
+        why = self.pooler_config.dimensions_error(pooling.dimensions)
+        if why is not None:
+            raise RequestRejected(why, "invalid_parameter")
+        return PoolingParams(pooling.dimensions, pooling.normalize, self.pooler_config.pooling_type)
 
     def _queue(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -329,6 +369,8 @@ class LLMEngine:
     def _refuse(self, request_id: str, message: str, code: str) -> None:
         self.requests.pop(request_id, None)
         self.refused[request_id] = (message, code)
+        if self.pooler is not None:
+            self.pooler.drop(request_id)
 
     def wait_compiled(self, request_ids: list[str] | None = None) -> None:
         """Block until these requests (default: all) are past their compile: queued or refused."""
@@ -355,6 +397,8 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return False
+        if self.pooler is not None:
+            self.pooler.drop(request_id)
         compiling = self.compiling.pop(request_id, None)
         if compiling is not None:  # nothing held but a wait on the compile: give that up
             self.grammars.release(request.params.structured_output or {}, compiling.future)
@@ -444,6 +488,12 @@ class LLMEngine:
         if not sched.is_empty:
             plan = plan_step(sched.scheduled, self.sampler.eos_list)
             result = self.runner.execute(sched, plan)
+            if self.pooler is not None:
+                for item, rows in result.pooled_hidden:
+                    pooling = item.seq.request.pooling
+                    assert pooling is not None
+                    self.pooler.gather(item.seq.request.request_id, pooling.pooling_type, item.start,
+                                       item.seq.num_prompt_tokens, rows)
             samples = self.sampler(plan, result)
             samples.spec = verify(plan, result, self.sampler.sampler, self.sampler.eos_list, self.grammars)
             if self.speculator is not None and all(len(s.token_ids) == 1 or s.num_spec for s in sched.scheduled):
@@ -455,7 +505,13 @@ class LLMEngine:
             self.block_manager.check_invariants()
         for out in outputs:
             if out.finished:
-                self.requests.pop(out.request_id, None)
+                request = self.requests.pop(out.request_id, None)
+                if self.pooler is not None:
+                    pooling = None if request is None or out.error is not None else request.pooling
+                    if pooling is None:
+                        self.pooler.drop(out.request_id)
+                    else:
+                        out.embedding = self.pooler.finish(out.request_id, pooling)
         self.counters["generation_tokens"] += sum(len(s.token_ids) for o in outputs for s in o.outputs)
         return outputs
 
@@ -512,8 +568,8 @@ class LLMEngine:
 
 
 # what close() drops: every holder of the weights, the KV caches and request state
-_RELEASED = ("runner", "model", "lora", "block_manager", "scheduler", "sampler", "grammars", "speculator", "requests",
-             "compiling", "refused")
+_RELEASED = ("runner", "pooler", "model", "lora", "block_manager", "scheduler", "sampler", "grammars", "speculator",
+             "requests", "compiling", "refused")
 
 
 def _close_group(group: TensorParallelGroup | None) -> None:

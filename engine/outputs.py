@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class CompletionOutput:
     """One choice: tokens produced (new ones in a step delta, all of them in a final result)."""
 
@@ -18,7 +18,7 @@ class CompletionOutput:
     text: str = ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RequestOutput:
     """A request's delta for one step (engine.step) or its final result (LLM.generate)."""
 
@@ -34,3 +34,21 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs, on the first delta: per prompt token (None for the
     # first) {"token_id", "logprob", "top_logprobs": [(token_id, logprob), ...]}
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    embedding: bytes | None = None  # an embedding request's pooled vector (little-endian float32), when finished
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's pooled vector (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's `EmbeddingRequestOutput`)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

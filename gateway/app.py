@@ -16,11 +16,13 @@ from redis.backoff import ExponentialBackoff
 from common.protocol import Keys
 from common.redis_conn import MeteredPool, ReplicaAck, pooled_client, single_client
 from common.shutdown import shut_down
+from gateway.api.embeddings import add_routes as add_embedding_routes
 from gateway.api.lora_routes import add_routes as add_lora_routes
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.offload import cpu_pool_ctx
 from gateway.api.openai_routes import add_routes as add_openai_routes
 from gateway.api.ratelimit import install as install_rate_limits
+from gateway.api.responses_api import add_routes as add_responses_routes
 from gateway.broker.broker import Broker
 from gateway.broker.engines import EngineRegistry
 from gateway.broker.router import Router
@@ -110,6 +112,8 @@ def create_app(config: GatewayConfig) -> web.Application:
     if config.rate_limits_path:  # after the Redis context: the limiter uses its client
         install_rate_limits(app, config.rate_limits_path)
     add_openai_routes(app)
+    add_embedding_routes(app)
+    add_responses_routes(app)
     add_misc_routes(app)
     add_lora_routes(app)
     add_ui_routes(app)

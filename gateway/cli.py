@@ -8,7 +8,7 @@ import os
 import sys
 
 from common.log import get_logger
-from common.protocol import DEFAULT_PREFIX
+from common.protocol import DEFAULT_PREFIX, REASONING_PARSER_NAMES
 from common.redis_spec import add_redis_arguments, spec_from_args
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -24,6 +24,14 @@ def _model_spec(value: str) -> tuple[str, str]:
     return name, path
 
 
+def _reasoning_spec(value: str) -> tuple[str, str]:
+    """``PARSER`` (every model) or ``MODEL=PARSER``."""
+    model, sep, name = value.rpartition("=")
+    if (sep and not model) or name not in (*REASONING_PARSER_NAMES, "none"):
+        raise argparse.ArgumentTypeError(f"expected [MODEL=]PARSER, PARSER one of {[*REASONING_PARSER_NAMES, 'none']}")
+    return model, name
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = GatewayConfig()
     parser.add_argument("--host", default=defaults.host, help="listen address (default %(default)s)")
@@ -37,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="NAME=TOKENIZER_DIR",
                         help="tokenizer directory for a model name (repeatable); by default the gateway "
                              "uses the directory each engine announces in its heartbeat")
+    parser.add_argument("--reasoning-parser", action="append", default=[], type=_reasoning_spec,
+                        dest="reasoning_parsers", metavar="[MODEL=]PARSER",
+                        help="split the thinking of a model (or of every model) into reasoning_content: deepseek_r1, "
+                             "qwen3, gpt_oss, or none (repeatable; default: what the engine announces, else what "
+                             "the chat template implies)")
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--max-n", type=int, default=defaults.max_n)
     parser.add_argument("--max-tokens-limit", type=int, default=defaults.max_tokens_limit)
@@ -57,11 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-timeout", type=float, default=defaults.write_timeout_s, metavar="SECONDS",
                         help="abort a request whose client reads nothing for this long (default %(default)s)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="on SIGTERM, let open requests run this long before they end with an error "
-                             "(new ones get 503 meanwhile; a second signal exits at once; default %(default)s)")
+                        help="on SIGTERM, stop listening (new connections are refused) and let open requests "
+                             "run this long before they end with an error (a second signal exits at once; "
+                             "default %(default)s)")
     parser.add_argument("--reuse-port", action="store_true",
                         help="bind with SO_REUSEPORT, so a new gateway can listen on the same port while this "
-                             "one drains; on SIGTERM this one then stops listening at once")
+                             "one drains")
     parser.add_argument("--routing", choices=("on", "off"), default="on" if defaults.routing else "off",
                         help="cache-aware routing: send each request to the engine holding the longest cached "
                              "prefix of its prompt (off: every engine of a model reads one shared stream; "
@@ -72,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-limits", default=None, metavar="FILE",
                         help="per-API-key requests and tokens per minute, shared by all gateways through Redis "
                              "(JSON, or TOML for *.toml; reloaded on change and on SIGHUP; default: no limits)")
+    parser.add_argument("--responses-ttl", type=int, default=defaults.responses_ttl_s, metavar="SECONDS",
+                        help="keep each /v1/responses response (store: true) this long in Redis, for "
+                             "previous_response_id and GET /v1/responses/{id} on any gateway; 0 = never store "
+                             "(default %(default)s)")
+    parser.add_argument("--responses-max-bytes", type=int, default=defaults.responses_max_bytes, metavar="BYTES",
+                        help="largest stored response with its conversation, as JSON; a larger one is not "
+                             "stored and says store: false (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -86,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_queued_per_model=args.max_queued, redis_pool=args.redis_pool,
         sse_keepalive_s=args.sse_keepalive, write_timeout_s=args.write_timeout,
         routing=args.routing == "on", route_load_slack=args.route_load_slack,
-        rate_limits_path=args.rate_limits, **extra,
+        rate_limits_path=args.rate_limits, responses_ttl_s=args.responses_ttl,
+        responses_max_bytes=args.responses_max_bytes, reasoning_parsers=tuple(args.reasoning_parsers), **extra,
     )
 
 

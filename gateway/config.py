@@ -45,6 +45,17 @@ class GatewayConfig:
     routing: bool = True
     route_load_slack: float = 4.0  # requests more than the least loaded engine before routing by load
     rate_limits_path: str | None = None  # per-API-key limits file (gateway/ratelimit_config.py); None: no limits
+    # /v1/responses kept in Redis for previous_response_id and GET: how long, and the largest kept (0: none)
+    responses_ttl_s: int = 86400
+    responses_max_bytes: int = 1 << 20
+    # --reasoning-parser: (model name, parser name) pairs, model "" for every model; they override what
+    # engines announce and what chat templates imply (gateway/text/reasoning.py)
+    reasoning_parsers: tuple[tuple[str, str], ...] = ()
+
+    def reasoning_parser_for(self, model: str) -> str | None:
+        """This gateway's --reasoning-parser for `model` (a parser name or "none"), None when not set."""
+        named = dict(self.reasoning_parsers)
+        return named.get(model, named.get(""))
 
     @property
     def redis_spec(self) -> RedisSpec:
@@ -58,6 +69,8 @@ class GatewayConfig:
             raise ValueError("sse_keepalive_s must be >= 0 and write_timeout_s positive")
         if self.redis_pool_size < 2 or self.redis_pool_timeout_s <= 0 or self.max_queued_per_model < 1:
             raise ValueError("redis_pool_size must be >= 2, redis_pool_timeout_s and max_queued_per_model positive")
+        if self.responses_ttl_s < 0 or self.responses_max_bytes < 0:
+            raise ValueError("responses_ttl_s and responses_max_bytes must be >= 0")
         if self.route_load_slack < 0:
             raise ValueError("route_load_slack must be >= 0")
         if not self.redis_prefix or ":" in self.redis_prefix:

@@ -1,6 +1,8 @@
-"""A gateway's drain (SIGTERM): refuse new generation requests with 503, let the open ones run
-to their end for up to `timeout_s`, then fail what is left with an error the client sees (an
-SSE error event and ``[DONE]`` on a stream, an error body otherwise), never a cut connection.
+"""A gateway's drain (SIGTERM): by the time it starts the listener is closed (`gateway.serve`), so
+what still reaches this gateway comes on a connection accepted before; it is served, and every
+response says ``Connection: close``. The open requests run to their end for up to `timeout_s`;
+what is left then fails with an error the client sees (an SSE error event and ``[DONE]`` on a
+stream, an error body otherwise), never a cut connection.
 
 The drain does not stop the watch task: the liveness key stays fresh until the app's cleanup,
 so engines keep serving this gateway's requests while it drains."""
@@ -29,21 +31,14 @@ class Drain:
 
     def __init__(self) -> None:
         self.draining = False
-        # False for a hand-over (--reuse-port): the listener is closed, so what still reaches this
-        # gateway came on a connection accepted before; it is served, not refused
-        self.refuse_new = True
         self.active = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @property
-    def refusing(self) -> bool:
-        """New generation requests get 503 now."""
-        return self.draining and self.refuse_new
-
     async def close_connections(self, request: web.Request, response: web.StreamResponse) -> None:
         """`on_response_prepare`: while draining every response says ``Connection: close``, so a
-        keep-alive client reconnects (to another gateway, or the new one on a shared port)."""
+        keep-alive client reconnects: refused here, it goes to another gateway (or the new one on
+        a shared port)."""
         if self.draining:  # aiohttp runs this hook after it chose the Connection header: set both
             response.force_close()
             response.headers["Connection"] = "close"

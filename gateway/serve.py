@@ -1,12 +1,16 @@
 """Serving a gateway app until a signal, then draining it (`gateway.drain`) and exiting 0.
 
-SIGTERM or SIGINT starts the drain; a second one exits at once (status 128 + signal). With
-`reuse_port` the listening socket is bound with SO_REUSEPORT and closed when the drain starts:
-a new gateway on the same port takes the new connections while this one finishes its streams.
-Open connections stay served either way. After a hand-over's drain the keep-alive connections
-linger (`_linger`): a looping client may be sending its next request on one, and closing it under
-that request would reset it; every response of a drain says ``Connection: close``, so the clients
-close them within a request."""
+SIGTERM or SIGINT starts the drain; a second one exits at once (status 128 + signal). The drain
+first closes the listening socket (`_stop_listening`), so a new connection is refused at the TCP
+level (ECONNREFUSED) and a load balancer that retries a refused connect sends it to another
+gateway; with `reuse_port` (SO_REUSEPORT) a new gateway bound to the same port takes the new
+connections instead. Connections already open stay served: a request on one runs normally and its
+response says ``Connection: close`` (`Drain.close_connections`), so each such connection carries at
+most one more request. Idle keep-alive connections are not closed when the drain starts: a client
+may be sending its next request on one at that instant, and closing a connection under a request
+resets it, a failure a balancer does not retry for a POST it has sent. After the drain they linger
+(`_linger`) until their clients close them, for up to LINGER_S, and the runner's cleanup closes
+what is left."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from common.log import get_logger
 from gateway.state import BROKER, DRAIN
 
 log = get_logger("gateway")
-LINGER_S = 2.0  # how long a hand-over's keep-alive connections may stay open after its drain
+LINGER_S = 2.0  # how long keep-alive connections may stay open after the drain
 MIGRATE_REQ = Path("/proc/sys/net/ipv4/tcp_migrate_req")
 
 
@@ -50,12 +54,10 @@ async def serve(app: web.Application, host: str, port: int, drain_timeout_s: flo
         if reuse_port:
             _warn_without_request_migration()
         await stop.wait()
-        if reuse_port:
-            await _stop_listening(site, runner)
-            app[DRAIN].refuse_new = False
+        app[DRAIN].draining = True  # first: once a connect is refused, /health says draining
+        await _stop_listening(site, runner)
         await app[DRAIN].run(app[BROKER], drain_timeout_s)
-        if reuse_port:
-            await _linger(runner, app, drain_timeout_s)
+        await _linger(runner, app, drain_timeout_s)
     finally:
         await runner.cleanup()
     log.info("gateway stopped")
@@ -75,8 +77,8 @@ def _warn_without_request_migration() -> None:
 
 
 async def _linger(runner: web.AppRunner, app: web.Application, drain_timeout_s: float) -> None:
-    """After a hand-over's drain: wait until the clients have closed their keep-alive connections
-    (up to LINGER_S), serving and draining any request that arrives on one meanwhile."""
+    """After the drain: wait until the clients have closed their keep-alive connections (up to
+    LINGER_S), serving and draining any request that arrives on one meanwhile."""
     server = runner.server
     if server is None:
         return
@@ -89,11 +91,13 @@ async def _linger(runner: web.AppRunner, app: web.Application, drain_timeout_s: 
 
 
 async def _stop_listening(site: web.TCPSite, runner: web.AppRunner) -> None:
-    """Close the listening sockets, keeping the accepted connections and their handlers. A socket
-    of a SO_REUSEPORT group closed with connections in its accept queue resets them (unless
-    net.ipv4.tcp_migrate_req=1), so the queue is emptied first: the socket is duplicated, the
-    server's own descriptor closed (no more reads from the loop), then every queued connection is
-    accepted on the duplicate and served, and the duplicate closed right after the queue is empty."""
+    """Close the listening sockets, keeping the accepted connections and their handlers. A
+    listening socket closed with connections in its accept queue resets them (those of a
+    SO_REUSEPORT group too, unless net.ipv4.tcp_migrate_req=1): their clients had connected and
+    sent a request, so a balancer would not retry it elsewhere. The queue is emptied first: the
+    socket is duplicated, the server's own descriptor closed (no more reads from the loop), then
+    every queued connection is accepted on the duplicate and served, and the duplicate closed
+    right after the queue is empty. From then on a connect is refused."""
     server = site._server  # the asyncio.Server of the site (aiohttp keeps no public handle)
     factory = runner.server
     if not isinstance(server, asyncio.Server) or factory is None:

@@ -54,6 +54,14 @@ def cache_root() -> Path:
     return root / "kernels"
 
 
+# Floating-point contraction the same on every CPU: the kernels' `acc += a * b` chains are FMAs by
+# design (a row's bits must not depend on the CPU's tuning or on the rows beside it). GCC's AMD
+# tunings (-march=native on a Zen picks znver*) set avoid-fma-max-bits, under which a loop's lone
+# accumulator chain becomes a multiply and an add (two roundings) while a chain beside others stays
+# fused, so one row alone and the same row in a tile of six rounded differently.
+CONTRACTION_FLAGS = ("-ffp-contract=fast", "--param=avoid-fma-max-bits=0")
+
+
 def cpu_cflags() -> list[str]:
     """-O3 and OpenMP (at::parallel_for is inlined OpenMP); -march=native on x86-64 unless disabled.
 
@@ -61,6 +69,7 @@ def cpu_cflags() -> list[str]:
     is never loaded on a machine whose CPU it was not built for. PAGEDSERVE_NATIVE=0 turns it off.
     """
     flags = ["-O3", "-fopenmp"]  # the C++ standard is torch's choice (C++20 for torch 2.13)
+    flags += [flag for flag in CONTRACTION_FLAGS if _compiler_accepts(flag)]
     if platform.machine() in ("x86_64", "AMD64") and os.environ.get("PAGEDSERVE_NATIVE", "1") != "0":
         flags.append("-march=native")
         # PAGEDSERVE_CPU_ISA: the extensions above the cap switched off (those this compiler knows:

@@ -4,8 +4,8 @@ Block-table entries, cache slots, context lengths and ``query_start_loc`` live i
 so checking them on the host would cost a device sync per call. The kernels check them instead,
 skip the work an index would have sent out of bounds, and set one byte of an 8-byte flag in mapped,
 pinned host memory (``ErrorKind`` in csrc/ops.h). Every CUDA wrapper reads that flag first through
-ctypes: a host memory load, no sync and no kernel launch (0.7 µs a call measured in Python on the
-loaded 2-core CI CPU; two calls per layer per step: the RoPE cache write and attention). So an
+ctypes: a host memory load, no sync and no kernel launch (two calls per layer per step: the RoPE
+cache write and attention). So an
 error is raised by the first CUDA op called after the faulty kernel has finished (at the latest
 one step later: the engine syncs each step when it reads the sampled tokens), or at once by
 ``raise_device_errors(sync=True)``.

@@ -135,8 +135,8 @@ def machine_levels() -> list[str]:
 def apply_onednn_cap() -> None:
     """Cap oneDNN and MKL (inside torch) at the same level, unless ONEDNN_MAX_CPU_ISA /
     MKL_ENABLE_INSTRUCTIONS are set already; effective only before their first use in the process.
-    torch's fp32 GEMMs (`F.linear`) run on MKL, which ignores oneDNN's variable: capped to avx2 on
-    this Xeon they still ran AVX-512 (386 GFLOP/s on two threads; 218 under MKL's own cap)."""
+    torch's fp32 GEMMs (`F.linear`) run on MKL, which ignores oneDNN's variable: capped to avx2
+    through it alone they still run AVX-512."""
     level = cap()
     if level is not None:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ISA[level])

@@ -2,10 +2,9 @@
 
 - Up to ``SMALL_GEMM_MAX_ROWS`` rows of fp32 on the CPU (decode at small batch) a linear layer is
   bound by reading its weight once from memory: ``small_gemm`` (C++) streams the row-major weight
-  at close to the memory bandwidth (one thread on SmolLM2's weights: 21.5 GB/s at one row, against
-  11.6 for torch's default GEMM (MKL) and 13.8 for oneDNN's).
+  at close to the memory bandwidth, well above torch's default GEMM (MKL) and oneDNN's.
 - More rows: oneDNN's GEMM on a weight reordered once into its blocked layout (``pack_weight``),
-  measured 15-50% faster than MKL from 4 to 1024 rows, and ahead of ``small_gemm`` from 4 rows.
+  faster than MKL from 4 rows on, and ahead of ``small_gemm`` from 4 rows.
 - Anything else (CUDA, bf16/fp16, no packed copy) is ``F.linear``.
 
 Those choices give a row different bits at different row counts. With ``fixed`` (a

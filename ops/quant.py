@@ -12,7 +12,7 @@ A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / fmt.block_size * fmt.
   path from ``BF16_MIN_ROWS`` rows (deterministic mode: its prompt rows, at any count);
 - more rows (prefill) the weight is dequantized into an fp32 scratch copy and multiplied by oneDNN,
   except a step's int8 rows on the eight-row layouts, which stay on the kernel at any count (there
-  its int8 path beats oneDNN's fp32 GEMM 1.5-1.8x at 128-512 rows, and a decode row then gets the
+  its int8 path beats oneDNN's fp32 GEMM, and a decode row then gets the
   same bits in a step of any size); their fp32 ``exact_rows`` go to oneDNN past the crossover.
 
 The reference backend (and non-CPU tensors) dequantize in torch and multiply.
@@ -32,11 +32,9 @@ from ops.build import cpu_ops
 from ops.reference import quant as ref
 
 BF16_MIN_ROWS = 32  # a step's linears run on bf16 AMX tiles (`quant_linear_bf16`) from this many rows,
-BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows. SmolLM2's Q4_1 layers (benchmarks/kernels/quant_rows_bench.py):
-# one thread, 0.84 ms int8 kernel vs 0.90 AMX at 32 rows, fp32 prompt rows 1.06 vs 0.77 at 8; two threads
-# the crossovers are lower (~22 rows, ~2 prompt rows), kept here so fewer steps change arithmetic
-QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, measured one-threaded on SmolLM2 Q4_1 layers:
-# 64 rows 7.9 ms (kernel) vs 8.5 ms; 256 rows 32.3 vs 26.9 ms (benchmarks/kernels/quant_bench.py)
+BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows: the one-thread crossovers
+# (benchmarks/kernels/quant_rows_bench.py); two threads cross over lower, kept here so fewer steps change arithmetic
+QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, one thread (benchmarks/kernels/quant_bench.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +111,7 @@ def check_qweight(qweight: torch.Tensor, fmt: QuantFormat, in_features: int) -> 
 def interleave(qweight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, QuantFormat]:
     """``(qweight, fmt)`` in the CPU kernel's eight-row layout where it has one (Q4_0 / Q4_1 / Q5_0 / Q5_1 /
     Q8_0 / Q4_K / Q6_K, a multiple of 8 rows), else as given. The same bytes and shape, except Q4_K: its
-    scales and mins unpacked, 148 bytes a row per block. The one-row GEMV on it runs ~2x fewer
+    scales and mins unpacked, 148 bytes a row per block. The one-row GEMV on it runs fewer
     instructions per block (csrc/cpu/quant_interleaved.cpp, quant_interleaved_q5q8.cpp, quant_interleaved_k.cpp)."""
     target = INTERLEAVED.get(fmt)
     if target is None or qweight.shape[0] % ref.ROWS_PER_GROUP:
@@ -264,8 +262,8 @@ def _fixed_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: 
 @cache
 def panel_exact_rows() -> bool:
     """Whether deterministic mode's exact rows of GGUF-order weights run on ``quant_fixed_gemm``: with
-    AVX-512 its tiles beat that kernel's exact rows from ~64 rows (1.6x at 1,024); with AVX2 they do
-    not (0.7x). The eight-row layouts' own exact rows beat both."""
+    AVX-512 its tiles beat that kernel's exact rows from some tens of rows on; with AVX2 they do
+    not. The eight-row layouts' own exact rows beat both."""
     from ops import isa
 
     return "avx512f" in isa.flags()
@@ -283,7 +281,7 @@ def quant_fixed_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
 
 @cache
 def _kernel() -> Any:
-    """The C++ kernel's overload, resolved once (a packet call resolves it again each time: ~2 us)."""
+    """The C++ kernel's overload, resolved once (a packet call resolves it again each time)."""
     return cpu_ops().quant_linear.default
 
 

@@ -1,13 +1,12 @@
 """Greedy tokens from a bf16 screen of the logits, decided in fp32: the argmax of fp32 logits
-for about a third of the lm_head's cost.
+for a fraction of the lm_head's cost.
 
-On a CPU with native bf16 dot products (AVX512-BF16, AMX) a bf16 GEMM runs 2-3x faster than the
-fp32 one (SmolLM2's lm_head at 256 rows: 36 vs 83 ms on this project's machine). Its logits are
-only approximate, but their error has a bound, so they can rule tokens out: a token is a candidate
-only if its upper bound reaches the row's largest lower bound. The candidates (mean 3, at most 21
-over 280 SmolLM2 rows) get their fp32 logit, a dot product of the hidden row and the weight row,
-and the row's token is the first maximum among them, which is the first maximum of those fp32
-logits over the whole vocabulary. It can differ from the argmax of another fp32 GEMM only where
+On a CPU with native bf16 dot products (AVX512-BF16, AMX) a bf16 GEMM runs faster than the fp32
+one. Its logits are only approximate, but their error has a bound, so they can rule tokens out: a
+token is a candidate only if its upper bound reaches the row's largest lower bound. The few
+candidates get their fp32 logit, a dot product of the hidden row and the weight row, and the
+row's token is the first maximum among them, which is the first maximum of those fp32 logits over
+the whole vocabulary. It can differ from the argmax of another fp32 GEMM only where
 the two largest logits agree to within fp32 rounding of the summation order, as two fp32 GEMMs can.
 
 The bound (``screen_bounds``), for hidden row ``h`` (K values) and weight row ``w_j``, with

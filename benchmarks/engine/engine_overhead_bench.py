@@ -149,7 +149,7 @@ def overlap(model: str, args: argparse.Namespace) -> None:
         engine.step()
     sched = engine.scheduler.schedule()
     batch = engine.runner.prepare(sched.scheduled)
-    samples = StepSamples([s.seq for s in sched.scheduled], [[7] for _ in sched.scheduled])
+    samples = StepSamples(seqs=[s.seq for s in sched.scheduled], token_ids=[[7] for _ in sched.scheduled])
     post = engine.scheduler.post
 
     def forward() -> None:

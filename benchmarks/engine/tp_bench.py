@@ -38,10 +38,10 @@ from engine.parallel.step_message import Command, control, header, pack
 def _inputs(batch: int, width: int, prefill: int = 0) -> StepInputs:
     tokens = prefill + batch
     return StepInputs(
-        torch.randint(0, 49_152, (tokens,)), torch.arange(tokens), torch.arange(tokens),
-        [0, prefill] if prefill else [0], [prefill] if prefill else [],
-        torch.randint(0, 5000, ((1 if prefill else 0) + batch, width), dtype=torch.int32),
-        torch.full((batch,), 100, dtype=torch.int32), [], [], [])
+        input_ids=torch.randint(0, 49_152, (tokens,)), positions=torch.arange(tokens), slots=torch.arange(tokens),
+        prefill_query_start=[0, prefill] if prefill else [0], prefill_context_lens=[prefill] if prefill else [],
+        block_tables=torch.randint(0, 5000, ((1 if prefill else 0) + batch, width), dtype=torch.int32),
+        decode_context_lens=torch.full((batch,), 100, dtype=torch.int32), swap_out=[], swap_in=[], copy=[])
 
 
 def _receiver(rendezvous: Rendezvous) -> None:
@@ -54,7 +54,8 @@ def _receiver(rendezvous: Rendezvous) -> None:
 
 
 def bench_broadcast(rounds: int) -> None:
-    rendezvous = Rendezvous("127.0.0.1", free_port("127.0.0.1"), 2, "gloo", 60.0)
+    rendezvous = Rendezvous(master_addr="127.0.0.1", master_port=free_port("127.0.0.1"), world_size=2, backend="gloo",
+                            timeout_s=60.0)
     proc = multiprocessing.get_context("spawn").Process(target=_receiver, args=(rendezvous,))
     proc.start()
     groups = join(rendezvous, 0)

@@ -49,7 +49,8 @@ def _start(binary: str, workdir: str, port: int, master: int | None) -> subproce
 def _outbox(step: int, batch: int) -> Outbox:
     box = Outbox()
     for i in range(batch):
-        box.add(f"gw{i % 2}", OutputMessage(f"r{i}", step, [SeqOutput(0, [100 + step], step)]))
+        box.add(f"gw{i % 2}", OutputMessage(id=f"r{i}", seq=step, outputs=[SeqOutput(index=0, token_ids=[100 + step],
+                                                                                     offset=step)]))
     return box
 
 

@@ -47,7 +47,8 @@ def main() -> None:
                              "the fp32 Experts, one JSON line per step size")
     args = parser.parse_args()
     torch.manual_seed(0)
-    spec = MoESpec(args.experts, args.top_k, args.intermediate, (0,), norm_topk_prob=True)
+    spec = MoESpec(num_experts=args.experts, top_k=args.top_k, intermediate_size=args.intermediate, sparse_layers=(0,),
+                   norm_topk_prob=True)
     moe = SparseMoE(spec, args.hidden).eval()
     with torch.no_grad():
         for p in moe.parameters():

@@ -12,8 +12,10 @@ numpy: llama.cpp's own batched decoding, as its ``batched`` example does it. EOS
 A round clears the KV cache and prefills fresh prompts; the best round's median step counts
 (``tok_s`` = B / step time). Prompts are ``--prompts FILE`` (a JSON list of token-id lists, what
 quant_bench passes so both sides decode the same tokens), else random ids.
-The model is loaded without llama.cpp's extra weight buffers (``use_extra_bufts=False``): its
-AMX matmul dies with SIGILL on the VMs that report AMX.
+The model is loaded with llama.cpp's default parameters, as its users run it: its repacked
+(interleaved) Q4_0 / Q4_K / IQ4_NL layouts on. Each line names the weight buffers llama.cpp
+reported (``buffers``; ``CPU_REPACK`` when the repack ran). On a CPU with AMX, build llama.cpp
+without AMX (``setup_llama_cpp.sh`` does): its AMX matmul dies with SIGILL on the VMs that report AMX.
 """
 
 from __future__ import annotations
@@ -32,13 +34,12 @@ class Peer:
 
     def __init__(self, path: str, threads: int, max_seqs: int, seq_len: int) -> None:
         import llama_cpp
+        from llama_cpp_buffers import BufferLog
 
         self.lib = llama_cpp
         llama_cpp.llama_backend_init()
-        mparams = llama_cpp.llama_model_default_params()
-        if hasattr(mparams, "use_extra_bufts"):
-            mparams.use_extra_bufts = False
-        self.model = llama_cpp.llama_model_load_from_file(path.encode(), mparams)
+        self.buffers = BufferLog(llama_cpp)
+        self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         cparams = llama_cpp.llama_context_default_params()
@@ -116,7 +117,8 @@ def main() -> None:
             prompts = given[:batch] if given else random_prompts(batch, args.prompt_len, 1000 * batch + r)
             best = min(best, peer.round_median(prompts, args.steps))
         print(json.dumps({"part": "peer", "system": "llama.cpp", "threads": args.threads, "batch": batch,
-                          "tok_s": round(batch / best, 2), "step_ms": round(best * 1e3, 2)}), flush=True)
+                          "tok_s": round(batch / best, 2), "step_ms": round(best * 1e3, 2),
+                          "buffers": peer.buffers.names}), flush=True)
 
 
 if __name__ == "__main__":

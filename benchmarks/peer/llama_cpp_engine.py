@@ -28,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's r
 from benchmarks.kernels.quant_bench import engine_round, peer_round, prompts_for
 
 
-def load(gguf: str, dtype: str, kv_cache_dtype: str) -> Any:
-    """The engine on `gguf`, int8 activations in the decoder layers' quantized linears."""
+def load(gguf: str, dtype: str, kv_cache_dtype: str, tokenizer: str | None = None) -> Any:
+    """The engine on `gguf` (`tokenizer`: a folder to take the tokenizer from instead of the file),
+    int8 activations in the decoder layers' quantized linears."""
     from engine.llm import LLM
     from engine.model.quant_linear import QuantLinear
 
-    engine = LLM(gguf, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 28).engine
+    engine = LLM(gguf, tokenizer=tokenizer, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 28).engine
     for module in engine.model.model.modules():
         if isinstance(module, QuantLinear):
             module.int8_activations = True
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (and llama.cpp's)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--tokenizer", help="a folder with the tokenizer (default: the GGUF's own)")
     args = parser.parse_args()
     import torch
 
@@ -64,7 +66,7 @@ def main() -> None:
         json.dump(prompts, f)
     times: dict[tuple[str, str, int], list[float]] = {}
     with torch.inference_mode():
-        engines = {g: load(g, args.dtype, args.kv_cache_dtype) for g in files}
+        engines = {g: load(g, args.dtype, args.kv_cache_dtype, args.tokenizer) for g in files}
         for r in range(args.rounds):
             for batch in batches:
                 for g in files:

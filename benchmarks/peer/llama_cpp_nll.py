@@ -32,10 +32,9 @@ def llama_cpp_nll(gguf: str, ids: list[int], threads: int) -> float:
     import numpy as np
 
     llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    if hasattr(mparams, "use_extra_bufts"):
-        mparams.use_extra_bufts = False  # its AMX matmul dies with SIGILL on VMs that report AMX
-    model = llama_cpp.llama_model_load_from_file(gguf.encode(), mparams)
+    # default params, as its users run it (repacked layouts on); on AMX CPUs llama.cpp is built
+    # without AMX (setup_llama_cpp.sh), whose matmul dies with SIGILL on the VMs that report AMX
+    model = llama_cpp.llama_model_load_from_file(gguf.encode(), llama_cpp.llama_model_default_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
     n = len(ids)

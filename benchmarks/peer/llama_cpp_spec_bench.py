@@ -21,23 +21,12 @@ from typing import Any
 
 
 def load(path: str, threads: int, **options: Any) -> Any:
-    """A `llama_cpp.Llama` on `path` without the extra weight buffers (`options`: more Llama
-    arguments, e.g. draft_model): llama.cpp's AMX matmul dies with SIGILL on the VMs that report AMX."""
+    """A `llama_cpp.Llama` on `path` with llama.cpp's default model params, as its users run it
+    (`options`: more Llama arguments, e.g. draft_model). On AMX CPUs llama.cpp is built without AMX
+    (setup_llama_cpp.sh): its AMX matmul dies with SIGILL on the VMs that report AMX."""
     import llama_cpp
 
-    default_params = llama_cpp.llama_cpp.llama_model_default_params
-
-    def params_without_extra_bufts() -> Any:
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    llama_cpp.llama_cpp.llama_model_default_params = params_without_extra_bufts
-    try:
-        return llama_cpp.Llama(model_path=path, n_threads=threads, n_batch=512, n_ctx=2048, verbose=False,
-                               **options)
-    finally:
-        llama_cpp.llama_cpp.llama_model_default_params = default_params
+    return llama_cpp.Llama(model_path=path, n_threads=threads, n_batch=512, n_ctx=2048, verbose=False, **options)
 
 
 def decode(llm: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:

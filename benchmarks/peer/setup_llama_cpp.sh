@@ -7,7 +7,10 @@
 #   LLAMA_CPP_VENV=/some/dir bash benchmarks/peer/setup_llama_cpp.sh
 #
 # The build takes ~16 minutes of wall time on two cores (../shared/NOTES.md, "llama.cpp");
-# GGML_NATIVE=ON targets this CPU's instruction set, as pagedserve's -march=native does.
+# GGML_NATIVE=ON targets this CPU's instruction set, as pagedserve's -march=native does. Where the
+# CPU reports AMX, llama.cpp's AMX matmul dies with SIGILL on these VMs, so the build switches AMX
+# off (-mno-amx-*, GGML_AMX_*=OFF): its repacked (interleaved) weight layouts, which its users get
+# by default, then still run. The default model params are never changed by the benchmarks.
 set -euo pipefail
 
 VERSION=0.3.36
@@ -32,6 +35,13 @@ mkdir -p "$(dirname "$VENV")"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install --upgrade --quiet pip
 echo "building llama.cpp from source (~16 min on two cores) into $VENV"
-CMAKE_ARGS="-DGGML_NATIVE=ON" "$VENV/bin/python" -m pip install --no-cache-dir "llama-cpp-python==$VERSION"
+CMAKE_ARGS="-DGGML_NATIVE=ON"
+if grep -qw amx_tile /proc/cpuinfo; then
+    echo "this CPU reports AMX: building llama.cpp with AMX switched off (its repack path still runs)"
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_ARGS="$CMAKE_ARGS -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
+fi
+CMAKE_ARGS="$CMAKE_ARGS" "$VENV/bin/python" -m pip install --no-cache-dir "llama-cpp-python==$VERSION"
 check || { echo "llama-cpp-python $VERSION did not import after the build" >&2; exit 1; }
 echo "llama-cpp-python $VERSION ready: $VENV/bin/python"

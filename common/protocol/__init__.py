@@ -33,7 +33,7 @@ Modules: `fields` (checked decoding), `keys`, `request` (EngineRequest, AbortMes
 """
 
 from common.protocol.fields import PROTOCOL_VERSION, ProtocolError
-from common.protocol.heartbeat import EngineHeartbeat
+from common.protocol.heartbeat import REASONING_PARSER_NAMES, EngineHeartbeat
 from common.protocol.keys import CONSUMER_GROUP, DEFAULT_PREFIX, REQUEST_FIELD, Keys
 from common.protocol.output import (
     ErrorInfo,
@@ -51,7 +51,8 @@ from common.protocol.output import (
 from common.protocol.request import AbortMessage, EngineRequest
 
 __all__ = [
-    "CONSUMER_GROUP", "DEFAULT_PREFIX", "PROTOCOL_VERSION", "REQUEST_FIELD", "AbortMessage", "EngineHeartbeat",
+    "CONSUMER_GROUP", "DEFAULT_PREFIX", "PROTOCOL_VERSION", "REASONING_PARSER_NAMES", "REQUEST_FIELD", "AbortMessage",
+    "EngineHeartbeat",
     "EngineRequest", "ErrorInfo", "Keys", "OutputGap", "OutputMessage", "Progress", "ProtocolError", "SeqOutput",
     "TokenLogprob", "Usage", "decode_outputs", "encode_outputs", "merge_progress", "num_repeated",
 ]

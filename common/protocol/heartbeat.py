@@ -14,6 +14,8 @@ from common.protocol.fields import ProtocolError, decoding
 
 MAX_FIELD = 1 << 22  # bytes of one hash field (the pool snapshot of a 100k-block pool is far less)
 MAX_CACHED = 16384  # block keys one heartbeat announces (128 KiB packed)
+# vLLM's names of the reasoning parsers an engine may announce for its model (gateway/text/reasoning.py)
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3", "gpt_oss")
 
 
 def pack_keys(keys: list[int]) -> str:
@@ -48,7 +50,7 @@ def _float(value: str) -> float:
     return number
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineHeartbeat:
     """Contents of the ``{prefix}:engine:<id>`` hash. `model` is the served model name,
     `tokenizer` the directory a gateway loads the tokenizer and chat template from. `pool` is
@@ -59,13 +61,16 @@ class EngineHeartbeat:
     `vocab_size` identify the weights and tokenizer: engines announcing one name must agree,
     or failover between them would change answers. `draining` is set after SIGTERM.
 
-    Routing (issue 40): `routed` says the engine reads its own request stream
+    Routing: `routed` says the engine reads its own request stream
     (`Keys.routed`), so gateways may send requests there; `block_size` and `cached` (at most
     MAX_CACHED prefix-cache keys, `common.block_hash`, most recently used first, held in its
     device pool in use or free-but-revivable) say which prompt prefixes it would find cached.
-    Field ``cached`` is base64 of little-endian uint64s. `loras`: the LoRA adapters it serves
-    over `model` (gateways list each as a model whose parent is `model`), JSON in field ``loras``;
-    `lora_errors`: why adapters of `Keys.loras` could not be loaded here (name -> message)."""
+    Field ``cached`` is base64 of little-endian uint64s. `reasoning_parser` (field
+    ``reasoning_parser``, absent when empty) is the engine's ``--reasoning-parser``: how gateways
+    split the model's thinking from its answer ("none": never; "": the chat template decides).
+    `loras`: the LoRA adapters it serves over `model` (gateways list each as a model whose parent
+    is `model`), JSON in field ``loras``; `lora_errors`: why adapters of `Keys.loras` could not be
+    loaded here (name -> message)."""
 
     engine_id: str
     model: str
@@ -83,6 +88,8 @@ class EngineHeartbeat:
     cached: list[int] = field(default_factory=list)
     loras: list[str] = field(default_factory=list)
     lora_errors: dict[str, str] = field(default_factory=dict)
+    runner: str = "generate"  # "pooling": the engine serves embeddings, not generation
+    reasoning_parser: str = ""
 
     def identity(self) -> tuple[str, int, int]:
         """What must be equal between engines serving one model name."""
@@ -106,6 +113,10 @@ class EngineHeartbeat:
             fields["loras"] = json.dumps(self.loras)
         if self.lora_errors:
             fields["lora_errors"] = json.dumps(self.lora_errors)
+        if self.runner != "generate":
+            fields["runner"] = self.runner
+        if self.reasoning_parser:
+            fields["reasoning_parser"] = self.reasoning_parser
         if self.tables:
             fields["tables"] = json.dumps(self.tables, separators=(",", ":"))
         return fields
@@ -134,8 +145,12 @@ class EngineHeartbeat:
                 tables=tables, config_hash=text.get("config_hash", ""),
                 vocab_size=int(text.get("vocab_size", "0")), draining=text.get("draining", "0") == "1",
                 routed=text.get("routed", "0") == "1", block_size=int(text.get("block_size", "0")),
-                cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED], loras=loras, lora_errors=lora_errors,
+                cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED],
+                runner=text.get("runner", "generate"),
+                reasoning_parser=text.get("reasoning_parser", ""), loras=loras, lora_errors=lora_errors,
             )
+            if beat.runner not in ("generate", "pooling"):
+                raise ProtocolError(f"heartbeat: unknown runner {beat.runner[:20]!r}")
             if beat.block_size < 0 or (beat.cached and beat.block_size == 0):
                 raise ProtocolError("heartbeat: cached keys without a positive block size")
             if not beat.engine_id or not beat.model or beat.max_model_len < 0 or beat.vocab_size < 0:

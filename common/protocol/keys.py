@@ -79,3 +79,8 @@ class Keys:
 
     def progress(self, request_id: str) -> str:
         return f"{self.prefix}:progress:{request_id}"
+
+    def response(self, response_id: str) -> str:
+        """A stored /v1/responses response and its conversation (JSON, with a TTL), read by
+        every gateway for `previous_response_id` and `GET /v1/responses/{id}`."""
+        return f"{self.prefix}:response:{response_id}"

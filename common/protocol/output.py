@@ -13,6 +13,7 @@ from typing import Any
 
 from common.protocol.fields import (
     INT32_MAX,
+    MAX_LIST,
     PROTOCOL_VERSION,
     ProtocolError,
     decoding,
@@ -70,7 +71,7 @@ def _is_logprob(value: Any) -> bool:
     return is_number(value) or value == float("-inf")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SeqOutput:
     """New tokens of one choice (`index`), starting at generated-token index `offset`."""
 
@@ -125,7 +126,7 @@ class ErrorInfo:
     code: str | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class OutputMessage:
     """One request's part of an output batch. `usage` comes with the message that finishes
     the last choice; `error` ends the request. `prompt_logprobs` (asked for with
@@ -133,7 +134,8 @@ class OutputMessage:
     token, None for the first (nothing predicts it). `engine`: the id of the engine that wrote
     it, on the first message each engine writes for a request (a request resumed elsewhere after
     a failover or drain: the new engine's first names it); optional on the wire (older engines
-    omit it, older gateways ignore it)."""
+    omit it, older gateways ignore it). `embedding`: an embedding request's pooled vector,
+    little-endian float32 bytes, on the message that finishes it (instead of tokens)."""
 
     id: str
     seq: int
@@ -142,6 +144,7 @@ class OutputMessage:
     error: ErrorInfo | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     engine: str | None = None
+    embedding: bytes | None = None
 
     def to_obj(self) -> dict[str, Any]:
         obj: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": self.id, "seq": self.seq,
@@ -156,6 +159,8 @@ class OutputMessage:
             obj["prompt_logprobs"] = [None if lp is None else lp.to_obj() for lp in self.prompt_logprobs]
         if self.engine is not None:
             obj["engine"] = self.engine
+        if self.embedding is not None:
+            obj["embedding"] = bytes(self.embedding)
         return obj
 
     @classmethod
@@ -173,13 +178,15 @@ class OutputMessage:
                 prompt_logprobs=None if prompt is None else [
                     None if lp is None else TokenLogprob.from_obj(lp) for lp in items(obj, "prompt_logprobs", what)],
                 engine=optional_text(obj, "engine", what),
+                embedding=_embedding(obj.get("embedding")),
             )
 
     def checkpoint(self) -> OutputMessage:
         """What a resuming engine needs of this message: tokens, offsets, finish state, usage
         and error, without logprobs, prompt logprobs (which can be most of its bytes) or the
         engine id."""
-        return OutputMessage(self.id, self.seq, [o.without_logprobs() for o in self.outputs], self.usage, self.error)
+        return OutputMessage(id=self.id, seq=self.seq, outputs=[o.without_logprobs() for o in self.outputs],
+                             usage=self.usage, error=self.error)
 
     def encode(self) -> bytes:
         """A single output (used for progress checkpoints)."""
@@ -188,6 +195,14 @@ class OutputMessage:
     @classmethod
     def decode(cls, data: bytes) -> OutputMessage:
         return cls.from_obj(unpack(data))
+
+
+def _embedding(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or len(value) % 4 or len(value) > 4 * MAX_LIST:
+        raise ProtocolError("output: embedding must be float32 bytes")
+    return value
 
 
 def _usage(obj: dict[str, Any]) -> Usage:
@@ -241,8 +256,9 @@ class Progress:
 
     def snapshot(self, request_id: str) -> OutputMessage:
         """One checkpoint entry that folds to the same progress as every message folded here."""
-        return OutputMessage(request_id, self.last_seq, [
-            SeqOutput(index, list(tokens), self.starts.get(index, 0), self.finished.get(index))
+        return OutputMessage(id=request_id, seq=self.last_seq, outputs=[
+            SeqOutput(index=index, token_ids=list(tokens), offset=self.starts.get(index, 0),
+                      finish_reason=self.finished.get(index))
             for index, tokens in sorted(self.token_ids.items())])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.pooling_params import PoolingParamError, PoolingParams
 from common.protocol.fields import (
     PROTOCOL_VERSION,
     ProtocolError,
@@ -25,7 +26,7 @@ from common.sampling_params import ParamError, SamplingParams
 MAX_ABORT_IDS = 10_000
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class EngineRequest:
     """One generation request, XADDed to its model's request stream under field ``m``; its
     `params` are decoded and validated (`SamplingParams`) on both sides. `handoffs` counts how
@@ -36,7 +37,8 @@ class EngineRequest:
     token (the value of its ``{prefix}:gateway:<id>`` key): an engine stops the request at once
     when that key holds another token (the gateway restarted under the same id); empty: an older
     gateway, only the key's presence counts. `lora_name`: the LoRA adapter of `model` to run it
-    with (empty: the base model)."""
+    with (empty: the base model). `pooling`: an embedding request (a pooling engine
+    prefills the prompt and answers with its pooled vector instead of tokens); None: generation."""
 
     id: str
     gateway: str
@@ -49,14 +51,18 @@ class EngineRequest:
     epoch: str = ""
     gateway_token: str = ""
     lora_name: str = ""
+    pooling: PoolingParams | None = None
 
     def encode(self) -> bytes:
-        return pack({
+        obj = {
             "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
             "prompt_token_ids": list(self.prompt_token_ids), "params": self.params.to_dict(),
             "arrival": self.arrival, "deadline": self.deadline, "handoffs": self.handoffs,
             "epoch": self.epoch, "gateway_token": self.gateway_token, "lora_name": self.lora_name,
-        })
+        }
+        if self.pooling is not None:  # absent for generation: older engines read the message as before
+            obj["pooling"] = self.pooling.to_dict()
+        return pack(obj)
 
     @classmethod
     def decode(cls, data: bytes) -> EngineRequest:
@@ -73,6 +79,7 @@ class EngineRequest:
                 epoch=text(obj, "epoch", what, default=""),
                 gateway_token=text(obj, "gateway_token", what, default=""),
                 lora_name=text(obj, "lora_name", what, default=""),
+                pooling=None if obj.get("pooling") is None else _pooling(mapping(obj, "pooling", what)),
             )
         if not request.id:
             raise ProtocolError("request: empty id")
@@ -86,6 +93,13 @@ def _params(raw: dict[str, object]) -> SamplingParams:
         return SamplingParams.from_dict(raw)
     except ParamError as exc:
         raise ProtocolError(f"request: params.{exc.param}: {exc}") from exc
+
+
+def _pooling(raw: dict[str, object]) -> PoolingParams:
+    try:
+        return PoolingParams.from_dict({str(k): v for k, v in raw.items()})
+    except PoolingParamError as exc:
+        raise ProtocolError(f"request: pooling.{exc.param}: {exc}") from exc
 
 
 @dataclass(slots=True)

@@ -4,8 +4,7 @@
 // GQA group. Inner loops are `omp simd` so the compiler vectorizes them without -ffast-math.
 // An int8 cache (rows of head_size values and an fp16 scale, kv_quant.h) is dequantized a row at
 // a time into the same fp32 scratch the bf16/fp16 rows are widened into; on AVX-512 blocks of 16
-// tokens of an int8 cache take a register-blocked path instead (block_i8_avx512: SmolLM2's shape,
-// 100 sequences x 300 tokens, 1.78 -> 0.87 ms a layer).
+// tokens of an int8 cache take a register-blocked path instead (block_i8_avx512).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -81,8 +80,8 @@ inline void axpy2_i8(float* y, float a0, const int8_t* x0, float a1, const int8_
 //
 // Into L2, not L1 (locality 1, `prefetcht2`): a prefetch into L1 holds one of the core's few L1
 // miss buffers until its line arrives from DRAM, and with two blocks in flight those ran out, so
-// the prefetches themselves stalled the loop. Into L2 the same kernel reads 1.1-1.9x the bytes per
-// second (benchmarks/kernel_bench.py --kernels decode; SmolLM2's shape 18 -> 34 GB/s).
+// the prefetches themselves stalled the loop. Into L2 the same kernel reads more bytes per second
+// (benchmarks/kernels/kernel_bench.py --kernels decode).
 constexpr int kLocality = 1;
 
 template <typename T>

@@ -11,7 +11,7 @@
 // A long row's panel is widened in depths of at most kMaxPanelDepth weights of k (128 / 256 KiB, held
 // in L2 while every row pass reads it); between depths each output's running sum waits in `out` (an
 // exact fp32 store and reload, so the chain and its bits are the same), and the bias joins after the
-// last. Depths of 512 split K = 576 into 512 + 64 and cost AVX-512 5–20% on short rows.
+// last. Depths of 512 would split K = 576 into 512 + 64, a short tail pass that slows short rows.
 #pragma once
 
 #if defined(__AVX2__)
@@ -102,7 +102,7 @@ inline void panel_rows(const float* x, int64_t ldx, int64_t k_len, const float* 
 #pragma GCC unroll 6
     for (int m = 0; m < M; ++m) {
       const Vec xb = vec::broadcast(x + m * ldx + k);
-      for (int v = 0; v < V; ++v) acc[m][v] += wv[v] * xb;
+      for (int v = 0; v < V; ++v) acc[m][v] = vec::fma(wv[v], xb, acc[m][v]);
     }
   }
   for (int m = 0; m < M; ++m)

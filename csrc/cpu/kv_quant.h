@@ -30,7 +30,7 @@ constexpr int64_t row_elems(int64_t head_size) {
 }
 
 // Eight int8 values as one fp32 vector: sign-extend and convert (vpmovsxbd + vcvtdq2ps on AVX2;
-// GCC scalarizes the generic int8 -> float vector conversion, which was 4x slower than fp32 rows).
+// GCC scalarizes the generic int8 -> float vector conversion, slower than reading fp32 rows).
 inline vec::Vec widen8(const int8_t* p) {
 #if defined(__AVX2__)
   const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

@@ -1,25 +1,20 @@
 // Work sharing for the CPU kernels: a small pool of helper threads that take chunks of a range
 // from an atomic counter while the calling thread works through them too.
 //
-// Why not at::parallel_for (OpenMP): a decode step runs ~120 short parallel regions (one per
-// linear layer, ~50 us each), and an OpenMP region ends at a barrier that waits for every thread,
-// including one that has not even been scheduled yet. On a machine shared with other processes
-// that wait is a scheduler time slice, every region (measured: 0.3 GB/s instead of ~10 for the
-// decode GEMVs under load). Here the caller waits only for chunks a helper has actually started;
+// Why not at::parallel_for (OpenMP): a decode step runs many short parallel regions (one per
+// linear layer), and an OpenMP region ends at a barrier that waits for every thread, including
+// one that has not even been scheduled yet. On a machine shared with other processes that wait is
+// a scheduler time slice, every region. Here the caller waits only for chunks a helper has actually started;
 // chunks nobody claimed it runs itself. Helpers spin briefly between jobs (back-to-back layers
 // reuse them at once), then sleep on a condition variable.
 //
 // Spinning is `pause` with a yield every 64 rounds (`spin_wait`), not a yield each round: on these
 // 2-vCPU machines the two threads are SMT siblings of one core, and a sched_yield loop is a
-// syscall loop that competes with the sibling doing the work (perf: ~14% of a one-stream decode's
-// samples in __schedule and sched_yield). `benchmarks/quant_bench.py --parts engine`, Q4_1, the
-// two alternating: one stream 112-113 -> 124-125 tok/s, a batch of 32 363-375 -> 451-472; with
-// llama.cpp's rounds in between, 119 -> 142 and 421 -> 406 (the machine drifts ~20% in minutes).
+// syscall loop that competes with the sibling doing the work.
 //
 // But a step of 4 or more rows runs its linear layers on oneDNN, that is on OpenMP's threads,
 // which spin for milliseconds after each GEMM. Waking this pool beside them puts three busy
-// threads on two cores: decode attention at batch 64 took 2.0 ms per layer right after a GEMM
-// against 0.5 ms alone. Such steps pass `openmp` and share OpenMP's threads instead (chunks still
+// threads on two cores, and the kernels after a GEMM slow down several times. Such steps pass `openmp` and share OpenMP's threads instead (chunks still
 // claimed dynamically from one counter).
 #pragma once
 
@@ -134,7 +129,7 @@ class ChunkPool {
   void helper_loop() {
     uint64_t seen = 0;
     for (;;) {
-      // Spin ~100 us for the next job (the next layer's op usually follows within tens of us),
+      // Spin briefly for the next job (the next layer's op usually follows within tens of us),
       // yielding the core now and then to anyone else who wants it, then sleep until woken.
       const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(100);
       uint32_t spins = 0;
@@ -162,9 +157,8 @@ class ChunkPool {
 // Rows (tokens) from which a step's linear layers run on oneDNN: the step's kernels then pass
 // `openmp` to parallel_chunks. 4 for fp32 weights (ops/linear.py: small_gemm up to 3 rows), 129 for
 // quantized ones (ops/quant.py: quant_linear's own kernel up to 128); the engine sets it for its
-// model (set_openmp_rows). With 4 for a Q4_1 model, a speculative row of 1 + 4 tokens put every
-// layer on OpenMP barriers: under load, 96 ms for one layer's four linears at 5 rows against
-// 6 ms at one row (benchmarks/engine/spec_bench.py, docs/speculative.md).
+// model (set_openmp_rows). With 4 for a Q4_1 model, a speculative row of 1 + 4 tokens would put
+// every layer on OpenMP barriers, far slower under load (docs/speculative.md).
 inline std::atomic<int64_t>& openmp_rows_setting() {
   static std::atomic<int64_t> rows{4};
   return rows;

@@ -4,8 +4,8 @@
 // Tiles (2 x 2 blocking, eight tile registers): C[m][n] += X[m][k] . W[n][k] with the activations
 // as A (16 rows x 32 bf16, one contiguous KiB per tile) and the panel's weights as B in the VNNI
 // pair layout, so a full C tile is the output itself: stored straight into it, no transpose, no
-// staging copy (a transposed C epilogue cost ~40% of the kernel). Each thread sweeps its chunk's
-// panels 128 rows at a time. A 16-row tile load costs ~3 products here and straddling cache lines
+// staging copy (a transposed C epilogue costs a large share of the kernel). Each thread sweeps its chunk's
+// panels 128 rows at a time. A 16-row tile load costs several products and straddling cache lines
 // doubles it: every tile buffer is 64-byte aligned.
 #include "quant_bf16.h"
 
@@ -54,7 +54,7 @@ constexpr int64_t kRowBlockPairs = 4;  // activation tile pairs per row block (1
 // Output columns of panels [p_begin, p_end) for activation rows [0, rows) of a packed block. The
 // panels are dequantized once, then the rows are taken a block of kRowBlockPairs tile pairs at a
 // time across all of them, so each output row is written left to right: tile stores down a
-// 32-column strip of every row (one panel at a time over all rows) cost ~35% of the kernel.
+// 32-column strip of every row (one panel at a time over all rows) costs a large share of the kernel.
 void tile_panels(const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len, const c10::BFloat16* packed,
             int64_t rows, const float* bias, float* out, int64_t ldo, int64_t p_begin, int64_t p_end) {
   const int64_t nb = k_len / kBlock, pairs = (rows + kPanel - 1) / kPanel, panel_len = kPanel * k_len;
@@ -76,8 +76,8 @@ void tile_panels(const uint8_t* w, int64_t format, int64_t n_len, int64_t k_len,
         _tile_zero(3);
         const c10::BFloat16* a0 = packed + (2 * mp) * nb * kPackedBlock;
         const c10::BFloat16* a1 = a0 + nb * kPackedBlock;
-        // Tile loads, not the dot products, bound this loop (a 16-row load costs ~3x a tdpbf16ps
-        // here): each load is issued right before the first product that needs it, and a pair
+        // Tile loads, not the dot products, bound this loop (a 16-row load costs more than a
+        // tdpbf16ps): each load is issued right before the first product that needs it, and a pair
         // whose second m tile is all padding skips that tile.
         const bool second = rows - mp * kPanel > kTile;
         for (int64_t b = 0; b < nb; ++b) {

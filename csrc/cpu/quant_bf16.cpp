@@ -164,8 +164,8 @@ inline c10::BFloat16* panel_at(c10::BFloat16* panel, int64_t nb, int64_t r) {
 }  // namespace
 
 // `len` bf16 values of `buf` starting on a 64-byte boundary (grown as needed). Tile loads of rows
-// that straddle cache lines run at less than half speed: a std::vector's own 16-byte-aligned data
-// cost the whole kernel ~2x.
+// that straddle cache lines run at less than half speed, a std::vector's own data is only
+// 16-byte aligned.
 c10::BFloat16* aligned_buffer(std::vector<c10::BFloat16>& buf, size_t len) {
   constexpr size_t kSlack = 64 / sizeof(c10::BFloat16);
   if (buf.size() < len + kSlack) buf.resize(len + kSlack);
@@ -294,7 +294,7 @@ void quant_linear_bf16(const at::Tensor& out, const at::Tensor& x, const at::Ten
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t rounds = (num_panels + max_chunk * threads - 1) / (max_chunk * threads);
   const int64_t chunk = (num_panels + rounds * threads - 1) / (rounds * threads);
-  // Kept per calling thread: a fresh buffer each call paid its page faults (~0.1 ms at 1,024 rows).
+  // Kept per calling thread: a fresh buffer each call would pay its page faults every time.
   thread_local std::vector<c10::BFloat16> packed;
   // The caller's buffer (a thread_local named in the lambda would be each thread's own).
   c10::BFloat16* const pk =

@@ -40,8 +40,7 @@ inline int32_t block_idot(const BlockOf<F>& blk, const int8_t* a) {
 // Rows [begin, end) of out[M][N] from M activation rows (quants q [M][nb * 32], scales ad and sums
 // as [M][nb]). Per weight block and activation row: one integer dot product (maddubs + madd on
 // AVX2, dpbusd with VNNI), its conversion and one FMA; two interleaved sets of accumulators per row
-// (even and odd blocks) hide the FMA latency (one chain per block pair: measured 4.4 -> fewer
-// cycles per block). A row's arithmetic does not depend on M or on the row's place in the batch.
+// (even and odd blocks) hide the FMA latency (one chain per block pair would wait on it). A row's arithmetic does not depend on M or on the row's place in the batch.
 template <int64_t F, int M>
 void int8_rows(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w, int64_t row_bytes,
                const float* bias, float* out, int64_t ldo, int64_t begin, int64_t end) {
@@ -217,9 +216,8 @@ void fp32_rows(const float* x, int64_t ldx, int64_t nb, const uint8_t* w, int64_
 
 // Output rows [begin, end) for every activation row, four activation rows per pass over the
 // chunk's weight rows (which stay in cache between passes), five when exactly five are left: a
-// speculative verify row of 1 + 4 then unpacks each weight block once (five rows cost 1.15-1.18x
-// of four, against 1.35x as a pass of four and one of one: benchmarks/quant_rows_bench.py; a row's
-// bits do not change).
+// speculative verify row of 1 + 4 then unpacks each weight block once, cheaper than a pass of
+// four and one of one (a row's bits do not change).
 template <int64_t F, int M>
 void int8_group(const at::Tensor& out, const ActPlanes& act, int64_t row0, const uint8_t* w, const float* bias,
                 int64_t begin, int64_t end) {

@@ -45,9 +45,8 @@ constexpr int64_t kTile = 16;                    // activation rows per tile
 constexpr int64_t kTileBytes = kTile * kBlock;   // one A tile: 16 rows x 32 quants
 constexpr int64_t kBBytes = 8 * 64;              // one B tile: 8 rows x 64 bytes
 // From this many int8 rows the tiles beat the VNNI kernel (benchmarks/kernels/quant_rows_bench.py),
-// and a last partial tile of kMinTail rows (it costs a whole one) those rows on it: SmolLM2's MLP
-// shapes, one thread, 24 rows as 16 + 8 on VNNI 0.242 ms / two tiles 0.242 (Q4_1r8), 0.291 / 0.263
-// (Q8_0r8); 20 rows 0.201 / 0.235, 28 rows 0.281 / 0.248.
+// and a last partial tile of kMinTail rows (it costs a whole one) those rows on it (the crossovers
+// of SmolLM2's MLP shapes, one thread).
 constexpr int64_t kMinRows = 16;
 constexpr int64_t kMinTail = 8;
 

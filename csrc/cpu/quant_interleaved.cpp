@@ -258,8 +258,8 @@ void int8_pass(const at::Tensor& out, const ActPlanes& act, int64_t row0, const 
 }
 
 // Activation rows [m_begin, m_len) over groups [g_begin, g_end), four rows per pass (the chunk's tiles stay
-// in cache between passes). A pass of five for a verify row of 1 + 4 did not pay here: five rows
-// cost 1.15x four rows either way (benchmarks/quant_rows_bench.py; its registers spill).
+// in cache between passes). No pass of five for a verify row of 1 + 4 here: five rows spill
+// registers, so a pass of five saves nothing over four and one.
 template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, int64_t m_len, const uint8_t* w, const float* bias,
                 int64_t g_begin, int64_t g_end, int64_t m_begin = 0) {

@@ -1,6 +1,6 @@
 // Greedy tokens from a cheap bf16 screen of the logits, decided in fp32.
 //
-// `approx` holds bf16 logits from a bf16 GEMM (2-3x faster than fp32 on CPUs with AVX512-BF16 or
+// `approx` holds bf16 logits from a bf16 GEMM (faster than fp32 on CPUs with AVX512-BF16 or
 // AMX). Each one is within `error_scale * |h| * norms[j] + output_slack * |approx|` of the fp32
 // logit (ops/screen.py derives the constants), so a token can be the fp32 maximum only if its
 // upper bound reaches the largest lower bound of the row. Those few candidates (a handful on

@@ -1,9 +1,15 @@
 // Eight-lane fp32 vectors for the CPU kernels, written with GCC/Clang vector extensions.
 //
 // The compiler lowers them to AVX2/FMA (or AVX-512, NEON, SSE) for the target, so one source
-// serves every CPU; with -march=native on an AVX2 machine a `Vec` is one ymm register and
-// `acc += a * b` one FMA. Loads and stores go through memcpy: unaligned, no aliasing issues.
+// serves every CPU; with -march=native on an AVX2 machine a `Vec` is one ymm register. Whether
+// `acc += a * b` becomes one FMA is the compiler's choice (ops/build.py pins it: contraction on,
+// whatever the CPU's tuning); where a result's bits are part of a contract, `fma` says it outright.
+// Loads and stores go through memcpy: unaligned, no aliasing issues.
 #pragma once
+
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -36,6 +42,17 @@ inline Vec load4_twice(const float* p) {
 }
 
 inline Vec splat(float x) { return Vec{} + x; }
+
+// a * b + c rounded once, in every lane, on any target (an FMA instruction where there is one).
+inline Vec fma(Vec a, Vec b, Vec c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  Vec r;
+  for (int64_t i = 0; i < kWidth; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+#endif
+}
 
 // *p in every lane: one vbroadcastss from memory (splat's + 0 costs an add and a register
 // broadcast, and keeps -0 from reaching the lanes; this keeps it).

@@ -315,7 +315,8 @@ class BlockManager:
             raise ValueError("cannot fork a swapped-out sequence")
         if child_id in self.seqs:
             raise ValueError(f"sequence {child_id} already has blocks")
-        self.seqs[child_id] = SeqBlocks(list(parent.block_ids), list(parent.token_ids), list(parent.hashes),
+        self.seqs[child_id] = SeqBlocks(block_ids=list(parent.block_ids), token_ids=list(parent.token_ids),
+                                        hashes=list(parent.hashes),
                                         num_released=parent.num_released, root=parent.root)
         for block_id in parent.live_ids():
             block = self.blocks[block_id]
@@ -426,7 +427,7 @@ class BlockManager:
         on; where even an empty pool could not hold that headroom, for the blocks plus only what
         the next token of each takes (`num_group_append_blocks`). A group that ran before it was
         swapped out therefore always fits an empty pool again: asking for the headroom there
-        would leave it swapped out forever, and the waiting queue behind it (issue 43)."""
+        would leave it swapped out forever, and the waiting queue behind it."""
         blocks = len(self._distinct_blocks(seq_ids))
         need = blocks + len(seq_ids)
         if need > self.num_blocks - self.watermark_blocks:

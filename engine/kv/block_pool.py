@@ -91,7 +91,7 @@ class FreeBlockQueue:
         self._len -= 1
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SeqBlocks:
     """One sequence's block table (device ids, or host ids while swapped) and its tokens."""
 

@@ -18,7 +18,7 @@ from ops.attention import check_window
 from ops.reference import attention as reference
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AttentionMetadata:
     """Where a step's tokens sit in the paged cache; built by the runner, shared by every layer."""
 

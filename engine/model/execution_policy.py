@@ -22,8 +22,8 @@ class ExecutionPolicy:
     # greedy rows through the lm_head's bf16 screen (`LogitScreen`, `QuantLogitScreen`) where it applies
     logit_screen: bool = True
     # quantized linears with int8 activations: a step's prompt rows keep fp32 ones (the dequantized
-    # model's prompt logits and first token); False rounds them to int8 too (1.4-1.6x faster prefill on
-    # the eight-row Q4 layouts; near-ties of the first token may then flip: `--int8-prompt-activations`)
+    # model's prompt logits and first token); False rounds them to int8 too (faster prefill on the
+    # eight-row Q4 layouts; near-ties of the first token may then flip: `--int8-prompt-activations`)
     exact_prompt_rows: bool = True
     # quantized linears in bf16 (dtype bfloat16 on a GGUF): steps of many rows run every linear on AMX
     # tiles (`ops.quant.bf16_step`), or (AVX512-BF16, deterministic mode) a step's prompt rows compute

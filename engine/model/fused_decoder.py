@@ -2,10 +2,10 @@
 
 A one-row decode step of SmolLM2 on its Q4_1 weights makes ~300 module calls and ~600 op calls
 from Python, each a few microseconds: longer than the step's kernels once they read the eight-row
-layout (perf on `benchmarks/kernels/quant_bench.py --batches 1`: over half the step's CPU time in the
-interpreter). `FusedDecoder` hands the same kernels the same tensors in the same order from C++
-(csrc/cpu/decoder.cpp), so a step's hidden states are bit for bit those of the module path
-(tests/engine/model/test_fused_decoder.py and test_fused_moe_decoder.py compare them).
+layout (profile with `benchmarks/kernels/quant_bench.py --batches 1`). `FusedDecoder` hands the same
+kernels the same tensors in the same order from C++ (csrc/cpu/decoder.cpp), so a step's hidden
+states are bit for bit those of the module path (tests/engine/model/test_fused_decoder.py and
+test_fused_moe_decoder.py compare them).
 
 It serves CPU models whose every dense decoder linear is a packed `QuantLinear` (one shard or
 several: llama.cpp's Q4_K_M mix stores a layer's V in another format than its Q and K) without

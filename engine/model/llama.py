@@ -346,10 +346,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _pick_in_groups(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
         """The lm_head in groups of rows whose logits fit in a CPU's last-level cache
-        (`LOGITS_GROUP_BYTES`), each turned into tokens by `pick` while still cached: at batch
-        256 of a 49k vocabulary a greedy step is 15% faster than one GEMM writing 50 MB and a
-        second pass reading it back. The logits are those of `compute_logits(hidden)` (the GEMM's
-        rows do not depend on how many rows it is given; the tests compare the two)."""
+        (`LOGITS_GROUP_BYTES`), each turned into tokens by `pick` while still cached, rather than
+        one GEMM writing every row's logits to memory and a second pass reading them back. The
+        logits are those of `compute_logits(hidden)` (the GEMM's rows do not depend on how
+        many rows it is given; the tests compare the two)."""
         group = hidden.shape[0] if hidden.is_cuda else max(1, LOGITS_GROUP_BYTES // (4 * self.spec.vocab_size))
         if hidden.shape[0] <= group:
             return pick(self.compute_logits(hidden), 0)

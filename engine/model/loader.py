@@ -18,6 +18,7 @@ from engine.model.gguf_config import (
     fix_transformers_config,
     gguf_architecture,
 )
+from engine.model.layers import Linear
 from engine.model.llama import LlamaForCausalLM
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec
@@ -253,11 +254,11 @@ def _load_quantized(model: LlamaForCausalLM, path: Path, requantize: bool) -> No
 def load_model(
     path: str | Path, dtype: str | torch.dtype | None = None, device: torch.device | str = "cpu",
     quantization: str = "auto", shard: TPShard = SINGLE, spec: ModelSpec | None = None,
-    policy: ExecutionPolicy | None = None,
+    policy: ExecutionPolicy | None = None, pooling: bool = False,
 ) -> LlamaForCausalLM:
     """Load a Llama-family model for paged inference; raises ModelLoadError or UnsupportedModelError.
     `spec` is the caller's `ModelSpec` of `load_hf_config(path)` if it has one (for a .gguf that read
-    parses the file's whole metadata, ~10 s for SmolLM2's tokenizer arrays: once is enough).
+    parses the file's whole metadata, tokenizer arrays included: once is enough).
 
     A `.gguf` keeps its quantized weights packed (`engine.model.gguf_weights`; fp32 activations on
     the CPU) unless `quantization="dequantize"`, which dequantizes everything to `dtype` first;
@@ -267,7 +268,9 @@ def load_model(
     is the model's (read by rank 0), so a spawned rank need not import transformers to read it.
     `policy` fixes the model's execution modes (`ExecutionPolicy`; its `dtype` is the model's);
     without one, the default policy in `dtype` (float32 when that is None too). A `dtype` beside a
-    policy must be the policy's.
+    policy must be the policy's. `pooling`: an embedding model (`engine.model.pooling`) needs no
+    lm_head: none is kept (a checkpoint's is skipped), and a headless checkpoint's tensors
+    (`Qwen3Model`'s `layers.0...`, without the `model.` prefix) are read too.
     """
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
@@ -302,17 +305,31 @@ def load_model(
     model.to_empty(device=device)
     if spec.tie_word_embeddings and shard.owns_lm_head:  # to_empty unties parameters; tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
+    if pooling and not spec.tie_word_embeddings:  # no vocabulary rows: an embedding model has no lm_head
+        with torch.device("meta"):
+            model.lm_head = Linear(spec.hidden_size, 0, bias=False).to(dtype=torch_dtype)
+        model.lm_head.to_empty(device=device)
     safetensors = sorted(p.glob("*.safetensors")) if p.is_dir() else []
     if quantized:
         _load_quantized(model, p, requantize=quantization == "requantize")
     elif shard.size > 1 and safetensors:
         model.load_weights(_iter_safetensors_slices(safetensors, spec, shard), presliced=True)
     else:
-        model.load_weights(_iter_gguf_weights(p, model, pack_experts) if p.is_file() else _iter_directory_weights(p))
+        weights = _iter_gguf_weights(p, model, pack_experts) if p.is_file() else _iter_directory_weights(p)
+        model.load_weights(_backbone_weights(weights) if pooling else weights)
     model.eval()
     log.info("model loaded", path=str(p), model_type=spec.model_type, layers=spec.num_layers,
              dtype=str(torch_dtype), quantized=quantized, rank=shard.rank, tensor_parallel_size=shard.size)
     return model
+
+
+def _backbone_weights(weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """A pooling model's tensors: no lm_head, every backbone tensor under the `model.` prefix (a
+    headless checkpoint, saved from `Qwen3Model` or `LlamaModel`, stores them without it)."""
+    for name, tensor in weights:
+        if name.startswith("lm_head."):
+            continue
+        yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
 def _policy(dtype: str | torch.dtype | None, policy: ExecutionPolicy | None) -> ExecutionPolicy:

@@ -1,8 +1,8 @@
 """Greedy tokens through a bf16 screen of the lm_head, decided in fp32 (`ops.screened_argmax`).
 
 The lm_head is the largest GEMM of a small model (a fifth of SmolLM2's decode FLOPs, four fifths
-of a 2-layer model's). Where the CPU has bf16 dot products, greedy rows run it in bf16 (2-3x
-faster), and the few tokens that could still be the maximum get their exact fp32 logit. The token
+of a 2-layer model's). Where the CPU has bf16 dot products, greedy rows run it in bf16 (several
+times faster), and the few tokens that could still be the maximum get their exact fp32 logit. The token
 is the fp32 argmax: greedy decoding is unchanged. The price is a bf16 copy of the lm_head weight
 (half its fp32 bytes; 57 MB for SmolLM2).
 """

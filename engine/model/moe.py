@@ -11,7 +11,7 @@ Arithmetic per row: on the CPU in fp32 the router and every expert GEMM go throu
 (`ops.pack_fixed` copies made on first use, extra memory one copy of the expert weights), whose
 rows do not depend on how many rows share the call, so a token's routing and expert outputs are
 the same bits whichever other tokens are in its step (it is as fast as the default kernels at
-every row count: 1-256 rows of a [1536, 1024] weight measured equal or faster); so does Qwen2-MoE's
+every row count); so does Qwen2-MoE's
 one-row shared-expert gate. The shared expert is a plain `SwiGLU`, batch-invariant only under
 `ops.backend.set_fixed_order` like every dense linear. bf16/fp16 and CUDA tensors use `F.linear`
 per expert. A GGUF's experts in a packed format replace `Experts` with

@@ -23,7 +23,7 @@ class MoEConfigError(ValueError):
     """The config's MoE fields are missing or inconsistent (message names the field)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MoESpec:
     """Shapes and routing of one model's sparse MoE blocks (every sparse layer has the same).
 
@@ -80,13 +80,16 @@ def moe_spec_from_hf_config(config: Any) -> MoESpec | None:
         dense = {int(i) for i in (getattr(config, "mlp_only_layers", None) or [])}
         sparse = tuple(i for i in range(layers) if i not in dense and step > 0 and (i + 1) % step == 0)
         shared = _int(config, "shared_expert_intermediate_size") if model_type == "qwen2_moe" else 0
-        return MoESpec(experts, top_k, _int(config, "moe_intermediate_size"), sparse,
+        return MoESpec(num_experts=experts, top_k=top_k, intermediate_size=_int(config, "moe_intermediate_size"),
+                       sparse_layers=sparse,
                        norm_topk_prob=bool(getattr(config, "norm_topk_prob", False)), shared_expert_size=shared)
     experts = _int(config, "num_local_experts", "num_experts")
     if model_type == "mixtral":
-        return MoESpec(experts, top_k, _int(config, "intermediate_size"), tuple(range(layers)),
+        return MoESpec(num_experts=experts, top_k=top_k, intermediate_size=_int(config, "intermediate_size"),
+                       sparse_layers=tuple(range(layers)),
                        norm_topk_prob=True, weights_in_model_dtype=False)
-    return MoESpec(experts, top_k, _int(config, "intermediate_size"), tuple(range(layers)),  # gpt_oss
+    return MoESpec(num_experts=experts, top_k=top_k, intermediate_size=_int(config, "intermediate_size"),
+                   sparse_layers=tuple(range(layers)),  # gpt_oss
                    norm_topk_prob=False, router=TOPK_SOFTMAX, router_bias=True, expert_bias=True,
                    activation=CLAMPED_SWIGLU, swiglu_alpha=float(getattr(config, "swiglu_alpha", 1.702)),
                    swiglu_limit=float(getattr(config, "swiglu_limit", 7.0)))

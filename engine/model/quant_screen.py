@@ -2,7 +2,7 @@
 
 A quantized lm_head (SmolLM2's tied Q8_0 embedding, 49152 x 576) keeps fp32 activations: its
 argmax is the greedy token, and int8 activations flip near-ties. But the fp32-activation kernel
-is ~1.8x slower per byte. Here greedy rows run the int8 kernel over the whole vocabulary, and
+is slower per byte. Here greedy rows run the int8 kernel over the whole vocabulary, and
 only the tokens that could still be the maximum get their fp32-activation logit.
 
 The bound is exact arithmetic, not a tolerance guess. The int8 kernel computes `w . x_hat` with
@@ -18,8 +18,8 @@ The screen runs as one fused pass per row (`ops.quant.screened_argmax`, csrc/cpu
 
 Steps of `BF16_SCREEN_MIN_ROWS` greedy rows or more, on a CPU with native bf16 dot products (AMX,
 AVX512-BF16), screen with a bf16 GEMM instead (oneDNN on a packed bf16 copy of the dequantized
-lm_head, 2 bytes a weight, built with the screen): SmolLM2's lm_head at 64 rows 30 ms on the int8
-kernel (four rows per sweep of the 30 MB weight) against 3.6 ms on AMX (benchmarks/kernels/quant_rows_bench.py).
+lm_head, 2 bytes a weight, built with the screen): the int8 kernel sweeps the whole weight once per
+four rows, AMX takes many rows per sweep (benchmarks/kernels/quant_rows_bench.py).
 Its bound is `ops.screen`'s (bf16 rounding of both inputs, fp32 accumulation, a bf16 output),
 folded into one factor per row:
 `|approx_j| <= (1 + 2u)(1 + u)^2 (1 + g) |h| |w_j|`, so the output term is a multiple of `|h| |w_j|`
@@ -28,13 +28,11 @@ screen ran.
 
 The int8 pass reads a copy of the lm_head in the kernel's eight-row layout where its format has
 one (`ops.quant.interleave`: Q8_0 for SmolLM2's tied embedding, Q6_K for llama.cpp's Q4_K_M
-output weights), which the int8 kernel sweeps about twice as fast as GGUF rows at one row and
-several times faster at many; the candidates' fp32-activation logits still read the GGUF rows
-(the bound holds for any kernel computing `w . x_hat` in fp32: only the summation order differs).
-The copy costs the lm_head's size once more (the bf16 screen's copy, where there is one, twice
-that). The int8 pass is a one-stream step's whole lm_head (the random Qwen3-MoE's 41 MB Q6_K one:
-a third of its step in GGUF order) and, without native bf16 (AVX2), every step's (SmolLM2's Q8_0
-lm_head at 128 greedy rows: a quarter of an AVX2 decode step in GGUF order).
+output weights), which the int8 kernel sweeps faster than GGUF rows; the candidates' fp32-activation
+logits still read the GGUF rows (the bound holds for any kernel computing `w . x_hat` in fp32: only
+the summation order differs). The copy costs the lm_head's size once more (the bf16 screen's copy,
+where there is one, twice that). The int8 pass is a one-stream step's whole lm_head and, without
+native bf16 (AVX2), every step's: a large share of such steps.
 """
 
 from __future__ import annotations
@@ -52,7 +50,7 @@ from ops.screen import BF16_UNIT, bf16_packing_available, native_bf16, pack_scre
 
 ROUNDING = 1e-4  # >= 2 * K * 2^-24 for K <= 1600: both kernels' fp32 rounding, relative to |w| |x|
 NORM_SLACK = 1.01  # the row norms and |x_hat - x| are themselves fp32 results
-BF16_SCREEN_MIN_ROWS = 8  # SmolLM2's Q8_0 lm_head, 2 threads, AMX: 8 rows 5.0 ms int8 vs 3.7 bf16; 4 rows 2.4 vs 3.6
+BF16_SCREEN_MIN_ROWS = 8  # where the bf16 GEMM overtakes the int8 kernel on an AMX CPU
 
 
 def bf16_row_scales(hidden: Tensor) -> Tensor:
@@ -77,7 +75,7 @@ class QuantLogitScreen:
         self._packed_bf16: Tensor | None = None  # the bf16 screen's weight
         # the int8 pass's weight: the eight-row layout where the format has one and no bf16 screen runs
         self.int8_fmt, self.int8_weight = fmt, qweight
-        if self.bf16_screen_available():  # built now: the first big step must not pay ~1 s for it
+        if self.bf16_screen_available():  # built now: the first big step must not pay for it
             self._bf16_weight()
         if qweight.is_cpu:
             r8, r8_fmt = interleave(qweight, fmt)

@@ -34,7 +34,7 @@ KVCaches = list[tuple[Tensor, Tensor]]
 StepPublisher = Callable[[StepInputs], None]  # rank 0 of a tensor-parallel group: send the step to the others
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepBatch:
     """The tensors of one step, plus which rows produce logits."""
 
@@ -134,6 +134,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.model_seconds += time.perf_counter() - start
         out.prompt_hidden = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
+        if plan.pooling:
+            out.pooled_hidden = _chunk_rows(hidden, sched.scheduled, plan.pooling)
         return out
 
     def _sample_rows(self, rows: Tensor, plan: StepPlan) -> tuple[Tensor, Tensor | None]:
@@ -199,17 +201,31 @@ class ModelRunner:
         if spec:  # a decode row per token: speculative rows repeat their table
             tables = torch.cat([tables[:num_prefills], tables.index_select(0, rows[prefill_tokens:])])
         inputs = StepInputs(
-            input_ids, positions, slots, [0, *ends[:num_prefills]],
-            [s.start + len(s.token_ids) for s in order[:num_prefills]], tables,
-            (positions[prefill_tokens:] + 1).to(torch.int32),
-            list(sched.blocks_to_swap_out) if sched else [], list(sched.blocks_to_swap_in) if sched else [],
-            list(sched.blocks_to_copy) if sched else [],
-            [max(0, min(c, s.seq.num_prompt_tokens - s.start)) for s, c in zip(order[:num_prefills], counts,
-                                                                                 strict=False)] or None,
+            input_ids=input_ids, positions=positions, slots=slots, prefill_query_start=[0, *ends[:num_prefills]],
+            prefill_context_lens=[s.start + len(s.token_ids) for s in order[:num_prefills]], block_tables=tables,
+            decode_context_lens=(positions[prefill_tokens:] + 1).to(torch.int32),
+            swap_out=list(sched.blocks_to_swap_out) if sched else [],
+            swap_in=list(sched.blocks_to_swap_in) if sched else [],
+            copy=list(sched.blocks_to_copy) if sched else [],
+            prefill_exact_lens=[max(0, min(c, s.seq.num_prompt_tokens - s.start))
+                                for s, c in zip(order[:num_prefills], counts, strict=False)] or None,
             lora_slots=None if self.lora is None else self.lora.row_slots([s.lora_name for s in order], rows))
-        return StepBatch(_on(input_ids, self.device), _on(positions, self.device), inputs.metadata(self.device),
-                         inputs, None if sample_rows is None else _on(sample_rows, self.device), sampling,
-                         prompt_rows, None if spec_rows is None else _on(spec_rows, self.device))
+        return StepBatch(input_ids=_on(input_ids, self.device), positions=_on(positions, self.device),
+                         meta=inputs.metadata(self.device), inputs=inputs,
+                         sample_rows=None if sample_rows is None else _on(sample_rows, self.device),
+                         sampling=sampling, prompt_rows=prompt_rows,
+                         spec_rows=None if spec_rows is None else _on(spec_rows, self.device))
+
+
+def _chunk_rows(hidden: Tensor, scheduled: list[ScheduledSeq],
+                chunks: tuple[ScheduledSeq, ...]) -> list[tuple[ScheduledSeq, Tensor]]:
+    """Each of `chunks`' rows of the step's hidden states (laid out in `batch_order`)."""
+    first: dict[int, int] = {}
+    row = 0
+    for s in batch_order(scheduled):
+        first[id(s)] = row
+        row += len(s.token_ids)
+    return [(s, hidden[first[id(s)] : first[id(s)] + len(s.token_ids)]) for s in chunks]
 
 
 def _on(tensor: Tensor, device: torch.device) -> Tensor:

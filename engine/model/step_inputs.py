@@ -11,7 +11,7 @@ from torch import Tensor
 from engine.model.attention import AttentionMetadata
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepInputs:
     """Host (CPU) tensors of one step: the model's inputs and the block moves that run before it."""
 

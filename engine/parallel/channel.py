@@ -25,7 +25,7 @@ from engine.parallel.step_message import FIRST_PART, header
 IDLE_TIMEOUT = timedelta(days=7)  # the control group's: ranks wait in it between steps
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Rendezvous:
     """Where the ranks meet (rank 0's address and a free port) and how they talk."""
 
@@ -36,7 +36,7 @@ class Rendezvous:
     timeout_s: float
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Groups:
     """This rank's handles on the two groups."""
 
@@ -93,4 +93,4 @@ def join(rendezvous: Rendezvous, rank: int) -> Groups:
     except BaseException:
         dist.destroy_process_group()  # a half-made group would block the next engine's
         raise
-    return Groups(rank, rendezvous.world_size, dist.group.WORLD, control)
+    return Groups(rank=rank, size=rendezvous.world_size, compute=dist.group.WORLD, control=control)

@@ -52,9 +52,11 @@ class TensorParallelGroup:
         host = config.master_addr
         port = config.master_port or free_port(host)
         backend = "nccl" if device.startswith("cuda") else "gloo"
-        self.rendezvous = Rendezvous(host, port, size, backend, config.tensor_parallel_timeout)
+        self.rendezvous = Rendezvous(master_addr=host, master_port=port, world_size=size, backend=backend,
+                                     timeout_s=config.tensor_parallel_timeout)
         context = multiprocessing.get_context("spawn")
-        ranks = [RankArgs(config, spec, rank, self.rendezvous, device, dtype, kv_dtype, threads, profile_tokens)
+        ranks = [RankArgs(config=config, spec=spec, rank=rank, rendezvous=self.rendezvous, device=device, dtype=dtype,
+                          kv_dtype=kv_dtype, threads=threads, profile_tokens=profile_tokens)
                  for rank in range(1, size)]
         self.procs = [context.Process(target=rank_main, name=f"tp-rank-{args.rank}", daemon=True, args=(args,))
                       for args in ranks]

@@ -23,7 +23,7 @@ from engine.parallel.step_message import Command, header, unpack
 PARENT_POLL_S = 0.5
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RankArgs:
     """What rank 0 hands a rank it spawns (picklable)."""
 

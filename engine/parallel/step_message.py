@@ -75,6 +75,8 @@ def unpack(message: Tensor) -> StepInputs:
         return list(zip(values[0::2], values[1::2], strict=True))
 
     exact = prefill_values[2 * p + 1 :]
-    return StepInputs(ids, positions, slots, prefill_values[: p + 1], prefill_values[p + 1 : 2 * p + 1],
-                      tables.to(torch.int32).reshape(p + d, width), ctx.to(torch.int32),
-                      pairs(out), pairs(into), pairs(copy), None if not exact or -1 in exact else exact)
+    return StepInputs(input_ids=ids, positions=positions, slots=slots, prefill_query_start=prefill_values[: p + 1],
+                      prefill_context_lens=prefill_values[p + 1 : 2 * p + 1],
+                      block_tables=tables.to(torch.int32).reshape(p + d, width),
+                      decode_context_lens=ctx.to(torch.int32), swap_out=pairs(out), swap_in=pairs(into),
+                      copy=pairs(copy), prefill_exact_lens=None if not exact or -1 in exact else exact)

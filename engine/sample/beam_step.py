@@ -29,5 +29,6 @@ def beam_step(request: Request, items: list[tuple[Sequence, int]], logits: torch
     rows = torch.tensor([order[seq.seq_id] for seq in beams], device=logits.device)
     chosen = search.step(torch.log_softmax(logits.index_select(0, rows), dim=-1))
     if not chosen:  # the search ended without new beams this step
-        return BeamChoice(request, [], True, search)
-    return BeamChoice(request, [(beams[parent], token) for parent, token in chosen], search.is_done, search)
+        return BeamChoice(request=request, chosen=[], done=True, search=search)
+    return BeamChoice(request=request, chosen=[(beams[parent], token) for parent, token in chosen],
+                      done=search.is_done, search=search)

@@ -7,8 +7,8 @@ Kinds: json_schema (spec: the schema as JSON text), json_object (any JSON object
 (Lark or GBNF, as its carried "dialect" says: `grammar_dialect`), choice (one of the strings). A spec the library cannot
 compile is refused with its message, before anything is queued.
 
-Compiling never runs on the engine thread (issue 41: a `guided_choice` of 30k strings took
-seconds, and every other stream of the engine waited): `submit` hands it to a few compile
+Compiling never runs on the engine thread (a large grammar takes seconds, and every other
+stream of the engine would wait): `submit` hands it to a few compile
 threads (`CompilePool`; llguidance drops the GIL while it builds a matcher) and returns a
 future; the engine admits the request into the scheduler once the future is done
 (`LLMEngine.add_request`, `_admit_compiled`). Concurrent requests for one grammar share one
@@ -43,7 +43,7 @@ _CACHE_BYTES = 256 << 20  # estimated bytes the compiled grammars (and their tex
 _ENTRY_BASE_BYTES = 64 << 10  # a compiled matcher's fixed cost (lexer tables, token trie views)
 _BYTES_PER_CHAR = 64  # what a compiled matcher holds per character of grammar text, estimated
 COMPILE_WORKERS = 2  # compile threads: two slow grammars at once leave later ones queued, not the engine
-_JOIN_S = 30.0  # how long `close` waits for a compile still running (the size limits keep one to ~2 s;
+_JOIN_S = 30.0  # how long `close` waits for a compile still running (the size limits keep one to seconds;
 # the threads are daemons: one still running cannot block the exit)
 
 
@@ -239,7 +239,7 @@ class GrammarCompiler:
         if pristine.is_error():
             raise ValueError(f"structured_output ({spec['kind']}): {library_message(pristine.get_error() or '')}")
         # the first mask, here rather than in the first step: the lexer states it builds are
-        # shared by every copy (12,500 Lark alternatives: 0.23 s on SmolLM2's vocabulary, then 0.2 ms)
+        # shared by every copy (the first mask of a large grammar is slow, later ones are fast)
         pristine.deep_copy().compute_bitmask()
         self._compiled.put(text, pristine, entry_bytes(text))
         return pristine

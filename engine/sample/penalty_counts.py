@@ -15,7 +15,7 @@ import torch
 from engine.sched.sequence import Sequence
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class _Row:
     seq: Sequence
     slot: int
@@ -72,7 +72,7 @@ class PenaltyCounts:
         slot = row.slot if row is not None else (self._free.pop() if self._free else len(self._rows) + len(self._free))
         if self._counts is not None and slot < self._counts.shape[0]:
             self._counts[slot].zero_()
-        row = _Row(seq, slot)
+        row = _Row(seq=seq, slot=slot)
         self._rows[seq.seq_id] = row
         return row
 

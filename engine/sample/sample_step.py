@@ -63,7 +63,7 @@ class SampleStage:
         beams: dict[str, list[tuple[Sequence, int]]] = {}
         for j, (i, width) in enumerate(zip(plan.logit_rows, plan.widths, strict=True)):
             seq = plan.sampling[i].seq
-            if width == BEAM:
+            if width is BEAM:
                 beams.setdefault(seq.request.request_id, []).append((seq, j))
                 continue
             rows += [j] * width

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from types import MappingProxyType
 
 import torch
@@ -24,7 +25,15 @@ from engine.sample.sampler import Draws, TokenPlan
 from engine.sched.output import ScheduledSeq, batch_order
 from engine.sched.sequence import Sequence
 
-BEAM = 0  # `StepPlan.widths` of a row that goes to its request's beam search
+
+class RowKind(Enum):
+    """A logit row that is not sampled by a width: it goes to its request's beam search."""
+
+    BEAM = "beam"
+
+
+BEAM = RowKind.BEAM  # `StepPlan.widths` of a row that goes to its request's beam search
+Width = int | RowKind  # a logit row's sample rows (1, or n > 1 at a fork), or `BEAM`
 
 
 def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
@@ -36,19 +45,20 @@ def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
             or changes_logits(seq, eos_token_ids))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepPlan:
     """What one step's rows need (see the module docstring). Row numbers are positions in
     `sampling` (the runner's logits or token rows) and in `spec` (k + 1 positions each)."""
 
     sampling: tuple[ScheduledSeq, ...] = ()  # the chunks that sample, in the runner's row order
     logit_rows: tuple[int, ...] = ()  # sorted rows of `sampling` that need their logits
-    widths: tuple[int, ...] = ()  # per logit row: the rows it samples (n > 1 at its first token), or BEAM
+    widths: tuple[Width, ...] = ()  # per logit row: the rows it samples (n > 1 at its first token), or BEAM
     picker: TokenPlan | None = None  # the tokens of every other sampling row, in order; None: no such row
     spec: tuple[ScheduledSeq, ...] = ()  # the speculative rows, in the runner's order
     spec_picker: TokenPlan = field(default_factory=lambda: TokenPlan(Draws()))  # every position's token
     # spec row index -> its positions' range among all speculative positions, for rows that need logits
     spec_logit_ranges: Mapping[int, tuple[int, int]] = field(default_factory=lambda: MappingProxyType({}))
+    pooling: tuple[ScheduledSeq, ...] = ()  # chunks of pooling requests: their rows' hidden states, no token
 
     @property
     def picked_rows(self) -> list[int]:
@@ -73,11 +83,14 @@ def plan_step(scheduled: list[ScheduledSeq], eos_token_ids: list[int], pick_toke
             draws.add(i - len(logit_rows), seq.request.params, seq.stream, seq.num_output_tokens)
     picker = TokenPlan(draws) if len(logit_rows) < len(sampling) else None
     widths = tuple(_width(sampling[i].seq) for i in logit_rows)
-    return StepPlan(sampling, tuple(logit_rows), widths, picker, spec, _verify_picker(spec),
-                    MappingProxyType(_spec_logit_ranges(spec, eos_token_ids)))
+    pooling = tuple(s for s in order if s.seq.request.pooling is not None)
+    return StepPlan(sampling=sampling, logit_rows=tuple(logit_rows), widths=widths, picker=picker, spec=spec,
+                    spec_picker=_verify_picker(spec),
+                    spec_logit_ranges=MappingProxyType(_spec_logit_ranges(spec, eos_token_ids)),
+                    pooling=pooling)
 
 
-def _width(seq: Sequence) -> int:
+def _width(seq: Sequence) -> Width:
     request = seq.request
     if request.params.use_beam_search:
         return BEAM
@@ -114,10 +127,12 @@ class ModelOutput:
     """The runner's answer to a `StepPlan`: fp32 `logits` of the plan's `logit_rows` (in order),
     the picker's `tokens` of the other sampling rows (in order; None without a picker), the
     hidden states of each chunk's rows that predict prompt tokens (prompt logprobs), the target's
-    token at every speculative position, and the fp32 logits of each `spec_logit_ranges` range."""
+    token at every speculative position, the fp32 logits of each `spec_logit_ranges` range, and
+    the final-norm hidden states of every row of the plan's pooling chunks."""
 
     logits: torch.Tensor
     tokens: torch.Tensor | None = None
     prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)
     spec_tokens: torch.Tensor | None = None
     spec_logits: list[torch.Tensor] = field(default_factory=list)
+    pooled_hidden: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)  # per `StepPlan.pooling`

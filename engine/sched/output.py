@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from engine.sched.sequence import BeamSearch, Request, Sequence
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ScheduledSeq:
     """`token_ids` (positions `start` .. `start + len - 1` of `seq`) run this step.
 
@@ -82,7 +82,7 @@ class SchedulerOutput:
         return sum(1 for s in self.scheduled if len(s.token_ids) == 1)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class BeamChoice:
     """One beam-search request's step: the new running beams as (parent sequence, token); a
     parent chosen twice is forked, a parent nobody chose is freed; `done` ends the search;
@@ -94,7 +94,7 @@ class BeamChoice:
     search: BeamSearch
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SpecResult:
     """A verified speculative row: `tokens` (accepted proposals, then the target's token) go to
     `seq`; `num_accepted` of its `num_proposed` proposals were right; with their logprobs when the
@@ -109,7 +109,7 @@ class SpecResult:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepSamples:
     """What sampling chose, row by row (`seqs[i]` gets `token_ids[i]`: one token, or one per
     candidate when a request of n > 1 forks at its first token)."""

@@ -68,6 +68,11 @@ class Postprocessor:
                 seq.num_computed += len(item.token_ids)
             self.block_manager.mark_computed(seq.seq_id, seq.num_computed)
         touched: dict[str, Request] = {}
+        for item in sched.scheduled:  # a pooling request ends when its prompt is computed
+            seq = item.seq
+            if seq.request.pooling is not None and not seq.is_finished and seq.num_computed >= len(seq.token_ids):
+                self.finish_seq(seq, "stop")
+                touched[seq.request.request_id] = seq.request
         for request_id, (start, entries) in samples.prompt_logprobs.items():
             request = self._request_of(sched, request_id)
             gathered = request.prompt_logprobs or []
@@ -183,13 +188,15 @@ class Postprocessor:
     # ----- deltas --------------------------------------------------------------------------
     def _reject(self, request: Request) -> RequestOutput:
         self.finished["error"] += 1
-        return RequestOutput(request.request_id, finished=True, error=request.error, error_code=request.error_code,
-                             num_prompt_tokens=len(request.prompt_token_ids))
+        return RequestOutput(request_id=request.request_id, finished=True, error=request.error,
+                             error_code=request.error_code, num_prompt_tokens=len(request.prompt_token_ids))
 
     def _output(self, request: Request) -> RequestOutput | None:
         finished = request.is_finished
         params = request.params
-        if not params.use_beam_search and params.num_candidates == params.n:
+        if request.pooling is not None:  # no tokens: the finish alone (the engine attaches the vector)
+            outputs = [CompletionOutput(index=0, token_ids=[], finish_reason="stop")] if finished else []
+        elif not params.use_beam_search and params.num_candidates == params.n:
             outputs = [self._delta(seq) for seq in request.seqs if seq.num_emitted < seq.num_output_tokens]
         elif finished:
             outputs = self._beam_outputs(request) if request.beam else self._best_of(request)
@@ -202,8 +209,10 @@ class Postprocessor:
         if not outputs and not finished:
             return None
         out = RequestOutput(
-            request.request_id, outputs, finished, len(request.prompt_token_ids),
-            sum(seq.num_output_tokens for seq in request.seqs), request.num_cached_tokens or 0,
+            request_id=request.request_id, outputs=outputs, finished=finished,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_generated_tokens=sum(seq.num_output_tokens for seq in request.seqs),
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
         if params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
             out.prompt_logprobs = request.prompt_logprobs or [None]
@@ -213,14 +222,15 @@ class Postprocessor:
     def _delta(self, seq: Sequence) -> CompletionOutput:
         start, seq.num_emitted = seq.num_emitted, seq.num_output_tokens
         logprobs = seq.logprobs[start:] if seq.request.params.logprobs is not None else None
-        return CompletionOutput(seq.index, seq.output_token_ids[start:], seq.finish_reason, logprobs,
-                                seq.cumulative_logprob)
+        return CompletionOutput(index=seq.index, token_ids=seq.output_token_ids[start:],
+                                finish_reason=seq.finish_reason, logprobs=logprobs,
+                                cumulative_logprob=seq.cumulative_logprob)
 
     def _best_of(self, request: Request) -> list[CompletionOutput]:
         ranked = sorted(request.seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: request.params.n]
         logprobs = request.params.logprobs is not None
-        return [CompletionOutput(index, seq.output_token_ids, seq.finish_reason,
-                                 seq.logprobs if logprobs else None, seq.cumulative_logprob)
+        return [CompletionOutput(index=index, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+                                 logprobs=seq.logprobs if logprobs else None, cumulative_logprob=seq.cumulative_logprob)
                 for index, seq in enumerate(ranked)]
 
     def _beam_outputs(self, request: Request) -> list[CompletionOutput]:
@@ -229,7 +239,8 @@ class Postprocessor:
         out = []
         for index, (tokens, score) in enumerate(request.beam.best(request.params.n)):
             reason = "stop" if tokens and tokens[-1] in self.eos_token_ids else "length"
-            out.append(CompletionOutput(index, list(tokens), reason, None, float(score)))
+            out.append(CompletionOutput(index=index, token_ids=list(tokens), finish_reason=reason, logprobs=None,
+                                        cumulative_logprob=float(score)))
         return out
 
     @staticmethod

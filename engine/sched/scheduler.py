@@ -172,11 +172,14 @@ class Scheduler:
                     copy = self.block_manager.append_slot(seq.seq_id, token)
                     if copy is not None:
                         out.blocks_to_copy.append(copy)
-                out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end] + proposals, start, table, False,
-                                                  seq.keep_kv_below, 0, len(proposals)))
+                out.scheduled.append(ScheduledSeq(seq=seq, token_ids=seq.token_ids[start:end] + proposals,
+                                                  start=start, block_table=table, sample=False,
+                                                  write_from=seq.keep_kv_below, num_spec=len(proposals)))
             else:
-                out.scheduled.append(ScheduledSeq(seq, seq.token_ids[start:end], start, table,
-                                                  end == len(seq.token_ids), seq.keep_kv_below, prompt_rows))
+                samples = end == len(seq.token_ids) and seq.request.pooling is None  # pooling: no token
+                out.scheduled.append(ScheduledSeq(seq=seq, token_ids=seq.token_ids[start:end], start=start,
+                                                  block_table=table, sample=samples,
+                                                  write_from=seq.keep_kv_below, num_prompt_logits=prompt_rows))
             out.scheduled[-1].lora_name = seq.request.lora_name
             budget.tokens -= end - start + len(proposals)
             budget.seqs -= 1
@@ -340,7 +343,7 @@ class Scheduler:
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = seq.num_computed
             seq.keep_kv_below = 0
-            if seq.request.needs_prompt_logprobs:  # the cached part's logits are needed too:
+            if seq.request.recomputes_cached_prefix:  # the cached part's rows are needed too:
                 seq.keep_kv_below, seq.num_computed = seq.num_computed, 0  # recompute, keep its K/V
             seq.status = SeqStatus.RUNNING
             done.append(seq)

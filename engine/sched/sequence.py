@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.block_hash import adapter_root
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 
 
@@ -57,7 +58,7 @@ def sample_stream(index: int) -> str:
     return f"sample/{index}"
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Sequence:
     """One token stream. `num_computed` tokens have K/V in the cache; the rest are scheduled."""
 
@@ -107,7 +108,7 @@ class Sequence:
         )
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Request:
     """A prompt and its sampling parameters; the scheduler's unit of admission and preemption."""
 
@@ -130,11 +131,20 @@ class Request:
     prefix_donor: Sequence | None = None
     num_shared_prefix: int = 0
     lora_name: str | None = None  # its LoRA adapter (None: the base model)
+    # an embedding request (a pooling engine): its prompt is prefilled, then it finishes with its
+    # pooled vector and no token; its `pooling_type` is the engine's, set at admission
+    pooling: PoolingParams | None = None
 
     @property
     def prefix_root(self) -> int | None:
         """The parent key of its first KV block: its adapter's, so adapters never share K/V."""
         return adapter_root(self.lora_name)
+
+    @property
+    def recomputes_cached_prefix(self) -> bool:
+        """Prompt rows found in the prefix cache are run again (their K/V kept as cached): their
+        hidden states are needed, for prompt logprobs or for pooling over more than the last row."""
+        return self.needs_prompt_logprobs or (self.pooling is not None and self.pooling.pooling_type != "LAST")
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -150,7 +160,7 @@ class Request:
     def num_seqs_at_peak(self) -> int:
         """Sequences this request will run at once: before its first token, the n / best_of /
         beam width it forks into then; after, its unfinished ones. Admission counts this against
-        `max_num_seqs`, so a queue of n = 16 requests cannot become 16x the sequences it allows."""
+        `max_num_seqs`, so a queue of n = 16 requests cannot become sixteen times the sequences it allows."""
         unfinished = len(self.unfinished_seqs())
         if self.first_token_time is None and self.beam is None:
             return max(unfinished, self.params.num_candidates)

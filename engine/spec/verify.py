@@ -101,7 +101,8 @@ def accept(items: list[ScheduledSeq], tokens: torch.Tensor,
         accepted = 0
         while accepted < k and targets[accepted] == proposals[accepted]:
             accepted += 1
-        result = SpecResult(item.seq, [*proposals[:accepted], targets[accepted]], accepted, k)
+        result = SpecResult(seq=item.seq, tokens=[*proposals[:accepted], targets[accepted]], num_accepted=accepted,
+                            num_proposed=k)
         values, tops = logprobs.get(i, ([], [])) if logprobs is not None else ([], [])
         if values:  # one per position (`draw_from_logits`), when the request asks or ranks by them
             result.logprobs, result.top_logprobs = values[: accepted + 1], tops[: accepted + 1]

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 
 from common.log import get_logger
-from common.protocol import DEFAULT_PREFIX
+from common.protocol import DEFAULT_PREFIX, REASONING_PARSER_NAMES
 from common.redis_spec import add_redis_arguments, spec_from_args
 from common.sizes import parse_size
-from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, EngineConfig
+from engine.config import DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS, RUNNERS, EngineConfig
 
 if TYPE_CHECKING:
     from engine.worker.engine_worker import EngineWorker
@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="model name clients ask for (default: the directory name; "
                                                     "for a .gguf the directory beside it when it holds the tokenizer, "
                                                     "else the file name without .gguf)")
+    parser.add_argument("--reasoning-parser", choices=(*REASONING_PARSER_NAMES, "none"),
+                        help="announced to gateways: how they split the model's thinking (reasoning_content) from "
+                             "its answer (content); none: never (default: what the chat template implies, if any)")
     add_redis_arguments(parser)
     parser.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="key prefix of streams and channels")
     parser.add_argument("--engine-id", help="consumer name in group 'engines' (default: host-pid)")
@@ -98,6 +101,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grammar-compile-timeout", type=_positive_seconds, default=10.0,
                         help="seconds a request's grammar (guided_choice, regex, JSON schema) may take to compile, "
                              "off the step path, before the request is refused with a 400 (default %(default)s)")
+    parser.add_argument("--runner", default="auto", choices=RUNNERS,
+                        help="pooling serves /v1/embeddings from the model's final hidden states (any served "
+                             "architecture, a generative one too); auto: pooling for an embedding model's folder "
+                             "(an architecture without LM head such as Qwen3Model, or a sentence-transformers "
+                             "modules.json), else generate")
+    parser.add_argument("--pooling-type", choices=("LAST", "MEAN", "CLS"),
+                        help="with the pooling runner: last token, mean of the prompt or first token (default: "
+                             "the folder's sentence-transformers pooling config, else LAST)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="seconds between heartbeats; a silent engine's requests move after 5 intervals")
     parser.add_argument("--max-claims", type=int, default=3,
@@ -178,6 +189,7 @@ def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = 
         master_port=args.master_port, grammar_compile_timeout=args.grammar_compile_timeout,
         enable_lora=args.enable_lora, lora_modules=dict(args.lora_modules) or None, max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
+        runner=args.runner, pooling_type=args.pooling_type,
     )
 
 
@@ -238,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url, redis=redis_spec, redis_prefix=args.redis_prefix, metrics_host=args.metrics_host,
         metrics_port=args.metrics_port, heartbeat_interval_s=args.heartbeat_interval, max_claims=args.max_claims,
         drain_timeout_s=args.drain_timeout, redis_pool_size=args.redis_pool_size, gateway_grace_s=args.gateway_grace,
-        routing=not args.no_routing, steal_after_s=args.steal_after,
+        routing=not args.no_routing, steal_after_s=args.steal_after, reasoning_parser=args.reasoning_parser or "",
     ), config)
     try:
         asyncio.run(_serve(worker))

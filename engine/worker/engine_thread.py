@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from common.log import get_logger
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.outputs import RequestOutput
@@ -34,7 +35,7 @@ T = TypeVar("T")
 log = get_logger("worker.engine")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class AddJob:
     """A request to start; `generated` holds tokens a dead engine already sent (resume)."""
 
@@ -43,9 +44,10 @@ class AddJob:
     params: SamplingParams
     generated: list[int] = field(default_factory=list)
     lora_name: str = ""  # the LoRA adapter it runs with (empty: the base model)
+    pooling: PoolingParams | None = None  # an embedding request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Queues:
     """How many requests the engine holds in each queue after a trip: what the worker steers by."""
 
@@ -59,7 +61,7 @@ class Queues:
         return self.running + self.waiting + self.swapped + self.compiling
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepResult:
     """What one trip to the engine thread produced."""
 
@@ -114,7 +116,7 @@ class EngineThread:
 
         lora = LoRARequest(job.lora_name) if job.lora_name else None
         self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, generated=job.generated,
-                                lora_request=lora)
+                                lora_request=lora, pooling=job.pooling)
 
     def step(self, jobs: list[AddJob], aborts: list[str]) -> StepResult:
         """Apply aborts and adds, then run one engine step when there is work."""
@@ -141,8 +143,9 @@ class EngineThread:
                 failed = self._fail_step(in_step, exc)
         rejected.update(self.engine.take_refused())  # grammars that failed or ran out of time
         running, waiting, swapped = self.engine.queue_lengths()
-        queues = Queues(running, waiting, swapped, self.engine.num_compiling())
-        return StepResult(outputs, rejected, aborted, self._refresh_cache(), queues, failed)
+        queues = Queues(running=running, waiting=waiting, swapped=swapped, compiling=self.engine.num_compiling())
+        return StepResult(outputs=outputs, rejected=rejected, aborted=aborted, stats=self._refresh_cache(),
+                          queues=queues, failed=failed)
 
     def _refresh_cache(self, full: bool = False) -> dict[str, Any]:
         # idle after this trip: no later step would refresh it, so take the full snapshot now

@@ -65,8 +65,9 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     redis_pool_size: int = 16
     redis_pool_timeout_s: float = 10.0
-    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing, issue 40)
+    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing)
     steal_after_s: float | None = 3.0  # with routing: take peers' routed entries waiting this long; None: never
+    reasoning_parser: str = ""  # announced to gateways: how they split thinking from the answer ("": the template)
 
     @property
     def redis_spec(self) -> RedisSpec:
@@ -117,7 +118,9 @@ class EngineWorker:
         intake.on_data_lost = lambda: self._forget_everything(intake)
         beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, engine.tokenizer_dir,
                          engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
-                         config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size)
+                         config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size,
+                         runner=engine.runner_kind,
+                         reasoning_parser=cfg.reasoning_parser)
         beat.loras = engine.lora_names()  # the --lora-modules it serves (read before any step runs)
         runner = None
         tasks: list[asyncio.Task[None]] = []
@@ -130,7 +133,7 @@ class EngineWorker:
             await stream.ensure_group()
             if routed is not None:  # group and set member first: then the heartbeat may announce `routed`
                 await routed.ensure_group()
-                beat.block_size = self.engine_config.block_size
+                beat.routed_block_size = self.engine_config.block_size
                 self.thread.cached_limit = MAX_CACHED
             if cfg.metrics_port is not None:
                 runner = await start_metrics_server(self.metrics, cfg.metrics_host, cfg.metrics_port)

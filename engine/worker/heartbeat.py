@@ -70,7 +70,9 @@ class Heartbeat:
     succeeded (monotonic), `suspect` is set when the key may have expired in between."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, engine_id: str, model: str, tokenizer: str,
-                 max_model_len: int, ttl_s: float, config_hash: str = "", vocab_size: int = 0) -> None:
+                 max_model_len: int, ttl_s: float, config_hash: str = "", vocab_size: int = 0,
+                 runner: str = "generate",
+                 reasoning_parser: str = "") -> None:
         self.client = client
         self.keys = keys
         self.key = keys.engine(engine_id)
@@ -80,6 +82,8 @@ class Heartbeat:
         self.max_model_len = max_model_len
         self.config_hash = config_hash
         self.vocab_size = vocab_size
+        self.runner = runner
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser, passed on to gateways
         self.ttl_s = ttl_s
         self.ttl_ms = max(1000, int(ttl_s * 1000))
         self.started = time.time()
@@ -87,21 +91,25 @@ class Heartbeat:
         self.last_ok = -1e9
         self.suspect = False
         self.beats = 0
-        self.block_size = 0  # > 0: this engine reads its own routed stream and announces its cached keys
+        # set: this engine reads its own routed stream and announces its cached keys (by this block size)
+        self.routed_block_size: int | None = None
         self.loras: list[str] = []  # the LoRA adapters it serves over `model`
         self.lora_errors: dict[str, str] = {}  # adapters of `Keys.loras` it could not load, and why
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
         """`stats` may carry ``block_tables`` and ``cached_keys`` (lists, so `flatten_stats`
-        leaves them out); with a `block_size` the beat announces ``routed`` and those keys."""
+        leaves them out); with a `routed_block_size` the beat announces ``routed`` and those keys."""
         now = time.time()
         figures = flatten_stats(stats) | extra | {"uptime_s": now - self.started}
-        routed = self.block_size > 0
-        return EngineHeartbeat(self.engine_id, self.model, self.tokenizer, self.max_model_len, now, figures, pool,
-                               list(stats.get("block_tables", [])), self.config_hash, self.vocab_size,
-                               self.draining, routed=routed, block_size=self.block_size,
-                               cached=list(stats.get("cached_keys", [])) if routed else [], loras=list(self.loras),
-                               lora_errors=dict(self.lora_errors))
+        routed = self.routed_block_size is not None
+        return EngineHeartbeat(engine_id=self.engine_id, model=self.model, tokenizer=self.tokenizer,
+                               max_model_len=self.max_model_len, time=now, stats=figures, pool=pool,
+                               tables=list(stats.get("block_tables", [])), config_hash=self.config_hash,
+                               vocab_size=self.vocab_size,
+                               draining=self.draining, routed=routed, block_size=self.routed_block_size or 0,
+                               cached=list(stats.get("cached_keys", [])) if routed else [],
+                               runner=self.runner, reasoning_parser=self.reasoning_parser,
+                               loras=list(self.loras), lora_errors=dict(self.lora_errors))
 
     def fresh(self, margin_s: float) -> bool:
         """The key certainly still exists (written less than ttl - margin ago, no gap since)."""

@@ -45,7 +45,7 @@ return out
 """
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StreamEntry:
     """One request-stream entry: its id, the raw `m` field (None when the entry is gone) and
     how many times it has been delivered (1 on the first read, +1 per takeover)."""
@@ -72,7 +72,7 @@ def parse_entries(raw: Any) -> list[StreamEntry]:
         payload = None
         if fields:
             payload = fields.get(REQUEST_FIELD.encode(), fields.get(REQUEST_FIELD))
-        entries.append(StreamEntry(_text(entry_id), payload))
+        entries.append(StreamEntry(entry_id=_text(entry_id), payload=payload))
     return entries
 
 
@@ -174,7 +174,8 @@ class RequestStream:
                 if entry_id not in known:
                     found = parse_entries(await self.client.xrange(self.key, min=entry_id, max=entry_id))
                     payload = found[0].payload if found else None
-                    orphans.append(StreamEntry(entry_id, payload, int(row["times_delivered"]), self.key))
+                    orphans.append(StreamEntry(entry_id=entry_id, payload=payload,
+                                               deliveries=int(row["times_delivered"]), stream=self.key))
             if len(rows) < 1000:
                 return orphans
             start = "(" + _text(rows[-1]["message_id"])
@@ -183,7 +184,7 @@ class RequestStream:
         """Take over up to `count` idle entries of consumer `dead`, if its heartbeat is still gone."""
         reply = await self._claim(keys=[self.key, self.keys.engine(dead)],
                                   args=[self.keys.group, self.consumer, min_idle_ms, dead, count, REQUEST_FIELD])
-        return [StreamEntry(_text(entry_id), payload, int(deliveries), self.key)
+        return [StreamEntry(entry_id=_text(entry_id), payload=payload, deliveries=int(deliveries), stream=self.key)
                 for entry_id, deliveries, payload in reply]
 
     async def owned(self, entry_ids: list[str]) -> set[str]:

@@ -71,8 +71,9 @@ def to_wire(tracked: Tracked, out: RequestOutput) -> OutputMessage:
     outputs = []
     for choice in out.outputs:
         offset = tracked.sent.get(choice.index, 0)
-        outputs.append(SeqOutput(choice.index, list(choice.token_ids), offset, choice.finish_reason,
-                                 _logprobs(choice.logprobs)))
+        outputs.append(SeqOutput(index=choice.index, token_ids=list(choice.token_ids), offset=offset,
+                                 finish_reason=choice.finish_reason,
+                                 logprobs=_logprobs(choice.logprobs)))
         tracked.sent[choice.index] = offset + len(choice.token_ids)
     if tracked.first_token_at is None and any(o.token_ids for o in outputs):
         tracked.first_token_at = time.time()
@@ -81,13 +82,16 @@ def to_wire(tracked: Tracked, out: RequestOutput) -> OutputMessage:
                                                      out.error_code or "engine_error")
     prompt = None if out.prompt_logprobs is None else [
         None if e is None else _token_logprob(e) for e in out.prompt_logprobs]
-    return OutputMessage(tracked.request_id, tracked.next_seq(), outputs, usage, error, prompt, tracked.engine_id())
+    return OutputMessage(id=tracked.request_id, seq=tracked.next_seq(), outputs=outputs, usage=usage, error=error,
+                         prompt_logprobs=prompt, engine=tracked.engine_id(),
+                         embedding=out.embedding)
 
 
 def error_output(tracked: Tracked, message: str, type_: str = "invalid_request_error",
                  code: str | None = None) -> OutputMessage:
     """A message that ends the request with an error."""
-    return OutputMessage(tracked.request_id, tracked.next_seq(), [], None, ErrorInfo(message, type_, code),
+    return OutputMessage(id=tracked.request_id, seq=tracked.next_seq(), outputs=[], usage=None,
+                         error=ErrorInfo(message, type_, code),
                          engine=tracked.engine_id())
 
 
@@ -105,4 +109,5 @@ def resume(request: EngineRequest, entry_id: str, progress: Progress,
         tracked.sent = {0: len(generated)}
         if generated:
             tracked.first_token_at = tracked.started
-    return tracked, AddJob(request.id, request.prompt_token_ids, request.params, generated, request.lora_name)
+    return tracked, AddJob(request_id=request.id, prompt_token_ids=request.prompt_token_ids, params=request.params,
+                           generated=generated, lora_name=request.lora_name, pooling=request.pooling)

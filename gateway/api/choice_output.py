@@ -1,5 +1,6 @@
 """What one choice shows its client, event by event: the echoed prompt (completions with
-`echo`), content with tool calls cut out (chat with tools), the calls, logprobs, and
+`echo`), the thinking (chat with a reasoning parser), content with tool calls cut out (chat
+with tools), the calls, logprobs, and
 `finish_reason` ("tool_calls" when the model stopped after calling). Streaming sends each
 `Piece`; the non-streaming response is built from the accumulated whole."""
 
@@ -25,17 +26,18 @@ from gateway.text.tool_parser import ToolCall, ToolCallParser
 
 @dataclass(slots=True)
 class Piece:
-    """One event's share of a choice: text, newly completed calls, logprobs, finish_reason."""
+    """One event's share of a choice: thinking, text, newly completed calls, logprobs, finish_reason."""
 
     text: str
     calls: list[ToolCall] = field(default_factory=list)
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     first_call_index: int = 0  # index (among the choice's calls) of calls[0]
+    reasoning: str = ""
 
     @property
     def empty(self) -> bool:
-        return not (self.text or self.calls or self.logprobs or self.finish_reason)
+        return not (self.text or self.reasoning or self.calls or self.logprobs or self.finish_reason)
 
 
 class ChoiceOutput:
@@ -47,6 +49,7 @@ class ChoiceOutput:
         self.names: TokenNames = TokenIdNames() if req.tokens_as_ids else tokenizer
         self.parser = ToolCallParser(req.tools.constrained) if req.tools.active else None
         self.text = ""  # everything shown as content/text
+        self.reasoning = ""  # the thinking, apart (chat with a reasoning parser)
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
@@ -70,10 +73,11 @@ class ChoiceOutput:
         echo, echo_lps = self._echo(prompt_logprobs)
         logprobs = self._logprobs(ev.token_ids, ev.logprobs, len(self.text) + len(echo), echo_lps)
         self.text += echo + text
+        self.reasoning += ev.reasoning
         self.token_ids.extend(ev.token_ids)
         self.logprobs.extend(ev.logprobs)
         self.finish_reason = reason or self.finish_reason  # set once, on the choice's last event
-        return Piece(echo + text, self.calls[before:], logprobs, reason, before)
+        return Piece(echo + text, self.calls[before:], logprobs, reason, before, ev.reasoning)
 
     def whole_logprobs(self, prompt_logprobs: list[TokenLogprob | None] | None) -> dict[str, Any] | None:
         """Logprobs of the whole choice (non-streaming), echoed prompt first."""

@@ -1,13 +1,15 @@
 """One request's generation as seen by a client: collector updates → per-choice text events.
 
-Each choice runs its own incremental detokenizer, stop matcher and (with tools) call guard.
+Each choice runs its own incremental detokenizer, stop matcher (on the whole text, thinking
+included, as vLLM's), reasoning parser (with one: the thinking goes to `reasoning`, apart) and
+(with tools) call guard, which sees the answer only.
 When every choice has finished here (a stop string, a repeated or one call too many) before
 the engine said so, the engine side is aborted."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.protocol import ErrorInfo, TokenLogprob, Usage
@@ -15,6 +17,7 @@ from gateway.broker.broker import Broker
 from gateway.broker.collector import ChoiceDelta, RequestCollector
 from gateway.text.call_guard import CallGuard
 from gateway.text.detokenize import IncrementalDetokenizer
+from gateway.text.reasoning import ReasoningParser
 from gateway.text.stop import StopMatcher
 from gateway.text.tokenizer import ModelTokenizer
 
@@ -27,12 +30,13 @@ class ChoiceEvent:
     the client sees."""
 
     index: int
-    text: str
+    text: str  # the answer (without a reasoning parser: all the text)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     ended: bool = False
     engine_reason: str | None = None
     stopped_here: bool = False
+    reasoning: str = ""  # new thinking, split off by the request's reasoning parser
 
 
 def client_finish_reason(engine_reason: str | None, stopped_here: bool, made_calls: bool) -> str:
@@ -52,11 +56,17 @@ class GenerationError(Exception):
 
 
 class _Choice:
-    def __init__(self, index: int, tokenizer: ModelTokenizer, stops: list[str], guard: CallGuard | None) -> None:
+    def __init__(self, index: int, tokenizer: ModelTokenizer, stops: list[str], guard: CallGuard | None,
+                 reasoner: ReasoningParser | None = None) -> None:
         self.index = index
-        self.detok = IncrementalDetokenizer(tokenizer.decode)
+        # a harmony parser reads the special tokens that mark its channels
+        keep_special = reasoner is not None and reasoner.needs_special_tokens
+        self.detok = IncrementalDetokenizer(
+            (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if keep_special else tokenizer.decode)
         self.stop = StopMatcher(stops)
         self.guard = guard
+        self.reasoner = reasoner
+        self.reasoning = ""  # thinking of the event being built
         self.num_tokens = 0
         self.ended = False
 
@@ -71,20 +81,32 @@ class _Choice:
             text += self._feed(self.detok.flush())
             text += "" if self.matched else self._end()
         self.ended = self.matched or delta.finish_reason is not None
+        reasoning, self.reasoning = self.reasoning, ""
         return ChoiceEvent(self.index, text, delta.token_ids, delta.logprobs, self.ended,
-                           delta.finish_reason, self.matched)
+                           delta.finish_reason, self.matched, reasoning)
 
     def _feed(self, text: str) -> str:
-        """Text through the stop matcher, then the call guard (which gives back what it held
-        once a stop string has ended the answer)."""
-        text = self.stop.feed(text)
+        """Text through the stop matcher, the reasoning parser, then the call guard (each gives
+        back what it held once a stop string has ended the output)."""
+        text = self._answer(self.stop.feed(text), self.stop.matched is not None)
         if self.guard is None:
             return text
         text = self.guard.feed(text)
         return text + (self.guard.flush() if self.stop.matched is not None else "")
 
+    def _answer(self, text: str, final: bool) -> str:
+        """The answer part of `text`; its thinking is kept in `self.reasoning`."""
+        if self.reasoner is None:
+            return text
+        reasoning, answer = self.reasoner.feed(text)
+        if final:
+            more_reasoning, more_answer = self.reasoner.finish()
+            reasoning, answer = reasoning + more_reasoning, answer + more_answer
+        self.reasoning += reasoning
+        return answer
+
     def _end(self) -> str:
-        rest = self.stop.flush()
+        rest = self._answer(self.stop.flush(), True)
         return rest if self.guard is None else self.guard.feed(rest) + self.guard.flush()
 
 
@@ -93,12 +115,14 @@ class Generation:
 
     def __init__(self, broker: Broker, collector: RequestCollector, tokenizer: ModelTokenizer,
                  stops: list[str], prompt_tokens: int, timeout_s: float, tick_s: float,
-                 tool_calls: bool = False, max_calls: int | None = None) -> None:
+                 tool_calls: bool = False, max_calls: int | None = None,
+                 reasoning: Callable[[], ReasoningParser] | None = None) -> None:
         """`tool_calls`: the output is read for calls; each choice then ends at a repeated call
-        or past `max_calls` (`CallGuard`)."""
+        or past `max_calls` (`CallGuard`). `reasoning`: makes each choice's reasoning parser."""
         self.broker = broker
         self.collector = collector
-        self.choices = [_Choice(i, tokenizer, stops, CallGuard(max_calls) if tool_calls else None)
+        self.choices = [_Choice(i, tokenizer, stops, CallGuard(max_calls) if tool_calls else None,
+                                None if reasoning is None else reasoning())
                         for i in range(collector.n)]
         self.prompt_tokens = prompt_tokens
         self.timeout_s = timeout_s
@@ -151,7 +175,7 @@ class Generation:
                 if self.first_token_at is None and delta.token_ids:
                     self.first_token_at = time.monotonic()
                 event = choice.advance(delta)
-                if event.text or event.ended or event.logprobs:
+                if event.text or event.reasoning or event.ended or event.logprobs:
                     yield event
             if update.error is not None:
                 raise GenerationError(update.error)

@@ -1,5 +1,6 @@
 """Chat `messages` → plain dicts for the chat template: text content (parts joined),
-assistant `tool_calls` (arguments kept as JSON text) and `role: tool` results."""
+assistant `tool_calls` (arguments kept as JSON text) and thinking (`reasoning_content`), and
+`role: tool` results."""
 
 from __future__ import annotations
 
@@ -41,7 +42,24 @@ def _message(msg: Any, where: str) -> dict[str, Any]:
             out[key] = msg[key]
     if calls:
         out["tool_calls"] = calls
+    reasoning = _reasoning(msg, where) if role == "assistant" else None
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     return out
+
+
+def _reasoning(msg: dict[str, Any], where: str) -> str | None:
+    """An assistant turn's earlier thinking, under either name a response gave it
+    (`reasoning_content`, `reasoning`), handed to the template as `reasoning_content` (Qwen3's
+    template keeps it for the turns after the last user message)."""
+    for key in ("reasoning_content", "reasoning"):
+        value = msg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise bad_request(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_type")
+        return value
+    return None
 
 
 def _content_text(content: Any, where: str) -> str:

@@ -21,7 +21,7 @@ async def list_models(request: web.Request) -> web.Response:
         raise redis_unavailable(exc) from exc
     data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "pagedserve",
              "root": m.tokenizer_dir, "parent": m.parent or None, "max_model_len": m.max_model_len,
-             "engines": len(m.engines)}
+             "engines": len(m.engines), "runner": m.runner}
             for m in models.values()]
     return web.json_response({"object": "list", "data": data})
 

@@ -5,9 +5,12 @@ out of range reaches msgpack or the engine."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.api.endpoint import Endpoint
 from gateway.api.validation import GenerationRequest
 from gateway.errors import bad_request
+from gateway.text.reasoning import prompt_start
 from gateway.text.tokenizer import ModelTokenizer, TemplateError
 from gateway.text.tool_prompt import choice_instruction, fallback_messages, native_messages
 
@@ -28,21 +31,32 @@ def prompt_ids(req: GenerationRequest, tokenizer: ModelTokenizer) -> list[int]:
 
 
 def chat_ids(req: GenerationRequest, tokenizer: ModelTokenizer) -> list[int]:
-    tools = req.tools
+    """Prompt ids of a chat request; with a reasoning parser also `req.reasoning_start`, from the
+    text the template appends for the answer (it may open or close the thinking)."""
     try:
-        if tools.active and tokenizer.supports_tools:
-            return tokenizer.encode_chat(native_messages(req.messages), tools=tools.tools,
-                                         template_args=req.extra_template_args)
-        if tools.active:
-            instruction = choice_instruction(tools.choice, tools.named, tools.parallel)
-            messages = fallback_messages(req.messages, tools.tools, instruction)
-        elif tokenizer.supports_tools:
-            messages = native_messages(req.messages)
-        else:
-            messages = fallback_messages(req.messages, None)
-        return tokenizer.encode_chat(messages, template_args=req.extra_template_args)
+        messages, tools = _template_input(req, tokenizer)
+        if req.reasoning_parser is None:
+            return tokenizer.encode_chat(messages, tools=tools, template_args=req.extra_template_args)
+        text, added = tokenizer.render_with_answer_prefix(messages, tools=tools, template_args=req.extra_template_args)
+        req.reasoning_start = prompt_start(added)
+        return tokenizer.encode(text, add_special_tokens=False)  # as encode_chat does
     except TemplateError as exc:
         raise bad_request(str(exc), "messages", "invalid_messages") from exc
+
+
+def _template_input(req: GenerationRequest, tokenizer: ModelTokenizer) -> tuple[list[dict[str, Any]],
+                                                                               list[dict[str, Any]] | None]:
+    """The messages and tools the chat template renders: tools natively, or through the fallback
+    system prompt."""
+    tools = req.tools
+    if tools.active and tokenizer.supports_tools:
+        return native_messages(req.messages), tools.tools
+    if tools.active:
+        instruction = choice_instruction(tools.choice, tools.named, tools.parallel)
+        return fallback_messages(req.messages, tools.tools, instruction), None
+    if tokenizer.supports_tools:
+        return native_messages(req.messages), None
+    return fallback_messages(req.messages, None), None
 
 
 def check_vocab(token_ids: list[int], tokenizer: ModelTokenizer, param: str) -> None:

@@ -100,6 +100,12 @@ def vllm_prompt_logprobs(tokenizer: TokenNames, prompt_ids: list[int],
     return out
 
 
+def reasoning_fields(reasoning: str | None) -> dict[str, Any]:
+    """The thinking of a chat message or delta under both of vLLM's names: `reasoning_content`
+    and the newer `reasoning`."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
 def tool_call_obj(call: ToolCall) -> dict[str, Any]:
     """An OpenAI `tool_calls` entry of a chat message."""
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

@@ -39,9 +39,11 @@ class SSEStream:
         self.started = True
         return self
 
-    async def send(self, obj: dict[str, Any]) -> None:
+    async def send(self, obj: dict[str, Any], event: str | None = None) -> None:
+        """One event; `event` names it in an ``event:`` line (the Responses API's events do)."""
         data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        await self._write(f"data: {data}\n\n".encode())
+        head = f"event: {event}\n" if event else ""
+        await self._write(f"{head}data: {data}\n\n".encode())
 
     async def comment(self) -> None:
         """An SSE comment (``: keepalive``): for proxies that cut idle connections. Off by default,
@@ -50,6 +52,10 @@ class SSEStream:
 
     async def done(self) -> None:
         await self._write(b"data: [DONE]\n\n")
+        await self.end()
+
+    async def end(self) -> None:
+        """End the stream without ``[DONE]`` (a Responses stream ends with its last event)."""
         await self.response.write_eof()
 
     async def _write(self, data: bytes) -> None:

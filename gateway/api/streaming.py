@@ -25,6 +25,7 @@ from gateway.api.responses import (
     chat_chunk,
     completion_chunk,
     full_response,
+    reasoning_fields,
     tool_call_deltas,
     tool_call_obj,
     usage_chunk,
@@ -40,7 +41,7 @@ class ClientGone(Exception):
     """The HTTP client closed the connection."""
 
 
-def _check_client(request: web.Request) -> None:
+def check_client(request: web.Request) -> None:
     if request.transport is None or request.transport.is_closing():
         raise ClientGone()
 
@@ -52,7 +53,10 @@ def _chunks(req: GenerationRequest, rid: str, created: int, index: int, piece: P
     if req.kind is Endpoint.COMPLETION:
         return [completion_chunk(rid, created, req.model, index, piece.text, piece.finish_reason, piece.logprobs,
                                  usage, fingerprint)]
-    deltas: list[dict[str, Any]] = [{"content": piece.text}] if piece.text else []
+    first: dict[str, Any] = reasoning_fields(piece.reasoning) if piece.reasoning else {}
+    if piece.text:
+        first["content"] = piece.text
+    deltas: list[dict[str, Any]] = [first] if first else []
     for k, call in enumerate(piece.calls):
         deltas.extend(tool_call_deltas(call, piece.first_call_index + k))
     deltas = deltas or [{}]
@@ -81,7 +85,7 @@ async def stream(request: web.Request, req: GenerationRequest, gen: Generation, 
     try:
         try:
             async for ev in gen.events():
-                _check_client(request)
+                check_client(request)
                 if ev is None:
                     if cfg.sse_keepalive_s > 0 and time.monotonic() - last_write >= cfg.sse_keepalive_s:
                         if not sse.started:
@@ -121,7 +125,7 @@ async def complete(request: web.Request, req: GenerationRequest, gen: Generation
     """Non-streaming: gather every choice, answer one JSON object. Raises GenerationError."""
     outs = [ChoiceOutput(req, tok) for _ in range(req.params.n)]
     async for ev in gen.events():
-        _check_client(request)
+        check_client(request)
         if ev is not None:
             outs[ev.index].feed(ev, gen.prompt_logprobs)
     choices = []
@@ -129,8 +133,10 @@ async def complete(request: web.Request, req: GenerationRequest, gen: Generation
         logprobs = out.whole_logprobs(gen.prompt_logprobs)
         if req.kind is Endpoint.CHAT:
             calls_only = bool(out.calls) or req.tools.constrained  # a grammar made the answer calls
-            content = None if calls_only and not out.text else out.text
+            content = None if (calls_only or out.reasoning) and not out.text else out.text
             message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+            if req.reasoning_parser is not None:
+                message.update(reasoning_fields(out.reasoning or None))
             if out.calls:
                 message["tool_calls"] = [tool_call_obj(c) for c in out.calls]
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})

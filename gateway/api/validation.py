@@ -39,6 +39,10 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt goes before each choice's text
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     prompt_token_ids: list[int] = field(default_factory=list)  # set once tokenized
+    # chat on a model with a reasoning parser (set once the model is known): its name, and where the
+    # output starts as the chat template left it (gateway/text/reasoning.py `prompt_start`)
+    reasoning_parser: str | None = None
+    reasoning_start: str = "model"
 
 
 def _require_object(body: Any) -> dict[str, Any]:

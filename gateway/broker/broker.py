@@ -349,8 +349,8 @@ class Broker:
     async def supervise(self, block_ms: int = 1000, check_s: float = 1.0) -> None:
         """Run the reader loop, and replace it when it stops making progress: a fresh loop on a
         fresh connection reads on from the last id handled (nothing was trimmed past it), whatever
-        wedged the old one. CI once saw a reader whose connection had its reply and whose loop
-        never ran again; every request of the gateway then waits for nothing."""
+        wedged the old one. A reader whose connection has its reply but whose loop never runs
+        again would leave every request of the gateway waiting for nothing."""
         stale_s = block_ms / 1000 + 2 * READ_GRACE_S
         task = asyncio.create_task(self.listen(block_ms=block_ms), name=f"reader-{self.gateway_id}")
         try:

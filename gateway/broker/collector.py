@@ -33,6 +33,7 @@ class Update:
     done: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None  # once, with the first update that has them
     engine: str | None = None  # the engine serving it, as the latest message naming one said (None: none did)
+    embedding: bytes | None = None  # an embedding request's vector (little-endian float32), once it arrived
 
 
 class RequestCollector:
@@ -53,6 +54,7 @@ class RequestCollector:
         self._error: ErrorInfo | None = None
         self._prompt_logprobs: list[TokenLogprob | None] | None = None
         self._prompt_logprobs_seen = False  # a resuming engine sends them again: keep the first
+        self._embedding: bytes | None = None
         self.engine: str | None = None  # the latest engine that named itself (older engines do not: None)
         self._event = asyncio.Event()
         self.last_output = time.monotonic()  # when a message last arrived (the watchdog's clock)
@@ -94,6 +96,8 @@ class RequestCollector:
                 self.finished.add(seq_out.index)
         if out.prompt_logprobs is not None and not self._prompt_logprobs_seen:
             self._prompt_logprobs, self._prompt_logprobs_seen = out.prompt_logprobs, True
+        if out.embedding is not None:
+            self._embedding = out.embedding
         if out.usage is not None:
             self._usage = out.usage
         if out.error is not None:
@@ -116,4 +120,4 @@ class RequestCollector:
         self._event.clear()
         pending, self._pending = self._pending, {}
         prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
-        return Update(pending, self._usage, self._error, self.done, prompt_logprobs, self.engine)
+        return Update(pending, self._usage, self._error, self.done, prompt_logprobs, self.engine, self._embedding)

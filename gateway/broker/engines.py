@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
@@ -27,6 +27,8 @@ class ModelInfo:
     max_model_len: int
     engines: tuple[str, ...]
     created: int
+    runner: str = "generate"  # "pooling": served for /v1/embeddings only
+    reasoning_parser: str = ""  # what its engines announce (--reasoning-parser): a name, "none" or ""
     parent: str = ""
 
     @property
@@ -97,15 +99,15 @@ class EngineRegistry:
             tokenizer_dir = self.static_models.get(name) or beats[0].tokenizer
             max_len = min((b.max_model_len for b in beats if b.max_model_len > 0), default=0)
             models[name] = ModelInfo(name, tokenizer_dir, max_len, tuple(b.engine_id for b in beats),
-                                     int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)))
+                                     int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)), beats[0].runner,
+                                     next((b.reasoning_parser for b in beats if b.reasoning_parser), ""))
         for base in list(models.values()):  # each LoRA adapter as a model of its own, parent = its base
             for lora in sorted({n for b in by_name[base.name] for n in b.loras}):
                 if lora in models:
                     log.warning("lora adapter name shadowed by a model", lora=lora, parent=base.name)
                     continue
                 engines = tuple(b.engine_id for b in by_name[base.name] if lora in b.loras)
-                models[lora] = ModelInfo(lora, base.tokenizer_dir, base.max_model_len, engines, base.created,
-                                         base.name)
+                models[lora] = replace(base, name=lora, engines=engines, parent=base.name)
         return models
 
     @staticmethod

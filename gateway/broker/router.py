@@ -1,4 +1,4 @@
-"""Cache-aware routing (issue 40): which request stream a request goes to.
+"""Cache-aware routing: which request stream a request goes to.
 
 From the live heartbeats of the request's model, the engines that read their own stream
 (`routed`, fresh within `fresh_s`, not `draining`) are candidates. For each, the match is the

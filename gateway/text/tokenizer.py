@@ -141,6 +141,18 @@ class ModelTokenizer:
         except Exception as exc:  # whatever the template does with user input is the input's fault
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
+    def render_with_answer_prefix(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                                  template_args: dict[str, Any] | None = None) -> tuple[str, str]:
+        """The prompt, and the text the template appends to the conversation for the answer (such
+        as ``<|im_start|>assistant\n``, maybe opening or closing a think block): the whole prompt
+        when the conversation rendered without it is not a prefix of the prompt."""
+        prompt = self.apply_chat_template(messages, True, tools, template_args)
+        try:
+            before = self.apply_chat_template(messages, False, tools, template_args)
+        except TemplateError:  # some templates insist on ending with a user turn
+            return prompt, prompt
+        return prompt, prompt[len(before):] if prompt.startswith(before) else prompt
+
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     template_args: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Prompt token ids of a conversation (the template already holds special tokens)."""

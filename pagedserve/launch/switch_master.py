@@ -2,10 +2,9 @@
 purpose, losing no write.
 
 A bare `SENTINEL FAILOVER` promotes a replica while the old master keeps running: the sentinels
-demote it only after they have seen it still claim the role for a while (about 10 s measured
-with Redis 7.0), and every client still connected to it writes there meanwhile; those writes
-are dropped when it resyncs as a replica (the WAIT after each write times out without replicas
-and does not stop them). So the switch here is:
+demote it only after they have seen it still claim the role for a while, and every client still
+connected to it writes there meanwhile; those writes are dropped when it resyncs as a replica (the
+WAIT after each write times out without replicas and does not stop them). So the switch here is:
 
 1. `CLIENT PAUSE <ms> WRITE` on the master: every write (of engines, gateways) waits, reads go on;
 2. wait until each replica's replication offset reaches the master's (they hold every write);
@@ -14,11 +13,11 @@ and does not stop them). So the switch here is:
    failover ends, about a second after `GET-MASTER-ADDR-BY-NAME` names the promoted replica;
    unpaused before that, reconnecting clients found the old master again and got READONLY
    until then);
-4. `REPLICAOF <new>` on the old master at once (what the sentinels would do ~10 s later);
+4. `REPLICAOF <new>` on the old master at once (what the sentinels would do only later);
 5. `CLIENT UNPAUSE`: the writes that waited now get READONLY from the demoted node, and every
    pagedserve client reconnects to the master the sentinels report and sends them again.
 
-Writes wait for about as long as steps 2-4 take (about 2 s here). If the failover does not
+Writes wait for about as long as steps 2-4 take. If the failover does not
 happen, the master is unpaused and stays the master."""
 
 from __future__ import annotations

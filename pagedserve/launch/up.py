@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from common.log import get_logger
+from common.protocol import REASONING_PARSER_NAMES
 from common.redis_conn import redact_url
 from common.redis_spec import parse_sentinels
 from pagedserve.launch.redis_server import RedisServer, RedisServerError
@@ -59,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "fetched on first run)")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the model's; see `pagedserve engine`)")
     parser.add_argument("--served-model-name", help="model name for clients (default: the directory name)")
+    parser.add_argument("--reasoning-parser", choices=(*REASONING_PARSER_NAMES, "none"),
+                        help="split the model's thinking (reasoning_content) from its answer (content); none: never "
+                             "(default: what the chat template implies, if any)")
     parser.add_argument("--quantization", default="auto", choices=("auto", "requantize", "dequantize"),
                         help="a .gguf's tensors: auto serves them as they are (default; formats without a kernel in "
                              "fp32), requantize serves those as Q8_0, dequantize converts them all (the default "
@@ -80,6 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="ranks the engine splits the model over (see `pagedserve engine`; default 1)")
+    parser.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                        help="pooling serves /v1/embeddings instead of generation (see `pagedserve engine`; "
+                             "default %(default)s: pooling for an embedding model's folder)")
+    parser.add_argument("--pooling-type", choices=("LAST", "MEAN", "CLS"),
+                        help="with the pooling runner: which rows are pooled (see `pagedserve engine`)")
     parser.add_argument("--metrics-port", type=int, help="engine Prometheus port (gateway: /metrics)")
     parser.add_argument("--api-key", action="append", default=[], help="require this Bearer key (repeatable)")
     parser.add_argument("--rate-limits", metavar="FILE",
@@ -308,7 +317,7 @@ def up_kv_cache_dtype(requested: str, model: str, quantization: str) -> str:
     """The KV cache dtype `up` runs: `requested`, except that "auto" for a .gguf served quantized
     (the default model) is int8 — with prompt rows on fp32 activations it states every fact the
     fp32 model does (tests/pagedserve/launch/test_up_default_answers.py), it decodes faster than the
-    fp32 cache and holds 3.9x its tokens (docs/cpu-fast-path.md)."""
+    fp32 cache and holds nearly four times its tokens (docs/cpu-fast-path.md)."""
     if requested == "auto" and model.endswith(".gguf") and quantization in ("auto", "requantize"):
         return "int8"
     return requested
@@ -373,7 +382,10 @@ def run(args: argparse.Namespace) -> int:
                        "--kv-cache-dtype", kv_cache_dtype, *(["--tokenizer", tokenizer] if tokenizer else []),
                        "--device", args.device,
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
-                       "--tensor-parallel-size", str(args.tensor_parallel_size), *lora_flags(args)]
+                       "--tensor-parallel-size", str(args.tensor_parallel_size), "--runner", args.runner,
+                       *(["--pooling-type", args.pooling_type] if args.pooling_type else []),
+                       *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
+                       *lora_flags(args)]
         gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), *tls,
                         "--sse-keepalive", str(args.sse_keepalive),
                         *(["--rate-limits", os.path.abspath(args.rate_limits)] if args.rate_limits else []),

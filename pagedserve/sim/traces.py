@@ -6,7 +6,7 @@ The synthetic length distributions are log-normal fits whose means are the figur
 SOSP 2023, Fig. 11 and Section 6.1) reports for the two datasets it evaluates on:
 
 - ShareGPT (real ChatGPT conversations): mean input 161.31, mean output 337.99 tokens, both
-  long-tailed ("8.4x longer inputs and 5.8x longer outputs than Alpaca").
+  long-tailed, far longer than Alpaca's.
 - Alpaca (GPT-3.5 self-instruct): mean input 19.31, mean output 58.45 tokens, short and narrow.
 
 The spreads (log-normal sigma) are our choice, read off the shapes of the paper's histograms, not

@@ -20,7 +20,7 @@ KEYS = Keys("dur")
 
 def _outbox(seq: int, tokens: list[int], offset: int) -> Outbox:
     box = Outbox()
-    box.add("gw", OutputMessage("r1", seq, [SeqOutput(0, tokens, offset)]))
+    box.add("gw", OutputMessage(id="r1", seq=seq, outputs=[SeqOutput(index=0, token_ids=tokens, offset=offset)]))
     return box
 
 

@@ -24,7 +24,7 @@ PAGES = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / 
 LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 SCRIPT_PATH = re.compile(r"(?<![\w./-])((?:benchmarks|scripts)/[\w./-]+\.(?:py|sh))")
-BENCH_FOLDERS = ("engine", "helpers", "investigations", "kernels", "peer", "quality", "serving")
+BENCH_FOLDERS = ("engine", "helpers", "investigations", "kernels", "ladder", "peer", "quality", "serving")
 BENCH_PATH = re.compile(rf"(?<![\w./-])(?:benchmarks/)?((?:{'|'.join(BENCH_FOLDERS)})/\w+\.(?:py|sh))")
 BENCH_README = ROOT / "benchmarks" / "README.md"
 

@@ -23,11 +23,12 @@ from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, GatewayProcess, start_engines
 
 MODEL = "tiny"
-ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"]
+ENDPOINTS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize", "/detokenize"]
 MSG = [{"role": "user", "content": "hi"}]
 BASE: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"model": MODEL, "messages": MSG, "max_tokens": 4},
     "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 4},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 4},
     "/tokenize": {"model": MODEL, "prompt": "hi"},
     "/detokenize": {"model": MODEL, "tokens": [104, 105]},
 }
@@ -38,7 +39,10 @@ FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", 
           "repetition_penalty", "logit_bias", "tools", "tool_choice", "parallel_tool_calls", "response_format",
           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "ignore_eos",
           "use_beam_search", "length_penalty", "chat_template_kwargs", "tokens", "add_special_tokens",
-          "add_generation_prompt", "return_tokens_as_token_ids", "suffix"]
+          "add_generation_prompt", "return_tokens_as_token_ids", "suffix",
+          # /v1/responses
+          "input", "instructions", "max_output_tokens", "text", "store", "previous_response_id", "metadata",
+          "truncation", "background"]
 HOSTILE = [2**64, 2**70, -(2**63) - 1, 10**30, -1, 0, 1.5, float("inf"), float("nan"), "\ud800", "x\udfffy", [],
            {}, [None], [[1]], True, "", "a" * 300, [2**65], {"99999999": 1}, {"1": 1e300},
            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}},
@@ -68,6 +72,13 @@ VALID: dict[str, list[Any]] = {
     "use_beam_search": [True], "length_penalty": [0.5], "chat_template_kwargs": [{"foo": 1}],
     "tokens": [[1, 2, 3], []], "add_special_tokens": [False], "add_generation_prompt": [False],
     "return_tokens_as_token_ids": [True], "suffix": ["z"],
+    "input": ["hi", MSG, [*MSG, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                          {"type": "function_call_output", "call_id": "c", "output": "1"}],
+              [{"role": "assistant", "content": [{"type": "output_text", "text": "x"}]}, {"type": "reasoning"}]],
+    "instructions": ["be brief"], "max_output_tokens": [1, 4, 16], "store": [True, False],
+    "text": [{"format": {"type": "json_schema", "name": "s", "schema": SCHEMA}}, {"format": {"type": "json_object"}}],
+    "previous_response_id": ["resp_nope"], "metadata": [{"k": "v"}], "truncation": ["disabled"],
+    "background": [False],
 }
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
@@ -149,6 +160,9 @@ def _check(status: int, payload: bytes, path: str, body: bytes) -> None:
         assert set(error) == {"message", "type", "param", "code"}, where
     elif payload.startswith(b"data: "):
         assert payload.endswith(b"data: [DONE]\n\n"), where
+    elif payload.startswith(b"event: "):  # a Responses stream ends with its final event
+        last = json.loads(payload.rstrip(b"\n").rsplit(b"\n", 1)[-1].removeprefix(b"data: "))
+        assert last["type"] in ("response.completed", "response.incomplete", "response.failed"), where
 
 
 @settings(max_examples=600, deadline=None, derandomize=True, database=None,

@@ -1,24 +1,31 @@
-"""A gateway process stopped with SIGTERM drains (issue 40): its open streams run to their end,
-whole and equal to an undisturbed greedy run, while new requests get 503 and /health says
-draining; past --drain-timeout what is still open ends with an error event and [DONE] (an
-error body when not streaming), never a cut connection; with --reuse-port a new gateway takes
-the port over under a steady request loop without one connection error. The engine is made
-slow deterministically with SIGSTOP, never with sleeps."""
+"""A gateway process stopped with SIGTERM drains: it closes its listener at once, so a new
+connection is refused (ECONNREFUSED) and a balancer that retries refused connects sends it to a
+peer gateway; a request on a connection it already holds is served normally (its response says
+``Connection: close``); its open streams run to their end, whole and equal to an undisturbed greedy
+run, while /health (on a held connection) says draining; past --drain-timeout what is still open
+ends with an error event and [DONE] (an error body when not streaming), never a cut connection;
+with --reuse-port a new gateway takes the port over under a steady request loop without one
+connection error; behind a connect-retrying client two gateways lose no request when one is
+stopped under load. The engine is made slow deterministically with SIGSTOP, never with sleeps."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import redis
 
 from common.ports import free_port
+from common.protocol import Keys
 from gateway.clients.sse_reader import SSE_DONE, sse_payloads
 from pagedserve.launch.redis_server import RedisServer
 from tests.e2e.support import EngineProcess, GatewayProcess, serve_gateway, start_engines
@@ -45,11 +52,14 @@ def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int,
-                  first: asyncio.Event | None = None) -> list[Any]:
-    """Every SSE payload of a streamed completion, SSE_DONE included when it came."""
+                  first: asyncio.Event | None = None, headers: dict[str, str] | None = None) -> list[Any]:
+    """Every SSE payload of a streamed completion, SSE_DONE included when it came (the response's
+    headers into `headers`)."""
     payloads: list[Any] = []
     async with session.post(f"{url}/v1/completions", json=_body(prompt, max_tokens, True)) as resp:
         assert resp.status == 200, await resp.text()
+        if headers is not None:
+            headers.update(resp.headers)
         async for payload in sse_payloads(resp.content):
             payloads.append(payload)
             if first is not None:
@@ -90,11 +100,41 @@ def _frozen(engine: EngineProcess) -> Iterator[None]:
         engine.proc.send_signal(signal.SIGCONT)
 
 
-async def test_sigterm_drains_every_open_stream_whole(cluster: tuple[str, EngineProcess], tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def _held_connection(url: str) -> AsyncIterator[aiohttp.ClientSession]:
+    """A session whose one keep-alive connection to `url` is open (and idle) on return."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=3600)) as session:
+        async with session.get(f"{url}/health") as resp:
+            assert resp.status == 200 and resp.headers.get("Connection", "").lower() != "close"
+            await resp.read()
+        yield session
+
+
+def _queued(redis_url: str) -> int:
+    """Entries on the model's request streams (shared and routed): requests not ended."""
+    keys = Keys()
+    with redis.Redis.from_url(redis_url) as client:
+        streams = [keys.requests(MODEL), *client.smembers(keys.routed_streams(MODEL))]
+        return sum(int(client.xlen(stream)) for stream in streams)
+
+
+async def _refused(port: int) -> bool:
+    """A new TCP connection to the port is refused (an accepted one is closed unused)."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    return False
+
+
+async def test_sigterm_closes_the_listener_and_drains_every_open_stream_whole(
+        cluster: tuple[str, EngineProcess], tmp_path: Path) -> None:
     redis_url, engine = cluster
     prompts = [f"drain stream {i} says" for i in range(STREAMS)]
     async with serve_gateway(redis_url) as ref_url, aiohttp.ClientSession() as session:
-        reference = [_text(p) for p in await asyncio.gather(*(_stream(session, ref_url, q, 48) for q in prompts))]
+        reference = [_text(p) for p in await asyncio.gather(*(_stream(session, ref_url, q, 48)
+                                                                for q in [*prompts, "late"]))]
     gateway = GatewayProcess(redis_url, "gw-drain", tmp_path, "--drain-timeout", "300").wait_healthy()
     try:
         async with aiohttp.ClientSession() as session:
@@ -104,20 +144,26 @@ async def test_sigterm_drains_every_open_stream_whole(cluster: tuple[str, Engine
                 return await _in_flight(session, gateway.url) + sum(t.done() for t in tasks) == STREAMS
 
             await _until(all_submitted, "every stream submitted")
-            with _frozen(engine):
-                open_streams = await _in_flight(session, gateway.url)
-                gateway.proc.send_signal(signal.SIGTERM)
+            async with _held_connection(gateway.url) as probe, _held_connection(gateway.url) as held:
+                with _frozen(engine):
+                    open_streams = await _in_flight(session, gateway.url)
+                    gateway.proc.send_signal(signal.SIGTERM)
 
-                async def draining() -> bool:  # on the streams' keep-alive session: no reset either
-                    async with session.get(f"{gateway.url}/health") as resp:
-                        return resp.status == 503 and (await resp.json())["error"]["code"] == "draining"
+                    await _until(lambda: _refused(gateway.port), "the listener to close")
+                    async with probe.get(f"{gateway.url}/health") as resp:  # on a connection opened before
+                        assert resp.status == 503 and resp.headers["Connection"] == "close"
+                        assert (await resp.json())["error"]["code"] == "draining"
+                    # a request on a connection held from before is served, and the connection closed
+                    queued = _queued(redis_url)
+                    late_headers: dict[str, str] = {}
+                    late = asyncio.create_task(_stream(held, gateway.url, "late", 48, headers=late_headers))
 
-                await _until(draining, "/health to say draining")
-                async with session.post(f"{gateway.url}/v1/completions", json=_body("late", 4, True)) as resp:
-                    assert resp.status == 503 and resp.headers["Connection"] == "close"
-                    assert (await resp.json())["error"]["code"] == "draining"
-            results = await asyncio.gather(*tasks)
-        assert open_streams > 0
+                    async def late_submitted() -> bool:
+                        return _queued(redis_url) == queued + 1
+
+                    await _until(late_submitted, "the late request submitted")
+                results = await asyncio.gather(*tasks, late)
+        assert open_streams > 0 and late_headers["Connection"] == "close"
         for payloads, want in zip(results, reference, strict=True):
             assert payloads[-1] == SSE_DONE and not any("error" in p for p in payloads if p != SSE_DONE)
             assert _text(payloads) == want
@@ -216,3 +262,94 @@ async def test_reuse_port_hand_over_under_a_steady_loop(cluster: tuple[str, Engi
         if new is not None:
             new.stop()
     assert errors == []
+
+
+def _connect_refused(exc: BaseException) -> bool:
+    """The connect itself was refused: the request never reached a gateway."""
+    os_error = getattr(exc, "os_error", None)
+    return isinstance(exc, aiohttp.ClientConnectorError) and getattr(os_error, "errno", None) == errno.ECONNREFUSED
+
+
+@dataclass
+class _Balancer:
+    """A client like nginx in front of gateways: request number `turn` goes to gateway `turn` mod
+    their number, and to the next one only when its connect is refused; any other error is a
+    failure."""
+
+    urls: list[str]
+    refused: dict[str, int] = field(default_factory=dict)  # url -> connects refused there
+    served: dict[str, int] = field(default_factory=dict)  # url -> requests answered there
+    async def stream(self, session: aiohttp.ClientSession, turn: int, prompt: str, max_tokens: int) -> list[Any]:
+        for i in range(len(self.urls)):
+            url = self.urls[(turn + i) % len(self.urls)]
+            try:
+                payloads = await _stream(session, url, prompt, max_tokens)
+            except aiohttp.ClientConnectorError as exc:
+                if not _connect_refused(exc):
+                    raise
+                self.refused[url] = self.refused.get(url, 0) + 1
+                continue
+            self.served[url] = self.served.get(url, 0) + 1
+            return payloads
+        raise AssertionError("every gateway refused the connection")
+
+
+async def test_a_stopped_gateway_behind_a_retrying_balancer_fails_nothing(
+        cluster: tuple[str, EngineProcess], tmp_path: Path) -> None:
+    """Two gateways, one engine; SIGTERM one under load: its in-flight streams end whole, new
+    requests are refused at connect and land on the peer, it exits 0 by itself, no request fails."""
+    redis_url, engine = cluster
+    loops, held_prompts = [f"balanced loop {k}" for k in range(6)], [f"held stream {i}" for i in range(3)]
+    async with serve_gateway(redis_url) as ref_url, aiohttp.ClientSession() as session:
+        texts = [_text(p) for p in await asyncio.gather(*(_stream(session, ref_url, q, 16) for q in loops),
+                                                         *(_stream(session, ref_url, q, 200) for q in held_prompts))]
+    reference = dict(zip([*loops, *held_prompts], texts, strict=True))
+    stopped = GatewayProcess(redis_url, "gw-stopped", tmp_path, "--drain-timeout", "300").wait_healthy()
+    peer = GatewayProcess(redis_url, "gw-peer", tmp_path, "--drain-timeout", "300").wait_healthy()
+    balancer = _Balancer([stopped.url, peer.url])
+    errors: list[str] = []
+    done = [0] * len(loops)
+    stop = asyncio.Event()
+
+    async def loop(k: int) -> None:  # half on keep-alive connections, half on a new one each time
+        connector = aiohttp.TCPConnector(force_close=k % 2 == 1)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            while not stop.is_set():
+                try:
+                    payloads = await balancer.stream(session, k + done[k], loops[k], 16)
+                    if payloads[-1] != SSE_DONE or _text(payloads) != reference[loops[k]]:
+                        errors.append(f"loop {k}: {payloads[-2:]}")
+                except (aiohttp.ClientError, AssertionError, OSError) as exc:
+                    errors.append(f"loop {k}: {type(exc).__name__}: {exc}")
+                done[k] += 1
+
+    async def each_loop_did(n: list[int]) -> bool:
+        return all(d >= m for d, m in zip(done, n, strict=True))
+
+    workers = [asyncio.create_task(loop(k)) for k in range(len(loops))]
+    try:
+        await _until(lambda: each_loop_did([2] * len(loops)), "requests through both gateways")
+        async with aiohttp.ClientSession() as session:
+            firsts = [asyncio.Event() for _ in held_prompts]
+            held = [asyncio.create_task(_stream(session, stopped.url, q, 200, first))
+                    for q, first in zip(held_prompts, firsts, strict=True)]
+            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+            with _frozen(engine):  # the held streams cannot end: the stopped gateway must wait for them
+                stopped.proc.send_signal(signal.SIGTERM)
+                await _until(lambda: _refused(stopped.port), "the stopped gateway's listener to close")
+                assert stopped.proc.poll() is None
+            held_results = await asyncio.gather(*held)
+        assert await _exit_code(stopped) == 0, stopped.log_tail()
+        after = list(done)  # each loop's next two requests: one goes to the stopped gateway first
+        await _until(lambda: each_loop_did([d + 2 for d in after]), "requests after the stop")
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+        stopped.stop()
+        peer.stop()
+    assert errors == []
+    for payloads, prompt in zip(held_results, held_prompts, strict=True):
+        assert payloads[-1] == SSE_DONE and not any("error" in p for p in payloads if p != SSE_DONE)
+        assert _text(payloads) == reference[prompt]
+    assert balancer.refused.get(stopped.url, 0) >= len(loops) and balancer.served.get(peer.url, 0) > 0
+    engine.wait_drained()

@@ -28,8 +28,8 @@ from tests.e2e.support import EngineProcess, GatewayProcess, start_engines
 
 MODEL = "tiny"
 KEYS = Keys()
-VALID_REQUEST = EngineRequest("poison-valid", "no-such-gateway", MODEL, [1, 2, 3],
-                              SamplingParams(max_tokens=2), time.time()).encode()
+VALID_REQUEST = EngineRequest(id="poison-valid", gateway="no-such-gateway", model=MODEL, prompt_token_ids=[1, 2, 3],
+                              params=SamplingParams(max_tokens=2), arrival=time.time()).encode()
 HOSTILE: list[Any] = [None, True, -1, 2**64 - 1, -(2**63), 1.5, float("nan"), float("inf"), "",
                       "x" * 70_000, [], {}, [[1]], {"a": 1}, [-5], [2**40], b"\xff", [True, False]]
 msgpack_values = st.recursive(

@@ -94,10 +94,11 @@ def test_resume_rebuilds_the_grammar_from_sent_tokens(tiny_llama_dir: Path) -> N
                 result = host.step([], [])
 
         params = _params(5)
-        full = run(AddJob("so-1", PROMPT, params))
-        resumed = run(AddJob("so-1", PROMPT, params, generated=full[:7]))
+        full = run(AddJob(request_id="so-1", prompt_token_ids=PROMPT, params=params))
+        resumed = run(AddJob(request_id="so-1", prompt_token_ids=PROMPT, params=params, generated=full[:7]))
         assert full[:7] + resumed == full
-        bad = host.step([AddJob("so-2", PROMPT, params, generated=[0, 0])], [])  # NUL bytes: not JSON
+        bad = host.step([AddJob(request_id="so-2", prompt_token_ids=PROMPT, params=params,
+                                generated=[0, 0])], [])  # NUL bytes: not JSON
         message, code = bad.rejected["so-2"]
         assert "do not follow the grammar" in message and code == "invalid_parameter"
     finally:

@@ -214,8 +214,10 @@ def test_the_engine_thread_reports_refusals_as_rejections(tiny_llama_dir: Path) 
                              grammar_compile_timeout=0.001))
     try:
         spec, _ = big_grammar("thread")
-        result = host.step([AddJob("slow", BIG_PROMPT, SamplingParams(max_tokens=4, structured_output=spec)),
-                            AddJob("plain", PLAIN_PROMPT, SamplingParams(temperature=0, max_tokens=4))], [])
+        result = host.step([AddJob(request_id="slow", prompt_token_ids=BIG_PROMPT, params=SamplingParams(max_tokens=4,
+                                                                                                         structured_output=spec)),
+                            AddJob(request_id="plain", prompt_token_ids=PLAIN_PROMPT,
+                                   params=SamplingParams(temperature=0, max_tokens=4))], [])
         assert result.queues.compiling in (0, 1)
         rejected = dict(result.rejected)
         while host.engine.has_unfinished_requests():

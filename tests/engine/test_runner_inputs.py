@@ -17,13 +17,14 @@ BS = 4
 def _seq(length: int, prompt: int = 1) -> Sequence:
     """A sequence of `length` tokens, the first `prompt` of them its prompt (one-token items past
     the prompt are decode rows)."""
-    request = Request(f"r{length}", list(range(prompt)), SamplingParams())
-    return Sequence(request, 0, list(range(length)), prompt)
+    request = Request(request_id=f"r{length}", prompt_token_ids=list(range(prompt)), params=SamplingParams())
+    return Sequence(request=request, index=0, token_ids=list(range(length)), num_prompt_tokens=prompt)
 
 
 def _item(seq: Sequence, start: int, count: int, table: list[int], write_from: int = 0) -> ScheduledSeq:
     tokens = seq.token_ids[start : start + count]
-    return ScheduledSeq(seq, tokens, start, table, start + count == len(seq.token_ids), write_from)
+    return ScheduledSeq(seq=seq, token_ids=tokens, start=start, block_table=table,
+                        sample=start + count == len(seq.token_ids), write_from=write_from)
 
 
 def _fresh(items: list[ScheduledSeq]) -> torch.Tensor:
@@ -71,8 +72,8 @@ def test_positions_slots_and_metadata_match_the_per_token_formula() -> None:
 
 
 def _spec_item(seq: Sequence, proposals: list[int], table: list[int]) -> ScheduledSeq:
-    return ScheduledSeq(seq, [seq.token_ids[-1], *proposals], len(seq.token_ids) - 1, table, False,
-                        num_spec=len(proposals))
+    return ScheduledSeq(seq=seq, token_ids=[seq.token_ids[-1], *proposals], start=len(seq.token_ids) - 1,
+                        block_table=table, sample=False, num_spec=len(proposals))
 
 
 def test_a_speculative_row_attends_as_decode_rows_over_its_table() -> None:

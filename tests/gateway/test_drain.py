@@ -1,5 +1,6 @@
-"""`Drain`: counting open requests, the drain's two endings (all done in time; the rest failed
-on the broker at the timeout) and the refusal flag of a hand-over."""
+"""`Drain`: counting open requests and the drain's two endings (all done in time; the rest failed
+on the broker at the timeout). New requests are refused at the TCP level (the listener is
+closed, tests/e2e/test_gateway_drain.py), never by the drain."""
 
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ async def _one_open_request() -> tuple[Drain, asyncio.Event, asyncio.Task[None]]
 
 async def test_an_idle_gateway_drains_at_once() -> None:
     drain = Drain()
-    assert not drain.refusing
+    assert not drain.draining
     assert await drain.run(_Broker(drain, asyncio.Event()), 30.0) == 0  # type: ignore[arg-type]
-    assert drain.draining and drain.refusing
+    assert drain.draining
 
 
 async def test_open_requests_finish_within_the_timeout() -> None:
@@ -54,7 +55,7 @@ async def test_open_requests_finish_within_the_timeout() -> None:
     broker = _Broker(drain, asyncio.Event())
     running = asyncio.create_task(drain.run(broker, 300.0))  # type: ignore[arg-type]
     await asyncio.sleep(0)
-    assert drain.refusing and not running.done()
+    assert drain.draining and not running.done()
     release.set()
     assert await running == 0 and broker.failed == []
     await task
@@ -67,9 +68,3 @@ async def test_the_timeout_fails_what_is_open() -> None:
     assert [e.code for e in broker.failed] == [DRAIN_CODE] and broker.failed[0].type == "service_unavailable"
     assert broker.forgotten == ["r1"] and drain.active == 0
     await task
-
-
-def test_a_hand_over_serves_instead_of_refusing() -> None:
-    drain = Drain()
-    drain.draining, drain.refuse_new = True, False
-    assert not drain.refusing

@@ -87,17 +87,50 @@ class Answer {
     }
     if (chunk.usage) this.usage = chunk.usage;
     for (const choice of chunk.choices || []) {
+      const thinking = choice.delta?.reasoning_content ?? choice.delta?.reasoning;
+      if (thinking) {
+        this.firstToken ??= performance.now();
+        this.thinkingBox(choice.index).textContent += thinking;
+      }
       const text = choice.delta?.content;
       if (text) {
         this.firstToken ??= performance.now();
-        this.boxes[choice.index].textContent += text;
+        const box = this.boxes[choice.index];
+        if (box.answer) box.answer.textContent += text;
+        else box.textContent += text;
       }
       if (choice.finish_reason) this.finish[choice.index] = choice.finish_reason;
     }
   }
 
+  /** A choice's thinking, apart from its answer: a collapsed "Thinking" section above it,
+   * made when the first reasoning delta arrives. */
+  thinkingBox(index) {
+    const box = this.boxes[index];
+    if (box.thinking) return box.thinking;
+    const details = document.createElement("details");
+    details.className = "thinking";
+    const summary = document.createElement("summary");
+    summary.textContent = "Thinking";
+    box.thinking = document.createElement("div");
+    box.thinking.className = "thinking-text";
+    details.append(summary, box.thinking);
+    box.answer = document.createElement("span");
+    box.answer.className = "answer-text";
+    box.answer.textContent = box.textContent; // an answer that came first stays the answer
+    box.textContent = "";
+    box.append(details, box.answer);
+    return box.thinking;
+  }
+
   text() {
-    return this.boxes[0].textContent;
+    return this.answerText(0);
+  }
+
+  /** The answer of a choice without its thinking (what goes back into the conversation). */
+  answerText(index) {
+    const box = this.boxes[index];
+    return box.answer ? box.answer.textContent : box.textContent;
   }
 
   end(status) {

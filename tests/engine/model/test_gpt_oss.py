@@ -245,8 +245,10 @@ def test_profiling_pass_attends_with_sinks(window: int) -> None:
         torch.randn(tokens, 2, 16, generator=gen)
     sinks = torch.randn(4, generator=gen)
     empty = torch.zeros(0, 0, dtype=torch.int32)
-    meta = AttentionMetadata(torch.full((tokens,), -1), 1, tokens, [0, tokens], [tokens], empty, empty,
-                             torch.zeros(0, dtype=torch.int32))
+    meta = AttentionMetadata(slot_mapping=torch.full((tokens,), -1), num_prefills=1, num_prefill_tokens=tokens,
+                             prefill_query_start=[0, tokens], prefill_context_lens=[tokens],
+                             prefill_block_tables=empty, decode_block_tables=empty,
+                             decode_context_lens=torch.zeros(0, dtype=torch.int32))
     out = PagedAttention(4, 2, 16, 0.25, window)(q, k, v, (torch.empty(0), torch.empty(0)), meta, sinks=sinks)
     want = hf_eager_with_sinks(q, k, v, torch.arange(tokens), window, 0.25, sinks)
     torch.testing.assert_close(out.view(tokens, 4, 16), want, atol=1e-5, rtol=1e-5)

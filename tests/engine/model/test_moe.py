@@ -196,7 +196,7 @@ def test_per_expert_checkpoint_names_load_like_stacked() -> None:
 
 
 def test_bad_checkpoint_names_and_shapes_raise() -> None:
-    spec = MoESpec(4, 2, 16, (0,))
+    spec = MoESpec(num_experts=4, top_k=2, intermediate_size=16, sparse_layers=(0,))
     moe = SparseMoE(spec, HIDDEN)
     with pytest.raises(KeyError, match="expert 4 of 4"):
         load_moe_tensor(moe, "experts.4.gate_proj.weight", torch.zeros(16, HIDDEN))
@@ -244,7 +244,9 @@ def test_spec_from_configs() -> None:
 def test_tensor_parallel_split_must_divide_the_experts() -> None:
     """Sharded blocks: tests/engine/parallel/test_tp_moe.py; a size that does not divide is refused."""
     with pytest.raises(UnsupportedModelError, match="tensor_parallel_size 3 does not divide the experts'"):
-        SparseMoE(MoESpec(4, 2, 16, (0,)), HIDDEN, TPShard(rank=0, size=3))
-    half = SparseMoE(MoESpec(4, 2, 16, (0,), shared_expert_size=8), HIDDEN, TPShard(rank=1, size=2))
+        SparseMoE(MoESpec(num_experts=4, top_k=2, intermediate_size=16, sparse_layers=(0,)), HIDDEN, TPShard(rank=0,
+                                                                                                             size=3))
+    half = SparseMoE(MoESpec(num_experts=4, top_k=2, intermediate_size=16, sparse_layers=(0,),
+                             shared_expert_size=8), HIDDEN, TPShard(rank=1, size=2))
     assert half.experts.gate_up_proj.shape == (4, 16, HIDDEN) and half.shared_expert is not None
     assert half.shared_expert.intermediate_size == 4 and half.full_spec.intermediate_size == 16

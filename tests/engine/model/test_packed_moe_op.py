@@ -32,7 +32,8 @@ def _experts(gate: str, up: str | None, down: str, activation: str, top_k: int,
     """Experts whose gate and up rows share format `gate` (`up` None) or are two shards."""
     gen = torch.Generator().manual_seed(7)
     hidden, inter = size
-    spec = MoESpec(EXPERTS, top_k, inter, (0,), activation=activation, expert_bias=activation == CLAMPED_SWIGLU)
+    spec = MoESpec(num_experts=EXPERTS, top_k=top_k, intermediate_size=inter, sparse_layers=(0,),
+                   activation=activation, expert_bias=activation == CLAMPED_SWIGLU)
     gate_up = [_stack(FORMATS[gate], 2 * inter, hidden, gen)] if up is None else \
         [_stack(FORMATS[gate], inter, hidden, gen), _stack(FORMATS[up], inter, hidden, gen)]
     experts = PackedExperts(spec, hidden, gate_up, _stack(FORMATS[down], hidden, inter, gen))

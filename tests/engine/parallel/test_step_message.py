@@ -72,7 +72,8 @@ def test_broadcast_round_trip_over_gloo() -> None:
     large = pack(_inputs([512], 300, 40, 4, seed=2))  # past FIRST_PART: a second broadcast
     assert small.shape[0] < FIRST_PART < large.shape[0]
     messages = [small, large, control(Command.SHUTDOWN)]
-    rendezvous = Rendezvous("127.0.0.1", free_port("127.0.0.1"), 2, "gloo", 30.0)
+    rendezvous = Rendezvous(master_addr="127.0.0.1", master_port=free_port("127.0.0.1"), world_size=2, backend="gloo",
+                            timeout_s=30.0)
     proc = multiprocessing.get_context("spawn").Process(target=_echo_rank, args=(rendezvous, len(messages)))
     proc.start()
     try:

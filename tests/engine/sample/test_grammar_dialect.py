@@ -34,7 +34,8 @@ def test_gateway_decides_once_and_the_request_carries_it() -> None:
     assert structured == {"kind": "grammar", "spec": LARK_WITH_GBNF_TOKEN, "dialect": "lark"}
     check_structured(structured, param)  # compiles as Lark
     assert dialect_of('root ::= "x"') == "gbnf"
-    request = EngineRequest("r", "g", "m", [1], SamplingParams(structured_output=structured), 0.0, 1.0)
+    request = EngineRequest(id="r", gateway="g", model="m", prompt_token_ids=[1],
+                            params=SamplingParams(structured_output=structured), arrival=0.0, deadline=1.0)
     assert EngineRequest.decode(request.encode()).params.structured_output == structured  # on the wire
 
 

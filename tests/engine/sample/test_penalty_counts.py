@@ -18,7 +18,8 @@ VOCAB = 97
 
 def _seq(rng: random.Random, name: str, params: SamplingParams) -> Sequence:
     prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
-    return Sequence(Request(name, prompt, params), 0, list(prompt), len(prompt))
+    return Sequence(request=Request(request_id=name, prompt_token_ids=prompt, params=params), index=0,
+                    token_ids=list(prompt), num_prompt_tokens=len(prompt))
 
 
 def _prompt_mask(seqs: list[Sequence]) -> torch.Tensor:

@@ -35,25 +35,29 @@ class Anything:
 
 
 def _seq(name: str, outputs: int = 3, **params: Any) -> Sequence:
-    request = Request(name, list(PROMPT), SamplingParams(**({"max_tokens": 16, "temperature": 0.0} | params)))
-    seq = Sequence(request, 0, PROMPT + list(range(20, 20 + outputs)), len(PROMPT))
+    request = Request(request_id=name, prompt_token_ids=list(PROMPT),
+                      params=SamplingParams(**({"max_tokens": 16, "temperature": 0.0} | params)))
+    seq = Sequence(request=request, index=0, token_ids=PROMPT + list(range(20, 20 + outputs)),
+                   num_prompt_tokens=len(PROMPT))
     request.seqs.append(seq)
     return seq
 
 
 def _decode(seq: Sequence) -> ScheduledSeq:
     n = len(seq.token_ids)
-    return ScheduledSeq(seq, [seq.token_ids[-1]], n - 1, [0], True)
+    return ScheduledSeq(seq=seq, token_ids=[seq.token_ids[-1]], start=n - 1, block_table=[0], sample=True)
 
 
 def _spec(seq: Sequence, proposals: list[int]) -> ScheduledSeq:
     n = len(seq.token_ids)
-    return ScheduledSeq(seq, [seq.token_ids[-1], *proposals], n - 1, [0], False, num_spec=len(proposals))
+    return ScheduledSeq(seq=seq, token_ids=[seq.token_ids[-1], *proposals], start=n - 1, block_table=[0],
+                        sample=False, num_spec=len(proposals))
 
 
 def _prefill(seq: Sequence, prompt_logits: int = 0, last: bool = True) -> ScheduledSeq:
     count = len(PROMPT) if last else 2
-    return ScheduledSeq(seq, seq.token_ids[:count], 0, [0], last, num_prompt_logits=prompt_logits)
+    return ScheduledSeq(seq=seq, token_ids=seq.token_ids[:count], start=0, block_table=[0], sample=last,
+                        num_prompt_logits=prompt_logits)
 
 
 def test_a_mixed_step_is_planned_row_by_row() -> None:

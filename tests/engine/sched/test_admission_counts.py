@@ -18,8 +18,9 @@ MAX_SEQS = 32
 
 def _request(request_id: str, n: int, prompt_len: int = 8, max_tokens: int = 4) -> Request:
     params = SamplingParams(n=n, temperature=1.0, seed=1, max_tokens=max_tokens, ignore_eos=True)
-    request = Request(request_id, list(range(1, prompt_len + 1)), params)
-    request.seqs.append(Sequence(request, 0, list(request.prompt_token_ids), prompt_len))
+    request = Request(request_id=request_id, prompt_token_ids=list(range(1, prompt_len + 1)), params=params)
+    request.seqs.append(Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids),
+                                 num_prompt_tokens=prompt_len))
     return request
 
 
@@ -35,8 +36,8 @@ def _run(scheduler: Scheduler, requests: list[Request]) -> tuple[list[int], dict
         live = sum(len(r.unfinished_seqs()) for r in scheduler.running)
         assert live <= MAX_SEQS, f"{live} sequences running against max_num_seqs {MAX_SEQS}"
         done = [item for item in sched.scheduled if item.sample]
-        samples = StepSamples([item.seq for item in done],
-                              [[7] * item.seq.request.params.n if item.seq.request.first_token_time is None
+        samples = StepSamples(seqs=[item.seq for item in done],
+                              token_ids=[[7] * item.seq.request.params.n if item.seq.request.first_token_time is None
                                and item.seq.request.params.n > 1 else [7] for item in done])
         for item in done:
             first.setdefault(item.seq.request.request_id, len(rows))

@@ -77,8 +77,9 @@ def _next_tokens(seq: Sequence, fork: int) -> list[int]:
 def _request(i: int, arrival: Arrival) -> Request:
     params = SamplingParams(n=arrival.n, temperature=1.0 if arrival.n > 1 else 0.0, seed=1,
                             max_tokens=arrival.max_tokens, ignore_eos=True)
-    request = Request(f"r{i}", list(arrival.prompt), params)
-    request.seqs.append(Sequence(request, 0, list(request.prompt_token_ids), len(arrival.prompt)))
+    request = Request(request_id=f"r{i}", prompt_token_ids=list(arrival.prompt), params=params)
+    request.seqs.append(Sequence(request=request, index=0, token_ids=list(request.prompt_token_ids),
+                                 num_prompt_tokens=len(arrival.prompt)))
     return request
 
 
@@ -139,8 +140,8 @@ def _run(case: Case, roomy: bool = False) -> Outcome:
             out.first_scheduled.setdefault(item.seq.request.request_id, step)
         out.rejected |= {r.request_id for r in sched.rejected}
         done = [item for item in sched.scheduled if item.sample]
-        samples = StepSamples([item.seq for item in done],
-                              [_next_tokens(item.seq, item.seq.request.params.n
+        samples = StepSamples(seqs=[item.seq for item in done],
+                              token_ids=[_next_tokens(item.seq, item.seq.request.params.n
                                             if item.seq.request.first_token_time is None else 1)
                                for item in done])
         scheduler.update_from_output(sched, samples)
@@ -231,7 +232,7 @@ def test_a_forked_request_swapped_out_of_a_pool_it_filled_comes_back() -> None:
                       [item.seq.request.request_id for item in sched.scheduled], len(sched.blocks_to_swap_out),
                       len(sched.blocks_to_swap_in)))
         done = [item.seq for item in sched.scheduled if item.sample]
-        scheduler.update_from_output(sched, StepSamples(done, [
+        scheduler.update_from_output(sched, StepSamples(seqs=done, token_ids=[
             _next_tokens(seq, seq.request.params.n if seq.request.first_token_time is None else 1) for seq in done]))
         manager.check_invariants()
     # step 3: r1 swapped out (3 blocks) while r0 decodes; steps 4-7: r0 alone, r1 swapped;

@@ -11,8 +11,10 @@ from engine.spec.speculator import BASE_COOLDOWN, MIN_SPEC_STEPS, RATE_WINDOW, S
 
 def _seq(params: SamplingParams | None = None, outputs: int = 1) -> Sequence:
     prompt = [1, 2, 3, 4, 1, 2, 3]
-    request = Request("r", prompt, params or SamplingParams(temperature=0.0, max_tokens=64))
-    seq = Sequence(request, 0, [*prompt, 4][: len(prompt) + outputs], len(prompt))
+    request = Request(request_id="r", prompt_token_ids=prompt, params=params or SamplingParams(temperature=0.0,
+                                                                                               max_tokens=64))
+    seq = Sequence(request=request, index=0, token_ids=[*prompt, 4][: len(prompt) + outputs],
+                   num_prompt_tokens=len(prompt))
     request.seqs.append(seq)
     return seq
 

@@ -39,10 +39,11 @@ class Generation:
         outputs = []
         for index, tokens in self.sent.items():
             new = [self.rng.randrange(50_000) for _ in range(self.rng.randint(1, 4))]
-            outputs.append(SeqOutput(index, new, len(tokens), "length" if finish else None,
-                                     [TokenLogprob(-0.5, [(t, -0.5), (7, -2.0)]) for t in new]))
+            outputs.append(SeqOutput(index=index, token_ids=new, offset=len(tokens),
+                                     finish_reason="length" if finish else None,
+                                     logprobs=[TokenLogprob(-0.5, [(t, -0.5), (7, -2.0)]) for t in new]))
             tokens.extend(new)
-        message = OutputMessage(self.request_id, self.seq, outputs)
+        message = OutputMessage(id=self.request_id, seq=self.seq, outputs=outputs)
         self.seq += 1
         return message
 

@@ -54,13 +54,15 @@ def _finish(host: EngineThread, jobs: list[AddJob]) -> tuple[dict[str, list[int]
 
 
 def test_a_failing_step_fails_only_its_requests(host: EngineThread) -> None:
-    clean, _ = _finish(host, [AddJob("clean", [5, 6, 7], PARAMS)])
+    clean, _ = _finish(host, [AddJob(request_id="clean", prompt_token_ids=[5, 6, 7], params=PARAMS)])
     _poison(host, "bad")
-    jobs = [AddJob("bad", [1, 2, 3], PARAMS), AddJob("mate", [9, 8, 7], PARAMS), AddJob("later", [5, 6, 7], PARAMS)]
+    jobs = [AddJob(request_id="bad", prompt_token_ids=[1, 2, 3], params=PARAMS),
+            AddJob(request_id="mate", prompt_token_ids=[9, 8, 7], params=PARAMS),
+            AddJob(request_id="later", prompt_token_ids=[5, 6, 7], params=PARAMS)]
     tokens, failed = _finish(host, jobs)
     # max_num_seqs=2: "bad" and "mate" ran in the failing step, "later" was still waiting
     assert set(failed) == {"bad", "mate"} and "injected fault" in failed["bad"]
     assert tokens["later"] == clean["clean"]  # the engine kept serving, with the same answer
     assert host.engine.block_manager.num_used_blocks == 0
-    again, failed = _finish(host, [AddJob("after", [5, 6, 7], PARAMS)])
+    again, failed = _finish(host, [AddJob(request_id="after", prompt_token_ids=[5, 6, 7], params=PARAMS)])
     assert not failed and again["after"] == clean["clean"]

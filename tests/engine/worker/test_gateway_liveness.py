@@ -33,7 +33,8 @@ async def intake(redis_server: str) -> AsyncIterator[Intake]:
 
 
 async def _submit(intake: Intake, request_id: str, gateway: str, token: str) -> None:
-    request = EngineRequest(request_id, gateway, MODEL, [1, 2, 3], SamplingParams(max_tokens=8), 0.0,
+    request = EngineRequest(id=request_id, gateway=gateway, model=MODEL, prompt_token_ids=[1, 2, 3],
+                            params=SamplingParams(max_tokens=8), arrival=0.0,
                             gateway_token=token)
     await intake.client.xadd(KEYS.requests(MODEL), {REQUEST_FIELD: request.encode()})
 

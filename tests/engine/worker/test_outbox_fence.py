@@ -30,7 +30,7 @@ async def client(redis_server: str) -> AsyncIterator[aioredis.Redis]:
 
 def _outbox() -> Outbox:
     box = Outbox()
-    box.add("gw", OutputMessage("r1", 0, [SeqOutput(0, [5, 6], 0)]))
+    box.add("gw", OutputMessage(id="r1", seq=0, outputs=[SeqOutput(index=0, token_ids=[5, 6], offset=0)]))
     return box
 
 

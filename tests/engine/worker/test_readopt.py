@@ -21,7 +21,8 @@ STREAM = KEYS.requests(MODEL)
 
 
 def _request(request_id: str) -> EngineRequest:
-    return EngineRequest(request_id, "gw", MODEL, [1, 2, 3], SamplingParams(max_tokens=8), 0.0)
+    return EngineRequest(id=request_id, gateway="gw", model=MODEL, prompt_token_ids=[1, 2, 3],
+                         params=SamplingParams(max_tokens=8), arrival=0.0)
 
 
 async def test_untracked_pending_entries_are_resumed_or_acknowledged(client: aioredis.Redis) -> None:
@@ -34,7 +35,8 @@ async def test_untracked_pending_entries_are_resumed_or_acknowledged(client: aio
     await intake.pull(1, None)  # "tracked": read and admitted as usual
     assert set(intake.tracked) == {"tracked"}
     await stream.read_new(2, None)  # delivered, but the replies are "lost": the engine never saw them
-    done = OutputMessage("finished", 0, [SeqOutput(0, [7, 7], 0, "length")])
+    done = OutputMessage(id="finished", seq=0, outputs=[SeqOutput(index=0, token_ids=[7, 7], offset=0,
+                                                                  finish_reason="length")])
     await client.rpush(KEYS.progress("finished"), done.checkpoint().encode())  # its client got it all
     ids["deleted"] = (await client.xadd(STREAM, {REQUEST_FIELD: _request("deleted").encode()})).decode()
     await stream.read_new(1, None)

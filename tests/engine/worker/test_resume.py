@@ -44,28 +44,31 @@ def _run(host: EngineThread, job: AddJob) -> list[int]:
 def test_resume_continues_the_same_tokens(host: EngineThread, raw: dict[str, Any]) -> None:
     params = SamplingParams.from_dict(raw)
     prompt = [5, 80, 17, 33, 101, 7]
-    full = _run(host, AddJob("req-a", prompt, params))
+    full = _run(host, AddJob(request_id="req-a", prompt_token_ids=prompt, params=params))
     assert len(full) == 24
-    resumed = _run(host, AddJob("req-a", prompt, params, generated=full[:9]))
+    resumed = _run(host, AddJob(request_id="req-a", prompt_token_ids=prompt, params=params, generated=full[:9]))
     assert full[:9] + resumed == full
     assert host.engine.block_manager.num_used_blocks == 0
 
 
 def test_resume_bookkeeping_from_progress() -> None:
-    request = EngineRequest("r1", "gw", "tiny", [1, 2, 3], SamplingParams(n=1, max_tokens=8), 0.0)
+    request = EngineRequest(id="r1", gateway="gw", model="tiny", prompt_token_ids=[1, 2, 3],
+                            params=SamplingParams(n=1, max_tokens=8), arrival=0.0)
     tracked, job = resume(request, "1-0", Progress(last_seq=4, token_ids={0: [9, 9, 9]}))  # type: ignore[misc]
     assert (tracked.seq, tracked.sent, job.generated, tracked.resumed) == (5, {0: 3}, [9, 9, 9], True)
     assert resume(request, "1-0", Progress(last_seq=6, token_ids={0: [9]}, finished={0: "stop"})) is None
-    several = EngineRequest("r2", "gw", "tiny", [1], SamplingParams(n=2, max_tokens=8), 0.0)
+    several = EngineRequest(id="r2", gateway="gw", model="tiny", prompt_token_ids=[1],
+                            params=SamplingParams(n=2, max_tokens=8), arrival=0.0)
     tracked2, job2 = resume(several, "2-0", Progress(last_seq=1, token_ids={0: [4], 1: [5]}))  # type: ignore[misc]
     assert (tracked2.seq, tracked2.sent, job2.generated) == (2, {}, [])  # restarts; gateway de-dups
 
 
 def test_to_wire_numbers_messages_and_offsets(host: EngineThread) -> None:
     params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
-    tracked = Tracked(EngineRequest("req-w", "gw", "tiny", [4, 5, 6], params, 0.0), "1-0")
+    tracked = Tracked(EngineRequest(id="req-w", gateway="gw", model="tiny", prompt_token_ids=[4, 5, 6], params=params,
+                                    arrival=0.0), "1-0")
     messages = []
-    result = host.step([AddJob("req-w", [4, 5, 6], tracked.request.params)], [])
+    result = host.step([AddJob(request_id="req-w", prompt_token_ids=[4, 5, 6], params=tracked.request.params)], [])
     while result.outputs or host.engine.has_unfinished_requests():
         messages += [to_wire(tracked, out) for out in result.outputs]
         result = host.step([], [])

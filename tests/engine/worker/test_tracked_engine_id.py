@@ -11,11 +11,14 @@ from engine.worker.tracked import Tracked, error_output, resume, to_wire
 
 
 def _delta(token: int, finished: bool = False) -> RequestOutput:
-    return RequestOutput("r1", [CompletionOutput(0, [token], "length" if finished else None)], finished, 3, 1)
+    choice = CompletionOutput(index=0, token_ids=[token], finish_reason="length" if finished else None)
+    return RequestOutput(request_id="r1", outputs=[choice], finished=finished, num_prompt_tokens=3,
+                         num_generated_tokens=1)
 
 
 def test_the_first_message_names_the_engine_and_the_rest_do_not() -> None:
-    request = EngineRequest("r1", "gw", "tiny", [1, 2, 3], SamplingParams(max_tokens=3), 0.0)
+    request = EngineRequest(id="r1", gateway="gw", model="tiny", prompt_token_ids=[1, 2, 3],
+                            params=SamplingParams(max_tokens=3), arrival=0.0)
     tracked = Tracked(request, "1-0", engine="engine-a")
     messages = [to_wire(tracked, _delta(7)), to_wire(tracked, _delta(8)), to_wire(tracked, _delta(9, True))]
     assert [m.engine for m in decode_outputs(encode_outputs(messages))] == ["engine-a", None, None]
@@ -23,7 +26,8 @@ def test_the_first_message_names_the_engine_and_the_rest_do_not() -> None:
 
 
 def test_a_resumed_request_names_its_new_engine_first() -> None:
-    request = EngineRequest("r1", "gw", "tiny", [1, 2, 3], SamplingParams(max_tokens=8), 0.0)
+    request = EngineRequest(id="r1", gateway="gw", model="tiny", prompt_token_ids=[1, 2, 3],
+                            params=SamplingParams(max_tokens=8), arrival=0.0)
     resumed = resume(request, "2-0", Progress(last_seq=4, token_ids={0: [7, 8]}), engine="engine-b")
     assert resumed is not None
     tracked, _ = resumed

@@ -97,7 +97,8 @@ def run_gateway_path(path: str, raw: bytes, tok: ModelTokenizer, cfg: GatewayCon
         check_structured(req.params.structured_output, req.structured_param)
     ids = prompt_ids(req, tok)
     check_context(req, len(ids), 512, cfg)
-    return EngineRequest("r", "gw", req.model, ids, req.params, 0.0).encode()
+    return EngineRequest(id="r", gateway="gw", model=req.model, prompt_token_ids=ids, params=req.params,
+                         arrival=0.0).encode()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ async def _answer(gw: Gateway, body: dict[str, object]) -> tuple[list[int], obje
     post = asyncio.create_task(gw.client.post("/v1/completions", json={"model": MODEL, **body}))
     req = await gw.engine.next_request()
     ids = req.prompt_token_ids
-    out = SeqOutput(0, [72, 73], 0, "length", [TokenLogprob(-0.1, [(72, -0.1)]), TokenLogprob(-0.2, [(73, -0.2)])])
+    out = SeqOutput(index=0, token_ids=[72, 73], offset=0, finish_reason="length",
+                    logprobs=[TokenLogprob(-0.1, [(72, -0.1)]), TokenLogprob(-0.2, [(73, -0.2)])])
     await gw.engine.publish(req, [out], Usage(len(ids), 2), prompt_logprobs=_prompt_lps(len(ids)))
     resp = await post
     assert resp.status == 200, await resp.text()

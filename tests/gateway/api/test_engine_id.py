@@ -20,7 +20,7 @@ HEADER = "x-pagedserve-engine"
 
 async def send(gw: Gateway, req: EngineRequest, seq: int, outputs: list[SeqOutput], engine: str | None,
                usage: Usage | None = None) -> None:
-    message = OutputMessage(req.id, seq, outputs, usage, engine=engine)
+    message = OutputMessage(id=req.id, seq=seq, outputs=outputs, usage=usage, engine=engine)
     await gw.redis.xadd(gw.engine.keys.out(req.gateway), {REQUEST_FIELD: encode_outputs([message])})
 
 
@@ -40,7 +40,8 @@ async def test_a_whole_response_names_its_engine(gateway: Gateway) -> None:
     post = asyncio.create_task(gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
     req = await gateway.engine.next_request()
     ids = tokens(gateway, " there friend")
-    await send(gateway, req, 0, [SeqOutput(0, ids, 0, "stop")], "engine-a", Usage(len(req.prompt_token_ids), 3))
+    await send(gateway, req, 0, [SeqOutput(index=0, token_ids=ids, offset=0,
+                                           finish_reason="stop")], "engine-a", Usage(len(req.prompt_token_ids), 3))
     resp = await post
     assert resp.status == 200 and resp.headers[HEADER] == "engine-a"
     body = await resp.json()
@@ -65,11 +66,12 @@ async def test_stream_chunks_name_the_engine_and_the_new_one_after_a_resume(gate
     post = asyncio.create_task(gateway.client.post("/v1/chat/completions", json=payload))
     req = await gateway.engine.next_request()
     first, second = tokens(gateway, "Hello"), tokens(gateway, " world")
-    await send(gateway, req, 0, [SeqOutput(0, first, 0)], "engine-a")
+    await send(gateway, req, 0, [SeqOutput(index=0, token_ids=first, offset=0)], "engine-a")
     resp = await post  # the stream starts with its first output: engine-a's is in
     assert resp.status == 200 and resp.headers[HEADER] == "engine-a"  # the engine as the stream started
     # engine-a went away; engine-b resumed from the checkpoint (seq and offsets go on)
-    await send(gateway, req, 1, [SeqOutput(0, second, len(first), "stop")], "engine-b",
+    await send(gateway, req, 1, [SeqOutput(index=0, token_ids=second, offset=len(first),
+                                           finish_reason="stop")], "engine-b",
                Usage(len(req.prompt_token_ids), len(first) + len(second)))
     chunks = parse_sse(await resp.text())[:-1]
     fingerprints = [c["system_fingerprint"] for c in chunks]

@@ -77,7 +77,7 @@ async def test_stop_string_aborts_engine(gateway: Gateway) -> None:
 
     ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode(tok_text, add_special_tokens=False)
     for i, token in enumerate(ids):  # one token per message, never finishing: the gateway must stop
-        await gateway.engine.publish(req, [SeqOutput(0, [token], i)])
+        await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=[token], offset=i)])
     body = await (await post).json()
     assert body["choices"][0]["text"] == " attention stores blocks. "
     assert body["choices"][0]["finish_reason"] == "stop"
@@ -96,15 +96,17 @@ async def test_duplicate_tokens_are_dropped_and_gaps_reported(gateway: Gateway) 
     from gateway.text.tokenizer import ModelTokenizer
 
     ids = ModelTokenizer(eng.tokenizer_dir).encode("Hello world", add_special_tokens=False)
-    await eng.publish(req, [SeqOutput(0, ids[:2], 0)])
+    await eng.publish(req, [SeqOutput(index=0, token_ids=ids[:2], offset=0)])
     # a resuming engine repeats from token 0 with an old seq
-    await eng.publish(req, [SeqOutput(0, ids, 0, "stop")], Usage(3, len(ids)), seq=0)
+    await eng.publish(req, [SeqOutput(index=0, token_ids=ids, offset=0, finish_reason="stop")], Usage(3, len(ids)),
+                      seq=0)
     body = await (await post).json()
     assert body["choices"][0]["text"] == "Hello world"
     post = asyncio.create_task(gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
     req = await eng.next_request()
-    await eng.publish(req, [SeqOutput(0, ids[:1], 0)], seq=0)
-    await eng.publish(req, [SeqOutput(0, ids[1:], 1, "stop")], seq=2)  # message 1 lost
+    await eng.publish(req, [SeqOutput(index=0, token_ids=ids[:1], offset=0)], seq=0)
+    await eng.publish(req, [SeqOutput(index=0, token_ids=ids[1:], offset=1, finish_reason="stop")],
+                      seq=2)  # message 1 lost
     resp = await post
     assert resp.status == 500
     assert (await resp.json())["error"]["code"] == "output_gap"
@@ -116,7 +118,8 @@ async def test_chat_logprobs(gateway: Gateway) -> None:
     req = await gateway.engine.next_request()
     assert req.params.logprobs == 2
     lp = [TokenLogprob(-0.1, [(72, -0.1), (73, -2.5)]), TokenLogprob(-0.2, [(74, -0.2), (75, -3.0)])]
-    await gateway.engine.publish(req, [SeqOutput(0, [72, 74], 0, "stop", lp)], Usage(5, 2))
+    await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=[72, 74], offset=0, finish_reason="stop",
+                                                 logprobs=lp)], Usage(5, 2))
     body = await (await post).json()
     content = body["choices"][0]["logprobs"]["content"]
     assert [c["logprob"] for c in content] == [-0.1, -0.2]
@@ -141,7 +144,7 @@ async def test_client_disconnect_aborts(gateway: Gateway) -> None:
     task = await watch_aborts(gateway.redis, gateway.engine.keys, aborted)
     resp = await gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True})
     req = await gateway.engine.next_request()
-    await gateway.engine.publish(req, [SeqOutput(0, [72], 0)])
+    await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=[72], offset=0)])
     await resp.content.readline()
     resp.close()
     for _ in range(60):

@@ -76,7 +76,7 @@ async def test_engine_refusal_before_first_token_is_a_json_4xx(gateway: Gateway)
 async def test_error_after_tokens_stays_in_the_stream(gateway: Gateway) -> None:
     post = asyncio.create_task(gateway.client.post("/v1/completions", json=BODY))
     req = await gateway.engine.next_request()
-    await gateway.engine.publish(req, [SeqOutput(0, [72], 0)])
+    await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=[72], offset=0)])
     await gateway.engine.publish(req, [], error=ErrorInfo("engine died", "server_error", "engine_error"))
     resp = await post
     assert resp.status == 200
@@ -108,7 +108,7 @@ async def test_client_that_stops_reading_is_aborted(short_write_gateway: Gateway
     sent = 0
     try:
         for _ in range(3000):  # never read: well past every buffer on the way
-            await gw.engine.publish(req, [SeqOutput(0, block, sent)])
+            await gw.engine.publish(req, [SeqOutput(index=0, token_ids=block, offset=sent)])
             sent += len(block)
             await asyncio.sleep(0.002)
             if req.id in aborted:

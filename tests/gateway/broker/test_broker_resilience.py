@@ -42,14 +42,15 @@ async def _half_streamed(gw: Gateway) -> tuple[asyncio.Task[Any], Any, list[int]
     req = await gw.engine.next_request()
     ids = ModelTokenizer(gw.engine.tokenizer_dir).encode("Hello world! The quick brown fox", False)
     half = len(ids) // 2
-    await gw.engine.publish(req, [SeqOutput(0, ids[:half], 0)])
+    await gw.engine.publish(req, [SeqOutput(index=0, token_ids=ids[:half], offset=0)])
     return post, req, ids, half
 
 
 async def test_output_written_while_the_reader_is_disconnected_arrives_once(gateway: Gateway) -> None:
     post, req, ids, half = await _half_streamed(gateway)
     await _kill_reader(gateway)
-    await gateway.engine.publish(req, [SeqOutput(0, ids[half:], half, "stop")], Usage(2, len(ids)))
+    await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=ids[half:], offset=half,
+                                                 finish_reason="stop")], Usage(2, len(ids)))
     resp = await post
     events = parse_sse(await resp.text())
     text = "".join(c["text"] for e in events if isinstance(e, dict) for c in e.get("choices", []))
@@ -113,8 +114,9 @@ async def test_an_entry_that_breaks_dispatch_fails_its_request_and_the_reader_re
     post = asyncio.create_task(gateway.client.post("/v1/completions", json=body))
     req = await gateway.engine.next_request()
     ids = ModelTokenizer(gateway.engine.tokenizer_dir).encode("Hello world", False)
-    await gateway.engine.publish(req, [SeqOutput(0, ids[:1], 0)])  # lost to the bug
-    await gateway.engine.publish(req, [SeqOutput(0, ids[1:], 1, "stop")], Usage(2, len(ids)))
+    await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=ids[:1], offset=0)])  # lost to the bug
+    await gateway.engine.publish(req, [SeqOutput(index=0, token_ids=ids[1:], offset=1,
+                                                 finish_reason="stop")], Usage(2, len(ids)))
     resp = await post
     assert resp.status == 500 and (await resp.json())["error"]["code"] == "output_gap"  # a server fault
     post = asyncio.create_task(gateway.client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"}))
@@ -144,7 +146,8 @@ async def test_a_wedged_reader_is_replaced_and_reads_on(redis_server: str, tiny_
 
         monkeypatch.setattr(wedged, "xread", never)  # this connection's next read hangs for good
         await asyncio.sleep(1.5)  # the loop is inside the hung read now
-        await gw.engine.publish(req, [SeqOutput(0, ids[half:], half, "stop")], Usage(2, len(ids)))
+        await gw.engine.publish(req, [SeqOutput(index=0, token_ids=ids[half:], offset=half,
+                                                finish_reason="stop")], Usage(2, len(ids)))
         resp = await asyncio.wait_for(post, 90)
         events = parse_sse(await resp.text())
         text = "".join(c["text"] for e in events if isinstance(e, dict) for c in e.get("choices", []))

@@ -25,12 +25,13 @@ def test_an_old_style_message_decodes_without_an_engine() -> None:
 
 
 def test_the_engine_id_round_trips_and_is_the_only_new_key() -> None:
-    named = OutputMessage("r1", 0, [SeqOutput(0, [5, 6], 0)], engine="engine-a")
+    named = OutputMessage(id="r1", seq=0, outputs=[SeqOutput(index=0, token_ids=[5, 6], offset=0)], engine="engine-a")
     assert decode_outputs(encode_outputs([named])) == [named]
     obj = named.to_obj()
     assert obj.pop("engine") == "engine-a"
-    assert obj == OutputMessage("r1", 0, [SeqOutput(0, [5, 6], 0)]).to_obj()  # nothing else changed
-    assert "engine" not in OutputMessage("r1", 0).to_obj()  # unnamed: the key is left out
+    # nothing else changed
+    assert obj == OutputMessage(id="r1", seq=0, outputs=[SeqOutput(index=0, token_ids=[5, 6], offset=0)]).to_obj()
+    assert "engine" not in OutputMessage(id="r1", seq=0).to_obj()  # unnamed: the key is left out
     assert "engine" not in named.checkpoint().to_obj()  # progress checkpoints do not carry it
 
 
@@ -48,14 +49,16 @@ async def test_the_collector_names_the_engine_that_named_itself_last() -> None:
     collector.feed(decode_outputs(msgpack.packb([_old_style(0, [5], 0)]))[0])
     update = await collector.next_update(1.0)
     assert update is not None and update.engine is None and update.choices[0].token_ids == [5]
-    collector.feed(OutputMessage("r1", 1, [SeqOutput(0, [6], 1)], engine="engine-a"))
+    collector.feed(OutputMessage(id="r1", seq=1, outputs=[SeqOutput(index=0, token_ids=[6], offset=1)],
+                                 engine="engine-a"))
     update = await collector.next_update(1.0)
     assert update is not None and update.engine == "engine-a"
     collector.feed(decode_outputs(msgpack.packb([_old_style(2, [7], 2)]))[0])  # engine-a's later messages
     update = await collector.next_update(1.0)
     assert update is not None and update.engine == "engine-a" and update.choices[0].token_ids == [7]
     # engine-a died; engine-b resumes from the checkpoint, repeating a token the gateway already has
-    collector.feed(OutputMessage("r1", 3, [SeqOutput(0, [7, 8], 2, "stop")], Usage(3, 4), engine="engine-b"))
+    final = SeqOutput(index=0, token_ids=[7, 8], offset=2, finish_reason="stop")
+    collector.feed(OutputMessage(id="r1", seq=3, outputs=[final], usage=Usage(3, 4), engine="engine-b"))
     update = await collector.next_update(1.0)
     assert update is not None and update.engine == "engine-b" and update.done
     assert update.choices[0].token_ids == [8]

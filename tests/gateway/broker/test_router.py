@@ -20,8 +20,9 @@ PROMPT_B = list(range(500, 540))
 def beat(engine_id: str, cached: list[int], waiting: float = 0, running: float = 0, model: str = "m",
          routed: bool = True, draining: bool = False, age_s: float = 0.0, usage: float = 0.1,
          block_size: int = BS) -> EngineHeartbeat:
-    return EngineHeartbeat(engine_id, model, "/tok", 512, time.time() - age_s,
-                           {"waiting": waiting, "running": running, "usage_ratio": usage}, draining=draining,
+    return EngineHeartbeat(engine_id=engine_id, model=model, tokenizer="/tok", max_model_len=512,
+                           time=time.time() - age_s,
+                           stats={"waiting": waiting, "running": running, "usage_ratio": usage}, draining=draining,
                            routed=routed, block_size=block_size, cached=cached)
 
 

@@ -73,11 +73,13 @@ async def test_engines_stream_needs_the_key(redis_server: str, tiny_tokenizer_di
 
 async def test_engines_stream_relays_heartbeats(gateway: Gateway) -> None:
     pool, tables = busy_pool()
-    beat = EngineHeartbeat("kv-0", "tiny", "/tok", 512, time.time(),
-                           {"num_blocks": 32.0, "num_used_blocks": 4.0, "preemptions_swap": 1.0}, pool, tables)
+    beat = EngineHeartbeat(engine_id="kv-0", model="tiny", tokenizer="/tok", max_model_len=512, time=time.time(),
+                           stats={"num_blocks": 32.0, "num_used_blocks": 4.0, "preemptions_swap": 1.0}, pool=pool,
+                           tables=tables)
     async with gateway.redis.pipeline(transaction=True) as pipe:
         queue_beat(pipe, gateway.engine.keys, beat, 30_000)
-        queue_beat(pipe, gateway.engine.keys, EngineHeartbeat("old", "tiny", "/tok", 512, time.time() - 3600), 30_000)
+        queue_beat(pipe, gateway.engine.keys, EngineHeartbeat(engine_id="old", model="tiny", tokenizer="/tok",
+                                                              max_model_len=512, time=time.time() - 3600), 30_000)
         await pipe.execute()
     async with gateway.client.get("/v1/engines/stream?interval=0.25") as resp:
         event = await first_event(resp)
