@@ -15,7 +15,8 @@ from common.sampling_params import SamplingParams
 
 
 def test_request_carries_its_adapter() -> None:
-    request = EngineRequest("r1", "g1", "base", [1, 2, 3], SamplingParams(max_tokens=4), 1.0, lora_name="sql")
+    request = EngineRequest(id="r1", gateway="g1", model="base", prompt_token_ids=[1, 2, 3],
+                            params=SamplingParams(max_tokens=4), arrival=1.0, lora_name="sql")
     assert EngineRequest.decode(request.encode()).lora_name == "sql"
     older = unpack(request.encode())
     del older["lora_name"]
@@ -23,7 +24,8 @@ def test_request_carries_its_adapter() -> None:
 
 
 def test_heartbeat_adapters_must_be_names() -> None:
-    sent = EngineHeartbeat("e1", "m", "/tok", 512, 1.0, loras=["a"], lora_errors={"b": "no folder"})
+    sent = EngineHeartbeat(engine_id="e1", model="m", tokenizer="/tok", max_model_len=512, time=1.0,
+                           loras=["a"], lora_errors={"b": "no folder"})
     fields = sent.to_hash()
     got = EngineHeartbeat.from_hash(fields)
     assert (got.loras, got.lora_errors) == (["a"], {"b": "no folder"})

@@ -15,8 +15,9 @@ PROMPT = list(range(100, 140))
 
 
 def beat(engine_id: str, cached: list[int], loras: list[str], waiting: float = 0) -> EngineHeartbeat:
-    return EngineHeartbeat(engine_id, "m", "/tok", 512, time.time(), {"waiting": waiting, "usage_ratio": 0.1},
-                           routed=True, block_size=BS, cached=cached, loras=loras)
+    return EngineHeartbeat(engine_id=engine_id, model="m", tokenizer="/tok", max_model_len=512, time=time.time(),
+                           stats={"waiting": waiting, "usage_ratio": 0.1}, routed=True, block_size=BS,
+                           cached=cached, loras=loras)
 
 
 def test_only_engines_holding_the_adapter_are_candidates() -> None:
