@@ -3,7 +3,8 @@ model with three adapters (`--lora-modules` in both forms), an in-process gatewa
 client. `/v1/models` lists each adapter with its base as `parent`; a request picks its adapter by
 `model`, and concurrent requests of the base and of every adapter each get the in-process engine's
 greedy answer for that adapter; an unknown model is a 404. Adapters loaded and unloaded at run
-time over HTTP (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) reach the engine through Redis."""
+time over HTTP (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) reach the engine through Redis;
+`/v1/responses` by adapter name runs that adapter."""
 
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ async def test_adapters_by_model_name(stack: tuple[str, EngineProcess], tiny_lla
     async with serve_gateway(redis_url) as url, _client(url) as client:
         models = {m.id: m for m in (await client.models.list()).data}
         assert sorted(models) == sorted([MODEL, *ADAPTERS])
-        assert models[MODEL].model_extra is not None and models[MODEL].model_extra["parent"] is None
-        assert all(models[a].model_extra is not None and models[a].model_extra["parent"] == MODEL for a in ADAPTERS)
+        assert (models[MODEL].model_extra or {}).get("parent", "absent") is None
+        assert all((models[a].model_extra or {}).get("parent") == MODEL for a in ADAPTERS)
 
         async def complete(name: str, prompt: str) -> tuple[str, str]:
             out = await client.completions.create(model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
@@ -134,4 +135,23 @@ async def test_load_and_unload_at_run_time(stack: tuple[str, EngineProcess], tin
             await client.completions.create(model="dyn", prompt="x", max_tokens=2)
         status, error = await _post(session, url, "unload_lora_adapter", {"lora_name": "dyn"})
         assert (status, error["code"]) == (404, "lora_not_found")
+    engine.wait_drained()
+
+
+async def test_responses_route_runs_the_adapter(stack: tuple[str, EngineProcess]) -> None:
+    """/v1/responses goes through the same generation path: by adapter name it answers what chat
+    completions answers for that adapter (greedy, one user message), not the base model's text."""
+    redis_url, engine = stack
+    async with serve_gateway(redis_url) as url, _client(url) as client:
+        texts: dict[str, tuple[str, str]] = {}
+        for name in (MODEL, "a1"):
+            resp = await client.responses.create(model=name, input=PROMPTS[1], max_output_tokens=MAX_TOKENS,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+            chat = await client.chat.completions.create(model=name, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                                        max_tokens=MAX_TOKENS, temperature=0,
+                                                        extra_body={"ignore_eos": True})
+            assert resp.model == chat.model == name
+            texts[name] = (resp.output_text, chat.choices[0].message.content or "")
+        assert texts["a1"][0] == texts["a1"][1] and texts[MODEL][0] == texts[MODEL][1]
+        assert texts["a1"][0] != texts[MODEL][0]
     engine.wait_drained()
