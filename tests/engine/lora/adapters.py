@@ -11,7 +11,7 @@ import torch
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(model_dir: Path, out: Path, seed: int, r: int = 8, alpha: float = 16,
+def make_adapter(model_dir: Path, out: Path, seed: int, r: int = 8, alpha: int = 16,
                  targets: list[str] | None = None, **options: Any) -> Path:
     """A LoRA adapter of `model_dir` saved in `out`: PEFT's LoraConfig over `targets` (default all
     seven projections), lora_A as PEFT draws it and lora_B (zeros at init) random, both seeded,

@@ -64,7 +64,9 @@ def test_eight_adapters_and_base_in_one_step(model_dir: Path, adapters: list[Pat
     lora_modules = {f"a{i}": str(p) for i, p in enumerate(adapters)}
     with LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=8, max_lora_rank=16,
              lora_modules=lora_modules) as llm:
-        prompts, loras, keys = [], [], []
+        prompts: list[list[int]] = []
+        loras: list[LoRARequest | None] = []
+        keys: list[tuple[int | None, int]] = []
         for i in range(len(adapters)):
             prompts.append(PROMPTS[i])
             loras.append(LoRARequest(f"a{i}"))
@@ -89,12 +91,12 @@ def test_more_adapters_than_slots_are_scheduled_apart(model_dir: Path, adapters:
         seen: list[int] = []
         step = engine.runner.prepare
 
-        def counting(scheduled, sched=None):  # type: ignore[no-untyped-def]
+        def counting(scheduled, sched=None):
             seen.append(len({s.lora_name for s in scheduled if s.lora_name}))
             return step(scheduled, sched)
 
         engine.runner.prepare = counting  # type: ignore[method-assign]
-        loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
+        loras: list[LoRARequest | None] = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
         outs = llm.generate(PROMPTS[: len(adapters)], PARAMS, lora_request=loras)
         assert max(seen) == 2
         for i, out in enumerate(outs):
