@@ -19,11 +19,21 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def prefix_keys(token_ids: Sequence[int], block_size: int) -> list[int]:
+def adapter_root(lora_name: str | None) -> int | None:
+    """The parent key of a sequence's first block: None for the base model; for a LoRA adapter a
+    key of its own name, so the same tokens under two adapters (or none) never share K/V."""
+    if not lora_name:
+        return None
+    digest = hashlib.blake2b(b"lora:" + lora_name.encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little")
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, lora_name: str | None = None) -> list[int]:
     """Keys of the leading blocks an engine may reuse for this prompt: every full block except
-    that the last prompt token is always computed (the engine's own `_prefix_keys` rule)."""
+    that the last prompt token is always computed (the engine's own `_prefix_keys` rule); under
+    adapter `lora_name` they chain from its `adapter_root`."""
     keys: list[int] = []
-    parent: int | None = None
+    parent = adapter_root(lora_name)
     for i in range((len(token_ids) - 1) // block_size):
         parent = hash_block(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
         keys.append(parent)

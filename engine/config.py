@@ -66,6 +66,14 @@ class EngineConfig:
     # Seconds a request's grammar (structured output) may take to compile, off the engine thread,
     # before the request is refused with a 400; the compile itself runs on (it cannot be interrupted)
     grammar_compile_timeout: float = 10.0
+    # LoRA adapters (vLLM's flags): `lora_modules` name -> PEFT folder, served from start-up; at most
+    # `max_loras` distinct adapters in one step (the model's slots), `max_cpu_loras` kept read in host
+    # memory (None: max_loras), ranks up to `max_lora_rank`
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
     # "pooling": serve embeddings (/v1/embeddings) from the final hidden states instead of generating;
     # "auto": pooling for an embedding model's folder (engine.model.pooling_config), else generate
     runner: str = "auto"
@@ -111,10 +119,22 @@ class EngineConfig:
             raise ValueError(f"pooling_type must be LAST, MEAN or CLS, got {self.pooling_type!r}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError("grammar_compile_timeout must be > 0 seconds")
+        self._check_lora()
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         elif self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError("speculative_config must be a dict or a SpeculativeConfig")
+
+    def _check_lora(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (adapters are not "
+                             "split across ranks); serve LoRA adapters with tensor_parallel_size 1")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative-decoding settings, None when off."""

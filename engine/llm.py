@@ -9,6 +9,7 @@ from common.pooling_params import PoolingParams, embedding_floats
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model.lora import LoRARequest
 from engine.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 
 
@@ -49,20 +50,25 @@ class LLM:
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results in input order. A prompt the engine refuses
         (its grammar too, compiled by the engine's compile threads and waited for here) raises
-        ValueError before anything runs; a closed LLM raises EngineClosedError."""
+        ValueError before anything runs; a closed LLM raises EngineClosedError. `lora_request`:
+        the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM's."""
         self.engine.check_open()
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("params must be one SamplingParams or one per prompt")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one LoRARequest or one per prompt")
         token_lists = [self._encode(p) for p in prompts]
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for request_id, tokens, p in zip(ids, token_lists, params_list, strict=True):
-                self.engine.add_request(request_id, tokens, p)
+            for request_id, tokens, p, lora in zip(ids, token_lists, params_list, loras, strict=True):
+                self.engine.add_request(request_id, tokens, p, lora_request=lora)
                 added.append(request_id)
             self.engine.wait_compiled(added)
             refused = self.engine.take_refused()

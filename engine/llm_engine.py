@@ -38,6 +38,8 @@ from engine.model.capacity import (
 )
 from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block, kv_dtype_name, resolve_kv_cache_dtype
 from engine.model.loader import load_hf_config, load_model, tokenizer_dir
+from engine.model.lora import LoRAError, LoRARequest
+from engine.model.lora.manager import LoRAManager
 from engine.model.pooling import Pooler
 from engine.model.pooling_config import PoolerConfig, pooler_config, resolve_runner
 from engine.model.quant_linear import all_linears_quantized
@@ -142,6 +144,7 @@ class LLMEngine:
         self.model = load_model(config.model, device=self.device, quantization=config.quantization, shard=shard,
                                 spec=spec, policy=engine_policy(config, self.dtype, self.bf16_linears),
                                 pooling=self.pooler_config is not None)
+        self.lora = self._start_lora(config)  # before profiling: its slots are part of the device's memory
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
             set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model), ops.fixed_order()))
             if (note := openmp_spin_note()) is not None:
@@ -149,7 +152,7 @@ class LLMEngine:
         kv_spec = shard.kv_spec(self.model.spec)
         block_bytes = kv_bytes_per_block(kv_spec, config.block_size, self.kv_dtype)
         peak = (profile_peak(self.model, profile_tokens, config.max_num_seqs, kv_spec, config.block_size,
-                             self.kv_dtype, self.device) if self.device.type == "cuda" else 0)
+                             self.kv_dtype, self.device, self.lora is not None) if self.device.type == "cuda" else 0)
         num_blocks = num_device_blocks(config, block_bytes, self.device, peak)
         num_cpu = num_host_blocks(config, block_bytes)
         if self.parallel is not None:  # one block manager for the group: the smallest rank's pool
@@ -173,12 +176,13 @@ class LLMEngine:
             host = [(k.pin_memory(), v.pin_memory()) for k, v in host]
         self.runner = ModelRunner(self.model, kv, host, config.block_size, self.device,
                                   self.parallel.publish if self.parallel is not None else None)
+        self.runner.lora = self.lora
         self.token_budget = config.token_budget(self.device.type)
         spec_config = config.speculative()
         self.speculator = Speculator(spec_config) if spec_config is not None else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, self.token_budget,
                                    config.preemption_mode, self.eos_token_ids, self.max_model_len,
-                                   self.speculator)
+                                   self.speculator, config.max_loras if self.lora is not None else 0)
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.vocab_size, sorted(self.eos_token_ids))
         self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
         self.pooler = Pooler(self.pooler_config) if self.pooler_config is not None else None
@@ -191,10 +195,69 @@ class LLMEngine:
         self.last_step_decodes = 0  # sequences that decoded one token in the last step
         quiet_gc()
 
+    def _start_lora(self, config: EngineConfig) -> LoRAManager | None:
+        """The adapters' slots in the model and the `lora_modules` served from start-up (None
+        without `enable_lora`); logs the memory the slots take."""
+        if not config.enable_lora:
+            return None
+        manager = LoRAManager(self.model, config.max_loras, config.max_cpu_loras or config.max_loras,
+                              config.max_lora_rank)
+        for name, path in (config.lora_modules or {}).items():
+            manager.register(name, path)
+        log.info("lora slots", max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                 bytes_per_adapter=manager.slot_bytes, total_bytes=manager.slot_bytes * config.max_loras,
+                 adapters=manager.names())
+        return manager
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters this engine serves by name (empty without `enable_lora`)."""
+        self.check_open()
+        return [] if self.lora is None else self.lora.names()
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Serve `lora` (read from its path now; vLLM's `add_lora`): True once served, a
+        RequestRejected with the adapter's error code when it cannot be."""
+        self.check_open()
+        if not lora.lora_path:
+            raise RequestRejected(f"LoRA adapter {lora.lora_name!r}: lora_path is required", "lora_invalid")
+        return self._lora_name(lora) is not None
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name`; False when it is not served. Refused (RequestRejected,
+        `lora_in_use`) while a request of it is queued or running: those finish first. The prefix
+        cache's free blocks are dropped with it (its K/V is keyed by its name, which a later
+        adapter may take)."""
+        self.check_open()
+        if self.lora is None or name not in self.lora.paths:
+            return False
+        users = sorted(r.request_id for r in self.requests.values() if r.lora_name == name)
+        if users:
+            raise RequestRejected(f"LoRA adapter {name!r} is in use by {len(users)} request(s), e.g. {users[0]}",
+                                  "lora_in_use")
+        self.block_manager.reset_prefix_cache()
+        return self.lora.unregister(name)
+
+    def _lora_name(self, lora: LoRARequest | None) -> str | None:
+        """The adapter a request runs with, registered (from its path) or known by name; a
+        RequestRejected with the adapter's error code otherwise."""
+        if lora is None:
+            return None
+        if self.lora is None:
+            raise RequestRejected(f"LoRA adapter {lora.lora_name!r} asked for, but this engine serves none "
+                                  "(--enable-lora)", "lora_disabled")
+        try:
+            if lora.lora_path:
+                self.lora.register(lora.lora_name, lora.lora_path)
+            else:
+                self.lora.adapter(lora.lora_name)
+        except LoRAError as exc:
+            raise RequestRejected(str(exc), exc.code) from None
+        return lora.lora_name
+
     # ----- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, generated: list[int] | None = None,
-                    pooling: PoolingParams | None = None) -> None:
+                    lora_request: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue a request; raises RequestRejected (a ValueError; nothing is queued) when it can never run.
 
         A grammar (`structured_output`) not compiled yet is compiled off this thread
@@ -206,6 +269,9 @@ class LLMEngine:
         `generated`: tokens a previous engine already sent to the client (resume after
         failover, one sequence only). The request continues after them, by recompute, with its
         grammar advanced over them; its deltas (and prompt logprobs) start after them.
+
+        `lora_request`: run it with that LoRA adapter (read from its path the first time, or one
+        already served under its name); its K/V is never shared with another adapter's.
 
         `pooling`: an embedding request (a pooling engine only, and only such requests there): the
         prompt is prefilled and the request finishes with its pooled vector (`RequestOutput.embedding`)."""
@@ -220,7 +286,7 @@ class LLMEngine:
             raise RequestRejected("only a single-sequence request resumes from generated tokens", "invalid_parameter")
         params = params.with_default_seed(request_id)
         request = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                          pooling=pooling)
+                          lora_name=self._lora_name(lora_request), pooling=pooling)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         seq = Sequence(request=request, index=0, token_ids=list(prompt_token_ids) + generated,
@@ -502,8 +568,8 @@ class LLMEngine:
 
 
 # what close() drops: every holder of the weights, the KV caches and request state
-_RELEASED = ("runner", "pooler", "model", "block_manager", "scheduler", "sampler", "grammars", "speculator", "requests",
-             "compiling", "refused")
+_RELEASED = ("runner", "pooler", "model", "lora", "block_manager", "scheduler", "sampler", "grammars", "speculator",
+             "requests", "compiling", "refused")
 
 
 def _close_group(group: TensorParallelGroup | None) -> None:

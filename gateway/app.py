@@ -17,6 +17,7 @@ from common.protocol import Keys
 from common.redis_conn import MeteredPool, ReplicaAck, pooled_client, single_client
 from common.shutdown import shut_down
 from gateway.api.embeddings import add_routes as add_embedding_routes
+from gateway.api.lora_routes import add_routes as add_lora_routes
 from gateway.api.misc_routes import add_routes as add_misc_routes
 from gateway.api.offload import cpu_pool_ctx
 from gateway.api.openai_routes import add_routes as add_openai_routes
@@ -114,5 +115,6 @@ def create_app(config: GatewayConfig) -> web.Application:
     add_embedding_routes(app)
     add_responses_routes(app)
     add_misc_routes(app)
+    add_lora_routes(app)
     add_ui_routes(app)
     return app

@@ -67,7 +67,10 @@ class EngineHeartbeat:
     device pool in use or free-but-revivable) say which prompt prefixes it would find cached.
     Field ``cached`` is base64 of little-endian uint64s. `reasoning_parser` (field
     ``reasoning_parser``, absent when empty) is the engine's ``--reasoning-parser``: how gateways
-    split the model's thinking from its answer ("none": never; "": the chat template decides)."""
+    split the model's thinking from its answer ("none": never; "": the chat template decides).
+    `loras`: the LoRA adapters it serves over `model` (gateways list each as a model whose parent
+    is `model`), JSON in field ``loras``; `lora_errors`: why adapters of `Keys.loras` could not be
+    loaded here (name -> message)."""
 
     engine_id: str
     model: str
@@ -83,6 +86,8 @@ class EngineHeartbeat:
     routed: bool = False
     block_size: int = 0
     cached: list[int] = field(default_factory=list)
+    loras: list[str] = field(default_factory=list)
+    lora_errors: dict[str, str] = field(default_factory=dict)
     runner: str = "generate"  # "pooling": the engine serves embeddings, not generation
     reasoning_parser: str = ""
 
@@ -104,6 +109,10 @@ class EngineHeartbeat:
             fields["block_size"] = str(self.block_size)
         if self.cached:
             fields["cached"] = pack_keys(self.cached[:MAX_CACHED])
+        if self.loras:
+            fields["loras"] = json.dumps(self.loras)
+        if self.lora_errors:
+            fields["lora_errors"] = json.dumps(self.lora_errors)
         if self.runner != "generate":
             fields["runner"] = self.runner
         if self.reasoning_parser:
@@ -119,6 +128,12 @@ class EngineHeartbeat:
             text = {_text(k): _text(v) for k, v in data.items()}
             if any(len(v) > MAX_FIELD for v in text.values()):
                 raise ProtocolError("heartbeat: a field is too large")
+            loras = json.loads(text.get("loras", "[]"))
+            if not isinstance(loras, list) or not all(isinstance(n, str) and n for n in loras):
+                raise ProtocolError("heartbeat: loras must be a list of names")
+            lora_errors = json.loads(text.get("lora_errors", "{}"))
+            if not isinstance(lora_errors, dict) or not all(isinstance(v, str) for v in lora_errors.values()):
+                raise ProtocolError("heartbeat: lora_errors must map names to messages")
             tables = json.loads(text.get("tables", "[]"))
             if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
                 raise ProtocolError("heartbeat: tables must be a list of maps")
@@ -132,7 +147,7 @@ class EngineHeartbeat:
                 routed=text.get("routed", "0") == "1", block_size=int(text.get("block_size", "0")),
                 cached=unpack_keys(text.get("cached", ""))[:MAX_CACHED],
                 runner=text.get("runner", "generate"),
-                reasoning_parser=text.get("reasoning_parser", ""),
+                reasoning_parser=text.get("reasoning_parser", ""), loras=loras, lora_errors=lora_errors,
             )
             if beat.runner not in ("generate", "pooling"):
                 raise ProtocolError(f"heartbeat: unknown runner {beat.runner[:20]!r}")

@@ -69,6 +69,11 @@ class Keys:
         """The gateway's liveness key (with a TTL)."""
         return f"{self.prefix}:gateway:{gateway_id}"
 
+    def loras(self, model: str) -> str:
+        """Hash of the LoRA adapters loaded over `model` at run time (name -> PEFT folder): what
+        `POST /v1/load_lora_adapter` adds and every engine of the model applies."""
+        return f"{self.prefix}:loras:{model}"
+
     def engine(self, engine_id: str) -> str:
         return f"{self.prefix}:engine:{engine_id}"
 

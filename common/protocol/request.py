@@ -36,7 +36,8 @@ class EngineRequest:
     running before admitting it. `gateway_token` is the submitting gateway process's liveness
     token (the value of its ``{prefix}:gateway:<id>`` key): an engine stops the request at once
     when that key holds another token (the gateway restarted under the same id); empty: an older
-    gateway, only the key's presence counts. `pooling`: an embedding request (a pooling engine
+    gateway, only the key's presence counts. `lora_name`: the LoRA adapter of `model` to run it
+    with (empty: the base model). `pooling`: an embedding request (a pooling engine
     prefills the prompt and answers with its pooled vector instead of tokens); None: generation."""
 
     id: str
@@ -49,6 +50,7 @@ class EngineRequest:
     handoffs: int = 0
     epoch: str = ""
     gateway_token: str = ""
+    lora_name: str = ""
     pooling: PoolingParams | None = None
 
     def encode(self) -> bytes:
@@ -56,7 +58,7 @@ class EngineRequest:
             "v": PROTOCOL_VERSION, "id": self.id, "gateway": self.gateway, "model": self.model,
             "prompt_token_ids": list(self.prompt_token_ids), "params": self.params.to_dict(),
             "arrival": self.arrival, "deadline": self.deadline, "handoffs": self.handoffs,
-            "epoch": self.epoch, "gateway_token": self.gateway_token,
+            "epoch": self.epoch, "gateway_token": self.gateway_token, "lora_name": self.lora_name,
         }
         if self.pooling is not None:  # absent for generation: older engines read the message as before
             obj["pooling"] = self.pooling.to_dict()
@@ -76,6 +78,7 @@ class EngineRequest:
                 handoffs=integer(obj, "handoffs", what, hi=1 << 20, default=0),
                 epoch=text(obj, "epoch", what, default=""),
                 gateway_token=text(obj, "gateway_token", what, default=""),
+                lora_name=text(obj, "lora_name", what, default=""),
                 pooling=None if obj.get("pooling") is None else _pooling(mapping(obj, "pooling", what)),
             )
         if not request.id:

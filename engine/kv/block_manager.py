@@ -137,21 +137,23 @@ class BlockManager:
         return released
 
     # ----- allocation ----------------------------------------------------------------------
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        """True when the prompt fits, after prefix hits, while keeping the watermark free."""
-        need = self._num_blocks_for(len(token_ids)) - self._num_active_hits(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], root: int | None = None) -> bool:
+        """True when the prompt fits, after prefix hits, while keeping the watermark free (`root`:
+        its first block's parent key, `common.block_hash.adapter_root`)."""
+        need = self._num_blocks_for(len(token_ids)) - self._num_active_hits(token_ids, root)
         return self.num_free_blocks - need >= self.watermark_blocks
 
     def can_ever_allocate(self, num_tokens: int) -> bool:
         """False when the sequence could not fit even into an empty pool."""
         return self._num_blocks_for(num_tokens) <= self.num_blocks - self.watermark_blocks
 
-    def allocate(self, seq_id: int, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: int, token_ids: Sequence[int], root: int | None = None) -> int:
         """Give every token of a new sequence a slot; returns the number of tokens whose K/V
-        are already cached (whole blocks, always leaving at least one token to compute)."""
+        are already cached (whole blocks, always leaving at least one token to compute). Its
+        blocks' keys chain from `root` (a LoRA adapter's: `common.block_hash.adapter_root`)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        seq = SeqBlocks(token_ids=list(token_ids))
+        seq = SeqBlocks(token_ids=list(token_ids), root=root)
         self.seqs[seq_id] = seq
         hits = self._take_cached_prefix(seq_id, seq) if self.enable_prefix_caching else 0
         remaining = len(token_ids) - hits * self.block_size
@@ -179,7 +181,7 @@ class BlockManager:
             raise ValueError("shared blocks must hold the same tokens")
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        seq = SeqBlocks(token_ids=list(token_ids))
+        seq = SeqBlocks(token_ids=list(token_ids), root=donor.root)
         self.seqs[seq_id] = seq
         for block_id in donor.block_ids[:num_shared]:
             self._add_ref(self.blocks[block_id], seq_id)
@@ -315,7 +317,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id} already has blocks")
         self.seqs[child_id] = SeqBlocks(block_ids=list(parent.block_ids), token_ids=list(parent.token_ids),
                                         hashes=list(parent.hashes),
-                                        num_released=parent.num_released)
+                                        num_released=parent.num_released, root=parent.root)
         for block_id in parent.live_ids():
             block = self.blocks[block_id]
             block.ref_count += 1
@@ -350,7 +352,7 @@ class BlockManager:
             return
         num_full = min(num_tokens, len(seq.token_ids)) // self.block_size
         for i in range(len(seq.hashes), num_full):
-            parent = seq.hashes[-1] if seq.hashes else None
+            parent = seq.hashes[-1] if seq.hashes else seq.root
             tokens = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
             key = hash_block(parent, tokens)
             seq.hashes.append(key)
@@ -458,10 +460,10 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _prefix_keys(self, token_ids: Sequence[int]) -> list[int]:
+    def _prefix_keys(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
         """Hashes of the leading full blocks that may be reused (never the whole prompt)."""
         keys: list[int] = []
-        parent: int | None = None
+        parent = root
         for i in range((len(token_ids) - 1) // self.block_size):
             tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             block = self.cached.get(key := hash_block(parent, tokens))
@@ -471,13 +473,13 @@ class BlockManager:
             parent = key
         return keys
 
-    def _num_active_hits(self, token_ids: Sequence[int]) -> int:
+    def _num_active_hits(self, token_ids: Sequence[int], root: int | None = None) -> int:
         if not self.enable_prefix_caching:
             return 0
-        return sum(1 for key in self._prefix_keys(token_ids) if self.cached[key].ref_count > 0)
+        return sum(1 for key in self._prefix_keys(token_ids, root) if self.cached[key].ref_count > 0)
 
     def _take_cached_prefix(self, seq_id: int, seq: SeqBlocks) -> int:
-        keys = self._prefix_keys(seq.token_ids)
+        keys = self._prefix_keys(seq.token_ids, seq.root)
         for key in keys:
             block = self.cached[key]
             if block.ref_count == 0:

@@ -100,6 +100,7 @@ class SeqBlocks:
     hashes: list[int] = field(default_factory=list)  # chained hashes of its leading full blocks
     on_host: bool = False
     num_released: int = 0  # leading entries released behind a sliding window (NULL_BLOCK)
+    root: int | None = None  # parent key of its first block (`common.block_hash.adapter_root`)
 
     def live_ids(self) -> list[int]:
         """The block ids it holds: its table past the released entries."""

@@ -33,6 +33,7 @@ class AttentionMetadata:
     # the prompt tokens' row ranges where they are not all the prefill rows (a recomputed sequence's
     # generated tokens keep their decode arithmetic: `StepInputs.exact_ranges`, `LinearRows`); None: all
     exact_ranges: tuple[tuple[int, int], ...] | None = None
+    lora_slots: Tensor | None = None  # int64 [T]: each row's LoRA adapter slot (-1: none); None: no adapters
 
     @property
     def num_decodes(self) -> int:

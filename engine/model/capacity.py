@@ -112,9 +112,10 @@ def log_capacity(num_blocks: int, block_size: int, block_bytes: int, max_model_l
 
 
 def profile_peak(model: Any, num_tokens: int, max_num_seqs: int, kv_spec: Any, block_size: int,
-                 kv_dtype: torch.dtype, device: torch.device) -> int:
+                 kv_dtype: torch.dtype, device: torch.device, lora: bool = False) -> int:
     """Peak activation bytes of the largest step (`num_tokens` prefill tokens, logits of up to
-    `max_num_seqs` rows), measured with an empty cache. Every rank of a tensor-parallel group runs
+    `max_num_seqs` rows), measured with an empty cache; with `lora`, every row through adapter
+    slot 0 (the products' gathered weights count too). Every rank of a tensor-parallel group runs
     it at the same point of start-up (its all-reduces pair up)."""
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -126,6 +127,7 @@ def profile_peak(model: Any, num_tokens: int, max_num_seqs: int, kv_spec: Any, b
         prefill_block_tables=torch.zeros((1, 0), dtype=torch.int32, device=device),
         decode_block_tables=torch.zeros((0, 0), dtype=torch.int32, device=device),
         decode_context_lens=torch.zeros((0,), dtype=torch.int32, device=device),
+        lora_slots=torch.zeros(n, dtype=torch.int64, device=device) if lora else None,
     )
     ids = torch.zeros(n, dtype=torch.int64, device=device)
     hidden = model(ids, torch.arange(n, device=device), empty, meta)

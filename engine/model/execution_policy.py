@@ -5,8 +5,12 @@ the step's `AttentionMetadata`, handed to every linear as an argument)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.model.lora.slots import LoRARows
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +43,14 @@ class LinearRows:
     prefill holds its generated tokens after its prompt, which keep the int8 activations their
     decode steps had: `StepInputs.exact_ranges`); None otherwise, and always None without exact
     rows. `bf16`: the linears compute in bf16 (`ops.quant.quant_linear_bf16`): every row where
-    `ops.quant.bf16_all_rows()`, else the exact rows in bf16 and the others on int8 activations."""
+    `ops.quant.bf16_all_rows()`, else the exact rows in bf16 and the others on int8 activations.
+    `lora`: the step's rows with a LoRA adapter; every linear holding adapter slots adds their
+    products (`engine.model.lora`), whatever its kind."""
 
     exact_rows: int = 0
     exact_ranges: tuple[tuple[int, int], ...] | None = None
     bf16: bool = False
+    lora: LoRARows | None = None
 
 
 PLAIN_ROWS = LinearRows()  # no exact rows, no bf16: every row on the linear's own kernel

@@ -5,6 +5,8 @@ sums are all-reduced, their bias held by rank 0 alone so it is added once."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,9 @@ from torch import nn
 import ops
 from engine.model.execution_policy import PLAIN_ROWS, LinearRows
 from engine.model.sharding import SINGLE, TPShard
+
+if TYPE_CHECKING:
+    from engine.model.lora.slots import LoRASlots
 
 
 class Linear(nn.Linear):
@@ -24,8 +29,13 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     fixed: torch.Tensor | None = None  # `ops.pack_fixed(weight)` under `ops.backend.fixed_order()`
+    lora: LoRASlots | None = None  # adapter slots (`engine.model.lora`), added for `rows.lora`
 
     def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
+        out = self._base(x)
+        return out if rows.lora is None or self.lora is None else self.lora.add(x, out, rows.lora)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if ops.backend.fixed_order() and x.device.type == "cpu" and x.dtype == torch.float32 and self.out_features:
             if self.fixed is None or self.fixed.shape[1] != self.in_features:
                 self.fixed = ops.pack_fixed(self.weight)

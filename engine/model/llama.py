@@ -20,6 +20,7 @@ from engine.model.execution_policy import BF16_ROWS, PLAIN_ROWS, ExecutionPolicy
 from engine.model.fused_decoder import FusedDecoder
 from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
+from engine.model.lora.slots import LoRARows
 from engine.model.moe import SparseMoE
 from engine.model.moe_weights import expected_moe_pieces, load_moe_tensor
 from engine.model.quant_linear import QuantLinear
@@ -276,10 +277,12 @@ class LlamaForCausalLM(nn.Module):
         all_rows = ops.quant.bf16_all_rows()
         bf16 = policy.bf16_linears and (ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens) if all_rows
                                         else exact_rows > 0)
-        if fused is not None and (all_rows or not bf16) and fused.applies(hidden, kv_caches, meta, bf16):
+        lora = LoRARows.of(meta.lora_slots)  # adapter rows: the modules add their products (not the C++ decoder)
+        if (fused is not None and lora is None and (all_rows or not bf16)
+                and fused.applies(hidden, kv_caches, meta, bf16)):
             last, stream = fused(hidden, rope, kv_caches, meta, exact_rows, bf16)
             return self.model.norm(last, stream)[0]
-        rows = LinearRows(exact_rows, meta.exact_ranges if exact_rows else None, bf16)
+        rows = LinearRows(exact_rows, meta.exact_ranges if exact_rows else None, bf16, lora)
         residual: Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(local_rope if layer.local_rope else rope, hidden, residual, kv_cache, meta, rows)

@@ -9,6 +9,7 @@ the rows a step needs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,11 +18,17 @@ import ops
 from engine.model.execution_policy import PLAIN_ROWS, LinearRows
 from ops.quant import QuantFormat
 
+if TYPE_CHECKING:
+    from engine.model.lora.slots import LoRASlots
+
 
 class QuantLinear(nn.Module):
     """`y = x @ W.T + b` with W the row-wise concatenation of `shards`: `(format, packed uint8)` or
     `(None, fp32 [rows, in_features])`. One shard (the common case) is one kernel call. Each call
-    says which rows compute how (`LinearRows`: the step's exact rows, bf16)."""
+    says which rows compute how (`LinearRows`: the step's exact rows, bf16, LoRA adapters, whose
+    products are added to the quantized product's output)."""
+
+    lora: LoRASlots | None = None  # adapter slots (`engine.model.lora`), added for `rows.lora`
 
     def __init__(self, in_features: int, shards: list[tuple[QuantFormat | None, torch.Tensor]],
                  bias: torch.Tensor | None = None, int8_activations: bool = True) -> None:
@@ -50,6 +57,10 @@ class QuantLinear(nn.Module):
                           for fmt, t in self.shards()])
 
     def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
+        out = self._base(x, rows)
+        return out if rows.lora is None or self.lora is None else self.lora.add(x, out, rows.lora)
+
+    def _base(self, x: torch.Tensor, rows: LinearRows) -> torch.Tensor:
         if len(self.formats) == 1:  # the common case, kept short: a decode step runs ~120 of these
             return self._shard(x, self.formats[0], self._buffers["shard0"], self.bias, rows)
         out = torch.cat([self._shard(x, fmt, t, None, rows) for fmt, t in self.shards()], dim=-1)

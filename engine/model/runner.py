@@ -25,6 +25,7 @@ from torch import Tensor
 import ops
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
+from engine.model.lora.manager import LoRAManager
 from engine.model.step_inputs import StepInputs
 from engine.sample.step_plan import ModelOutput, StepPlan
 from engine.sched.output import ScheduledSeq, SchedulerOutput, batch_order, is_prefill
@@ -96,6 +97,7 @@ class ModelRunner:
         self.device = device
         self.publish = publish
         self.tables = BlockTableBuffer()
+        self.lora: LoRAManager | None = None  # the adapters' slots, where LoRA is enabled
         self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
         self.publish_seconds = 0.0  # cumulative time handing steps to the other ranks
 
@@ -206,7 +208,8 @@ class ModelRunner:
             swap_in=list(sched.blocks_to_swap_in) if sched else [],
             copy=list(sched.blocks_to_copy) if sched else [],
             prefill_exact_lens=[max(0, min(c, s.seq.num_prompt_tokens - s.start))
-                                for s, c in zip(order[:num_prefills], counts, strict=False)] or None)
+                                for s, c in zip(order[:num_prefills], counts, strict=False)] or None,
+            lora_slots=None if self.lora is None else self.lora.row_slots([s.lora_name for s in order], rows))
         return StepBatch(input_ids=_on(input_ids, self.device), positions=_on(positions, self.device),
                          meta=inputs.metadata(self.device), inputs=inputs,
                          sample_rows=None if sample_rows is None else _on(sample_rows, self.device),

@@ -28,6 +28,19 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), kv_heads, head_dim
 
 
+def lora_slot_elements(config: Any, max_lora_rank: int) -> int:
+    """Elements of one LoRA adapter slot (`engine.model.lora.manager.LoRAManager`) over a model of
+    HF config `config`: per layer, A `[slices x rank, in]` and B `[out, rank]` of the qkv (three
+    slices), o, gate_up (two) and down projections, at rank max(2, `max_lora_rank`). The engine's
+    slots and `pagedserve plan` both use it (an MoE model's sparse layers hold no MLP slots: for
+    them it is an upper bound)."""
+    layers, kv_heads, head_dim = kv_geometry(config)
+    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
+    q, kv = int(config.num_attention_heads) * head_dim, kv_heads * head_dim
+    per_rank = (3 * hidden + q + 2 * kv) + (q + hidden) + (2 * hidden + 2 * inter) + (inter + hidden)
+    return layers * max(2, max_lora_rank) * per_rank
+
+
 # KV cache dtypes: element bytes, and bytes of per-row scale (int8 rows end in their fp16 scale,
 # ops/reference/kv_quant.py). The names are engine.config.KV_CACHE_DTYPES less "auto" (the model dtype).
 KV_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}

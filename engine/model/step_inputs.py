@@ -26,6 +26,7 @@ class StepInputs:
     swap_in: list[tuple[int, int]]
     copy: list[tuple[int, int]]
     prefill_exact_lens: list[int] | None = None  # [P]: leading rows of each chunk at prompt positions; None: all
+    lora_slots: Tensor | None = None  # int64 [T]: each row's LoRA adapter slot (-1: none); None: no adapters
 
     @property
     def num_prefills(self) -> int:
@@ -58,6 +59,7 @@ class StepInputs:
             prefill_block_tables=_to(self.block_tables[:p], device),
             decode_block_tables=_to(self.block_tables[p:], device),
             decode_context_lens=_to(self.decode_context_lens, device), exact_ranges=self.exact_ranges,
+            lora_slots=None if self.lora_slots is None else _to(self.lora_slots, device),
         )
 
 

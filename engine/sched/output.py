@@ -38,6 +38,7 @@ class ScheduledSeq:
     write_from: int = 0
     num_prompt_logits: int = 0
     num_spec: int = 0
+    lora_name: str | None = None  # the request's LoRA adapter (the runner gives its rows the adapter's slot)
 
     @property
     def seq_id(self) -> int:

@@ -48,7 +48,9 @@ class Scheduler:
         eos_token_ids: set[int] | None = None,
         max_model_len: int = 1 << 30,
         speculator: Proposer | None = None,
+        max_loras: int = 0,
     ) -> None:
+        """`max_loras` > 0: no step holds requests of more distinct LoRA adapters than that."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,6 +64,7 @@ class Scheduler:
         self.speculator = speculator
         self._speculate = False  # this step may propose (decided at the start of `schedule`)
         self._num_queued = 0  # sequences in every queue at the start of the step
+        self.max_loras = max_loras
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -177,6 +180,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq=seq, token_ids=seq.token_ids[start:end], start=start,
                                                   block_table=table, sample=samples,
                                                   write_from=seq.keep_kv_below, num_prompt_logits=prompt_rows))
+            out.scheduled[-1].lora_name = seq.request.lora_name
             budget.tokens -= end - start + len(proposals)
             budget.seqs -= 1
 
@@ -234,13 +238,22 @@ class Scheduler:
         log.info("preempt", request_id=request.request_id, mode=mode, num_seqs=len(seqs))
 
     # ----- swapped -------------------------------------------------------------------------
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether `request` may run beside the running requests without their distinct LoRA
+        adapters exceeding `max_loras` (the model's adapter slots)."""
+        if not self.max_loras or request.lora_name is None:
+            return True
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        return request.lora_name in running or len(running) < self.max_loras
+
     def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.swapped:
             request = self.swapped[0]
             seqs = request.unfinished_seqs()
             ids = [seq.seq_id for seq in seqs]
             peak = request.num_seqs_at_peak
-            if not budget.fits(len(seqs), peak) or not self.block_manager.can_swap_in(ids):
+            if not budget.fits(len(seqs), peak) or not self.block_manager.can_swap_in(ids) or not self._lora_fits(
+                    request):
                 return
             self.swapped.popleft()
             out.blocks_to_swap_in.extend(self.block_manager.swap_in(ids))
@@ -253,8 +266,20 @@ class Scheduler:
 
     # ----- waiting -------------------------------------------------------------------------
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        """Admit waiting requests in order; one whose adapter finds no slot this step (`_lora_fits`)
+        is passed over, keeping its place at the head for the next step."""
+        passed: list[Request] = []
+        try:
+            self._admit_waiting(out, budget, passed)
+        finally:
+            self.waiting.extendleft(reversed(passed))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: _Budget, passed: list[Request]) -> None:
         while self.waiting and budget.tokens > 0:
             request = self.waiting[0]
+            if not self._lora_fits(request):
+                passed.append(self.waiting.popleft())
+                continue
             seqs = request.unfinished_seqs()
             peak = request.num_seqs_at_peak
             if not budget.fits(len(seqs), peak):
@@ -308,13 +333,13 @@ class Scheduler:
             return self._allocate_sharing(seqs)
         done: list[Sequence] = []
         for seq in seqs:
-            if not self.block_manager.can_allocate(seq.token_ids):
+            if not self.block_manager.can_allocate(seq.token_ids, seq.request.prefix_root):
                 for seq_done in done:
                     self.block_manager.free(seq_done.seq_id)
                     seq_done.num_computed = 0
                     seq_done.status = SeqStatus.WAITING
                 return False
-            seq.num_computed = self.block_manager.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed = self.block_manager.allocate(seq.seq_id, seq.token_ids, seq.request.prefix_root)
             if seq.request.num_cached_tokens is None:
                 seq.request.num_cached_tokens = seq.num_computed
             seq.keep_kv_below = 0
@@ -335,7 +360,7 @@ class Scheduler:
         if manager.num_free_blocks - need < manager.watermark_blocks:
             return False
         donor = seqs[0]
-        manager.allocate(donor.seq_id, donor.token_ids)
+        manager.allocate(donor.seq_id, donor.token_ids, donor.request.prefix_root)
         for seq in seqs[1:]:
             manager.allocate_sharing(seq.seq_id, seq.token_ids, donor.seq_id, shared)
         for seq in seqs:

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from common.block_hash import adapter_root
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 
@@ -129,9 +130,15 @@ class Request:
     # `prefix_donor` and run none of their tokens until it has computed those `num_shared_prefix`
     prefix_donor: Sequence | None = None
     num_shared_prefix: int = 0
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
     # an embedding request (a pooling engine): its prompt is prefilled, then it finishes with its
     # pooled vector and no token; its `pooling_type` is the engine's, set at admission
     pooling: PoolingParams | None = None
+
+    @property
+    def prefix_root(self) -> int | None:
+        """The parent key of its first KV block: its adapter's, so adapters never share K/V."""
+        return adapter_root(self.lora_name)
 
     @property
     def recomputes_cached_prefix(self) -> bool:

@@ -126,6 +126,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steal-after", type=_positive_seconds, default=3.0,
                         help="with routing: take entries that waited this many seconds (by Redis' clock) on a peer "
                              "engine's routed stream while this one has room (default %(default)s)")
+    add_lora_arguments(parser)
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA flags (`pagedserve engine` and `pagedserve up`)."""
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters over the model (requests pick one by its name as `model`)")
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                        help="LoRA adapters served from start-up: NAME=PATH (a PEFT folder) or the JSON form "
+                             '{"name": ..., "path": ..., "base_model_name": ...}')
+    parser.add_argument("--max-loras", type=int, default=1,
+                        help="distinct LoRA adapters in one step (the model's adapter slots; default %(default)s)")
+    parser.add_argument("--max-cpu-loras", type=int,
+                        help="LoRA adapters kept read in host memory, least recently used dropped "
+                             "(default: --max-loras)")
+    parser.add_argument("--max-lora-rank", type=int, default=16,
+                        help="the largest LoRA rank served; each slot is sized for it (default %(default)s)")
+
+
+def lora_flags(args: argparse.Namespace) -> list[str]:
+    """The LoRA flags of `args` as `pagedserve engine` arguments (`pagedserve up` passes them on)."""
+    flags = ["--enable-lora"] if args.enable_lora else []
+    if args.lora_modules:
+        flags += ["--lora-modules", *(f"{name}={os.path.abspath(path)}" for name, path in args.lora_modules)]
+    flags += ["--max-loras", str(args.max_loras), "--max-lora-rank", str(args.max_lora_rank)]
+    return flags + (["--max-cpu-loras", str(args.max_cpu_loras)] if args.max_cpu_loras is not None else [])
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """`(name, path)` of a `--lora-modules` entry: NAME=PATH, or a JSON object with name and path."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+                value.get("path"), str) or not value["name"] or not value["path"]:
+            raise argparse.ArgumentTypeError('expected {"name": "...", "path": "..."}')
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = None) -> EngineConfig:
@@ -144,6 +187,8 @@ def engine_config(args: argparse.Namespace, model: str, tokenizer: str | None = 
         tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_timeout=args.tensor_parallel_timeout,
         tensor_parallel_threads=args.tensor_parallel_threads, master_addr=args.master_addr,
         master_port=args.master_port, grammar_compile_timeout=args.grammar_compile_timeout,
+        enable_lora=args.enable_lora, lora_modules=dict(args.lora_modules) or None, max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank,
         runner=args.runner, pooling_type=args.pooling_type,
     )
 

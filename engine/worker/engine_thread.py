@@ -43,6 +43,7 @@ class AddJob:
     prompt_token_ids: list[int]
     params: SamplingParams
     generated: list[int] = field(default_factory=list)
+    lora_name: str = ""  # the LoRA adapter it runs with (empty: the base model)
     pooling: PoolingParams | None = None  # an embedding request
 
 
@@ -111,8 +112,11 @@ class EngineThread:
 
     def add(self, job: AddJob) -> None:
         """Queue a request; a resumed one restarts by recompute from prompt + generated tokens."""
+        from engine.model.lora import LoRARequest
+
+        lora = LoRARequest(job.lora_name) if job.lora_name else None
         self.engine.add_request(job.request_id, job.prompt_token_ids, job.params, generated=job.generated,
-                                pooling=job.pooling)
+                                lora_request=lora, pooling=job.pooling)
 
     def step(self, jobs: list[AddJob], aborts: list[str]) -> StepResult:
         """Apply aborts and adds, then run one engine step when there is work."""

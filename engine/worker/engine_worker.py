@@ -30,6 +30,7 @@ from engine.worker.engine_thread import EngineThread, Queues, StepResult
 from engine.worker.guards import GATEWAY_GRACE_S, Guards
 from engine.worker.heartbeat import Heartbeat, model_config_hash
 from engine.worker.intake import Intake
+from engine.worker.lora_sync import LoRASync
 from engine.worker.metrics import EngineMetrics, start_metrics_server
 from engine.worker.outbox import Fence, FenceLost, Outbox, flush
 from engine.worker.recovery import RecoveryState
@@ -120,6 +121,7 @@ class EngineWorker:
                          config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size,
                          runner=engine.runner_kind,
                          reasoning_parser=cfg.reasoning_parser)
+        beat.loras = engine.lora_names()  # the --lora-modules it serves (read before any step runs)
         runner = None
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -140,7 +142,9 @@ class EngineWorker:
             await self._beat(beat, intake)
             tasks = [asyncio.create_task(intake.listen_aborts(lambda: not self.closing), name="aborts"),
                      asyncio.create_task(self._heartbeats(beat, intake), name="heartbeat"),
-                     asyncio.create_task(self._takeovers(intake), name="takeover")]
+                     asyncio.create_task(self._takeovers(intake), name="takeover"),
+                     asyncio.create_task(self._lora_sync(LoRASync(client, self.keys, cfg.model_name, self.thread,
+                                                                  beat)), name="lora-sync")]
             log.info("engine serving", engine_id=cfg.engine_id, model=cfg.model_name, stream=stream.key)
             await self._loop(client, intake, guards, beat)
         finally:
@@ -333,6 +337,15 @@ class EngineWorker:
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed", error=str(exc))
                 self.recovery.note_redis_trouble()
+
+    async def _lora_sync(self, sync: LoRASync) -> None:
+        """Every interval: the adapters loaded over this model at run time (`engine.worker.lora_sync`)."""
+        while not self.closing:
+            try:
+                await sync.sync()
+            except (RedisError, OSError) as exc:
+                log.warning("lora sync failed", error=str(exc))
+            await asyncio.sleep(self.config.heartbeat_interval_s)
 
     async def _beat(self, beat: Heartbeat, intake: Intake) -> None:
         stats, pool = self.thread.snapshot_cache

@@ -93,6 +93,8 @@ class Heartbeat:
         self.beats = 0
         # set: this engine reads its own routed stream and announces its cached keys (by this block size)
         self.routed_block_size: int | None = None
+        self.loras: list[str] = []  # the LoRA adapters it serves over `model`
+        self.lora_errors: dict[str, str] = {}  # adapters of `Keys.loras` it could not load, and why
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
         """`stats` may carry ``block_tables`` and ``cached_keys`` (lists, so `flatten_stats`
@@ -106,7 +108,8 @@ class Heartbeat:
                                vocab_size=self.vocab_size,
                                draining=self.draining, routed=routed, block_size=self.routed_block_size or 0,
                                cached=list(stats.get("cached_keys", [])) if routed else [],
-                               runner=self.runner, reasoning_parser=self.reasoning_parser)
+                               runner=self.runner, reasoning_parser=self.reasoning_parser,
+                               loras=list(self.loras), lora_errors=dict(self.lora_errors))
 
     def fresh(self, margin_s: float) -> bool:
         """The key certainly still exists (written less than ttl - margin ago, no gap since)."""

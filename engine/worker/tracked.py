@@ -110,5 +110,4 @@ def resume(request: EngineRequest, entry_id: str, progress: Progress,
         if generated:
             tracked.first_token_at = tracked.started
     return tracked, AddJob(request_id=request.id, prompt_token_ids=request.prompt_token_ids, params=request.params,
-                           generated=generated,
-                           pooling=request.pooling)
+                           generated=generated, lora_name=request.lora_name, pooling=request.pooling)

@@ -100,9 +100,9 @@ async def _embed(request: web.Request) -> web.Response:
     await admit(request, total)
     now = time.time()
     params = SamplingParams(max_tokens=1)
-    requests = [EngineRequest(id="embd-" + uuid.uuid4().hex, gateway=cfg.gateway_id, model=model.name,
+    requests = [EngineRequest(id="embd-" + uuid.uuid4().hex, gateway=cfg.gateway_id, model=model.base,
                               prompt_token_ids=ids, params=params, arrival=now, deadline=now + cfg.request_timeout_s,
-                              pooling=req.pooling) for ids in token_lists]
+                              lora_name=model.lora_name, pooling=req.pooling) for ids in token_lists]
     try:
         collectors = await _submit_all(broker, requests)
     except BrokerUnavailable as exc:

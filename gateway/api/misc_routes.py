@@ -20,8 +20,8 @@ async def list_models(request: web.Request) -> web.Response:
     except RedisError as exc:
         raise redis_unavailable(exc) from exc
     data = [{"id": m.name, "object": "model", "created": m.created, "owned_by": "pagedserve",
-             "root": m.tokenizer_dir, "max_model_len": m.max_model_len, "engines": len(m.engines),
-             "runner": m.runner}
+             "root": m.tokenizer_dir, "parent": m.parent or None, "max_model_len": m.max_model_len,
+             "engines": len(m.engines), "runner": m.runner}
             for m in models.values()]
     return web.json_response({"object": "list", "data": data})
 

@@ -92,9 +92,9 @@ async def serve_generation(request: web.Request, req: GenerationRequest, id_pref
     await admit(request, len(ids) + req.params.n * req.params.max_tokens)  # per-key limits (429 over them)
     rid = id_prefix + uuid.uuid4().hex
     now = time.time()
-    engine_req = EngineRequest(id=rid, gateway=cfg.gateway_id, model=model.name, prompt_token_ids=ids,
+    engine_req = EngineRequest(id=rid, gateway=cfg.gateway_id, model=model.base, prompt_token_ids=ids,
                                params=req.params, arrival=now,
-                               deadline=now + cfg.request_timeout_s)
+                               deadline=now + cfg.request_timeout_s, lora_name=model.lora_name)
     try:
         collector = await broker.submit(engine_req, req.params.n)
     except BrokerUnavailable as exc:

@@ -150,7 +150,7 @@ class Broker:
             self.router.refresh(await self.registry.live_engines())
         except RedisError:
             return shared
-        return self.router.choose(request.model, request.prompt_token_ids)
+        return self.router.choose(request.model, request.prompt_token_ids, request.lora_name)
 
     def counted_streams(self, model: str) -> list[str]:
         """The streams whose lengths bound a model's queue: the shared one and the routed ones

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 
@@ -19,7 +19,8 @@ log = get_logger("gateway.engines")
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """A served model: its name, tokenizer directory, context length, owning engines."""
+    """A served model: its name, tokenizer directory, context length, owning engines; for a LoRA
+    adapter, `parent` names its base model (whose request stream it goes to), else empty."""
 
     name: str
     tokenizer_dir: str
@@ -28,6 +29,17 @@ class ModelInfo:
     created: int
     runner: str = "generate"  # "pooling": served for /v1/embeddings only
     reasoning_parser: str = ""  # what its engines announce (--reasoning-parser): a name, "none" or ""
+    parent: str = ""
+
+    @property
+    def base(self) -> str:
+        """The model whose engines run it: the parent of an adapter, else itself."""
+        return self.parent or self.name
+
+    @property
+    def lora_name(self) -> str:
+        """The adapter the engines apply ("" for a base model)."""
+        return self.name if self.parent else ""
 
 
 class EngineRegistry:
@@ -89,6 +101,13 @@ class EngineRegistry:
             models[name] = ModelInfo(name, tokenizer_dir, max_len, tuple(b.engine_id for b in beats),
                                      int(min(b.time - b.stats.get("uptime_s", 0.0) for b in beats)), beats[0].runner,
                                      next((b.reasoning_parser for b in beats if b.reasoning_parser), ""))
+        for base in list(models.values()):  # each LoRA adapter as a model of its own, parent = its base
+            for lora in sorted({n for b in by_name[base.name] for n in b.loras}):
+                if lora in models:
+                    log.warning("lora adapter name shadowed by a model", lora=lora, parent=base.name)
+                    continue
+                engines = tuple(b.engine_id for b in by_name[base.name] if lora in b.loras)
+                models[lora] = replace(base, name=lora, engines=engines, parent=base.name)
         return models
 
     @staticmethod

@@ -14,6 +14,9 @@ its announced `cached` keys or in this gateway's own hints for it. Then:
 - no candidate (no engine reads a stream of its own, or all are draining or stale): the shared
   stream (`shared`), which any engine takes, as without routing.
 
+A request for a LoRA adapter (`EngineRequest.lora_name`) has as candidates only the engines whose
+heartbeat announces that adapter; its prefix keys chain from the adapter (`common.block_hash`).
+
 Load is the requests this gateway has outstanding on the engine (routed there and not yet
 `done`: exact and current) plus the others its last heartbeat counted (waiting + running, less
 this gateway's requests outstanding there at the heartbeat's time: other gateways' requests);
@@ -65,6 +68,7 @@ class _Engine:
     cached: frozenset[int]
     others: float  # the heartbeat's load less this gateway's requests there at its time (+ KV slack)
     beat_time: float
+    loras: frozenset[str] = frozenset()  # the LoRA adapters it serves
 
 
 @dataclass(slots=True)
@@ -121,7 +125,8 @@ class Router:
                 continue  # the same heartbeat
             own = self._outstanding_at(beat.model, beat.engine_id, beat.time)
             view.engines[beat.engine_id] = _Engine(beat.engine_id, beat.block_size, frozenset(beat.cached),
-                                                   engine_load(beat, self.load_slack, own), beat.time)
+                                                   engine_load(beat, self.load_slack, own), beat.time,
+                                                   frozenset(beat.loras))
         while self._changes and now - self._changes[0][0] > 2 * self.fresh_s:
             self._changes.popleft()  # older than any heartbeat still fresh
         for model, view in list(self.models.items()):
@@ -138,15 +143,18 @@ class Router:
             if not view.engines and not view.hints:
                 del self.models[model]
 
-    def choose(self, model: str, token_ids: Sequence[int]) -> Route:
-        """The stream for a prompt of `model` (see the module docstring); counts the reason and
-        remembers a routed prompt's keys as a hint for its engine."""
+    def choose(self, model: str, token_ids: Sequence[int], lora_name: str = "") -> Route:
+        """The stream for a prompt of `model` (see the module docstring), under LoRA adapter
+        `lora_name` (only engines announcing that adapter are candidates, and its prefix keys are
+        the adapter's); counts the reason and remembers a routed prompt's keys as a hint for its engine."""
         view = self.models.get(model)
-        if view is None or not view.engines:
+        candidates = [] if view is None else [e for e in view.engines.values() if not lora_name or lora_name in e.loras]
+        if view is None or not candidates:
             self.counts["shared"] += 1
             return Route(self.keys.requests(model), None, "shared")
-        engines = sorted(view.engines.values(), key=lambda e: e.engine_id)
-        keys_by_size = {size: prefix_keys(token_ids, size) for size in {e.block_size for e in engines}}
+        engines = sorted(candidates, key=lambda e: e.engine_id)
+        sizes = {e.block_size for e in engines}
+        keys_by_size = {size: prefix_keys(token_ids, size, lora_name or None) for size in sizes}
         matches = {e.engine_id: self._match(view, e, keys_by_size[e.block_size]) for e in engines}
         load = {e.engine_id: self._load(e, model) for e in engines}
         best = max(engines, key=lambda e: (matches[e.engine_id], -load[e.engine_id]))

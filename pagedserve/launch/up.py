@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for /health (at start, and for each replacement in a rolling restart)")
     parser.add_argument("--sse-keepalive", type=float, default=0.0, metavar="SECONDS",
                         help="SSE comment frames on streams idle this long (default 0 = never)")
+    from engine.worker.cli import add_lora_arguments
+
+    add_lora_arguments(parser)
     parser.add_argument("--engine-args", default="", metavar="ARGS",
                         help="more `pagedserve engine` flags, one shell-quoted string, e.g. "
                              "\"--max-num-batched-tokens 512 --no-prefix-caching\"")
@@ -349,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     """Start everything, print the URL, wait for Ctrl-C (SIGHUP: a rolling restart); exit 1 if a
     child dies."""
     from engine.model.fetch import FetchError
-    from engine.worker.cli import resolve_model, served_name
+    from engine.worker.cli import lora_flags, resolve_model, served_name
 
     hangups: list[int] = []
     previous = signal.signal(signal.SIGTERM, _raise_stop)
@@ -381,7 +384,8 @@ def run(args: argparse.Namespace) -> int:
                        "--kv-cache-memory", args.kv_cache_memory, "--max-num-seqs", str(args.max_num_seqs),
                        "--tensor-parallel-size", str(args.tensor_parallel_size), "--runner", args.runner,
                        *(["--pooling-type", args.pooling_type] if args.pooling_type else []),
-                       *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else [])]
+                       *(["--reasoning-parser", args.reasoning_parser] if args.reasoning_parser else []),
+                       *lora_flags(args)]
         gateway_args = ["gateway", "--host", args.host, "--port", str(args.port), *tls,
                         "--sse-keepalive", str(args.sse_keepalive),
                         *(["--rate-limits", os.path.abspath(args.rate_limits)] if args.rate_limits else []),

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from engine.model.spec import KV_SCALE_BYTES, kv_bytes_per_token, kv_geometry
+from engine.model.spec import KV_SCALE_BYTES, kv_bytes_per_token, kv_geometry, lora_slot_elements
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4, "float32": 4, "float": 4,
@@ -78,6 +78,7 @@ class ModelInfo:
     dtype: str
     weights: int
     max_model_len: int | None
+    config: dict[str, Any] | None = None
 
 
 def read_model_dir(path: Path) -> ModelInfo:
@@ -96,4 +97,13 @@ def read_model_dir(path: Path) -> ModelInfo:
     shape = KVShape(*shape_parts, dtype_bytes(dtype))
     weights = sum(f.stat().st_size for f in config_path.parent.iterdir() if f.name.endswith(WEIGHT_SUFFIXES))
     max_len = config.get("max_position_embeddings")
-    return ModelInfo(shape, dtype, weights, int(max_len) if max_len else None)
+    return ModelInfo(shape, dtype, weights, int(max_len) if max_len else None, config=config)
+
+
+def lora_slot_bytes(model: ModelInfo, max_loras: int, max_lora_rank: int) -> int:
+    """Bytes the engine's `max_loras` adapter slots at `max_lora_rank` take over this model."""
+    try:
+        elements = lora_slot_elements(SimpleNamespace(**(model.config or {})), max_lora_rank)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise PlanError(f"the model config lacks a field LoRA slots are sized by: {exc}") from None
+    return max_loras * elements * model.shape.dtype_bytes

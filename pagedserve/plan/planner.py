@@ -1,6 +1,6 @@
 """`pagedserve plan`: KV-cache capacity arithmetic, paged against contiguous preallocation.
 
-pool = utilization x GPU memory - weights - workspace; bytes per block =
+pool = utilization x GPU memory - weights - workspace - LoRA adapter slots; bytes per block =
 2 (K and V) x layers x block_size x kv_heads x head_dim x dtype bytes; blocks = pool // block;
 max concurrency = blocks // blocks per sequence (paged, at the average request length) against
 pool // (max_model_len x bytes per token) (contiguous, every sequence reserves max_model_len).
@@ -17,7 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from common.sizes import format_size, parse_size
-from pagedserve.plan.model_shape import KVShape, PlanError, read_model_dir
+from pagedserve.plan.model_shape import KVShape, PlanError, lora_slot_bytes, read_model_dir
 
 DEFAULT_MAX_MODEL_LEN = 8192
 
@@ -39,6 +39,7 @@ class Plan:
     max_seqs_contiguous: int
     gain: float | None  # paged / contiguous concurrency; None when contiguous fits nothing
     tensor_parallel_size: int = 1  # ranks (GPUs); pool, block and per-token bytes above are one rank's
+    lora_bytes: int = 0  # the engine's LoRA adapter slots (--max-loras x one slot at --max-lora-rank)
 
 
 def rank_shape(shape: KVShape, tensor_parallel_size: int) -> KVShape:
@@ -73,18 +74,23 @@ def plan_capacity(
     avg_tokens: int,
     max_model_len: int,
     tensor_parallel_size: int = 1,
+    lora_bytes: int = 0,
 ) -> Plan:
     """The plan for one model shape and budget; raises PlanError on nonsensical input. With
     `tensor_parallel_size` N, `gpu_memory` is each GPU's and the weights split N ways; every rank
-    holds its heads' share of every block, so the group has one rank's block count."""
+    holds its heads' share of every block, so the group has one rank's block count. `lora_bytes`:
+    the LoRA adapter slots, taken from the pool like the weights (no tensor parallelism with LoRA)."""
     _check_inputs(gpu_memory, utilization, weights, workspace, block_size, avg_tokens, max_model_len)
     shape = rank_shape(shape, tensor_parallel_size)
-    pool = kv_pool_bytes(gpu_memory, utilization, -(-weights // tensor_parallel_size), workspace)
+    if lora_bytes < 0 or (lora_bytes and tensor_parallel_size > 1):
+        raise PlanError("LoRA adapters are served with --tensor-parallel-size 1 only")
+    pool = kv_pool_bytes(gpu_memory, utilization, -(-weights // tensor_parallel_size) + lora_bytes, workspace)
     block_bytes = shape.bytes_per_token * block_size
     if pool < block_bytes:
         raise PlanError(
             f"KV pool of {format_size(pool)} ({utilization} x {format_size(gpu_memory)} - "
-            f"{format_size(weights)} weights - {format_size(workspace)} workspace) "
+            f"{format_size(weights)} weights - {format_size(workspace)} workspace"
+            f"{f' - {format_size(lora_bytes)} LoRA slots' if lora_bytes else ''}) "
             f"is smaller than one block ({format_size(block_bytes)})"
         )
     num_blocks = pool // block_bytes
@@ -106,6 +112,7 @@ def plan_capacity(
         max_seqs_contiguous=contiguous,
         gain=paged / contiguous if contiguous else None,
         tensor_parallel_size=tensor_parallel_size,
+        lora_bytes=lora_bytes,
     )
 
 
@@ -138,6 +145,7 @@ def format_plan(plan: Plan, shape: KVShape) -> str:
         f"model shape      {shape.num_layers} layers x {shape.num_kv_heads} KV heads{per_rank} x "
         f"head {shape.head_dim} x {shape.dtype_bytes} B{f' + {shape.scale_bytes} B scale' if shape.scale_bytes else ''}"
         f" = {format_size(plan.bytes_per_token)} per token",
+        *([f"LoRA slots       {format_size(plan.lora_bytes)} (taken from the pool)"] if plan.lora_bytes else []),
         f"KV pool          {format_size(plan.pool_bytes)}",
         f"block            {plan.block_size} tokens = {format_size(plan.block_bytes)}",
         f"blocks           {plan.num_blocks}",
@@ -165,6 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, help=f"default: the model's, or {DEFAULT_MAX_MODEL_LEN}")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="GPUs the model is split over (default 1); --gpu-memory is each one's")
+    parser.add_argument("--max-loras", type=int, default=0,
+                        help="LoRA adapter slots the engine holds (its --max-loras; needs --model; default 0: none)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the engine's --max-lora-rank (default 16)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -193,6 +204,12 @@ def _plan_from_args(args: argparse.Namespace) -> tuple[KVShape, Plan]:
     weights = model.weights if model else 0
     if args.weights is not None:
         weights = _size("--weights", args.weights)
+    loras = 0
+    if args.max_loras:
+        if model is None or args.max_loras < 0 or args.max_lora_rank < 1:
+            raise PlanError("--max-loras needs --model (the slots are sized by its projections) and "
+                            "--max-lora-rank >= 1")
+        loras = lora_slot_bytes(model, args.max_loras, args.max_lora_rank)
     max_len = args.max_model_len
     if max_len is None:
         max_len = (model.max_model_len if model else None) or DEFAULT_MAX_MODEL_LEN
@@ -206,6 +223,7 @@ def _plan_from_args(args: argparse.Namespace) -> tuple[KVShape, Plan]:
         avg_tokens=args.avg_tokens,
         max_model_len=max_len,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora_bytes=loras,
     )
     return shape, plan
 
