@@ -10,7 +10,8 @@ Per rung (``make_rung.py`` makes its files first, once) and format:
 - ``decode``: ``peer/llama_cpp_engine.py`` on the file, one stream and a batch of 32, rounds
   interleaved with llama.cpp's (pagedserve as ``up`` serves a GGUF: dtype auto, int8 KV);
 - ``bandwidth``: this machine's streaming read (``torch.sum`` over a 2 GiB fp32 tensor on
-  ``--threads`` threads, best of 5), measured before each rung's decode part; a one-stream step must
+  ``--threads`` threads, best of 5), measured before and after each format's decode part, the
+  higher kept (another process's burst lowers a read, never raises it); a one-stream step must
   read every weight of the file once (the embedding row aside; a tied lm_head reads the embedding
   matrix), so ``limit_tok_s`` = bandwidth / those bytes, and each system's ``share`` = its tok/s
   over that limit (the KV cache's reads are left out: at 64 + 16 positions a few percent at most);
@@ -116,12 +117,14 @@ def main() -> None:
         for fmt in formats:
             base = {"rung": name, "format": fmt, "params": rung.params}
             if "decode" in parts:
-                bandwidth = read_bandwidth(args.threads)
-                weights = weight_bytes_per_token(files[fmt])
+                before = read_bandwidth(args.threads)
+                lines = decode(args, files[fmt], files["hf"])
+                after = read_bandwidth(args.threads)
+                bandwidth, weights = max(before, after), weight_bytes_per_token(files[fmt])
                 limit = bandwidth / weights
                 print(json.dumps({"part": "bandwidth", **base, "read_gb_s": round(bandwidth / 1e9, 2),
+                                  "reads_gb_s": [round(before / 1e9, 2), round(after / 1e9, 2)],
                                   "weight_bytes_per_token": weights, "limit_tok_s": round(limit, 2)}), flush=True)
-                lines = decode(args, files[fmt], files["hf"])
                 for line in lines:
                     print(json.dumps({**base, **line}), flush=True)
                 for share in shares(lines, limit):
