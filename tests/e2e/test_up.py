@@ -1,5 +1,6 @@
 """`pagedserve up` with the default model (SmolLM2-135M-Instruct): the README's run command
-serves the official openai client, and Ctrl-C stops every child (gateway, engine, Redis)."""
+serves the official openai client (chat, completions, /v1/responses) and an OpenAI Agents SDK agent
+that calls a tool over /v1/responses, and Ctrl-C stops every child (gateway, engine, Redis)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Literal
 
 import openai
 
@@ -40,6 +42,45 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _agent_calls_a_tool(base_url: str, model_dir: Path) -> None:
+    """An Agents SDK agent over /v1/responses: its first turn must call the tool (the SDK then
+    resets tool_choice to auto), the tool runs once, and the agent ends with text. The SDK takes
+    an incomplete response for a failure, so EOS is pushed up once `min_tokens` are out (under
+    the first turn's grammar EOS stays masked until the call is whole): the answer ends."""
+    import asyncio
+
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from transformers import AutoTokenizer
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0.0,
+                             extra_body={"min_tokens": 3, "logit_bias": {str(eos): 100}})
+
+    async def run() -> Any:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
+        try:
+            agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
+                          model=OpenAIResponsesModel(model=MODEL, openai_client=client), model_settings=settings)
+            return await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
+    assert len(calls) == 1 and calls[0] in ("Paris", "Oslo", "Lima")
+    assert isinstance(result.final_output, str) and result.final_output
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+
+
 def test_up_serves_the_default_model_and_stops_cleanly(smollm2_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - closed below
@@ -67,6 +108,10 @@ def test_up_serves_the_default_model_and_stops_cleanly(smollm2_dir: Path, tmp_pa
             chunks = list(stream)
             assert "".join(c.choices[0].text for c in chunks if c.choices).strip()
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+            response = client.responses.create(model=MODEL, input="What is 2+2?", max_output_tokens=8,
+                                               temperature=0)
+            assert response.output_text and client.responses.retrieve(response.id).output_text == response.output_text
+        _agent_calls_a_tool(f"http://127.0.0.1:{port}/v1", smollm2_dir)
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         deadline = time.monotonic() + 10
