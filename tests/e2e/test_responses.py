@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import jsonschema
@@ -25,6 +25,7 @@ from openai import AsyncOpenAI
 
 from common.protocol import Keys
 from pagedserve.launch.redis_server import RedisServer
+from tests.e2e.agents_support import assert_called_once_and_answered, run_weather_agent
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 from tests.fixtures.models import make_tiny_model_dir
 
@@ -254,33 +255,10 @@ async def test_byte_bound_and_ttl(stack: tuple[str, EngineProcess]) -> None:
 
 
 async def test_agents_sdk_runs_a_tool(stack: tuple[str, EngineProcess], model_dir: Path) -> None:
-    """An Agents SDK agent over /v1/responses: forced to call its tool on the first turn (the
-    SDK then resets tool_choice to auto), the tool runs, the agent finishes with text. The SDK
-    takes an incomplete response for a failure, so the random model must end its answer: EOS is
-    pushed up once `min_tokens` are out (under the first turn's grammar EOS stays masked until
-    the call is whole), which makes the final answer 3 tokens long."""
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-    from transformers import AutoTokenizer
-
-    set_tracing_disabled(True)
-    calls: list[str] = []
-
-    @function_tool
-    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"sunny in {city}"
-
+    """An Agents SDK agent over /v1/responses (tests/e2e/agents_support.py) on the random model."""
     redis_url, engine = stack
-    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
-    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=1.0,
-                             extra_body={"seed": 5, "min_tokens": 3, "logit_bias": {str(eos): 100}})
     async with serve_gateway(redis_url) as url, _client(url) as client:
-        agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
-                      model=OpenAIResponsesModel(model=MODEL, openai_client=client), model_settings=settings)
-        result = await Runner.run(agent, "Weather in Oslo?", max_turns=4)
-    assert len(calls) == 1 and calls[0] in ("Paris", "Oslo", "Lima")
-    assert isinstance(result.final_output, str) and result.final_output
-    kinds = [item.type for item in result.new_items]
-    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+        calls, result = await run_weather_agent(client, MODEL, model_dir, "Weather in Oslo?", temperature=1.0,
+                                                max_tokens=100, extra_body={"seed": 5})
+    assert_called_once_and_answered(calls, result)
     engine.wait_drained()

@@ -4,17 +4,19 @@ that calls a tool over /v1/responses, and Ctrl-C stops every child (gateway, eng
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import openai
 
 from common.ports import free_port
+from tests.e2e.agents_support import assert_called_once_and_answered, run_weather_agent
 from tests.e2e.support import ROOT
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -43,42 +45,14 @@ def _alive(pid: int) -> bool:
 
 
 def _agent_calls_a_tool(base_url: str, model_dir: Path) -> None:
-    """An Agents SDK agent over /v1/responses: its first turn must call the tool (the SDK then
-    resets tool_choice to auto), the tool runs once, and the agent ends with text. The SDK takes
-    an incomplete response for a failure, so EOS is pushed up once `min_tokens` are out (under
-    the first turn's grammar EOS stays masked until the call is whole): the answer ends."""
-    import asyncio
+    """An Agents SDK agent over /v1/responses (tests/e2e/agents_support.py) on the default model."""
 
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-    from transformers import AutoTokenizer
+    async def run() -> tuple[list[str], Any]:
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120) as client:
+            return await run_weather_agent(client, MODEL, model_dir, "What is the weather in Oslo?",
+                                           temperature=0.0)
 
-    set_tracing_disabled(True)
-    calls: list[str] = []
-
-    @function_tool
-    def get_weather(city: Literal["Paris", "Oslo", "Lima"]) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"sunny in {city}"
-
-    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
-    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0.0,
-                             extra_body={"min_tokens": 3, "logit_bias": {str(eos): 100}})
-
-    async def run() -> Any:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=120)
-        try:
-            agent = Agent(name="weather", instructions="Answer with the weather.", tools=[get_weather],
-                          model=OpenAIResponsesModel(model=MODEL, openai_client=client), model_settings=settings)
-            return await Runner.run(agent, "What is the weather in Oslo?", max_turns=4)
-        finally:
-            await client.close()
-
-    result = asyncio.run(run())
-    assert len(calls) == 1 and calls[0] in ("Paris", "Oslo", "Lima")
-    assert isinstance(result.final_output, str) and result.final_output
-    kinds = [item.type for item in result.new_items]
-    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert_called_once_and_answered(*asyncio.run(run()))
 
 
 def test_up_serves_the_default_model_and_stops_cleanly(smollm2_dir: Path, tmp_path: Path) -> None:
