@@ -56,9 +56,16 @@ class FakeLLMEngine:
         self.grammars = SimpleNamespace(prewarm=lambda: None)
         self.requests: dict[str, _Request] = {}
         self.tokens = 0
+        self.runner_kind = "generate"  # announced in the heartbeat: a generating engine
+
+    def lora_names(self) -> list[str]:
+        """No LoRA adapters: the worker's adapter sync finds none to serve."""
+        return []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    generated: list[int] | None = None) -> None:
+                    generated: list[int] | None = None, **_: Any) -> None:
+        """Queued as `LLMEngine.add_request` queues it (its adapter and pooling options ignored: the
+        fake engine generates only)."""
         max_tokens = params.max_tokens if params.max_tokens is not None else 16
         self.requests[request_id] = _Request(len(prompt_token_ids), max_tokens, len(generated or []))
 

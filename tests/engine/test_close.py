@@ -19,6 +19,7 @@ from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.llm_engine import EngineClosedError
+from engine.model.lora.request import LoRARequest
 from engine.worker.engine_thread import EngineThread
 from tests.fixtures.models import make_tiny_model_dir
 
@@ -148,9 +149,10 @@ ENGINE_CALLS = {
     "has_unfinished_requests": (), "queue_lengths": (), "has_request": ("late",), "running_request_ids": (),
     "waiting_request_ids": (), "block_tables": (), "cached_keys": (4,), "pool_snapshot": (), "step": (),
     "stats": (), "wait_compiled": (), "take_refused": (), "num_compiling": (),
+    "lora_names": (), "add_lora": (LoRARequest("late", lora_path="/nowhere"),), "remove_lora": ("late",),
 }
 LLM_CALLS = {"generate": (PROMPTS, PARAMS), "chat": ([[{"role": "user", "content": "hi"}]],), "stats": (),
-             "reset_prefix_cache": ()}
+             "reset_prefix_cache": (), "embed": ("hi",)}
 
 
 def _public_methods(obj: object) -> set[str]:
