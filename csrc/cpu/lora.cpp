@@ -5,7 +5,8 @@
 // of length L runs eight accumulators, lane j taking i = j, j + 8, j + 16, ... (an fma chain each,
 // the tail folded into the first lanes), then one fixed pairwise sum of the eight. The eight-lane
 // array is written so the compiler may keep it in one vector register; that changes no rounding,
-// since each lane's chain and the final sum are the same operations in the same order. So a row's
+// since each lane's chain and the final sum are the same operations in the same order; with AVX2
+// eight such sums run side by side (`eight_dots`), again with the same lanes and sum. So a row's
 // bits depend only on its own x, its slot's A and B, and the shapes: the batch invariance of the
 // deterministic mode holds with adapters.
 //
@@ -15,6 +16,10 @@
 
 #include <algorithm>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "parallel.h"
@@ -33,6 +38,47 @@ inline float fixed_dot(const float* __restrict a, const float* __restrict b, int
     for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
   for (int64_t j = 0; i + j < len; ++j) acc[j] += a[i + j] * b[i + j];
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// fixed_dot(v, rows + c * ld, len) for the eight rows c = 0..7 at once, in the same lanes and the same
+// pairwise sum: lane j of accumulator c is that row's lane j (masked loads add exact zeros past
+// len); two hadds and an add of the two halves give each row ((0+1)+(2+3))+((4+5)+(6+7)).
+inline __m256 eight_dots(const float* v, const float* rows, int64_t ld, int64_t len) {
+  __m256 acc[8];
+  for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    const __m256 vv = _mm256_loadu_ps(v + i);
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(vv, _mm256_loadu_ps(rows + c * ld + i), acc[c]);
+  }
+  if (i < len) {
+    const __m256i mask =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len - i)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 vv = _mm256_maskload_ps(v + i, mask);
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(vv, _mm256_maskload_ps(rows + c * ld + i, mask), acc[c]);
+  }
+  const __m256 low = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 high = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20), _mm256_permute2f128_ps(low, high, 0x31));
+}
+#endif
+
+// dst[c] (+)= fixed_dot(v, rows + c * ld, len) for c in [0, count): eight rows at a time where the
+// CPU has the vectors (the same bits), one at a time for the rest.
+inline void dots(const float* v, const float* rows, int64_t ld, int64_t count, int64_t len, float* dst,
+                 bool accumulate) {
+  int64_t c = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; c + 8 <= count; c += 8) {
+    const __m256 sums = eight_dots(v, rows + c * ld, ld, len);
+    _mm256_storeu_ps(dst + c, accumulate ? _mm256_add_ps(_mm256_loadu_ps(dst + c), sums) : sums);
+  }
+#endif
+  for (; c < count; ++c) {
+    const float sum = fixed_dot(v, rows + c * ld, len);
+    dst[c] = accumulate ? dst[c] + sum : sum;
+  }
 }
 
 }  // namespace
@@ -68,8 +114,7 @@ void lora_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
   parallel_chunks(m_len, row_chunk(m_len, rank * k_len, kMinChunkElems), [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       if (slot[m] < 0) continue;
-      const float* as = ap + slot[m] * lda_s;
-      for (int64_t r = 0; r < rank; ++r) t[m * rank + r] = fixed_dot(xp + m * ldx, as + r * lda_r, k_len);
+      dots(xp + m * ldx, ap + slot[m] * lda_s, lda_r, rank, k_len, t.data() + m * rank, false);
     }
   }, openmp);
 
@@ -86,7 +131,7 @@ void lora_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, 
       const float* bs = bp + slot[m] * ldb_s;
       const float* tm = t.data() + m * rank;
       float* row = op + m * ldo;
-      for (int64_t n = n0; n < n1; ++n) row[n] += fixed_dot(tm, bs + n * ldb_n, rank);
+      dots(tm, bs + n0 * ldb_n, ldb_n, n1 - n0, rank, row + n0, true);
     }
   }, openmp);
 }

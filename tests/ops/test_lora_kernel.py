@@ -93,3 +93,22 @@ def test_reference_backend_and_other_dtypes_take_the_torch_path() -> None:
     finally:
         set_backend(previous)
     assert torch.equal(got, reference.lora_rows(out.clone(), x, a, b, slot))
+
+
+@pytest.mark.parametrize("rank", [9, 20])
+def test_a_sum_the_same_in_every_lane_group(rank: int) -> None:
+    """An output column (or rank row) summed eight at a time or on its own gives the same bits: the
+    columns of b shifted by one put each column in the other kind of group."""
+    out, x, a, b, slot = inputs(6, 100, 17, rank, seed=7)
+    slot[:] = torch.tensor([0, 1, 2, 3, 0, 1])
+    whole = out.clone()
+    lora_rows(whole, x, a, b, slot)
+    shifted = out[:, 1:].clone()
+    lora_rows(shifted, x, a, b[:, 1:], slot)
+    assert torch.equal(shifted, whole[:, 1:])
+    # b the identity: out[:, r] is exactly t[r] = x . a[s][r], each rank row's own sum
+    t_all = torch.zeros(6, rank)
+    lora_rows(t_all, x, a, torch.eye(rank).expand(4, rank, rank).contiguous(), slot)
+    t_shifted = torch.zeros(6, rank - 1)
+    lora_rows(t_shifted, x, a[:, 1:], torch.eye(rank - 1).expand(4, rank - 1, rank - 1).contiguous(), slot)
+    assert torch.equal(t_shifted, t_all[:, 1:])
