@@ -30,7 +30,7 @@ CPU_SOURCES = (
     "cpu/sampling.cpp", "cpu/screen.cpp", "cpu/fixed_gemm.cpp", "cpu/quant_gemm.cpp", "cpu/quant_interleaved.cpp",
     "cpu/quant_interleaved_q5q8.cpp", "cpu/quant_interleaved_k.cpp",
     "cpu/quant_bf16.cpp", "cpu/quant_bf16_dot.cpp", "cpu/quant_amx.cpp", "cpu/quant_int8_amx.cpp",
-    "cpu/quant_screen.cpp", "cpu/decoder.cpp", "cpu/packed_moe.cpp", "cpu/registration.cpp",
+    "cpu/quant_screen.cpp", "cpu/decoder.cpp", "cpu/packed_moe.cpp", "cpu/lora.cpp", "cpu/registration.cpp",
 )
 CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h", "cpu/kv_quant.h", "cpu/quant_blocks.h",
                "cpu/quant_interleaved.h", "cpu/quant_interleaved_q5q8.h", "cpu/quant_interleaved_k.h", "cpu/r8_lanes.h",

@@ -73,6 +73,12 @@ void fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& pa
 void quant_fixed_gemm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, int64_t format,
                       const c10::optional<at::Tensor>& bias);
 
+// Multi-LoRA (csrc/cpu/lora.cpp): out fp32 [M, N] += (x [M, K] . a[s]^T) . b[s]^T per row, s =
+// slot_of_row[m] (int64; < 0: the row is left alone), a [S, R, K], b [S, N, R]; each sum in one fixed
+// order, so a row's bits do not depend on the other rows.
+void lora_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor& slot_of_row);
+
 // out int64 [rows]: per row, the first token whose running sum of softmax(logits * inv_temperature)
 // exceeds uniforms[row] times the total (inverse CDF in token-id order); logits fp32 [rows, vocab].
 void sample_from_logits(const at::Tensor& out, const at::Tensor& logits, const at::Tensor& inv_temperature,

@@ -27,6 +27,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("small_gemm(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   m.def("fixed_gemm(Tensor(a!) out, Tensor x, Tensor packed, int n, Tensor? bias) -> ()");
   m.def("quant_fixed_gemm(Tensor(a!) out, Tensor x, Tensor qweight, int format, Tensor? bias) -> ()");
+  m.def("lora_rows(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor slot_of_row) -> ()");
   m.def("sample_from_logits(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor uniforms) -> ()");
   m.def(
       "sample_filtered(Tensor(a!) out, Tensor logits, Tensor inv_temperature, Tensor top_k, Tensor top_p, "
@@ -78,6 +79,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("small_gemm", &pagedserve::cpu::small_gemm);
   m.impl("fixed_gemm", &pagedserve::cpu::fixed_gemm);
   m.impl("quant_fixed_gemm", &pagedserve::cpu::quant_fixed_gemm);
+  m.impl("lora_rows", &pagedserve::cpu::lora_rows);
   m.impl("sample_from_logits", &pagedserve::cpu::sample_from_logits);
   m.impl("sample_filtered", &pagedserve::cpu::sample_filtered);
   m.impl("screened_argmax", &pagedserve::cpu::screened_argmax);

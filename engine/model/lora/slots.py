@@ -5,7 +5,9 @@ with no loop over adapters.
 Each row's product is gathered from its slot and reduced on its own (an elementwise product
 summed over the contiguous last dimension, whose order depends only on that dimension's length),
 so a row's result is the same whatever other rows, adapters or row counts share its step: the
-batch invariance of the deterministic mode holds with adapters."""
+batch invariance of the deterministic mode holds with adapters. On the CPU in fp32 the kernel
+``ops.lora.lora_rows`` does the same per row in one fixed order; the torch path serves the other
+devices, dtypes and the reference backend."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from ops.lora import kernel_applies, lora_rows
 
 GATHER_ELEMENTS = 1 << 21  # elements of a gathered chunk of adapter weights (8 MiB in fp32)
 
@@ -72,6 +76,8 @@ class LoRASlots:
 
     def add(self, x: Tensor, out: Tensor, rows: LoRARows) -> Tensor:
         """`out` (the base linear's `[T, out]`) plus each adapter row's product, in place; returns `out`."""
+        if kernel_applies(out, x, self.a):
+            return self._add_kernel(x, out, rows)
         xs = x if rows.every_row else x.index_select(0, rows.index)
         xs = xs.to(self.a.dtype)
         widest = max(self.in_features, *self.slice_sizes) * self.a.shape[1]
@@ -81,6 +87,19 @@ class LoRASlots:
         if rows.every_row:
             return out.add_(delta)
         return out.index_add_(0, rows.index, delta)
+
+    def _add_kernel(self, x: Tensor, out: Tensor, rows: LoRARows) -> Tensor:
+        """`add` through the CPU kernel: every row at once, slice by slice, no gathered copies."""
+        if rows.every_row:
+            slot_of_row = rows.slot
+        else:
+            slot_of_row = torch.full((x.shape[0],), -1, dtype=torch.int64).index_copy_(0, rows.index, rows.slot)
+        r, start = self.rank, 0
+        for i, b in enumerate(self.b):
+            size = b.shape[1]
+            lora_rows(out[:, start : start + size], x, self.a[:, i * r : (i + 1) * r], b, slot_of_row)
+            start += size
+        return out
 
     def _delta(self, x: Tensor, slot: Tensor) -> Tensor:
         """`[n, out]`: each row through its own slot's A then B."""
