@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 import engine.llm  # noqa: F401, I001  (before torch: the engine sets OpenMP's spin count while it still can)
 import torch
+from benchmarks.kernels.quant_bench import engine_round  # imports torch too: after the engine
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -47,28 +46,6 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[Pat
         model.save_pretrained(str(path))
         paths.append(path)
     return paths
-
-
-def decode_round(engine: Any, prompts: list[list[int]], loras: list[Any], steps: int) -> float:
-    """Median seconds of a decode step of all `prompts` together (request i with `loras[i]`),
-    after their prefill."""
-    from common.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
-        engine.add_request(f"r{i}", prompt, params, lora_request=lora)
-    while engine.scheduler.waiting:  # prefill everything first
-        engine.step()
-    for _ in range(2):  # the last prefill chunks, and one warm decode step
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for request_id in list(engine.requests):
-        engine.abort_request(request_id)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -96,11 +73,11 @@ def main() -> None:
         }
         engine = LLM(str(default_gguf_path()), kv_cache_memory=1 << 28, enable_lora=True, max_loras=args.adapters,
                      max_lora_rank=args.rank).engine
-        decode_round(engine, prompts, systems["lora"], 1)  # loads the adapters into their slots
+        engine_round(engine, prompts, 1, systems["lora"])  # loads the adapters into their slots
         best = dict.fromkeys(systems, float("inf"))
         for _ in tqdm(range(args.rounds), desc="rounds", unit="round", file=sys.stderr):
             for name, loras in systems.items():
-                best[name] = min(best[name], decode_round(engine, prompts, loras, args.steps))
+                best[name] = min(best[name], engine_round(engine, prompts, args.steps, loras)[0])
     tok_s = {name: args.batch / seconds for name, seconds in best.items()}
     common = {"batch": args.batch, "adapters": args.adapters, "rank": args.rank,
               "threads": torch.get_num_threads()}

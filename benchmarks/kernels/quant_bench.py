@@ -109,14 +109,16 @@ def prompts_for(count: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, 40000) for _ in range(length)] for _ in range(count)]
 
 
-def engine_round(engine: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+def engine_round(engine: Any, prompts: list[list[int]], steps: int,
+                 loras: list[Any] | None = None) -> tuple[float, float]:
     """Median seconds of a decode step of all `prompts` together, after their prefill, and median
-    CPU seconds of this process per step (all its threads: on a loaded machine the steadier figure)."""
+    CPU seconds of this process per step (all its threads: on a loaded machine the steadier figure).
+    `loras`: each prompt's LoRA adapter (a `LoRARequest`, or None for the base)."""
     from common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params, lora_request=loras[i] if loras else None)
     while engine.scheduler.waiting:  # prefill everything first
         engine.step()
     for _ in range(2):  # the last prefill chunks, and one warm decode step
