@@ -132,8 +132,8 @@ class FakeLLMEngine:
 class FakeEngineThread(EngineThread):
     """The worker's engine thread, building a `FakeLLMEngine` instead of loading a model."""
 
-    def __init__(self, recovery: RecoveryState, tok_s: float) -> None:
-        super().__init__(recovery)
+    def __init__(self, recovery: RecoveryState, tok_s: float, cached_limit: int = 0) -> None:
+        super().__init__(recovery, cached_limit)
         self.tok_s = tok_s
 
     def _build(self, config: EngineConfig) -> None:
@@ -144,11 +144,10 @@ class FakeEngineThread(EngineThread):
 def fake_worker(engine_id: str, model_name: str, model_dir: str, redis_url: str, tok_s: float,
                 max_num_seqs: int) -> EngineWorker:
     """A real `EngineWorker` whose engine thread runs a `FakeLLMEngine`."""
-    worker = EngineWorker(WorkerConfig(engine_id=engine_id, model_name=model_name, redis_url=redis_url,
-                                       drain_timeout_s=5.0),
-                          EngineConfig(model=model_dir, max_num_seqs=max_num_seqs))
-    worker.thread = FakeEngineThread(worker.recovery, tok_s)
-    return worker
+    return EngineWorker(WorkerConfig(engine_id=engine_id, model_name=model_name, redis_url=redis_url,
+                                     drain_timeout_s=5.0),
+                        EngineConfig(model=model_dir, max_num_seqs=max_num_seqs),
+                        thread_factory=lambda recovery, cached_limit: FakeEngineThread(recovery, tok_s, cached_limit))
 
 
 async def run_fleet(args: argparse.Namespace) -> None:

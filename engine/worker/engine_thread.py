@@ -75,16 +75,18 @@ class StepResult:
 
 class EngineThread:
     """Owns the `LLMEngine` and the single thread it lives on. Whether the next trip takes a full
-    snapshot is asked of `recovery` (the heartbeat requests one there; this thread takes it)."""
+    snapshot is asked of `recovery` (the heartbeat requests one there; this thread takes it).
+    `cached_limit`: how many prefix-cache keys each snapshot lists (``cached_keys``, what a
+    routed engine announces); 0: none."""
 
-    def __init__(self, recovery: RecoveryState | None = None) -> None:
+    def __init__(self, recovery: RecoveryState | None = None, cached_limit: int = 0) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine: Any = None
         # (figures, pool snapshot) as of the end of the last trip; replaced, never mutated.
         # The pool snapshot and block tables are rebuilt only when the heartbeat asked.
         self.snapshot_cache: tuple[dict[str, Any], list[list[int]]] = ({}, [])
         self.recovery = recovery if recovery is not None else RecoveryState()
-        self.cached_limit = 0  # prefix-cache keys each snapshot lists (``cached_keys``); 0: none (no routing)
+        self.cached_limit = cached_limit
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the engine thread."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -20,21 +19,21 @@ from aiohttp import web
 from redis.exceptions import RedisError, WatchError
 
 from common.log import get_logger
-from common.protocol import DEFAULT_PREFIX, Keys
-from common.protocol.heartbeat import MAX_CACHED
-from common.redis_conn import Epoch, NotReplicated, ReplicaAck, pooled_client
-from common.redis_spec import RedisSpec
+from common.protocol import Keys
+from common.redis_conn import Epoch, NotReplicated, ReplicaAck
 from common.shutdown import shut_down
 from engine.config import EngineConfig
 from engine.worker.engine_thread import EngineThread, Queues, StepResult
-from engine.worker.guards import GATEWAY_GRACE_S, Guards
-from engine.worker.heartbeat import Heartbeat, model_config_hash
+from engine.worker.heartbeat import Heartbeat
 from engine.worker.intake import Intake
 from engine.worker.lora_sync import LoRASync
-from engine.worker.metrics import EngineMetrics, start_metrics_server
+from engine.worker.metrics import start_metrics_server
 from engine.worker.outbox import Fence, FenceLost, Outbox, flush
+from engine.worker.parts import ThreadFactory, WorkerParts, build_parts, build_thread
 from engine.worker.recovery import RecoveryState
-from engine.worker.request_stream import RequestStream
+from engine.worker.worker_config import WorkerConfig
+
+__all__ = ["ConflictingEngine", "EngineWorker", "WorkerConfig"]
 
 FENCE_TRIES = 8  # flush attempts per step when the heartbeat key changes under one
 log = get_logger("worker")
@@ -44,55 +43,23 @@ class ConflictingEngine(ValueError):
     """Another live engine serves this model name with other weights, tokenizer or length."""
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """Redis side of an engine worker."""
-
-    engine_id: str
-    model_name: str
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis: RedisSpec | None = None  # a Sentinel setup (or WAIT settings); None: `redis_url` alone
-    redis_prefix: str = DEFAULT_PREFIX
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int | None = None
-    heartbeat_interval_s: float = 1.0
-    claim_after_s: float | None = None  # default: 5 heartbeat intervals
-    progress_ttl_s: int = 3600
-    max_pull: int = 64
-    idle_block_ms: int = 500
-    max_claims: int = 3
-    gateway_grace_s: float = GATEWAY_GRACE_S  # --gateway-grace
-    drain_timeout_s: float = 30.0
-    redis_pool_size: int = 16
-    redis_pool_timeout_s: float = 10.0
-    routing: bool = True  # read an own routed stream first and announce it (cache-aware routing)
-    steal_after_s: float | None = 3.0  # with routing: take peers' routed entries waiting this long; None: never
-    reasoning_parser: str = ""  # announced to gateways: how they split thinking from the answer ("": the template)
-
-    @property
-    def redis_spec(self) -> RedisSpec:
-        return self.redis if self.redis is not None else RedisSpec(url=self.redis_url)
-
-    @property
-    def claim_after_ms(self) -> int:
-        return int(1000 * (self.claim_after_s or 5 * self.heartbeat_interval_s))
-
-
 class EngineWorker:
-    """One engine serving its model's request stream as consumer `engine_id` of group `engines`."""
+    """One engine serving its model's request stream as consumer `engine_id` of group `engines`.
+    Its parts are built by `engine.worker.parts`: the engine thread here, the rest once the model
+    is loaded (`run`)."""
 
-    def __init__(self, config: WorkerConfig, engine_config: EngineConfig) -> None:
+    def __init__(self, config: WorkerConfig, engine_config: EngineConfig,
+                 thread_factory: ThreadFactory = EngineThread) -> None:
         self.config = config
         self.engine_config = engine_config
         self.keys = Keys(config.redis_prefix)
         # unsent outputs, checkpoints, readopt due, snapshot wanted: asked of it, never written here
         self.recovery = RecoveryState()
-        self.thread = EngineThread(self.recovery)
+        self.thread = build_thread(config, self.recovery, thread_factory)
         self.stop = asyncio.Event()
         self.closing = False  # set on the way out: the side tasks' loops end at their next turn
         self.stats: dict[str, Any] = {}  # the engine's figures after the last step (metrics, heartbeat)
         self.queues = Queues()
-        self.metrics: EngineMetrics | None = None
         self.epoch = Epoch(self.keys.epoch)
         self.ack = ReplicaAck.of(config.redis_spec)
         self._drain_deadline: float | None = None
@@ -100,28 +67,9 @@ class EngineWorker:
     async def run(self) -> None:
         """Load the model, then serve until `stop` is set and the drain is over."""
         await self.thread.start(self.engine_config)
-        engine = self.thread.engine
         cfg = self.config
-        client = pooled_client(cfg.redis_spec, cfg.redis_pool_size, cfg.redis_pool_timeout_s, health_check_interval=10,
-                               socket_connect_timeout=2.0)
-        self.metrics = EngineMetrics(engine.device.type)
-        stream = RequestStream(client, self.keys, cfg.model_name, cfg.engine_id)
-        routed = None
-        if cfg.routing:
-            routed = RequestStream(client, self.keys, cfg.model_name, cfg.engine_id,
-                                   key=self.keys.routed(cfg.model_name, cfg.engine_id),
-                                   register=self.keys.routed_streams(cfg.model_name))
-        steal_ms = None if not cfg.routing or cfg.steal_after_s is None else int(cfg.steal_after_s * 1000)
-        intake = Intake(client, self.keys, stream, cfg.model_name, cfg.max_claims, self.epoch, routed=routed,
-                        steal_after_ms=steal_ms)
-        guards = Guards(intake, cfg.gateway_grace_s)
-        intake.on_data_lost = lambda: self._forget_everything(intake)
-        beat = Heartbeat(client, self.keys, cfg.engine_id, cfg.model_name, engine.tokenizer_dir,
-                         engine.max_model_len, ttl_s=cfg.claim_after_ms / 1000,
-                         config_hash=model_config_hash(str(engine.config.model)), vocab_size=engine.vocab_size,
-                         runner=engine.runner_kind,
-                         reasoning_parser=cfg.reasoning_parser)
-        beat.loras = engine.lora_names()  # the --lora-modules it serves (read before any step runs)
+        parts = build_parts(cfg, self.engine_config, self.keys, self.thread, self.epoch, self._data_lost)
+        client, intake, beat = parts.client, parts.intake, parts.beat
         runner = None
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -130,23 +78,20 @@ class EngineWorker:
                 raise ConflictingEngine(f"model name {cfg.model_name!r} is already served by engines with other "
                                         f"weights/tokenizer/max_model_len: {'; '.join(conflicts)}")
             await self.epoch.check(client)
-            await stream.ensure_group()
-            if routed is not None:  # group and set member first: then the heartbeat may announce `routed`
-                await routed.ensure_group()
-                beat.routed_block_size = self.engine_config.block_size
-                self.thread.cached_limit = MAX_CACHED
+            await intake.stream.ensure_group()
+            if intake.routed is not None:  # group and set member before the first beat announces `routed`
+                await intake.routed.ensure_group()
             if cfg.metrics_port is not None:
-                runner = await start_metrics_server(self.metrics, cfg.metrics_host, cfg.metrics_port)
+                runner = await start_metrics_server(parts.metrics, cfg.metrics_host, cfg.metrics_port)
             for own in intake.own_streams:
                 await intake.admit(await own.read_own_pending(), claimed=True)
             await self._beat(beat, intake)
             tasks = [asyncio.create_task(intake.listen_aborts(lambda: not self.closing), name="aborts"),
-                     asyncio.create_task(self._heartbeats(beat, intake), name="heartbeat"),
+                     asyncio.create_task(self._heartbeats(parts), name="heartbeat"),
                      asyncio.create_task(self._takeovers(intake), name="takeover"),
-                     asyncio.create_task(self._lora_sync(LoRASync(client, self.keys, cfg.model_name, self.thread,
-                                                                  beat)), name="lora-sync")]
-            log.info("engine serving", engine_id=cfg.engine_id, model=cfg.model_name, stream=stream.key)
-            await self._loop(client, intake, guards, beat)
+                     asyncio.create_task(self._lora_sync(parts.lora_sync), name="lora-sync")]
+            log.info("engine serving", engine_id=cfg.engine_id, model=cfg.model_name, stream=intake.stream.key)
+            await self._loop(parts)
         finally:
             await self._shut(tasks, beat, runner, client)
 
@@ -161,7 +106,7 @@ class EngineWorker:
         self.thread.close()
 
     # ----- the main loop -----------------------------------------------------------------------
-    async def _loop(self, client: aioredis.Redis, intake: Intake, guards: Guards, beat: Heartbeat) -> None:
+    async def _loop(self, parts: WorkerParts) -> None:
         """Steps run on the engine thread; the loop publishes one step while the next runs::
 
             engine thread   | step N        | step N+1        | step N+2  ...
@@ -170,34 +115,34 @@ class EngineWorker:
         After step N returns, its outputs go to an outbox, new entries are pulled, and step
         N+1 starts before the outbox of N is flushed, so Redis round trips hide behind the
         model. When nothing is left to run, the loop blocks on XREADGROUP instead of spinning."""
+        intake = parts.intake
         step: asyncio.Future[StepResult] | None = None
         while not self._done(intake) or step is not None:
             if step is None:
                 if not self._busy(intake):
                     await self._pull(intake, block=True)
                     if not self._busy(intake):
-                        await self._publish(client, intake, guards, beat, intake.take_pending())
+                        await self._publish(parts, intake.take_pending())
                         continue
-                step = self._start_step(intake, guards)
+                step = self._start_step(parts)
             result = await step
             self.stats, self.queues = result.stats | intake.counters(), result.queues
-            assert self.metrics is not None
-            self.metrics.update(self.stats)
+            parts.metrics.update(self.stats)
             outbox = intake.take_pending()
-            self._collect(intake, result, outbox)
+            self._collect(parts, result, outbox)
             step = None
             if self._drain_due(intake, outbox):
-                await self._publish(client, intake, guards, beat, outbox)
+                await self._publish(parts, outbox)
                 continue
             if not self.stop.is_set():
                 await self._pull(intake, block=False)
             if self._busy(intake):  # overlap: next step computes while this one is published
-                step = self._start_step(intake, guards)
-            await self._publish(client, intake, guards, beat, outbox)
+                step = self._start_step(parts)
+            await self._publish(parts, outbox)
 
-    def _start_step(self, intake: Intake, guards: Guards) -> asyncio.Future[StepResult]:
-        guards.expire()
-        return asyncio.ensure_future(self.thread.call(self.thread.step, *intake.take_jobs()))
+    def _start_step(self, parts: WorkerParts) -> asyncio.Future[StepResult]:
+        parts.guards.expire()
+        return asyncio.ensure_future(self.thread.call(self.thread.step, *parts.intake.take_jobs()))
 
     def _done(self, intake: Intake) -> bool:
         """Stopping and nothing left to run (or hand back)."""
@@ -232,17 +177,16 @@ class EngineWorker:
             self.recovery.note_redis_trouble()
             await asyncio.sleep(0.5)
 
-    def _collect(self, intake: Intake, result: StepResult, outbox: Outbox) -> None:
+    def _collect(self, parts: WorkerParts, result: StepResult, outbox: Outbox) -> None:
         """Engine deltas, rejections, failures and aborts → wire messages and acks; metrics."""
         now = time.time()
-        for live, out in intake.collect(result, outbox):
-            if self.metrics is not None:
-                self.metrics.observe_finished(live.request.arrival, live.first_token_at, now, out.num_generated_tokens)
+        for live, out in parts.intake.collect(result, outbox):
+            parts.metrics.observe_finished(live.request.arrival, live.first_token_at, now, out.num_generated_tokens)
 
-    async def _publish(self, client: aioredis.Redis, intake: Intake, guards: Guards, beat: Heartbeat,
-                       outbox: Outbox) -> None:
+    async def _publish(self, parts: WorkerParts, outbox: Outbox) -> None:
         """Flush (after any earlier outbox that failed), unless the heartbeat lapsed: then first
         drop what other engines took over. Reads back gateway liveness and the epoch."""
+        client, intake, guards, beat = parts.client, parts.intake, parts.guards, parts.beat
         self.recovery.note_unsent(outbox)
         margin = min(1.0, beat.ttl_s / 4)
         fence = Fence(beat.key, lambda: beat.fresh(margin_s=margin))
@@ -255,7 +199,7 @@ class EngineWorker:
                                         self.recovery.checkpoints)
                     break
                 except FenceLost:  # silent for too long: drop what other engines took over, then flush
-                    await self._check_ownership(intake, guards, beat)
+                    await self._check_ownership(parts)
                 except WatchError:  # the heartbeat key changed before EXEC (ours, or it expired): again
                     continue
             else:
@@ -287,9 +231,10 @@ class EngineWorker:
             log.warning("cannot check this engine's pending entries; will retry", error=str(exc))
             self.recovery.note_redis_trouble()
 
-    async def _check_ownership(self, intake: Intake, guards: Guards, beat: Heartbeat) -> None:
+    async def _check_ownership(self, parts: WorkerParts) -> None:
         """Our heartbeat may have expired: rewrite it (from now on nobody can take our entries),
         then drop every request that is no longer pending under our name."""
+        intake, beat = parts.intake, parts.beat
         await self._beat(beat, intake)
         by_stream: dict[str, dict[str, str]] = {}
         for t in intake.tracked.values():
@@ -298,14 +243,14 @@ class EngineWorker:
         for key, entries in by_stream.items():
             owned = await intake.stream_for(key).owned(list(entries))
             lost |= {rid for entry, rid in entries.items() if entry not in owned}
-        guards.lose(lost, "taken over by another engine while this one was silent")
+        parts.guards.lose(lost, "taken over by another engine while this one was silent")
         self.recovery.lose(lost)
-        beat.suspect = False
+        beat.ownership_checked()
 
-    def _forget_everything(self, intake: Intake) -> None:
+    def _data_lost(self, lost: set[str]) -> None:
         """Redis restarted without persistence: every in-flight request is gone there (its
-        gateway fails it with a clear error), so drop them all and publish nothing for them."""
-        lost = intake.forget_all()
+        gateway fails it with a clear error); the intake dropped them all (`lost`), and nothing
+        is published for them."""
         log.error("Redis lost its data (epoch changed): dropped in-flight requests", requests=len(lost))
         self.recovery.data_lost()
 
@@ -315,7 +260,7 @@ class EngineWorker:
         may still point at the old server: a failure here is logged, not raised (it stopped an
         engine once: "Connection closed by server" out of the epoch check), since the next read
         recreates the group on NOGROUP and the next flush reads the epoch again."""
-        self._forget_everything(intake)
+        intake.data_lost()
         if seen is not None:
             self.epoch.token = seen  # requests admitted from now on are not dropped again
         try:
@@ -326,8 +271,9 @@ class EngineWorker:
             log.warning("after the data loss: epoch or consumer group not set up yet; will retry", error=str(exc))
 
     # ----- side tasks --------------------------------------------------------------------------
-    async def _heartbeats(self, beat: Heartbeat, intake: Intake) -> None:
+    async def _heartbeats(self, parts: WorkerParts) -> None:
         """Every interval, from cached figures: never waits for the engine thread."""
+        beat, intake = parts.beat, parts.intake
         interval = self.config.heartbeat_interval_s
         while not self.closing:
             await asyncio.sleep(interval)

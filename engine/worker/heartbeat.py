@@ -67,12 +67,18 @@ def model_config_hash(model_dir: str) -> str:
 class Heartbeat:
     """Writes ``{prefix}:engine:<id>`` with a TTL of `ttl_s` and its member of
     ``{prefix}:engines``; `last_ok` is when a write last
-    succeeded (monotonic), `suspect` is set when the key may have expired in between."""
+    succeeded (monotonic), `suspect` is set when the key may have expired in between (and
+    cleared by `ownership_checked`: only this object writes it).
+
+    With a `routed_block_size` the engine reads its own routed stream and each beat announces
+    it with the cached keys (by that block size); None: no routing. `loras` are the adapters
+    served at start; `engine.worker.lora_sync` replaces them at run time."""
 
     def __init__(self, client: aioredis.Redis, keys: Keys, engine_id: str, model: str, tokenizer: str,
                  max_model_len: int, ttl_s: float, config_hash: str = "", vocab_size: int = 0,
                  runner: str = "generate",
-                 reasoning_parser: str = "") -> None:
+                 reasoning_parser: str = "", routed_block_size: int | None = None,
+                 loras: list[str] | None = None) -> None:
         self.client = client
         self.keys = keys
         self.key = keys.engine(engine_id)
@@ -89,11 +95,10 @@ class Heartbeat:
         self.started = time.time()
         self.draining = False
         self.last_ok = -1e9
-        self.suspect = False
+        self._suspect = False
         self.beats = 0
-        # set: this engine reads its own routed stream and announces its cached keys (by this block size)
-        self.routed_block_size: int | None = None
-        self.loras: list[str] = []  # the LoRA adapters it serves over `model`
+        self.routed_block_size = routed_block_size
+        self.loras: list[str] = list(loras or [])  # the LoRA adapters it serves over `model`
         self.lora_errors: dict[str, str] = {}  # adapters of `Keys.loras` it could not load, and why
 
     def build(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> EngineHeartbeat:
@@ -113,7 +118,7 @@ class Heartbeat:
 
     def fresh(self, margin_s: float) -> bool:
         """The key certainly still exists (written less than ttl - margin ago, no gap since)."""
-        return not self.suspect and time.monotonic() - self.last_ok < self.ttl_s - margin_s
+        return not self._suspect and time.monotonic() - self.last_ok < self.ttl_s - margin_s
 
     async def beat(self, stats: dict[str, Any], pool: list[list[int]], extra: dict[str, float]) -> None:
         """Replace the hash (stale stat fields disappear), set its TTL and score this engine
@@ -124,9 +129,18 @@ class Heartbeat:
             queue_beat(pipe, self.keys, heartbeat, self.ttl_ms)
             await pipe.execute()
         if self.beats and sent - self.last_ok >= self.ttl_s:
-            self.suspect = True  # the key may have expired meanwhile: others may own our work now
+            self._suspect = True  # the key may have expired meanwhile: others may own our work now
         self.last_ok = sent
         self.beats += 1
+
+    @property
+    def suspect(self) -> bool:
+        """The key may have expired since the last ownership check: others may own our work now."""
+        return self._suspect
+
+    def ownership_checked(self) -> None:
+        """The worker rewrote the key and dropped what others took over: trusted again."""
+        self._suspect = False
 
     async def conflicts(self) -> list[str]:
         """Live engines announcing this model name with other weights, tokenizer or length."""

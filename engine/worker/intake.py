@@ -41,7 +41,7 @@ class Intake:
 
     def __init__(self, client: aioredis.Redis, keys: Keys, stream: RequestStream, model: str,
                  max_claims: int = 3, epoch: Epoch | None = None,
-                 on_data_lost: Callable[[], None] | None = None, routed: RequestStream | None = None,
+                 on_data_lost: Callable[[set[str]], None] | None = None, routed: RequestStream | None = None,
                  steal_after_ms: int | None = None) -> None:
         self.client = client
         self.routed = routed  # this engine's own routed stream, read before the shared one; None: no routing
@@ -250,8 +250,15 @@ class Intake:
         """A request from another dataset epoch: Redis lost its data since we last looked."""
         if self.epoch is None or not token or token == self.epoch.token:
             return
-        if await self.epoch.check(self.client) and self.on_data_lost is not None:
-            self.on_data_lost()
+        if await self.epoch.check(self.client):
+            self.data_lost()
+
+    def data_lost(self) -> set[str]:
+        """Redis lost its data: drop every request (`forget_all`), then tell `on_data_lost` which."""
+        lost = self.forget_all()
+        if self.on_data_lost is not None:
+            self.on_data_lost(lost)
+        return lost
 
     async def _dead_letter(self, request: EngineRequest, entry: StreamEntry) -> None:
         """Park a request taken over more than `max_claims` times and tell its client."""
