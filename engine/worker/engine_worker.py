@@ -2,8 +2,9 @@
 
 Loop: pull new entries (blocking only when there is nothing to run) → start the next engine
 step on the engine thread → while it runs, publish the previous step's tokens in one
-MULTI/EXEC per step. Around every step the guards run (deadlines, gone gateways, ownership,
-Redis data loss). Side tasks: the heartbeat (its own task, on cached figures), takeover of
+MULTI/EXEC per step. Around every step the guards run (deadlines, gone gateways, ownership);
+after every flush `engine.worker.failover` reacts to Redis trouble (re-adoption after a
+failover, Redis data loss). The parts are built by `engine.worker.parts`. Side tasks: the heartbeat (its own task, on cached figures), takeover of
 dead engines' entries, and the abort listener. SIGTERM drains: no new work, running
 requests finish within `drain_timeout_s`, the rest go back on the stream with their
 checkpoints."""
@@ -68,7 +69,7 @@ class EngineWorker:
         """Load the model, then serve until `stop` is set and the drain is over."""
         await self.thread.start(self.engine_config)
         cfg = self.config
-        parts = build_parts(cfg, self.engine_config, self.keys, self.thread, self.epoch, self._data_lost)
+        parts = build_parts(cfg, self.engine_config, self.keys, self.thread, self.recovery, self.epoch)
         client, intake, beat = parts.client, parts.intake, parts.beat
         runner = None
         tasks: list[asyncio.Task[None]] = []
@@ -85,7 +86,7 @@ class EngineWorker:
                 runner = await start_metrics_server(parts.metrics, cfg.metrics_host, cfg.metrics_port)
             for own in intake.own_streams:
                 await intake.admit(await own.read_own_pending(), claimed=True)
-            await self._beat(beat, intake)
+            await parts.beat_now()
             tasks = [asyncio.create_task(intake.listen_aborts(lambda: not self.closing), name="aborts"),
                      asyncio.create_task(self._heartbeats(parts), name="heartbeat"),
                      asyncio.create_task(self._takeovers(intake), name="takeover"),
@@ -216,26 +217,14 @@ class EngineWorker:
             await asyncio.sleep(0.2)
             return
         self.recovery.sent(unsent)
-        if self.recovery.take_readopt():  # writes the old master acknowledged may be missing from this one
-            await self._readopt(intake)
-        if self.epoch.token is not None and reply.epoch != self.epoch.token:
-            await self._redis_lost(client, intake, reply.epoch)
-            return
-        guards.on_probe(reply.alive)
-
-    async def _readopt(self, intake: Intake) -> None:
-        """`Intake.readopt` once Redis answers again (due again when it fails)."""
-        try:
-            await intake.readopt()
-        except (RedisError, OSError) as exc:
-            log.warning("cannot check this engine's pending entries; will retry", error=str(exc))
-            self.recovery.note_redis_trouble()
+        if await parts.failover.after_flush(reply.epoch):  # False: Redis lost its data, all was dropped
+            guards.on_probe(reply.alive)
 
     async def _check_ownership(self, parts: WorkerParts) -> None:
         """Our heartbeat may have expired: rewrite it (from now on nobody can take our entries),
         then drop every request that is no longer pending under our name."""
-        intake, beat = parts.intake, parts.beat
-        await self._beat(beat, intake)
+        intake = parts.intake
+        await parts.beat_now()
         by_stream: dict[str, dict[str, str]] = {}
         for t in intake.tracked.values():
             by_stream.setdefault(t.stream or intake.stream.key, {})[t.entry_id] = t.request_id
@@ -245,41 +234,17 @@ class EngineWorker:
             lost |= {rid for entry, rid in entries.items() if entry not in owned}
         parts.guards.lose(lost, "taken over by another engine while this one was silent")
         self.recovery.lose(lost)
-        beat.ownership_checked()
-
-    def _data_lost(self, lost: set[str]) -> None:
-        """Redis restarted without persistence: every in-flight request is gone there (its
-        gateway fails it with a clear error); the intake dropped them all (`lost`), and nothing
-        is published for them."""
-        log.error("Redis lost its data (epoch changed): dropped in-flight requests", requests=len(lost))
-        self.recovery.data_lost()
-
-    async def _redis_lost(self, client: aioredis.Redis, intake: Intake, seen: str | None) -> None:
-        """Drop everything once, adopt the epoch the flush read (`seen`), then set one up when there
-        was none and recreate the consumer group. Redis has just come back and pooled connections
-        may still point at the old server: a failure here is logged, not raised (it stopped an
-        engine once: "Connection closed by server" out of the epoch check), since the next read
-        recreates the group on NOGROUP and the next flush reads the epoch again."""
-        intake.data_lost()
-        if seen is not None:
-            self.epoch.token = seen  # requests admitted from now on are not dropped again
-        try:
-            await self.epoch.check(client)
-            for own in intake.own_streams:
-                await own.ensure_group()
-        except (RedisError, OSError) as exc:
-            log.warning("after the data loss: epoch or consumer group not set up yet; will retry", error=str(exc))
+        parts.beat.ownership_checked()
 
     # ----- side tasks --------------------------------------------------------------------------
     async def _heartbeats(self, parts: WorkerParts) -> None:
         """Every interval, from cached figures: never waits for the engine thread."""
-        beat, intake = parts.beat, parts.intake
         interval = self.config.heartbeat_interval_s
         while not self.closing:
             await asyncio.sleep(interval)
-            beat.draining = self.stop.is_set()
+            parts.beat.draining = self.stop.is_set()
             try:
-                await self._beat(beat, intake)
+                await parts.beat_now()
             except (RedisError, OSError) as exc:
                 log.warning("heartbeat failed", error=str(exc))
                 self.recovery.note_redis_trouble()
@@ -292,11 +257,6 @@ class EngineWorker:
             except (RedisError, OSError) as exc:
                 log.warning("lora sync failed", error=str(exc))
             await asyncio.sleep(self.config.heartbeat_interval_s)
-
-    async def _beat(self, beat: Heartbeat, intake: Intake) -> None:
-        stats, pool = self.thread.snapshot_cache
-        self.recovery.request_snapshot()  # the next step refreshes pool and block tables
-        await beat.beat(stats, pool, intake.counters())
 
     async def _takeovers(self, intake: Intake) -> None:
         """Every interval: take over entries of dead engines of this model."""

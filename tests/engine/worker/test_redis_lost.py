@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from common.ports import free_port
 from engine.config import EngineConfig
 from engine.worker.engine_worker import EngineWorker, WorkerConfig
+from engine.worker.failover import Failover
 from engine.worker.intake import Intake
 from engine.worker.request_stream import RequestStream
 
@@ -27,9 +28,10 @@ def test_redis_lost_survives_a_server_that_is_not_back_yet() -> None:
         try:
             stream = RequestStream(client, worker.keys, "m", "eng-x")
             intake = Intake(client, worker.keys, stream, "m", epoch=worker.epoch)
-            await worker._redis_lost(client, intake, "new")
+            failover = Failover(client, intake, worker.recovery, worker.epoch)
+            await failover.redis_lost("new")
             assert worker.epoch.token == "new"
-            await worker._redis_lost(client, intake, None)  # no token seen: keep the one adopted
+            await failover.redis_lost(None)  # no token seen: keep the one adopted
             assert worker.epoch.token == "new"
         finally:
             await client.aclose()
