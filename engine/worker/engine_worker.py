@@ -4,10 +4,10 @@ Loop: pull new entries (blocking only when there is nothing to run) → start th
 step on the engine thread → while it runs, publish the previous step's tokens in one
 MULTI/EXEC per step. Around every step the guards run (deadlines, gone gateways, ownership);
 after every flush `engine.worker.failover` reacts to Redis trouble (re-adoption after a
-failover, Redis data loss). The parts are built by `engine.worker.parts`. Side tasks: the heartbeat (its own task, on cached figures), takeover of
-dead engines' entries, and the abort listener. SIGTERM drains: no new work, running
-requests finish within `drain_timeout_s`, the rest go back on the stream with their
-checkpoints."""
+failover, Redis data loss). The parts are built by `engine.worker.parts`. Side tasks: the
+heartbeat (its own task, on cached figures), takeover of dead engines' entries, and the abort
+listener. SIGTERM drains: no new work, running requests finish within `drain_timeout_s`, the
+rest go back on the stream with their checkpoints."""
 
 from __future__ import annotations
 
