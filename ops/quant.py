@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ops.backend import fixed_order, use_reference
 from ops.build import cpu_ops
+from ops.policy import FASTEST, OpsPolicy
 from ops.reference import quant as ref
 
 BF16_MIN_ROWS = 32  # a step's linears run on bf16 AMX tiles (`quant_linear_bf16`) from this many rows,
@@ -119,11 +119,12 @@ def interleave(qweight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, Q
     return ref.interleave(qweight, fmt.type_id), target
 
 
-def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None = None) -> torch.Tensor:
+def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None = None, *,
+               policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """fp32 ``[N, K]`` of a packed weight (K from the row bytes unless given)."""
     k = in_features if in_features is not None else qweight.shape[1] // fmt.block_bytes * fmt.block_size
     check_qweight(qweight, fmt, k)
-    if use_reference() or qweight.device.type != "cpu":
+    if policy.reference or qweight.device.type != "cpu":
         return ref.dequantize(qweight, fmt.type_id)
     out = torch.empty((qweight.shape[0], k), dtype=torch.float32)
     cpu_ops().dequantize_weight(out, qweight, fmt.type_id)
@@ -132,7 +133,8 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
                     norms: torch.Tensor, rounding: float, norm_slack: float,
-                    row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    row_scales: torch.Tensor | None = None, *,
+                    policy: OpsPolicy = FASTEST) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, candidates)`` int64 ``[rows]``: the greedy tokens of a quantized lm_head with fp32
     activations found through its int8-activation logits ``approx`` (engine/model/quant_screen.py
     has the bound), and how many tokens per row needed their fp32-activation logit; token -1 for a
@@ -142,7 +144,7 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.T
     output as the GEMM gives it: each row is widened inside the kernel)."""
     if row_scales is not None:
         row_scales = row_scales.float().contiguous()
-    if use_reference() or not hidden.is_cpu:
+    if policy.reference or not hidden.is_cpu:
         return ref.screened_argmax(approx.float(), hidden, qweight, fmt.type_id, norms, rounding, norm_slack,
                                    row_scales)
     rows = hidden.shape[0]
@@ -153,14 +155,14 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.T
     return tokens, counts
 
 
-def bf16_all_rows() -> bool:
+def bf16_all_rows(policy: OpsPolicy = FASTEST) -> bool:
     """Whether a model's bf16 linears take every row of a step of many rows (``bf16_step``): on AMX
     tiles outside deterministic mode, where they beat the int8 kernel from ~32 rows. Elsewhere only
     a step's prompt rows compute in bf16, at any count, and its other rows keep the int8 kernel:
     with AVX512-BF16 (``vdpbf16ps`` runs half the MACs a cycle of the int8 kernel's ``vpdpbusd``: the
     int8 rows stay faster at every count) and in deterministic mode (a row's arithmetic may not
     depend on how many rows its step has)."""
-    return bf16_kernel() == "amx" and not fixed_order()
+    return bf16_kernel() == "amx" and not policy.fixed_order
 
 
 def bf16_step(rows: int, prompt_rows: int) -> bool:
@@ -186,7 +188,7 @@ def bf16_kernel() -> str | None:
 
 def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
                       bias: torch.Tensor | None = None, *, checked: bool = False,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """fp32 ``x [..., K] @ W.T + bias`` → ``[..., N]`` with ``x`` and the dequantized weights ``W``
     rounded to bf16 (nearest even) and the products summed in fp32: on the kernel ``bf16_kernel()``
     names, else dequantized and multiplied by torch in bf16 (the reference backend too).
@@ -199,7 +201,7 @@ def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
         check_qweight(qweight, fmt, k)
     n = qweight.shape[0]
     flat = x.reshape(-1, k)
-    if use_reference() or not x.is_cpu or bf16_kernel() is None or fmt.name not in BF16_FORMATS:
+    if policy.reference or not x.is_cpu or bf16_kernel() is None or fmt.name not in BF16_FORMATS:
         result = ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], n)
         return result if out is None else out.copy_(result)
     if flat.stride(-1) != 1:
@@ -213,25 +215,26 @@ def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
 
 
 def quant_linear_int8_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
-                           out: torch.Tensor) -> torch.Tensor:
+                           out: torch.Tensor, *, policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """``quant_linear``'s int8-activation rows of a 2-D ``x`` straight into ``out`` (fp32 ``[M, N]``,
     contiguous rows) on the C++ kernel, which gives a row the same bits at any row count; a
     validated ``qweight`` (the reference backend and non-CPU tensors take ``quant_linear``)."""
-    if use_reference() or not x.is_cpu:
-        return out.copy_(quant_linear(x, qweight, fmt, bias, True, checked=True))
+    if policy.reference or not x.is_cpu:
+        return out.copy_(quant_linear(x, qweight, fmt, bias, True, checked=True, policy=policy))
     if x.shape[0]:
         _kernel()(out, x, qweight, fmt.type_id, bias, True, 0)
     return out
 
 
 def quant_linear_per_row(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, int8_activations: bool,
-                         exact_rows: int) -> torch.Tensor:
+                         exact_rows: int, *, policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """``quant_linear`` of a 2-D ``x`` (no bias) on the C++ kernel at every row count, never oneDNN past
     ``QUANT_GEMV_MAX_ROWS``: a row's bits, int8 or fp32 (its first ``exact_rows``), are the same however
     many rows share the call (a MoE expert's grouped rows); a validated ``qweight``. The reference
     backend and non-CPU tensors take ``quant_linear``."""
-    if use_reference() or not x.is_cpu:
-        return quant_linear(x, qweight, fmt, None, int8_activations, checked=True, exact_rows=exact_rows)
+    if policy.reference or not x.is_cpu:
+        return quant_linear(x, qweight, fmt, None, int8_activations, checked=True, exact_rows=exact_rows,
+                            policy=policy)
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = x.new_empty((x.shape[0], qweight.shape[0]))
@@ -286,7 +289,8 @@ def _kernel() -> Any:
 
 
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None = None,
-                 int8_activations: bool = True, *, checked: bool = False, exact_rows: int = 0) -> torch.Tensor:
+                 int8_activations: bool = True, *, checked: bool = False, exact_rows: int = 0,
+                 policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """fp32 ``x [..., K] @ dequantize(qweight).T + bias`` → ``[..., N]``. With ``int8_activations``
     the rows of ``x`` are rounded per 32-block to int8, except the first ``exact_rows`` (of a 2-D
     ``x``: a step's prompt tokens), which keep fp32 activations. ``checked``: the caller validated
@@ -300,9 +304,9 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias:
         check_qweight(qweight, fmt, k)
         if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
             raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
-    if use_reference() or not x.is_cpu:
+    if policy.reference or not x.is_cpu:
         return ref.quant_linear(x, qweight, fmt.type_id, bias)
-    if x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0 and fixed_order():
+    if x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0 and policy.fixed_order:
         return _fixed_rows(x, qweight, fmt, bias, int8_activations, exact_rows)
     if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= QUANT_GEMV_MAX_ROWS:  # decode: straight to the kernel
         out = x.new_empty((x.shape[0], n))
