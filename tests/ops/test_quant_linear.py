@@ -146,11 +146,7 @@ def test_leading_dims_strided_and_empty() -> None:
 def test_reference_backend() -> None:
     qweight, _ = _packed(Q4_1, 40, 64, 4)
     x = torch.randn(2, 64)
-    ops.set_backend("reference")
-    try:
-        out = ops.quant_linear(x, qweight, Q4_1)
-    finally:
-        ops.set_backend("auto")
+    out = ops.quant_linear(x, qweight, Q4_1, policy=ops.REFERENCE)
     torch.testing.assert_close(out, ref.quant_linear(x, qweight, Q4_1.type_id))
 
 

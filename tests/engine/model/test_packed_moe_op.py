@@ -129,14 +129,10 @@ def test_reference_backend_keeps_the_python_path() -> None:
     """Under the reference backend `routed` groups in Python and runs `forward` (the op is not called)."""
     experts = _q4_0_experts()
     x, chosen, weights = _routing(9, SMALL[0], 4, 3)
-    previous = ops.get_backend()
-    ops.set_backend("reference")
-    try:
-        with torch.inference_mode():
-            got = experts.routed(x, chosen, weights)
-            expected = experts(x, *group_by_expert(chosen, weights, EXPERTS))
-    finally:
-        ops.set_backend(previous)
+    rows = LinearRows(ops=ops.REFERENCE)
+    with torch.inference_mode():
+        got = experts.routed(x, chosen, weights, rows)
+        expected = experts(x, *group_by_expert(chosen, weights, EXPERTS), rows)
     assert torch.equal(got, expected)
 
 
