@@ -47,7 +47,7 @@ class LinearRows:
     simply the leading prefill rows, their sorted `[start, end)` ranges (a recomputed sequence's
     prefill holds its generated tokens after its prompt, which keep the int8 activations their
     decode steps had: `StepInputs.exact_ranges`); None otherwise, and always None without exact
-    rows. `bf16`: the linears compute in bf16 (`ops.quant.quant_linear_bf16`): every row where
+    rows. `bf16`: the linears compute in bf16 (`ops.quant.quant_linear(..., bf16=True)`): every row where
     `ops.quant.bf16_all_rows()`, else the exact rows in bf16 and the others on int8 activations.
     `lora`: the step's rows with a LoRA adapter; every linear holding adapter slots adds their
     products (`engine.model.lora`), whatever its kind. `ops`: the model's `ExecutionPolicy.ops`, what

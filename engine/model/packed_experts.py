@@ -3,7 +3,7 @@
 `PackedExperts` is `engine.model.moe.Experts` with each expert's gate/up rows and down rows packed
 (`[E, rows, row_bytes]` uint8 per shard, Q4_0 / Q4_1 in the kernel's eight-row layout as
 `QuantLinear` holds them): memory is the file's, not 4 bytes per weight. The grouped step runs each
-active expert's rows through `ops.quant.quant_linear_per_row`, the packed linears' kernel at every
+active expert's rows through `ops.quant.quant_linear(..., per_row=True)`, the packed linears' kernel at every
 row count, so a token's expert outputs are the same bits whether its expert got 1 row or 500 (the
 dense `quant_linear` hands more than `QUANT_GEMV_MAX_ROWS` rows to oneDNN). Activations as in
 `QuantLinear`: int8 per 32-block, except a step's exact rows (`LinearRows`: its prompt tokens),
@@ -142,7 +142,8 @@ class PackedExperts(nn.Module):
         return clamped_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
 
     def _linear(self, x: Tensor, fmt: QuantFormat, qweight: Tensor, exact_rows: int, policy: OpsPolicy) -> Tensor:
-        return ops.quant.quant_linear_per_row(x, qweight, fmt, self.int8_activations, exact_rows, policy=policy)
+        return ops.quant.quant_linear(x, qweight, fmt, None, self.int8_activations, checked=True, exact_rows=exact_rows,
+                                      per_row=True, policy=policy)
 
     def extra_repr(self) -> str:
         return (f"experts={self.spec.num_experts}, hidden={self.hidden_size}, "

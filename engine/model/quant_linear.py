@@ -74,7 +74,7 @@ class QuantLinear(nn.Module):
             return ops.linear(x, t, bias, policy=policy)
         if rows.bf16 and fmt.name in ops.quant.BF16_FORMATS:  # others: as with fp32 linears
             if ops.quant.bf16_all_rows(policy) or x.dim() != 2:
-                return ops.quant.quant_linear_bf16(x, t, fmt, bias, policy=policy)
+                return ops.quant.quant_linear(x, t, fmt, bias, checked=True, bf16=True, policy=policy)
             return self._bf16_prompt_rows(x, fmt, t, bias, rows)
         exact = rows.exact_rows
         ranges = rows.exact_ranges if exact else None
@@ -97,13 +97,14 @@ class QuantLinear(nn.Module):
         row = 0
         for start, end in [*ranges, (count, count)]:
             if start > row and self.int8_activations:
-                ops.quant.quant_linear_int8_rows(x[row:start], t, fmt, bias, out[row:start], policy=rows.ops)
+                ops.quant.quant_linear(x[row:start], t, fmt, bias, checked=True, per_row=True, out=out[row:start],
+                                       policy=rows.ops)
             elif start > row:  # fp32 activations for every row (`int8_activations` off)
-                out[row:start] = ops.quant.quant_linear(x[row:start], t, fmt, bias, False, checked=True,
-                                                        policy=rows.ops)
+                ops.quant.quant_linear(x[row:start], t, fmt, bias, False, checked=True, out=out[row:start],
+                                       policy=rows.ops)
             if end > start:
-                ops.quant.quant_linear_bf16(x[start:end], t, fmt, bias, checked=True, out=out[start:end],
-                                            policy=rows.ops)
+                ops.quant.quant_linear(x[start:end], t, fmt, bias, checked=True, bf16=True, out=out[start:end],
+                                       policy=rows.ops)
             row = max(row, end)
         return out
 

@@ -104,7 +104,7 @@ def test_other_formats_and_activations_are_the_python_paths_bits(gate: str, up: 
 
 def test_the_skewed_expert_is_past_the_crossover() -> None:
     """The routing above sends expert 0 more than 128 rows at 300 tokens (oneDNN's crossover for dense
-    linears: the op must keep them on the kernel, as `quant_linear_per_row` does)."""
+    linears: the op must keep them on the kernel, as `quant_linear(..., per_row=True)` does)."""
     _, chosen, _ = _routing(300, SMALL[0], 4, 300)
     assert int((chosen == 0).sum()) > 128
 
