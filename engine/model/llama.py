@@ -91,7 +91,8 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`rope` is `(positions [T], cos/sin table)`; q and k are rotated in place inside the qkv
-        output, and k, v land in the cache in the same pass. `rows`: the step's arithmetic in the linears."""
+        output, and k, v land in the cache in the same pass. `rows`: the step's arithmetic in the linears
+        and, through `rows.ops`, in every op."""
         policy = rows.ops
         q, k, v = self._qkv(self.qkv_proj(hidden, rows), policy)
         positions, cos_sin = rope
