@@ -50,7 +50,7 @@ class EngineConfig:
     # Quantized weights: prompt rows on fp32 activations (exact prompt logits and first token); False:
     # int8 activations like decode rows, faster prefill on the eight-row Q4 layouts
     exact_prompt_rows: bool = True
-    # Batch-invariant CPU arithmetic (ops.backend.set_fixed_order): every fp32 linear row through one
+    # Batch-invariant CPU arithmetic (OpsPolicy.fixed_order in the engine's policy): every fp32 linear row through one
     # reduction order and prefill attention with decode's per-row arithmetic, so a request's tokens
     # and logprobs do not depend on its step (batch, chunking, recompute). False: fastest kernel per size.
     deterministic: bool = True

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-import ops
 from common.log import get_logger
 from common.openmp_env import openmp_spin_note
 from common.pooling_params import PoolingParams
@@ -103,10 +102,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.closed = False
-        ops.set_backend(config.attention_backend)
         self.device = resolve_device(config.device)
-        self.fixed_order = config.deterministic and self.device.type == "cpu"
-        ops.set_fixed_order(self.fixed_order)
         if config.attention_backend == "auto":
             prepare_kernels(self.device)  # at start-up, not on the first request
         self.dtype, self.bf16_linears = resolve_compute(config, self.device)
@@ -141,12 +137,14 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig, spec: ModelSpec, shard: TPShard, profile_tokens: int) -> None:
         """Load the model (this rank's part), size and allocate the KV cache, build the parts."""
+        # the model's arithmetic, built once: every op of this engine (model, cache moves, sampling)
+        # runs under `policy.ops`, whatever another engine in the process runs under
+        self.policy = engine_policy(config, self.dtype, self.bf16_linears, self.device)
         self.model = load_model(config.model, device=self.device, quantization=config.quantization, shard=shard,
-                                spec=spec, policy=engine_policy(config, self.dtype, self.bf16_linears),
-                                pooling=self.pooler_config is not None)
+                                spec=spec, policy=self.policy, pooling=self.pooler_config is not None)
         self.lora = self._start_lora(config)  # before profiling: its slots are part of the device's memory
         if self.device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share
-            set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model), ops.fixed_order()))
+            set_openmp_rows(openmp_rows_for(all_linears_quantized(self.model), self.policy.ops.fixed_order))
             if (note := openmp_spin_note()) is not None:
                 log.warning("openmp spin", note=note)
         kv_spec = shard.kv_spec(self.model.spec)
@@ -184,7 +182,7 @@ class LLMEngine:
                                    config.preemption_mode, self.eos_token_ids, self.max_model_len,
                                    self.speculator, config.max_loras if self.lora is not None else 0)
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.vocab_size, sorted(self.eos_token_ids))
-        self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits)
+        self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits, self.policy.ops)
         self.pooler = Pooler(self.pooler_config) if self.pooler_config is not None else None
         self.requests: dict[str, Request] = {}
         self.compiling: dict[str, Compiling] = {}  # request id -> its grammar's compile (not in the scheduler yet)
@@ -467,8 +465,6 @@ class LLMEngine:
         if self.compiling and not self.scheduler.has_unfinished():
             return []
         start = time.perf_counter()
-        ops.set_backend(self.config.attention_backend)  # the process-wide kernel choices are this
-        ops.set_fixed_order(self.fixed_order)  # engine's, whatever another engine in the process set
         try:
             with torch.inference_mode():
                 return self._step()
@@ -486,7 +482,7 @@ class LLMEngine:
         self.last_step_decodes = sched.num_decodes
         samples = StepSamples()
         if not sched.is_empty:
-            plan = plan_step(sched.scheduled, self.sampler.eos_list)
+            plan = plan_step(sched.scheduled, self.sampler.eos_list, policy=self.policy.ops)
             result = self.runner.execute(sched, plan)
             if self.pooler is not None:
                 for item, rows in result.pooled_hidden:

@@ -9,11 +9,11 @@ import torch
 
 from ops import reference
 from ops.attention_rows import prefill_as_decode
-from ops.backend import fixed_order, use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks import check_attention, check_decode_lengths, check_prefill_attention, check_prefill_lengths
 from ops.checks_cuda import optin_smem_bytes, prefill_rows_per_warp
 from ops.device_errors import raise_device_errors
+from ops.policy import FASTEST, OpsPolicy
 
 
 def paged_attention(
@@ -26,6 +26,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    *,
+    policy: OpsPolicy = FASTEST,
 ) -> torch.Tensor:
     """Decode attention: one query token per sequence over its paged K/V.
 
@@ -36,7 +38,8 @@ def paged_attention(
     sliding mask); 0 or -1: its whole context. Table entries of blocks wholly before the window are
     never read. ``sinks`` (fp32 ``[num_heads]``, gpt-oss): a learned logit per head that joins each
     query's softmax denominator and carries no value (the weights sum to less than one); None: none.
-    Returns ``out`` (allocated when not given), same shape and dtype as ``query``.
+    Returns ``out`` (allocated when not given), same shape and dtype as ``query``. ``policy``: kernels
+    or the reference (:mod:`ops.policy`).
     """
     window = check_window(window)
     check_attention(query, key_cache, value_cache, block_tables, context_lens, out)
@@ -45,7 +48,7 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
-    if use_reference():
+    if policy.reference:
         check_decode_lengths(key_cache, block_tables, context_lens)
         args = (query, key_cache, value_cache, block_tables, context_lens, scale, out)
         return reference.paged_attention(*args, window=window, sinks=sinks)
@@ -88,6 +91,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    *,
+    policy: OpsPolicy = FASTEST,
 ) -> torch.Tensor:
     """Prefill attention of every sequence of a step in one call, K/V read from the paged cache.
 
@@ -99,7 +104,8 @@ def paged_prefill_attention(
     whole prompts, later chunks of a chunked prefill and prompts whose prefix hit the prefix cache.
     ``window`` > 0: query ``i`` sees only positions ``p`` with ``q_pos - window < p <= q_pos``
     (``paged_attention``'s sliding window); ``sinks``: ``paged_attention``'s attention sinks.
-    Returns ``out`` (allocated when not given).
+    Returns ``out`` (allocated when not given). Under ``policy.fixed_order`` (CPU) each row is computed
+    as ``paged_attention`` would decode it (:mod:`ops.attention_rows`).
     """
     window = check_window(window)
     check_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out)
@@ -108,16 +114,17 @@ def paged_prefill_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0 or context_lens.shape[0] == 0:
         return out
-    if use_reference():
+    if policy.reference:
         check_prefill_lengths(query, key_cache, block_tables, query_start_loc, context_lens)
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale, out)
         return reference.paged_prefill_attention(*args, window=window, sinks=sinks)
     index_args = (block_tables.contiguous(), query_start_loc.contiguous(), context_lens.contiguous(), float(scale),
                   window)
-    if not query.is_cuda and fixed_order():  # decode's per-row arithmetic (ops/attention_rows.py); pass
+    if not query.is_cuda and policy.fixed_order:  # decode's per-row arithmetic (ops/attention_rows.py); pass
         # the decode op the same options (the window, the sinks) as this call
-        return prefill_as_decode(partial(paged_attention, window=window, sinks=sinks), query, key_cache, value_cache,
-                                 block_tables, query_start_loc, context_lens, scale, out)
+        decode = partial(paged_attention, window=window, sinks=sinks, policy=policy)
+        return prefill_as_decode(decode, query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                                 scale, out)
     if not query.is_cuda:
         cpu_ops().paged_prefill_attention(out, query, key_cache, value_cache, *index_args, sinks)
         return out

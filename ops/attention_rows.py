@@ -1,6 +1,6 @@
 """Prefill attention computed row by row with the decode kernel's arithmetic.
 
-Under ``ops.backend.set_fixed_order`` a prompt row's attention must be the bits decoding would
+Under ``OpsPolicy.fixed_order`` (:mod:`ops.policy`) a prompt row's attention must be the bits decoding would
 give the same token: then a chunked prefill equals a whole one, a recomputed sequence (recompute
 preemption) writes the K/V its decode steps wrote, and a row's answer does not depend on what
 else its step holds. The decode kernel attends each (sequence, kv head) over its context in one

@@ -1,4 +1,5 @@
-"""Cache ops: ``reshape_and_cache``, ``copy_blocks``, ``swap_blocks`` with checks and dispatch."""
+"""Cache ops: ``reshape_and_cache``, ``copy_blocks``, ``swap_blocks`` with checks and dispatch
+(kernels, or the reference under ``policy.reference``: :mod:`ops.policy`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from typing import Any
 import torch
 
 from ops import reference
-from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks import check_cache_write, check_copy, check_swap
 from ops.checks_cuda import check_mapping_range, check_same_geometry
 from ops.device_errors import raise_device_errors
+from ops.policy import FASTEST, OpsPolicy
 
 
 def _lib(*tensors: torch.Tensor) -> Any:
@@ -24,12 +25,14 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    policy: OpsPolicy = FASTEST,
 ) -> None:
     """Store each token's K/V ``[T, kv_heads, head]`` at ``slot_mapping[T]`` (int64); slots < 0 skipped."""
     check_cache_write(key, value, key_cache, value_cache, slot_mapping)
     if key.shape[0] == 0:
         return
-    if use_reference():
+    if policy.reference:
         reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
     if key_cache.is_cuda:
@@ -41,6 +44,8 @@ def copy_blocks(
     key_caches: list[torch.Tensor],
     value_caches: list[torch.Tensor],
     block_mapping: torch.Tensor,
+    *,
+    policy: OpsPolicy = FASTEST,
 ) -> None:
     """Copy block ``src`` onto ``dst`` in every layer's caches, for each int64 (src, dst) row."""
     check_copy(key_caches, value_caches, block_mapping)
@@ -49,14 +54,15 @@ def copy_blocks(
     check_mapping_range(block_mapping, key_caches[0].shape[0], key_caches[0].shape[0], "copy_blocks")
     if key_caches[0].is_cuda:
         check_same_geometry([*key_caches, *value_caches])
-    if use_reference():
+    if policy.reference:
         reference.copy_blocks(key_caches, value_caches, block_mapping)
         return
     mapping = block_mapping.to(key_caches[0].device, non_blocking=True).contiguous()
     _lib(key_caches[0]).copy_blocks(list(key_caches), list(value_caches), mapping)
 
 
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor, *,
+                policy: OpsPolicy = FASTEST) -> None:
     """Copy blocks of one cache between device and host: ``dst[d] = src[s]`` for each (s, d) row.
 
     ``block_mapping`` is int64 ``[n, 2]`` on the CPU. For asynchronous copies on CUDA the host
@@ -66,7 +72,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     if block_mapping.shape[0] == 0:
         return
     check_mapping_range(block_mapping, src.shape[0], dst.shape[0], "swap_blocks")
-    if use_reference():
+    if policy.reference:
         reference.swap_blocks(src, dst, block_mapping)
         return
     _lib(src, dst).swap_blocks(src, dst, block_mapping.contiguous())

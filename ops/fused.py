@@ -1,5 +1,6 @@
 """Fused decoder ops: RMSNorm (plain and with the residual add, in place), SiLU-and-mul, and rotary
-embedding fused with the K/V cache write. Checks, then the kernel for the device (or the reference)."""
+embedding fused with the K/V cache write. Checks, then the kernel for the device (or the reference
+under ``policy.reference``)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,21 @@ from typing import Any
 import torch
 
 from ops import reference
-from ops.backend import use_reference
 from ops.build import cpu_ops, cuda_ops
 from ops.checks_fused import check_rms_norm, check_rotary, check_silu_and_mul
 from ops.device_errors import raise_device_errors
+from ops.policy import FASTEST, OpsPolicy
 
 
 def _lib(tensor: torch.Tensor) -> Any:
     return cuda_ops() if tensor.is_cuda else cpu_ops()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *,
+             policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` per row of ``x [T, hidden]`` (fp32 math)."""
     check_rms_norm(x, weight, None, out)
-    if use_reference():
+    if policy.reference:
         return reference.rms_norm(x, weight, eps, out)
     if out is None:
         out = torch.empty_like(x)
@@ -31,22 +33,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tenso
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, policy: OpsPolicy = FASTEST
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``residual += x``, then ``x = rms_norm(residual)``. Returns ``(x, residual)``: the
     normed input of the next block and the residual stream (the contract of layers.RMSNorm)."""
     check_rms_norm(x, weight, residual, None)
-    if use_reference():
+    if policy.reference:
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     if x.shape[0]:
         _lib(x).fused_add_rms_norm(x, residual, weight, float(eps))
     return x, residual
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None, *, policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` of shape ``[T, 2d]``; returns ``[T, d]``."""
     check_silu_and_mul(x, out)
-    if use_reference():
+    if policy.reference:
         return reference.silu_and_mul(x, out)
     if out is None:
         out = x.new_empty((x.shape[0], x.shape[1] // 2))
@@ -64,6 +66,8 @@ def rotary_embedding_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    policy: OpsPolicy = FASTEST,
 ) -> None:
     """Rotate ``query [T, H, D]`` and ``key [T, KVH, D]`` in place by ``cos_sin[positions]`` (fp32
     ``[P, D]``: the D/2 cosines then the D/2 sines of the half-split RoPE of HF Llama, any scaling
@@ -72,7 +76,7 @@ def rotary_embedding_and_cache(
     check_rotary(positions, query, key, value, cos_sin, key_cache, value_cache, slot_mapping)
     if positions.shape[0] == 0:
         return
-    if use_reference():
+    if policy.reference:
         reference.rotary_embedding_and_cache(positions, query, key, value, cos_sin, key_cache, value_cache,
                                              slot_mapping)
         return

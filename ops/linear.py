@@ -8,7 +8,7 @@
 - Anything else (CUDA, bf16/fp16, no packed copy) is ``F.linear``.
 
 Those choices give a row different bits at different row counts. With ``fixed`` (a
-``pack_fixed`` copy, used under ``ops.backend.set_fixed_order``) every fp32 CPU row goes through
+``pack_fixed`` copy, used under ``OpsPolicy.fixed_order``) every fp32 CPU row goes through
 ``fixed_gemm``: one fma chain per output over k in order, so a row's result does not depend on its
 step (csrc/cpu/fixed_gemm.cpp).
 """
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ops import reference
-from ops.backend import use_reference
 from ops.build import cpu_ops
 from ops.checks_fused import check_linear
+from ops.policy import FASTEST, OpsPolicy
 
 SMALL_GEMM_MAX_ROWS = 3  # csrc/cpu/ops.h kSmallGemmMaxRows
 FIXED_LANES, FIXED_PANEL_GROUP = 16, 4  # csrc/cpu/ops.h kFixedGemmPanelGroup: panels of 16 columns
@@ -70,12 +70,13 @@ def fixed_linear(x: torch.Tensor, fixed: torch.Tensor, out_features: int,
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-    fixed: torch.Tensor | None = None,
+    fixed: torch.Tensor | None = None, *, policy: OpsPolicy = FASTEST,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x [..., K]``, ``weight [N, K]``; ``packed`` is ``pack_weight(weight)``,
-    ``fixed`` is ``pack_fixed(weight)`` (when given, every fp32 CPU row goes through ``fixed_gemm``)."""
+    ``fixed`` is ``pack_fixed(weight)`` (when given, every fp32 CPU row goes through ``fixed_gemm``);
+    ``policy.reference``: the torch oracle."""
     check_linear(x, weight, bias)
-    if use_reference():
+    if policy.reference:
         return reference.linear(x, weight, bias)
     if x.is_cuda or x.dtype != torch.float32:
         return F.linear(x, weight, bias)

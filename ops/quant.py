@@ -1,12 +1,12 @@
-"""``quant_linear``: a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4,
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in place.
+"""``quant_linear``, the one entry of a linear layer on a GGUF-quantized weight (Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), read in place.
 
 A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / fmt.block_size * fmt.block_bytes]`` (layout in
 :mod:`ops.reference.quant`). On the CPU:
 
 - up to ``QUANT_GEMV_MAX_ROWS`` rows (decode) the C++ kernel streams the packed blocks once, with
   the activations quantized per 32-block to int8 (integer dot products; ``int8_activations``);
-- with bf16 linears (``quant_linear_bf16``, a model in ``dtype`` bfloat16 on a CPU with AMX-BF16 or
+- with bf16 linears (``quant_linear(..., bf16=True)``, a model in ``dtype`` bfloat16 on a CPU with AMX-BF16 or
   AVX512-BF16), any number of rows: the weight is dequantized to bf16 one 32-row panel at a time and
   multiplied on AMX tiles or with ``vdpbf16ps`` (no copy of the weight kept); a step takes this
   path from ``BF16_MIN_ROWS`` rows (deterministic mode: its prompt rows, at any count);
@@ -15,23 +15,27 @@ A weight ``[N, K]`` is a contiguous uint8 tensor ``[N, K / fmt.block_size * fmt.
   its int8 path beats oneDNN's fp32 GEMM, and a decode row then gets the
   same bits in a step of any size); their fp32 ``exact_rows`` go to oneDNN past the crossover.
 
-The reference backend (and non-CPU tensors) dequantize in torch and multiply.
+The reference (``OpsPolicy.reference``) and non-CPU tensors dequantize in torch and multiply. Which
+of these runs is one decision (``route``: the policy, what the caller asks for, the row count) and
+one table of implementations (``_PATHS``), behind the one entry ``quant_linear``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from functools import cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ops.backend import fixed_order, use_reference
 from ops.build import cpu_ops
+from ops.policy import FASTEST, OpsPolicy
 from ops.reference import quant as ref
 
-BF16_MIN_ROWS = 32  # a step's linears run on bf16 AMX tiles (`quant_linear_bf16`) from this many rows,
+BF16_MIN_ROWS = 32  # a step's linears run on bf16 AMX tiles (`quant_linear(..., bf16=True)`) from this many rows,
 BF16_MIN_PROMPT_ROWS = 8  # or this many prompt rows: the one-thread crossovers
 # (benchmarks/kernels/quant_rows_bench.py); two threads cross over lower, kept here so fewer steps change arithmetic
 QUANT_GEMV_MAX_ROWS = 128  # crossover to dequantize + oneDNN, one thread (benchmarks/kernels/quant_bench.py)
@@ -67,7 +71,7 @@ Q6_K = QuantFormat("Q6_K", ref.Q6_K, ref.BLOCK_BYTES[ref.Q6_K], 256)
 IQ4_XS = QuantFormat("IQ4_XS", ref.IQ4_XS, ref.BLOCK_BYTES[ref.IQ4_XS], 256)
 FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS)}
 # The layouts whose bf16 panels csrc/cpu/quant_bf16.cpp dequantizes (for AMX tiles and AVX512-BF16
-# alike; a K-quant block fills eight 32-weight k blocks of a panel). For any other, `quant_linear_bf16`
+# alike; a K-quant block fills eight 32-weight k blocks of a panel). For any other, bf16 `quant_linear`
 # runs dequantized in torch (the same rounding), a model's prompt rows keep fp32 activations
 # (`QuantLinear`), and the fused decoder, which calls the AMX kernel for every linear, declines it there.
 BF16_FORMATS = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -119,11 +123,12 @@ def interleave(qweight: torch.Tensor, fmt: QuantFormat) -> tuple[torch.Tensor, Q
     return ref.interleave(qweight, fmt.type_id), target
 
 
-def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None = None) -> torch.Tensor:
+def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None = None, *,
+               policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """fp32 ``[N, K]`` of a packed weight (K from the row bytes unless given)."""
     k = in_features if in_features is not None else qweight.shape[1] // fmt.block_bytes * fmt.block_size
     check_qweight(qweight, fmt, k)
-    if use_reference() or qweight.device.type != "cpu":
+    if policy.reference or qweight.device.type != "cpu":
         return ref.dequantize(qweight, fmt.type_id)
     out = torch.empty((qweight.shape[0], k), dtype=torch.float32)
     cpu_ops().dequantize_weight(out, qweight, fmt.type_id)
@@ -132,7 +137,8 @@ def dequantize(qweight: torch.Tensor, fmt: QuantFormat, in_features: int | None 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
                     norms: torch.Tensor, rounding: float, norm_slack: float,
-                    row_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    row_scales: torch.Tensor | None = None, *,
+                    policy: OpsPolicy = FASTEST) -> tuple[torch.Tensor, torch.Tensor]:
     """``(tokens, candidates)`` int64 ``[rows]``: the greedy tokens of a quantized lm_head with fp32
     activations found through its int8-activation logits ``approx`` (engine/model/quant_screen.py
     has the bound), and how many tokens per row needed their fp32-activation logit; token -1 for a
@@ -142,7 +148,7 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.T
     output as the GEMM gives it: each row is widened inside the kernel)."""
     if row_scales is not None:
         row_scales = row_scales.float().contiguous()
-    if use_reference() or not hidden.is_cpu:
+    if policy.reference or not hidden.is_cpu:
         return ref.screened_argmax(approx.float(), hidden, qweight, fmt.type_id, norms, rounding, norm_slack,
                                    row_scales)
     rows = hidden.shape[0]
@@ -153,55 +159,119 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, qweight: torch.T
     return tokens, counts
 
 
-def bf16_all_rows() -> bool:
+def bf16_all_rows(policy: OpsPolicy = FASTEST) -> bool:
     """Whether a model's bf16 linears take every row of a step of many rows (``bf16_step``): on AMX
     tiles outside deterministic mode, where they beat the int8 kernel from ~32 rows. Elsewhere only
     a step's prompt rows compute in bf16, at any count, and its other rows keep the int8 kernel:
     with AVX512-BF16 (``vdpbf16ps`` runs half the MACs a cycle of the int8 kernel's ``vpdpbusd``: the
     int8 rows stay faster at every count) and in deterministic mode (a row's arithmetic may not
     depend on how many rows its step has)."""
-    return bf16_kernel() == "amx" and not fixed_order()
+    return bf16_kernel() == "amx" and not policy.fixed_order
 
 
 def bf16_step(rows: int, prompt_rows: int) -> bool:
     """Whether a step of ``rows`` tokens, ``prompt_rows`` of them prompt tokens, runs its linears on
-    ``quant_linear_bf16`` in a model whose quantized linears compute in bf16 (the crossovers above)."""
+    ``quant_linear(..., bf16=True)`` in a model whose quantized linears compute in bf16 (the crossovers above)."""
     return rows >= BF16_MIN_ROWS or prompt_rows >= BF16_MIN_PROMPT_ROWS
 
 
 @cache
 def amx_bf16() -> bool:
-    """Whether ``quant_linear_bf16`` runs on the compiled AMX-BF16 kernel here (built for a CPU
+    """Whether bf16 ``quant_linear`` runs on the compiled AMX-BF16 kernel here (built for a CPU
     with AMX-BF16, and the OS granted the tile state)."""
     return cpu_ops().amx_bf16_available()
 
 
 @cache
 def bf16_kernel() -> str | None:
-    """The compiled kernel ``quant_linear_bf16`` runs on here: "amx" (AMX-BF16 tiles), "avx512_bf16"
+    """The compiled kernel bf16 ``quant_linear`` runs on here: "amx" (AMX-BF16 tiles), "avx512_bf16"
     (``vdpbf16ps`` dot products on the same panels) or None (it then runs in torch: same rounding,
     other summation order, far slower)."""
     return {2: "amx", 1: "avx512_bf16"}.get(int(cpu_ops().bf16_linear_kernel()))
 
 
-def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
-                      bias: torch.Tensor | None = None, *, checked: bool = False,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``x [..., K] @ W.T + bias`` → ``[..., N]`` with ``x`` and the dequantized weights ``W``
-    rounded to bf16 (nearest even) and the products summed in fp32: on the kernel ``bf16_kernel()``
-    names, else dequantized and multiplied by torch in bf16 (the reference backend too).
-    ``checked``: the caller validated ``qweight`` against ``fmt`` (``QuantLinear`` does). ``out``
-    (fp32 ``[M, N]`` with contiguous rows, for a 2-D ``x``): written in place and returned."""
+class QuantPath(Enum):
+    """How one call of ``quant_linear`` computes: ``route`` picks one, ``_PATHS`` runs it."""
+
+    TORCH = "torch"  # dequantized and multiplied in torch on fp32 activations (the reference; non-CPU tensors)
+    TORCH_BF16 = "torch_bf16"  # the same with x and the weights rounded to bf16 (the reference; no bf16 kernel)
+    BF16 = "bf16"  # the bf16 kernel ``bf16_kernel()`` names, on panels dequantized one at a time
+    KERNEL = "kernel"  # the C++ kernel on every row: int8 rows and the leading exact rows, a row's bits at any count
+    FIXED = "fixed"  # fixed order: the kernel, or GGUF-order exact rows on ``quant_fixed_gemm`` where it pays
+    SPLIT = "split"  # many rows of an eight-row layout: int8 rows on the kernel, exact rows past a crossover on oneDNN
+    ONEDNN = "onednn"  # many rows: the weight dequantized into an fp32 scratch copy, multiplied by oneDNN
+
+
+def route(x: torch.Tensor, fmt: QuantFormat, int8_activations: bool, exact_rows: int, bf16: bool, per_row: bool,
+          policy: OpsPolicy) -> QuantPath:
+    """The path of a ``quant_linear`` call, from the policy, what the caller asks for and the row count
+    (module docstring): the reference and non-CPU tensors in torch; bf16 on its kernel where there is one;
+    ``per_row`` on the kernel at every count; fixed order on one arithmetic per row; else the GEMV
+    kernel up to ``QUANT_GEMV_MAX_ROWS`` rows and oneDNN past it (an eight-row layout's int8 rows excepted)."""
+    on_kernels = x.is_cpu and not policy.reference
+    if bf16:
+        usable = on_kernels and bf16_kernel() is not None and fmt.name in BF16_FORMATS
+        return QuantPath.BF16 if usable else QuantPath.TORCH_BF16
+    if not on_kernels:
+        return QuantPath.TORCH
+    if per_row:
+        return QuantPath.KERNEL
+    two_d = x.dim() == 2 and x.stride(1) == 1
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // max(1, x.shape[-1])
+    if two_d and rows > 0 and policy.fixed_order:
+        return QuantPath.FIXED
+    if rows <= QUANT_GEMV_MAX_ROWS:
+        return QuantPath.KERNEL
+    exact = min(exact_rows, rows) if x.dim() == 2 else 0
+    if int8_activations and fmt in INTERLEAVED.values() and exact < rows:
+        return QuantPath.SPLIT
+    return QuantPath.ONEDNN
+
+
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None = None,
+                 int8_activations: bool = True, *, checked: bool = False, exact_rows: int = 0, bf16: bool = False,
+                 per_row: bool = False, out: torch.Tensor | None = None,
+                 policy: OpsPolicy = FASTEST) -> torch.Tensor:
+    """fp32 ``x [..., K] @ dequantize(qweight).T + bias`` → ``[..., N]``, the one entry of every
+    quantized linear: ``route`` picks the path, ``_PATHS`` runs it.
+
+    ``int8_activations``: the rows of ``x`` are rounded per 32-block to int8, except the first
+    ``exact_rows`` (of a 2-D ``x``: a step's prompt tokens), which keep fp32 activations. ``bf16``:
+    ``x`` and the dequantized weights rounded to bf16 (nearest even), the products summed in fp32
+    (``int8_activations`` and ``exact_rows`` then do not apply). ``per_row``: every row on the C++
+    kernel at any row count, never oneDNN, so a row's bits do not depend on how many rows share the
+    call (a MoE expert's grouped rows, the int8 rows of a mixed bf16 step). ``checked``: the caller
+    validated ``qweight`` and ``bias`` against ``fmt`` already (``QuantLinear`` does at construction;
+    the kernel still checks K against the packed rows): a decode step makes ~120 of these calls.
+    ``out`` (fp32 ``[M, N]`` with contiguous rows, for a 2-D ``x``): written and returned.
+    ``policy``: the reference (torch, fp32 activations) or the kernels, fastest or in fixed order."""
     if x.dtype != torch.float32:
         raise ValueError(f"x must be fp32; got {x.dtype}")
-    k = x.shape[-1]
-    if not checked:
-        check_qweight(qweight, fmt, k)
     n = qweight.shape[0]
-    flat = x.reshape(-1, k)
-    if use_reference() or not x.is_cpu or bf16_kernel() is None or fmt.name not in BF16_FORMATS:
-        result = ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], n)
-        return result if out is None else out.copy_(result)
+    if not checked:
+        check_qweight(qweight, fmt, x.shape[-1])
+        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
+            raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
+    path = route(x, fmt, int8_activations, exact_rows, bf16, per_row, policy)
+    result = _PATHS[path](x, qweight, fmt, bias, int8_activations, exact_rows, out)
+    return result if out is None or result is out else out.copy_(result)
+
+
+def _torch(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+           int8_activations: bool, exact_rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    return ref.quant_linear(x, qweight, fmt.type_id, bias)
+
+
+def _torch_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+                int8_activations: bool, exact_rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1])
+    return ref.quant_linear_bf16(flat, qweight, fmt.type_id, bias).view(*x.shape[:-1], qweight.shape[0])
+
+
+def _bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+          int8_activations: bool, exact_rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    n = qweight.shape[0]
+    flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     if out is None:
@@ -212,56 +282,77 @@ def quant_linear_bf16(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
     return out
 
 
-def quant_linear_int8_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
-                           out: torch.Tensor) -> torch.Tensor:
-    """``quant_linear``'s int8-activation rows of a 2-D ``x`` straight into ``out`` (fp32 ``[M, N]``,
-    contiguous rows) on the C++ kernel, which gives a row the same bits at any row count; a
-    validated ``qweight`` (the reference backend and non-CPU tensors take ``quant_linear``)."""
-    if use_reference() or not x.is_cpu:
-        return out.copy_(quant_linear(x, qweight, fmt, bias, True, checked=True))
-    if x.shape[0]:
-        _kernel()(out, x, qweight, fmt.type_id, bias, True, 0)
-    return out
+def _on_kernel(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+               int8_activations: bool, exact_rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    n = qweight.shape[0]
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    result = flat.new_empty((flat.shape[0], n)) if out is None else out
+    if flat.shape[0]:
+        _kernel()(result, flat, qweight, fmt.type_id, bias, int8_activations, exact_rows if x.dim() == 2 else 0)
+    return result if out is not None else result.view(*x.shape[:-1], n)
 
 
-def quant_linear_per_row(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, int8_activations: bool,
-                         exact_rows: int) -> torch.Tensor:
-    """``quant_linear`` of a 2-D ``x`` (no bias) on the C++ kernel at every row count, never oneDNN past
-    ``QUANT_GEMV_MAX_ROWS``: a row's bits, int8 or fp32 (its first ``exact_rows``), are the same however
-    many rows share the call (a MoE expert's grouped rows); a validated ``qweight``. The reference
-    backend and non-CPU tensors take ``quant_linear``."""
-    if use_reference() or not x.is_cpu:
-        return quant_linear(x, qweight, fmt, None, int8_activations, checked=True, exact_rows=exact_rows)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = x.new_empty((x.shape[0], qweight.shape[0]))
-    if x.shape[0]:
-        _kernel()(out, x, qweight, fmt.type_id, None, int8_activations, exact_rows)
-    return out
-
-
-def _fixed_rows(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
-                int8_activations: bool, exact_rows: int) -> torch.Tensor:
-    """``quant_linear`` under fixed order: a row gets the same bits at any row count (oneDNN past
-    the crossover would not). The int8 rows run on the kernel. The exact (fp32-activation) rows of
-    the eight-row layouts too: their fp32 panels are fixed_gemm's fma chain over the dequantized
-    weight, the bits ``quant_fixed_gemm`` gives, faster at every count (AVX2 and AVX-512); those of
-    GGUF-order weights through ``quant_fixed_gemm`` where it pays (``panel_exact_rows``)."""
+def _fixed(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+           int8_activations: bool, exact_rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Fixed order (a 2-D ``x``): a row gets the same bits at any row count (oneDNN past the
+    crossover would not). The int8 rows run on the kernel. The exact (fp32-activation) rows of the
+    eight-row layouts too: their fp32 panels are fixed_gemm's fma chain over the dequantized weight,
+    the bits ``quant_fixed_gemm`` gives, faster at every count (AVX2 and AVX-512); those of
+    GGUF-order weights through ``quant_fixed_gemm`` where it pays (``_fixed_gemm_pays``)."""
     rows = x.shape[0]
     exact = rows if not int8_activations else max(0, min(exact_rows, rows))
-    out = x.new_empty((rows, qweight.shape[0]))
-    if not exact or fmt in INTERLEAVED.values() or not panel_exact_rows():
-        _kernel()(out, x, qweight, fmt.type_id, bias, int8_activations, exact_rows)
-        return out
-    cpu_ops().quant_fixed_gemm(out[:exact], x[:exact], qweight, fmt.type_id, bias)
+    if not exact or fmt in INTERLEAVED.values() or not _fixed_gemm_pays():
+        return _on_kernel(x, qweight, fmt, bias, int8_activations, exact_rows, out)
+    result = x.new_empty((rows, qweight.shape[0])) if out is None else out
+    cpu_ops().quant_fixed_gemm(result[:exact], x[:exact], qweight, fmt.type_id, bias)
     if exact < rows:
-        _kernel()(out[exact:], x[exact:], qweight, fmt.type_id, bias, True, 0)
-    return out
+        _kernel()(result[exact:], x[exact:], qweight, fmt.type_id, bias, True, 0)
+    return result
+
+
+def _split(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+           int8_activations: bool, exact_rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Many rows of an eight-row layout with int8 activations: the int8 rows stay on the kernel at
+    any count (its int8 path beats oneDNN's fp32 GEMM there, and a decode row then gets the same
+    bits in a step of any size); the exact rows go to oneDNN past the crossover."""
+    k, n = x.shape[-1], qweight.shape[0]
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    exact = min(exact_rows, rows) if x.dim() == 2 else 0
+    result = flat.new_empty((rows, n))
+    if exact <= QUANT_GEMV_MAX_ROWS:
+        _kernel()(result, flat, qweight, fmt.type_id, bias, True, exact)
+    else:
+        result[:exact] = F.linear(flat[:exact], dequantize(qweight, fmt, k), bias)
+        _kernel()(result[exact:], flat[exact:], qweight, fmt.type_id, bias, True, 0)
+    return result.view(*x.shape[:-1], n)
+
+
+def _onednn(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None,
+            int8_activations: bool, exact_rows: int, out: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return F.linear(flat, dequantize(qweight, fmt, k), bias).view(*x.shape[:-1], qweight.shape[0])
+
+
+_PathFn = Callable[[torch.Tensor, torch.Tensor, QuantFormat, torch.Tensor | None, bool, int, torch.Tensor | None],
+                   torch.Tensor]
+# the one table: each path's implementation, the same arguments for all
+_PATHS: dict[QuantPath, _PathFn] = {
+    QuantPath.TORCH: _torch, QuantPath.TORCH_BF16: _torch_bf16, QuantPath.BF16: _bf16, QuantPath.KERNEL: _on_kernel,
+    QuantPath.FIXED: _fixed, QuantPath.SPLIT: _split, QuantPath.ONEDNN: _onednn,
+}
 
 
 @cache
-def panel_exact_rows() -> bool:
-    """Whether deterministic mode's exact rows of GGUF-order weights run on ``quant_fixed_gemm``: with
+def _fixed_gemm_pays() -> bool:
+    """Whether fixed order's exact rows of GGUF-order weights run on ``quant_fixed_gemm``: with
     AVX-512 its tiles beat that kernel's exact rows from some tens of rows on; with AVX2 they do
     not. The eight-row layouts' own exact rows beat both."""
     from ops import isa
@@ -269,61 +360,7 @@ def panel_exact_rows() -> bool:
     return "avx512f" in isa.flags()
 
 
-def quant_fixed_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 ``x [M, K] @ dequantize(qweight).T + bias`` bit for bit as ``ops.fixed_linear`` on the
-    dequantized weight (one fma chain per output over k in order), without an fp32 copy of it."""
-    check_qweight(qweight, fmt, x.shape[-1])
-    out = x.new_empty((x.shape[0], qweight.shape[0]))
-    cpu_ops().quant_fixed_gemm(out, x.contiguous(), qweight, fmt.type_id, bias)
-    return out
-
-
 @cache
 def _kernel() -> Any:
     """The C++ kernel's overload, resolved once (a packet call resolves it again each time)."""
     return cpu_ops().quant_linear.default
-
-
-def quant_linear(x: torch.Tensor, qweight: torch.Tensor, fmt: QuantFormat, bias: torch.Tensor | None = None,
-                 int8_activations: bool = True, *, checked: bool = False, exact_rows: int = 0) -> torch.Tensor:
-    """fp32 ``x [..., K] @ dequantize(qweight).T + bias`` → ``[..., N]``. With ``int8_activations``
-    the rows of ``x`` are rounded per 32-block to int8, except the first ``exact_rows`` (of a 2-D
-    ``x``: a step's prompt tokens), which keep fp32 activations. ``checked``: the caller validated
-    ``qweight`` and ``bias`` against ``fmt`` already (``QuantLinear`` does at construction; the
-    kernel still checks K against the packed rows): a decode step makes ~120 of these calls."""
-    if x.dtype != torch.float32:
-        raise ValueError(f"x must be fp32; got {x.dtype}")
-    k = x.shape[-1]
-    n = qweight.shape[0]
-    if not checked:
-        check_qweight(qweight, fmt, k)
-        if bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32):
-            raise ValueError(f"bias must be fp32 [{n}]; got {tuple(bias.shape)} {bias.dtype}")
-    if use_reference() or not x.is_cpu:
-        return ref.quant_linear(x, qweight, fmt.type_id, bias)
-    if x.dim() == 2 and x.stride(1) == 1 and x.shape[0] > 0 and fixed_order():
-        return _fixed_rows(x, qweight, fmt, bias, int8_activations, exact_rows)
-    if x.dim() == 2 and x.stride(1) == 1 and 0 < x.shape[0] <= QUANT_GEMV_MAX_ROWS:  # decode: straight to the kernel
-        out = x.new_empty((x.shape[0], n))
-        _kernel()(out, x, qweight, fmt.type_id, bias, int8_activations, exact_rows)
-        return out
-    flat = x.reshape(-1, k)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    rows = flat.shape[0]
-    exact = min(exact_rows, rows) if x.dim() == 2 else 0
-    if rows > QUANT_GEMV_MAX_ROWS and int8_activations and fmt in INTERLEAVED.values() and exact < rows:
-        out = flat.new_empty((rows, n))
-        if exact <= QUANT_GEMV_MAX_ROWS:
-            _kernel()(out, flat, qweight, fmt.type_id, bias, True, exact)
-        else:
-            out[:exact] = F.linear(flat[:exact], dequantize(qweight, fmt, k), bias)
-            _kernel()(out[exact:], flat[exact:], qweight, fmt.type_id, bias, True, 0)
-    elif rows > QUANT_GEMV_MAX_ROWS:
-        out = F.linear(flat, dequantize(qweight, fmt, k), bias)
-    else:
-        out = flat.new_empty((rows, n))
-        if rows:
-            _kernel()(out, flat, qweight, fmt.type_id, bias, int8_activations, exact)
-    return out.view(*x.shape[:-1], n)

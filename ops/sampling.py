@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from ops import reference
-from ops.backend import use_reference
 from ops.build import cpu_ops
+from ops.policy import FASTEST, OpsPolicy
 
 
-def sample_from_logits(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_from_logits(logits: torch.Tensor, inv_temperature: torch.Tensor, uniforms: torch.Tensor, *,
+                       policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """int64 ``[rows]`` tokens for fp32 ``logits [rows, vocab]``, ``inv_temperature [rows]`` and
     ``uniforms [rows]`` in [0, 1). Tokens whose logit is ``-inf`` are never drawn."""
     rows = logits.shape[0] if logits.dim() == 2 else -1
@@ -27,7 +28,7 @@ def sample_from_logits(logits: torch.Tensor, inv_temperature: torch.Tensor, unif
                          f"uniforms on one device; got {tuple(logits.shape)} {logits.dtype}, "
                          f"{tuple(inv_temperature.shape)} {inv_temperature.dtype}, {tuple(uniforms.shape)} "
                          f"{uniforms.dtype}")
-    if use_reference() or logits.is_cuda:
+    if policy.reference or logits.is_cuda:
         return reference.sample_from_logits(logits, inv_temperature, uniforms)
     out = torch.empty(rows, dtype=torch.int64)
     if rows:
@@ -38,7 +39,8 @@ def sample_from_logits(logits: torch.Tensor, inv_temperature: torch.Tensor, unif
 
 
 def sample_filtered(logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor, uniforms: torch.Tensor, typical_p: torch.Tensor | None = None) -> torch.Tensor:
+                    min_p: torch.Tensor, uniforms: torch.Tensor, typical_p: torch.Tensor | None = None, *,
+                    policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """``sample_from_logits`` after per-row filters, in this order (vLLM's semantics; ties at a cut
     are kept): ``top_k`` (int64, > 0 and < vocab) keeps the logits reaching the k-th largest;
     ``top_p`` (< 1) keeps the largest probabilities until their mass reaches top_p; ``min_p``
@@ -61,7 +63,7 @@ def sample_filtered(logits: torch.Tensor, inv_temperature: torch.Tensor, top_k: 
         raise ValueError(f"sample_filtered needs fp32 logits [rows, vocab], int64 top_k [rows] and fp32 [rows] "
                          f"temperatures, top_p, min_p, uniforms and typical_p on one device; got {tuple(logits.shape)} "
                          f"{logits.dtype}, top_k {tuple(top_k.shape)} {top_k.dtype}")
-    if use_reference() or logits.is_cuda:
+    if policy.reference or logits.is_cuda:
         return reference.sample_filtered(logits, inv_temperature, top_k, top_p, min_p, uniforms, typical_p)
     out = torch.empty(rows, dtype=torch.int64)
     if rows:

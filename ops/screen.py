@@ -29,9 +29,9 @@ from functools import cache
 import torch
 
 from ops import isa, reference
-from ops.backend import use_reference
 from ops.build import cpu_ops
 from ops.linear import PACK_BATCH_HINT, can_pack
+from ops.policy import FASTEST, OpsPolicy
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits)
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bf16 dot products
@@ -81,7 +81,7 @@ def bf16_kernel_cpu() -> bool:
 
 
 def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                    norms: torch.Tensor) -> torch.Tensor:
+                    norms: torch.Tensor, *, policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """int64 ``[rows]``: per row the first token maximizing the fp32 logit ``hidden[row] . weight[j]``,
     found through ``approx [rows, vocab]``, the bf16 logits of ``hidden`` rounded to bf16 times
     ``weight`` rounded to bf16 (fp32 accumulation). ``norms`` is ``weight_norms(weight)``.
@@ -97,7 +97,7 @@ def screened_argmax(approx: torch.Tensor, hidden: torch.Tensor, weight: torch.Te
                          f"{tuple(hidden.shape)} {hidden.dtype}, {tuple(weight.shape)} {weight.dtype}, "
                          f"{tuple(norms.shape)} {norms.dtype}")
     error_scale, output_slack = screen_bounds(k)
-    if use_reference() or approx.is_cuda:
+    if policy.reference or approx.is_cuda:
         return reference.screened_argmax(approx, hidden, weight, norms, error_scale, output_slack)
     out = torch.empty(rows, dtype=torch.int64)
     if rows:

@@ -5,11 +5,8 @@ the ports (common/ports.py), it and every process it starts, so two workers neve
 start servers on the same port."""
 
 import os
-from collections.abc import Iterator
 
-import pytest
-
-import ops
+import ops  # noqa: F401  (PAGEDSERVE_CPU_ISA caps oneDNN on import, before a test's first GEMM)
 from common.ports import PARTITION_ENV
 
 _worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... in a worker
@@ -20,15 +17,3 @@ pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.redis",
 ]
-
-
-@pytest.fixture(autouse=True)
-def _process_wide_arithmetic() -> Iterator[None]:
-    """Each test starts with the process-wide kernel choices of a fresh process: an engine sets
-    deterministic mode (`ops.set_fixed_order`) for the process, and a module-level test after it
-    would otherwise run the other arithmetic, depending on which tests ran before it."""
-    ops.set_fixed_order(False)
-    ops.set_backend("auto")
-    yield
-    ops.set_fixed_order(False)
-    ops.set_backend("auto")

@@ -119,11 +119,10 @@ def load(file: Path, quantization: str) -> Any:
 def measure(engine: Any, args: argparse.Namespace) -> dict[str, float]:
     """One round on `engine`, with the kernels' thread split its own engine set at load (process-wide:
     set again here, as both engines live in this process)."""
-    import ops
     from engine.model.quant_linear import all_linears_quantized
     from ops.parallel import openmp_rows_for, set_openmp_rows
 
-    set_openmp_rows(openmp_rows_for(all_linears_quantized(engine.model), ops.fixed_order()))
+    set_openmp_rows(openmp_rows_for(all_linears_quantized(engine.model), engine.policy.ops.fixed_order))
     return {"single_stream_ms": _decode_ms(engine, 1, args.steps, args.vocab),
             "batch_step_ms": _decode_ms(engine, args.batch, args.steps, args.vocab)}
 

@@ -4,13 +4,13 @@ SmolLM2-sized linears whose K is a whole number of 256-weight blocks (SmolLM2's 
 llama.cpp stores those rows in 32-weight formats), random weights in each K-quant, one call per
 path and row count, interleaved, on ``--threads`` threads:
 
-- ``bf16_panels``: ``ops.quant.quant_linear_bf16`` on the compiled kernel (AMX tiles, or
+- ``bf16_panels``: ``ops.quant.quant_linear(..., bf16=True)`` on the compiled kernel (AMX tiles, or
   AVX512-BF16 ``vdpbf16ps`` under ``PAGEDSERVE_CPU_ISA=avx512_bf16``): what a K-quant layer's
   many-row steps run on now;
 - ``fp32_rows``: ``ops.quant_linear`` with fp32 activations (the packed kernel up to 128 rows,
   dequantize + oneDNN past it): the path K-quant prompt rows took before, with no panels;
-- ``fixed_fp32``: ``ops.quant.quant_fixed_linear`` (deterministic mode's prompt rows before);
-- ``torch_bf16``: the torch fallback ``quant_linear_bf16`` took for a format without panels;
+- ``fixed_fp32``: the ``quant_fixed_gemm`` kernel (deterministic mode's prompt rows before);
+- ``torch_bf16``: the torch fallback bf16 ``quant_linear`` takes for a format without panels;
 - ``int8_rows``: the int8-activation kernel (decode rows), for scale.
 
 Prints one JSON object per line (format, shape, rows, path, min and median ms).
@@ -30,7 +30,15 @@ import torch
 
 import ops
 import ops.quant as oq
+from ops.build import cpu_ops
 from ops.reference import quant as rq
+
+
+def _fixed_gemm(x: torch.Tensor, w: torch.Tensor, fmt: oq.QuantFormat) -> torch.Tensor:
+    """The ``quant_fixed_gemm`` kernel alone (one fma chain per output over k in order)."""
+    out = x.new_empty((x.shape[0], w.shape[0]))
+    cpu_ops().quant_fixed_gemm(out, x.contiguous(), w, fmt.type_id, None)
+    return out
 
 SHAPES = [(1536, 1536), (576, 1536)]  # (out, in), K a multiple of 256
 ROWS = [1, 32, 128, 512]
@@ -40,12 +48,12 @@ def paths(x: torch.Tensor, w: torch.Tensor, fmt: oq.QuantFormat) -> dict[str, Ca
     """The calls compared, by name (module docstring)."""
     found: dict[str, Callable[[], object]] = {
         "fp32_rows": lambda: ops.quant_linear(x, w, fmt, int8_activations=False),
-        "fixed_fp32": lambda: oq.quant_fixed_linear(x, w, fmt),
+        "fixed_fp32": lambda: _fixed_gemm(x, w, fmt),
         "torch_bf16": lambda: rq.quant_linear_bf16(x, w, fmt.type_id),
         "int8_rows": lambda: ops.quant_linear(x, w, fmt),
     }
     if oq.bf16_kernel() is not None and fmt.name in oq.BF16_FORMATS:
-        found["bf16_panels"] = lambda: oq.quant_linear_bf16(x, w, fmt)
+        found["bf16_panels"] = lambda: oq.quant_linear(x, w, fmt, bf16=True)
     return found
 
 

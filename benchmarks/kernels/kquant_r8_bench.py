@@ -1,7 +1,7 @@
 """Time the int8-activation kernel on a K-quant weight in GGUF order against its eight-row layout
 (Q4_Kr8, Q6_Kr8: csrc/cpu/quant_interleaved_k.cpp), in one process, rounds alternating.
 
-Prints one JSON line per format and row count: the minimum milliseconds of `quant_linear_per_row`
+Prints one JSON line per format and row count: the minimum milliseconds of `quant_linear(..., per_row=True)`
 (a MoE expert's entry: the kernel at every row count) over `--rounds` x `--iters` calls.
 
     .venv/bin/python benchmarks/kernels/kquant_r8_bench.py --n 4096 --k 2048 --rows 1 4 32 --threads 2
@@ -43,7 +43,7 @@ def main() -> None:
                 for w, fmt in ((packed, base), (r8, layout)):
                     for _ in range(args.iters):
                         start = time.perf_counter()
-                        ops.quant.quant_linear_per_row(x, w, fmt, True, 0)
+                        ops.quant.quant_linear(x, w, fmt, per_row=True)
                         best[fmt.name] = min(best[fmt.name], time.perf_counter() - start)
             print(json.dumps({"bench": "kquant_r8", "n": args.n, "k": args.k, "rows": m, "threads": args.threads,
                               "min_ms": {f: round(1e3 * t, 3) for f, t in best.items()}}))

@@ -14,7 +14,7 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
   int8 kernel against the bf16 screen's GEMM (`ops.screen.screen_logits` on its packed copy), which
   `engine/model/quant_screen.py` uses from `BF16_SCREEN_MIN_ROWS` greedy rows on;
 - `amx_bf16` (CPUs with the AMX-BF16 kernel only): one layer's four r8 linears at 8 to 1024 rows,
-  the int8 kernel, `quant_linear_bf16` (bf16 AMX tiles, `dtype bfloat16`), oneDNN's bf16 GEMM on
+  the int8 kernel, bf16 `quant_linear` (bf16 AMX tiles, `dtype bfloat16`), oneDNN's bf16 GEMM on
   cached bf16 weights (what a bf16 checkpoint runs) and the fp32 prompt-row path (`exact_rows`);
 - `amx_int8` (CPUs with AMX-INT8 only): a SmolLM2-shaped linear pair (576 -> 1536, 1536 -> 576) in
   Q4_1r8 and Q8_0r8 at 1 to 128 int8 rows, 1 and 2 threads, the AMX-INT8 tiles (`PAGEDSERVE_INT8_AMX=all`) against the
@@ -182,7 +182,7 @@ def amx_rows(weights: list[tuple[torch.Tensor, int]], gen: torch.Generator, iter
     cached = [(oq.dequantize(w, oq.Q4_1R8, k).bfloat16(), k) for w, k in weights]
     impls: dict[str, Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], object]] = {
         "int8": lambda x, w, k, wb: oq.quant_linear(x, w, oq.Q4_1R8, checked=True),
-        "amx_bf16": lambda x, w, k, wb: oq.quant_linear_bf16(x, w, oq.Q4_1R8),
+        "amx_bf16": lambda x, w, k, wb: oq.quant_linear(x, w, oq.Q4_1R8, bf16=True),
         "onednn_bf16_cached": lambda x, w, k, wb: torch.nn.functional.linear(x.bfloat16(), wb).float(),
         "fp32_exact": lambda x, w, k, wb: oq.quant_linear(x, w, oq.Q4_1R8, checked=True, exact_rows=x.shape[0]),
     }

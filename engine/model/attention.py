@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 import ops
 from ops.attention import check_window
+from ops.policy import FASTEST, OpsPolicy
 from ops.reference import attention as reference
 
 
@@ -68,7 +69,7 @@ class PagedAttention(nn.Module):
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, kv_cache: tuple[Tensor, Tensor],
-        meta: AttentionMetadata, sinks: Tensor | None = None,
+        meta: AttentionMetadata, sinks: Tensor | None = None, policy: OpsPolicy = FASTEST,
     ) -> Tensor:
         """`query [T, H, D]`, `key/value [T, KVH, D]` (used only without a cache) → `[T, H * D]`.
         `sinks` (fp32 `[H]`, gpt-oss): each head's learned logit in the softmax denominator."""
@@ -79,14 +80,14 @@ class PagedAttention(nn.Module):
             ops.paged_prefill_attention(
                 query[:num_prefill], key_cache, value_cache, meta.prefill_block_tables,
                 meta.prefill_query_start_loc, meta.prefill_context_lens_tensor, self.scale, out=out[:num_prefill],
-                window=self.window, sinks=sinks,
+                window=self.window, sinks=sinks, policy=policy,
             )
         elif meta.num_prefills:
             self._prefill_without_cache(query, key, value, meta, out, sinks)
         if meta.num_decodes:
             ops.paged_attention(query[num_prefill:], key_cache, value_cache, meta.decode_block_tables,
                                 meta.decode_context_lens, self.scale, out=out[num_prefill:], window=self.window,
-                                sinks=sinks)
+                                sinks=sinks, policy=policy)
         return out.flatten(1)
 
     def _prefill_without_cache(self, query: Tensor, key: Tensor, value: Tensor, meta: AttentionMetadata,

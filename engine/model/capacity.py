@@ -12,6 +12,7 @@ from engine.model.attention import AttentionMetadata
 from engine.model.execution_policy import ExecutionPolicy
 from engine.model.kv_cache import allocate_kv_caches
 from engine.model.loader import resolve_dtype
+from ops.policy import OpsPolicy
 
 log = get_logger("capacity")
 
@@ -67,11 +68,15 @@ def resolve_compute(config: EngineConfig, device: torch.device) -> tuple[torch.d
     return torch.float32, choice == "bfloat16"
 
 
-def engine_policy(config: EngineConfig, dtype: torch.dtype, bf16_linears: bool) -> ExecutionPolicy:
+def engine_policy(config: EngineConfig, dtype: torch.dtype, bf16_linears: bool,
+                  device: torch.device) -> ExecutionPolicy:
     """The execution policy of an engine's model (every rank's): `(dtype, bf16_linears)` as
-    `resolve_compute` gave them, the logit screen and exact prompt rows as `config` says."""
+    `resolve_compute` gave them, the logit screen and exact prompt rows as `config` says, and the
+    ops' arithmetic (`OpsPolicy`): `attention_backend`'s kernels or reference, fixed order where
+    `deterministic` asks for it on the CPU (every rank rounds as rank 0)."""
+    arithmetic = OpsPolicy.of(config.attention_backend, config.deterministic and device.type == "cpu")
     return ExecutionPolicy(dtype=dtype, logit_screen=config.logit_screen, exact_prompt_rows=config.exact_prompt_rows,
-                           bf16_linears=bf16_linears)
+                           bf16_linears=bf16_linears, ops=arithmetic)
 
 
 def num_device_blocks(config: EngineConfig, block_bytes: int, device: torch.device,

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ops.policy import FASTEST, OpsPolicy
+
 if TYPE_CHECKING:
     from engine.model.lora.slots import LoRARows
 
@@ -30,6 +32,9 @@ class ExecutionPolicy:
     # in bf16 at any count; the other rows keep the int8 / fp32 kernels
     bf16_linears: bool = False
     fused_decoder: bool = True  # the decoder layers in one C++ call where `FusedDecoder` applies
+    # kernels or the torch reference, fastest or fixed-order arithmetic: passed to every op the model
+    # calls (through `LinearRows.ops` in a step), so models of two engines in one process keep their own
+    ops: OpsPolicy = FASTEST
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +47,17 @@ class LinearRows:
     simply the leading prefill rows, their sorted `[start, end)` ranges (a recomputed sequence's
     prefill holds its generated tokens after its prompt, which keep the int8 activations their
     decode steps had: `StepInputs.exact_ranges`); None otherwise, and always None without exact
-    rows. `bf16`: the linears compute in bf16 (`ops.quant.quant_linear_bf16`): every row where
+    rows. `bf16`: the linears compute in bf16 (`ops.quant.quant_linear(..., bf16=True)`): every row where
     `ops.quant.bf16_all_rows()`, else the exact rows in bf16 and the others on int8 activations.
     `lora`: the step's rows with a LoRA adapter; every linear holding adapter slots adds their
-    products (`engine.model.lora`), whatever its kind."""
+    products (`engine.model.lora`), whatever its kind. `ops`: the model's `ExecutionPolicy.ops`, what
+    every op of the step is passed (the norms, rotary and attention take it from here too)."""
 
     exact_rows: int = 0
     exact_ranges: tuple[tuple[int, int], ...] | None = None
     bf16: bool = False
     lora: LoRARows | None = None
+    ops: OpsPolicy = FASTEST
 
 
-PLAIN_ROWS = LinearRows()  # no exact rows, no bf16: every row on the linear's own kernel
-BF16_ROWS = LinearRows(bf16=True)  # the lm_head of many rows under bf16 linears (`compute_logits`)
+PLAIN_ROWS = LinearRows()  # no exact rows, no bf16, the fastest kernels: every row on the linear's own kernel

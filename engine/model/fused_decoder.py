@@ -37,6 +37,7 @@ from engine.model.quant_linear import QuantLinear
 from engine.model.spec import ModelSpec
 from ops.build import cpu_ops
 from ops.moe import MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX
+from ops.policy import FASTEST, OpsPolicy
 from ops.quant import QUANT_GEMV_MAX_ROWS
 
 _NONE = torch.empty(0)  # "no bias" in the op's tensor list
@@ -135,19 +136,19 @@ class FusedDecoder:
 
     @staticmethod
     def applies(hidden: Tensor, kv_caches: list[tuple[Tensor, Tensor]], meta: AttentionMetadata,
-                bf16_linears: bool = False) -> bool:
+                bf16_linears: bool = False, policy: OpsPolicy = FASTEST) -> bool:
         """Whether this step can run fused: CPU fp32 activations, at most `QUANT_GEMV_MAX_ROWS`
         tokens (any number with `bf16_linears` on the AMX kernel), a real cache (a profiling pass
-        has none), the compiled kernels selected; under `ops.fixed_order()` decode-only steps."""
+        has none), the compiled kernels selected (`policy`); under `policy.fixed_order` decode-only steps."""
         rows = hidden.shape[0]
-        if meta.num_prefills and ops.fixed_order():  # prefill attention must take decode's per-row path
+        if meta.num_prefills and policy.fixed_order:  # prefill attention must take decode's per-row path
             return False  # (ops/attention_rows.py), which the C++ decoder's prefill call does not
         if meta.exact_ranges is not None:  # exact rows that are not the leading ones: the module path
             return False
         if not (0 < rows <= QUANT_GEMV_MAX_ROWS or (rows > 0 and bf16_linears and ops.quant.bf16_kernel() is not None)):
             return False
         return (hidden.is_cpu and hidden.dtype == torch.float32
-                and bool(kv_caches) and kv_caches[0][0].numel() > 0 and ops.get_backend() == "auto")
+                and bool(kv_caches) and kv_caches[0][0].numel() > 0 and not policy.reference)
 
     def __call__(self, hidden: Tensor, rope: tuple[Tensor, Tensor], kv_caches: list[tuple[Tensor, Tensor]],
                  meta: AttentionMetadata, exact_rows: int, bf16_linears: bool = False) -> tuple[Tensor, Tensor]:

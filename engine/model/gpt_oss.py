@@ -39,11 +39,12 @@ class GptOssAttention(LlamaAttention):
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata, rows: LinearRows = PLAIN_ROWS) -> Tensor:
-        q, k, v = self._qkv(self.qkv_proj(hidden, rows))
+        policy = rows.ops
+        q, k, v = self._qkv(self.qkv_proj(hidden, rows), policy)
         positions, cos_sin = rope
-        ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
-        sinks = self.sinks if self.sinks.dtype == torch.float32 else self.sinks.float()
-        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks=sinks.contiguous()), rows))
+        ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping, policy=policy)
+        sinks = (self.sinks if self.sinks.dtype == torch.float32 else self.sinks.float()).contiguous()
+        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta, sinks, policy=policy), rows))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):

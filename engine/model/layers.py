@@ -14,6 +14,7 @@ from torch import nn
 import ops
 from engine.model.execution_policy import PLAIN_ROWS, LinearRows
 from engine.model.sharding import SINGLE, TPShard
+from ops.policy import FASTEST, OpsPolicy
 
 if TYPE_CHECKING:
     from engine.model.lora.slots import LoRASlots
@@ -22,28 +23,28 @@ if TYPE_CHECKING:
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and checkpoint names) computed by `ops.linear`: on the CPU in fp32
     a C++ kernel streams the weight at small batch, and larger batches use a oneDNN-packed copy of
-    it, made on first use (after the checkpoint is loaded) and kept alongside. Under
-    `ops.backend.fixed_order()` every row goes through `fixed_gemm` on its own packed copy instead
-    (one arithmetic per row at any batch size). It takes the step's `LinearRows` as packed linears
-    do (`QuantLinear`), and computes every row alike whatever they say."""
+    it, made on first use (after the checkpoint is loaded) and kept alongside. Under the step's
+    `rows.ops.fixed_order` every row goes through `fixed_gemm` on its own packed copy instead (one
+    arithmetic per row at any batch size). It takes the step's `LinearRows` as packed linears do
+    (`QuantLinear`), and computes every row alike whatever their exact rows and bf16 say."""
 
     packed: torch.Tensor | None = None
-    fixed: torch.Tensor | None = None  # `ops.pack_fixed(weight)` under `ops.backend.fixed_order()`
+    fixed: torch.Tensor | None = None  # `ops.pack_fixed(weight)` under `OpsPolicy.fixed_order`
     lora: LoRASlots | None = None  # adapter slots (`engine.model.lora`), added for `rows.lora`
 
     def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
-        out = self._base(x)
-        return out if rows.lora is None or self.lora is None else self.lora.add(x, out, rows.lora)
+        out = self._base(x, rows.ops)
+        return out if rows.lora is None or self.lora is None else self.lora.add(x, out, rows.lora, rows.ops)
 
-    def _base(self, x: torch.Tensor) -> torch.Tensor:
-        if ops.backend.fixed_order() and x.device.type == "cpu" and x.dtype == torch.float32 and self.out_features:
+    def _base(self, x: torch.Tensor, policy: OpsPolicy) -> torch.Tensor:
+        if policy.fixed_order and x.device.type == "cpu" and x.dtype == torch.float32 and self.out_features:
             if self.fixed is None or self.fixed.shape[1] != self.in_features:
                 self.fixed = ops.pack_fixed(self.weight)
-            return ops.linear(x, self.weight, self.bias, fixed=self.fixed)
-        if (self.packed is None and x.shape[0] > ops.SMALL_GEMM_MAX_ROWS and ops.get_backend() == "auto"
+            return ops.linear(x, self.weight, self.bias, fixed=self.fixed, policy=policy)
+        if (self.packed is None and x.shape[0] > ops.SMALL_GEMM_MAX_ROWS and not policy.reference
                 and ops.can_pack(self.weight)):
             self.packed = ops.pack_weight(self.weight)
-        return ops.linear(x, self.weight, self.bias, self.packed)
+        return ops.linear(x, self.weight, self.bias, self.packed, policy=policy)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -89,7 +90,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, policy: OpsPolicy = FASTEST
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return `(norm(x + residual), x + residual)`; the second is the next residual stream.
 
@@ -97,8 +98,8 @@ class RMSNorm(nn.Module):
         so callers must own them: the model passes activations it made itself.
         """
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps), x
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps, policy=policy), x
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, policy=policy)
 
 
 class SwiGLU(nn.Module):
@@ -121,7 +122,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, rows)
         if self.activation == "silu":
-            hidden = ops.silu_and_mul(gate_up)
+            hidden = ops.silu_and_mul(gate_up, policy=rows.ops)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.gelu(gate, approximate="tanh") * up

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 import ops
 from engine.model.attention import AttentionMetadata, PagedAttention
-from engine.model.execution_policy import BF16_ROWS, PLAIN_ROWS, ExecutionPolicy, LinearRows
+from engine.model.execution_policy import PLAIN_ROWS, ExecutionPolicy, LinearRows
 from engine.model.fused_decoder import FusedDecoder
 from engine.model.layers import Linear, RMSNorm, SwiGLU, VocabParallelEmbedding
 from engine.model.logit_screen import LogitScreen
@@ -28,6 +28,7 @@ from engine.model.quant_screen import QuantLogitScreen
 from engine.model.rope import RotaryEmbedding, partial_rotary_order
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec, UnsupportedModelError
+from ops.policy import FASTEST, OpsPolicy
 
 LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 MiB L3 with room to spare
 
@@ -90,29 +91,31 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, kv_cache: tuple[Tensor, Tensor],
                 meta: AttentionMetadata, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`rope` is `(positions [T], cos/sin table)`; q and k are rotated in place inside the qkv
-        output, and k, v land in the cache in the same pass. `rows`: the step's arithmetic in the linears."""
-        q, k, v = self._qkv(self.qkv_proj(hidden, rows))
+        output, and k, v land in the cache in the same pass. `rows`: the step's arithmetic in the linears
+        and, through `rows.ops`, in every op."""
+        policy = rows.ops
+        q, k, v = self._qkv(self.qkv_proj(hidden, rows), policy)
         positions, cos_sin = rope
         if self.use_rope:
-            ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping)
+            ops.rotary_embedding_and_cache(positions, q, k, v, cos_sin, *kv_cache, meta.slot_mapping, policy=policy)
         elif kv_cache[0].numel():  # an empty cache (a profiling pass) is not written
-            ops.reshape_and_cache(k, v, *kv_cache, meta.slot_mapping)
-        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta), rows))
+            ops.reshape_and_cache(k, v, *kv_cache, meta.slot_mapping, policy=policy)
+        return self.shard.all_reduce(self.o_proj(self.attn(q, k, v, kv_cache, meta, policy=policy), rows))
 
-    def _qkv(self, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _qkv(self, qkv: Tensor, policy: OpsPolicy = FASTEST) -> tuple[Tensor, Tensor, Tensor]:
         """q `[T, H, D]`, k and v `[T, KVH, D]` of the projection `[T, (H + 2 KVH) D]`, q and k normed
         where `qk_norm` says (new tensors then; views into `qkv` otherwise)."""
         tokens, d = qkv.shape[0], self.head_dim
         if self.qk_norm == "projection":
             q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
             flat_q, flat_k, flat_v = qkv.split([q_size, kv_size, kv_size], dim=1)
-            q = self.q_norm(flat_q.contiguous())[0].view(tokens, self.num_heads, d)
-            k = self.k_norm(flat_k.contiguous())[0].view(tokens, self.num_kv_heads, d)
+            q = self.q_norm(flat_q.contiguous(), policy=policy)[0].view(tokens, self.num_heads, d)
+            k = self.k_norm(flat_k.contiguous(), policy=policy)[0].view(tokens, self.num_kv_heads, d)
             return q, k, flat_v.view(tokens, self.num_kv_heads, d)
         q, k, v = qkv.view(tokens, -1, d).split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm == "head":
-            q = self.q_norm(q.reshape(-1, d))[0].view(tokens, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d))[0].view(tokens, self.num_kv_heads, d)
+            q = self.q_norm(q.reshape(-1, d), policy=policy)[0].view(tokens, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d), policy=policy)[0].view(tokens, self.num_kv_heads, d)
         return q, k, v
 
 
@@ -132,9 +135,9 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Tensor | None,
                 kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata,
                 rows: LinearRows = PLAIN_ROWS) -> tuple[Tensor, Tensor | None]:
-        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm(hidden, residual, rows.ops)
         hidden = self._scaled(self.self_attn(rope, hidden, kv_cache, meta, rows))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, rows.ops)
         return self._scaled(self.mlp(hidden, rows)), residual
 
     def _scaled(self, out: Tensor) -> Tensor:
@@ -157,8 +160,9 @@ class PostNormDecoderLayer(nn.Module):
                 kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata,
                 rows: LinearRows = PLAIN_ROWS) -> tuple[Tensor, Tensor | None]:
         stream = hidden if residual is None else hidden + residual
-        stream = stream + self.post_attention_layernorm(self.self_attn(rope, stream, kv_cache, meta, rows))[0]
-        return stream + self.post_feedforward_layernorm(self.mlp(stream, rows))[0], None
+        attn = self.self_attn(rope, stream, kv_cache, meta, rows)
+        stream = stream + self.post_attention_layernorm(attn, policy=rows.ops)[0]
+        return stream + self.post_feedforward_layernorm(self.mlp(stream, rows), policy=rows.ops)[0], None
 
 
 class SandwichNormDecoderLayer(nn.Module):
@@ -179,10 +183,10 @@ class SandwichNormDecoderLayer(nn.Module):
                 kv_cache: tuple[Tensor, Tensor], meta: AttentionMetadata,
                 rows: LinearRows = PLAIN_ROWS) -> tuple[Tensor, Tensor | None]:
         stream = hidden if residual is None else hidden + residual
-        attn = self.self_attn(rope, self.input_layernorm(stream)[0], kv_cache, meta, rows)
-        stream = stream + self.post_attention_layernorm(attn)[0]
-        mlp = self.mlp(self.pre_feedforward_layernorm(stream)[0], rows)
-        return stream + self.post_feedforward_layernorm(mlp)[0], None
+        attn = self.self_attn(rope, self.input_layernorm(stream, policy=rows.ops)[0], kv_cache, meta, rows)
+        stream = stream + self.post_attention_layernorm(attn, policy=rows.ops)[0]
+        mlp = self.mlp(self.pre_feedforward_layernorm(stream, policy=rows.ops)[0], rows)
+        return stream + self.post_feedforward_layernorm(mlp, policy=rows.ops)[0], None
 
 
 class LlamaBackbone(nn.Module):
@@ -274,19 +278,19 @@ class LlamaForCausalLM(nn.Module):
         exact_rows = meta.num_prefill_tokens if policy.exact_prompt_rows else 0  # prompt rows on fp32 activations
         # bf16 linears: every row of a step of many rows on AMX (outside deterministic mode), else the
         # prompt rows at any count (`ops.quant.bf16_all_rows`), which the fused decoder does not split.
-        all_rows = ops.quant.bf16_all_rows()
+        all_rows = ops.quant.bf16_all_rows(policy.ops)
         bf16 = policy.bf16_linears and (ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens) if all_rows
                                         else exact_rows > 0)
         lora = LoRARows.of(meta.lora_slots)  # adapter rows: the modules add their products (not the C++ decoder)
         if (fused is not None and lora is None and (all_rows or not bf16)
-                and fused.applies(hidden, kv_caches, meta, bf16)):
+                and fused.applies(hidden, kv_caches, meta, bf16, policy.ops)):
             last, stream = fused(hidden, rope, kv_caches, meta, exact_rows, bf16)
-            return self.model.norm(last, stream)[0]
-        rows = LinearRows(exact_rows, meta.exact_ranges if exact_rows else None, bf16, lora)
+            return self.model.norm(last, stream, policy.ops)[0]
+        rows = LinearRows(exact_rows, meta.exact_ranges if exact_rows else None, bf16, lora, policy.ops)
         residual: Tensor | None = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(local_rope if layer.local_rope else rope, hidden, residual, kv_cache, meta, rows)
-        return self.model.norm(hidden, residual)[0]
+        return self.model.norm(hidden, residual, policy.ops)[0]
 
     def fused_decoder(self) -> FusedDecoder | None:
         """The layers' one-call form (`engine.model.fused_decoder`), made on first use; None where
@@ -304,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits `[N, vocab]` in fp32 for the selected hidden rows (a quantized lm_head computes in
         bf16 for many rows where the model's linears do: `ExecutionPolicy.bf16_linears`)."""
         bf16 = self.policy.bf16_linears and hidden.shape[0] >= ops.quant.BF16_MIN_ROWS
-        logits = self.lm_head(hidden, BF16_ROWS if bf16 else PLAIN_ROWS).float()
+        logits = self.lm_head(hidden, LinearRows(bf16=bf16, ops=self.policy.ops)).float()
         return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling
 
     @torch.inference_mode()
@@ -335,13 +339,13 @@ class LlamaForCausalLM(nn.Module):
             return None  # unscaled logits, whose rounding after the division can tie where theirs does not
         if isinstance(self.lm_head, QuantLinear):
             if not (isinstance(self._screen, QuantLogitScreen) and self._screen.serves(self.lm_head)):
-                self._screen = QuantLogitScreen.for_lm_head(self.lm_head)
+                self._screen = QuantLogitScreen.for_lm_head(self.lm_head, self.policy.ops)
             return self._screen
         weight = getattr(self.lm_head, "weight", None)
-        if weight is None or not LogitScreen.usable(weight):
+        if weight is None or not LogitScreen.usable(weight, self.policy.ops):
             return None
         if not isinstance(self._screen, LogitScreen) or self._screen.weight.data_ptr() != weight.data_ptr():
-            self._screen = LogitScreen(weight)
+            self._screen = LogitScreen(weight, self.policy.ops)
         return self._screen
 
     def _pick_in_groups(self, hidden: Tensor, pick: TokenPicker) -> Tensor:

@@ -13,22 +13,25 @@ import torch
 from torch import Tensor
 
 import ops
+from ops.policy import FASTEST, OpsPolicy
 
 SCREEN_GROUP_BYTES = 24 << 20  # bf16 screen logits of one group of rows: under a 32 MiB L3
 
 
 class LogitScreen:
-    """The screen of one fp32 CPU lm_head weight `[vocab, hidden]`: its packed bf16 copy and row norms."""
+    """The screen of one fp32 CPU lm_head weight `[vocab, hidden]`: its packed bf16 copy and row norms;
+    its ops run under `policy` (the model's `ExecutionPolicy.ops`)."""
 
-    def __init__(self, weight: Tensor) -> None:
+    def __init__(self, weight: Tensor, policy: OpsPolicy = FASTEST) -> None:
         self.weight = weight.detach().contiguous()
+        self.policy = policy
         self.packed = ops.pack_screen_weight(self.weight)
         self.norms = ops.weight_norms(self.weight)
 
     @staticmethod
-    def usable(weight: Tensor) -> bool:
-        """An fp32 CPU weight, the compiled kernels selected, and a CPU with bf16 dot products."""
-        return ops.get_backend() == "auto" and ops.can_pack(weight) and ops.native_bf16()
+    def usable(weight: Tensor, policy: OpsPolicy = FASTEST) -> bool:
+        """An fp32 CPU weight, the compiled kernels selected (`policy`), and a CPU with bf16 dot products."""
+        return not policy.reference and ops.can_pack(weight) and ops.native_bf16()
 
     def argmax(self, hidden: Tensor) -> Tensor:
         """int64 `[rows]`: the first maximum of each row's fp32 logits `hidden @ weight.T`."""
@@ -38,9 +41,10 @@ class LogitScreen:
 
     def _argmax(self, hidden: Tensor) -> Tensor:
         hidden = hidden.contiguous()
-        tokens = ops.screened_argmax(ops.screen_logits(hidden, self.packed), hidden, self.weight, self.norms)
+        tokens = ops.screened_argmax(ops.screen_logits(hidden, self.packed), hidden, self.weight, self.norms,
+                                     policy=self.policy)
         unscreened = (tokens < 0).nonzero().squeeze(1)
         if unscreened.numel():  # a non-finite value: the full fp32 logits decide, as without the screen
             rows = hidden.index_select(0, unscreened)
-            tokens[unscreened] = ops.linear(rows, self.weight).max(dim=-1).indices
+            tokens[unscreened] = ops.linear(rows, self.weight, policy=self.policy).max(dim=-1).indices
         return tokens

@@ -13,7 +13,7 @@ rows do not depend on how many rows share the call, so a token's routing and exp
 the same bits whichever other tokens are in its step (it is as fast as the default kernels at
 every row count); so does Qwen2-MoE's
 one-row shared-expert gate. The shared expert is a plain `SwiGLU`, batch-invariant only under
-`ops.backend.set_fixed_order` like every dense linear. bf16/fp16 and CUDA tensors use `F.linear`
+`OpsPolicy.fixed_order` like every dense linear. bf16/fp16 and CUDA tensors use `F.linear`
 per expert. A GGUF's experts in a packed format replace `Experts` with
 `engine.model.packed_experts.PackedExperts` (same contract).
 
@@ -44,21 +44,22 @@ from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import UnsupportedModelError
 from ops.linear import fixed_linear
 from ops.moe import MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX, moe_route
+from ops.policy import OpsPolicy
 
 
-def _fixed_path(x: Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not ops.backend.use_reference()
+def _fixed_path(x: Tensor, policy: OpsPolicy) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not policy.reference
 
 
 class RouterLinear(Linear):
     """`Linear` whose fp32 CPU rows always go through `fixed_gemm` (one arithmetic per row)."""
 
     def forward(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
-        if not _fixed_path(x):
+        if not _fixed_path(x, rows.ops):
             return super().forward(x, rows)
         if self.fixed is None or self.fixed.shape[1] != self.in_features:
             self.fixed = ops.pack_fixed(self.weight)
-        return ops.linear(x, self.weight, self.bias, fixed=self.fixed)
+        return ops.linear(x, self.weight, self.bias, fixed=self.fixed, policy=rows.ops)
 
 
 def group_by_expert(experts: Tensor, weights: Tensor, num_experts: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -115,10 +116,10 @@ class Experts(nn.Module):
                           torch.stack([ops.pack_fixed(w) for w in self.down_proj.detach()]))
         return self.fixed
 
-    def _activate(self, gate_up: Tensor) -> Tensor:
+    def _activate(self, gate_up: Tensor, policy: OpsPolicy) -> Tensor:
         if self.spec.activation == CLAMPED_SWIGLU:
             return clamped_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
-        return ops.silu_and_mul(gate_up)
+        return ops.silu_and_mul(gate_up, policy=policy)
 
     def routed(self, x: Tensor, experts: Tensor, weights: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`forward` on the router's choices `experts`, `weights [T, k]` (grouped here: `group_by_expert`)."""
@@ -132,7 +133,7 @@ class Experts(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         outputs = x.new_empty((tokens.shape[0], x.shape[1]))  # each pair's weighted output, in the pairs' order
-        fixed = self.fixed_weights() if _fixed_path(x) else None
+        fixed = self.fixed_weights() if _fixed_path(x, rows.ops) else None
         hidden, inter = self.down_proj.shape[1], self.down_proj.shape[2]
         start = 0
         for e, n in enumerate(counts):
@@ -144,9 +145,10 @@ class Experts(nn.Module):
             b2 = None if self.down_proj_bias is None else self.down_proj_bias[e]
             xe = x.index_select(0, picked)
             if fixed is not None:
-                y = fixed_linear(self._activate(fixed_linear(xe, fixed[0][e], 2 * inter, b1)), fixed[1][e], hidden, b2)
+                gate_up = fixed_linear(xe, fixed[0][e], 2 * inter, b1)
+                y = fixed_linear(self._activate(gate_up, rows.ops), fixed[1][e], hidden, b2)
             else:
-                y = F.linear(self._activate(F.linear(xe, self.gate_up_proj[e], b1)), self.down_proj[e], b2)
+                y = F.linear(self._activate(F.linear(xe, self.gate_up_proj[e], b1), rows.ops), self.down_proj[e], b2)
             outputs[start - n:start] = y * w
         return sum_by_token(outputs, tokens, x.shape[0])
 
@@ -173,11 +175,11 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(hidden_size, spec.shared_expert_size, bias=False)
             self.shared_expert_gate = RouterLinear(hidden_size, 1, bias=False)
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def route(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> tuple[Tensor, Tensor]:
         """`(weights [T, k], experts [T, k] int64)` as transformers' router of the family computes them."""
-        logits = self.gate(x)
+        logits = self.gate(x, LinearRows(ops=rows.ops))  # the router: no exact rows, no adapter
         k = self.spec.top_k
-        if _fixed_path(logits):  # the same ATen ops in one call
+        if _fixed_path(logits, rows.ops):  # the same ATen ops in one call
             router = MOE_SOFTMAX_TOPK if self.spec.router == SOFTMAX_TOPK else MOE_TOPK_SOFTMAX
             weights, experts = moe_route(logits, k, router, self.spec.norm_topk_prob)
         elif self.spec.router == SOFTMAX_TOPK:
@@ -191,8 +193,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`rows` reach the shared expert's linears and the experts (packed ones: `PackedExperts`)."""
-        weights, experts = self.route(x)
+        weights, experts = self.route(x, rows)
         out = self.experts.routed(x, experts, weights, rows)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, rows)
+            gate = torch.sigmoid(self.shared_expert_gate(x, LinearRows(ops=rows.ops)))
+            out = out + gate * self.shared_expert(x, rows)
         return self.shard.all_reduce(out)

@@ -3,7 +3,7 @@
 `PackedExperts` is `engine.model.moe.Experts` with each expert's gate/up rows and down rows packed
 (`[E, rows, row_bytes]` uint8 per shard, Q4_0 / Q4_1 in the kernel's eight-row layout as
 `QuantLinear` holds them): memory is the file's, not 4 bytes per weight. The grouped step runs each
-active expert's rows through `ops.quant.quant_linear_per_row`, the packed linears' kernel at every
+active expert's rows through `ops.quant.quant_linear(..., per_row=True)`, the packed linears' kernel at every
 row count, so a token's expert outputs are the same bits whether its expert got 1 row or 500 (the
 dense `quant_linear` hands more than `QUANT_GEMV_MAX_ROWS` rows to oneDNN). Activations as in
 `QuantLinear`: int8 per 32-block, except a step's exact rows (`LinearRows`: its prompt tokens),
@@ -21,8 +21,8 @@ import ops
 from engine.model.execution_policy import PLAIN_ROWS, LinearRows
 from engine.model.moe import clamped_swiglu, group_by_expert, sum_by_token
 from engine.model.moe_spec import ACTIVATIONS, SILU, MoESpec
-from ops.backend import use_reference
 from ops.moe import MOE_CLAMPED_SWIGLU, MOE_SILU, packed_moe_experts
+from ops.policy import OpsPolicy
 from ops.quant import QuantFormat, interleave
 
 Shard = tuple[QuantFormat, Tensor]  # a format and its rows of every expert, [E, rows, row_bytes] uint8
@@ -112,9 +112,9 @@ class PackedExperts(nn.Module):
                     picked, w = picked.index_select(0, order), w.index_select(0, order)
                     pair_tokens[start:start + n] = picked
             xe = x.index_select(0, picked)
-            parts = [self._linear(xe, fmt, t[e], num_exact) for fmt, t in gate_up]
-            h = self._activate(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), e)
-            y = self._linear(h, down[0], down[1][e], num_exact)
+            parts = [self._linear(xe, fmt, t[e], num_exact, rows.ops) for fmt, t in gate_up]
+            h = self._activate(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), e, rows.ops)
+            y = self._linear(h, down[0], down[1][e], num_exact, rows.ops)
             if self.down_proj_bias is not None:
                 y += self.down_proj_bias[e]
             torch.mul(y, w, out=outputs[start:start + n])
@@ -124,7 +124,7 @@ class PackedExperts(nn.Module):
     def routed(self, x: Tensor, experts: Tensor, weights: Tensor, rows: LinearRows = PLAIN_ROWS) -> Tensor:
         """`forward` on the router's choices `experts`, `weights [T, k]`: on the CPU kernels (fp32) one
         C++ call, `ops.moe.packed_moe_experts`, the same bits; elsewhere grouped here, then `forward`."""
-        if use_reference() or not x.is_cpu or x.dtype != torch.float32 or weights.dtype != torch.float32:
+        if rows.ops.reference or not x.is_cpu or x.dtype != torch.float32 or weights.dtype != torch.float32:
             return self(x, *group_by_expert(experts, weights, self.spec.num_experts), rows)
         exact = exact_row_mask(rows, x.shape[0]) if self.int8_activations else None
         *gate_up, down = self.shards()
@@ -133,16 +133,17 @@ class PackedExperts(nn.Module):
                                   activation, self.spec.swiglu_alpha, self.spec.swiglu_limit,
                                   self.gate_up_proj_bias, self.down_proj_bias)
 
-    def _activate(self, gate_up: Tensor, e: int) -> Tensor:
+    def _activate(self, gate_up: Tensor, e: int, policy: OpsPolicy) -> Tensor:
         """Expert `e`'s activation of its gate/up outputs `[n, 2I]` (its bias added first)."""
         if self.gate_up_proj_bias is not None:
             gate_up += self.gate_up_proj_bias[e]
         if self.spec.activation == SILU:
-            return ops.silu_and_mul(gate_up)
+            return ops.silu_and_mul(gate_up, policy=policy)
         return clamped_swiglu(gate_up, self.spec.swiglu_alpha, self.spec.swiglu_limit)
 
-    def _linear(self, x: Tensor, fmt: QuantFormat, qweight: Tensor, exact_rows: int) -> Tensor:
-        return ops.quant.quant_linear_per_row(x, qweight, fmt, self.int8_activations, exact_rows)
+    def _linear(self, x: Tensor, fmt: QuantFormat, qweight: Tensor, exact_rows: int, policy: OpsPolicy) -> Tensor:
+        return ops.quant.quant_linear(x, qweight, fmt, None, self.int8_activations, checked=True, exact_rows=exact_rows,
+                                      per_row=True, policy=policy)
 
     def extra_repr(self) -> str:
         return (f"experts={self.spec.num_experts}, hidden={self.hidden_size}, "

@@ -58,7 +58,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: LinearRows = PLAIN_ROWS) -> torch.Tensor:
         out = self._base(x, rows)
-        return out if rows.lora is None or self.lora is None else self.lora.add(x, out, rows.lora)
+        return out if rows.lora is None or self.lora is None else self.lora.add(x, out, rows.lora, rows.ops)
 
     def _base(self, x: torch.Tensor, rows: LinearRows) -> torch.Tensor:
         if len(self.formats) == 1:  # the common case, kept short: a decode step runs ~120 of these
@@ -69,19 +69,20 @@ class QuantLinear(nn.Module):
     def _shard(self, x: torch.Tensor, fmt: QuantFormat | None, t: torch.Tensor | None,
                bias: torch.Tensor | None, rows: LinearRows) -> torch.Tensor:
         assert t is not None
+        policy = rows.ops
         if fmt is None:
-            return ops.linear(x, t, bias)
+            return ops.linear(x, t, bias, policy=policy)
         if rows.bf16 and fmt.name in ops.quant.BF16_FORMATS:  # others: as with fp32 linears
-            if ops.quant.bf16_all_rows() or x.dim() != 2:
-                return ops.quant.quant_linear_bf16(x, t, fmt, bias)
+            if ops.quant.bf16_all_rows(policy) or x.dim() != 2:
+                return ops.quant.quant_linear(x, t, fmt, bias, checked=True, bf16=True, policy=policy)
             return self._bf16_prompt_rows(x, fmt, t, bias, rows)
         exact = rows.exact_rows
         ranges = rows.exact_ranges if exact else None
         if ranges is not None and x.dim() == 2:
             return _by_ranges(x, ranges, lambda part, n: ops.quant.quant_linear(
-                part, t, fmt, bias, self.int8_activations, checked=True, exact_rows=n))
+                part, t, fmt, bias, self.int8_activations, checked=True, exact_rows=n, policy=policy))
         return ops.quant.quant_linear(x, t, fmt, bias, self.int8_activations, checked=True,  # checked in __init__
-                                      exact_rows=exact)
+                                      exact_rows=exact, policy=policy)
 
     def _bf16_prompt_rows(self, x: torch.Tensor, fmt: QuantFormat, t: torch.Tensor,
                           bias: torch.Tensor | None, rows: LinearRows) -> torch.Tensor:
@@ -96,11 +97,14 @@ class QuantLinear(nn.Module):
         row = 0
         for start, end in [*ranges, (count, count)]:
             if start > row and self.int8_activations:
-                ops.quant.quant_linear_int8_rows(x[row:start], t, fmt, bias, out[row:start])
+                ops.quant.quant_linear(x[row:start], t, fmt, bias, checked=True, per_row=True, out=out[row:start],
+                                       policy=rows.ops)
             elif start > row:  # fp32 activations for every row (`int8_activations` off)
-                out[row:start] = ops.quant.quant_linear(x[row:start], t, fmt, bias, False, checked=True)
+                ops.quant.quant_linear(x[row:start], t, fmt, bias, False, checked=True, out=out[row:start],
+                                       policy=rows.ops)
             if end > start:
-                ops.quant.quant_linear_bf16(x[start:end], t, fmt, bias, checked=True, out=out[start:end])
+                ops.quant.quant_linear(x[start:end], t, fmt, bias, checked=True, bf16=True, out=out[start:end],
+                                       policy=rows.ops)
             row = max(row, end)
         return out
 

@@ -44,6 +44,7 @@ from torch import Tensor
 
 import ops
 from engine.model.quant_linear import QuantLinear
+from ops.policy import FASTEST, OpsPolicy
 from ops.quant import QUANT_GEMV_MAX_ROWS, QuantFormat, interleave, screened_argmax
 from ops.reference.quant import int8_activations
 from ops.screen import BF16_UNIT, bf16_packing_available, native_bf16, pack_screen_weight, screen_bounds, screen_logits
@@ -66,10 +67,12 @@ def bf16_row_scales(hidden: Tensor) -> Tensor:
 
 
 class QuantLogitScreen:
-    """The screen of a one-shard quantized lm_head: its packed weight and fp32 row norms."""
+    """The screen of a one-shard quantized lm_head: its packed weight and fp32 row norms; its ops
+    run under `policy` (the model's `ExecutionPolicy.ops`)."""
 
-    def __init__(self, fmt: QuantFormat, qweight: Tensor, in_features: int) -> None:
+    def __init__(self, fmt: QuantFormat, qweight: Tensor, in_features: int, policy: OpsPolicy = FASTEST) -> None:
         self.fmt, self.qweight, self.in_features = fmt, qweight, in_features
+        self.policy = policy
         self.norms = torch.cat([ops.dequantize(rows, fmt, in_features).norm(dim=1)
                                 for rows in qweight.split(4096)]) * NORM_SLACK
         self._packed_bf16: Tensor | None = None  # the bf16 screen's weight
@@ -83,14 +86,14 @@ class QuantLogitScreen:
                 self.int8_fmt, self.int8_weight = r8_fmt, r8
 
     @staticmethod
-    def for_lm_head(lm_head: QuantLinear) -> QuantLogitScreen | None:
+    def for_lm_head(lm_head: QuantLinear, policy: OpsPolicy = FASTEST) -> QuantLogitScreen | None:
         """A screen for `lm_head` if it is one quantized shard without a bias, else None."""
         shards = lm_head.shards()
         if len(shards) != 1 or shards[0][0] is None or lm_head.bias is not None:
             return None
         fmt, qweight = shards[0]
         assert fmt is not None
-        return QuantLogitScreen(fmt, qweight, lm_head.in_features)
+        return QuantLogitScreen(fmt, qweight, lm_head.in_features, policy)
 
     def serves(self, lm_head: QuantLinear) -> bool:
         """Whether this screen was made from `lm_head`'s current packed weight."""
@@ -104,7 +107,8 @@ class QuantLogitScreen:
 
     def candidates(self, hidden: Tensor) -> Tensor:
         """bool `[rows, vocab]`: the tokens the screen cannot rule out (every maximum among them)."""
-        approx = ops.quant_linear(hidden, self.int8_weight, self.int8_fmt, None, int8_activations=True)
+        approx = ops.quant_linear(hidden, self.int8_weight, self.int8_fmt, None, int8_activations=True,
+                                  policy=self.policy)
         error = (int8_activations(hidden) - hidden).norm(dim=1, keepdim=True) * NORM_SLACK
         slack = (error + ROUNDING * hidden.norm(dim=1, keepdim=True)) * self.norms
         floor = (approx - slack).max(dim=1, keepdim=True).values  # NaN if the row has one
@@ -116,7 +120,7 @@ class QuantLogitScreen:
         unscreened = (tokens < 0).nonzero().squeeze(1)
         if unscreened.numel():  # a non-finite value: every token's fp32-activation logit
             rows = hidden.index_select(0, unscreened)
-            exact = ops.quant_linear(rows, self.qweight, self.fmt, None, int8_activations=False)
+            exact = ops.quant_linear(rows, self.qweight, self.fmt, None, int8_activations=False, policy=self.policy)
             tokens[unscreened] = exact.max(dim=-1).indices
         return tokens
 
@@ -127,9 +131,11 @@ class QuantLogitScreen:
         if hidden.shape[0] >= BF16_SCREEN_MIN_ROWS and self.bf16_screen_available():
             approx = screen_logits(hidden, self._bf16_weight())  # bf16: widened per row in the kernel
             return screened_argmax(approx, hidden, self.qweight, self.fmt, self.norms, ROUNDING, NORM_SLACK,
-                                   row_scales=bf16_row_scales(hidden))
-        approx = ops.quant_linear(hidden, self.int8_weight, self.int8_fmt, None, int8_activations=True)
-        return screened_argmax(approx, hidden, self.qweight, self.fmt, self.norms, ROUNDING, NORM_SLACK)
+                                   row_scales=bf16_row_scales(hidden), policy=self.policy)
+        approx = ops.quant_linear(hidden, self.int8_weight, self.int8_fmt, None, int8_activations=True,
+                                  policy=self.policy)
+        return screened_argmax(approx, hidden, self.qweight, self.fmt, self.norms, ROUNDING, NORM_SLACK,
+                               policy=self.policy)
 
     def bf16_screen_available(self) -> bool:
         """Whether many-row steps screen with a bf16 GEMM: native bf16 dot products that oneDNN runs."""

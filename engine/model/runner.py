@@ -158,13 +158,14 @@ class ModelRunner:
             self._swap(self.cpu_caches, self.kv_caches, inputs.swap_in)
         if inputs.copy:
             mapping = torch.tensor(inputs.copy, dtype=torch.int64, device=self.device)
-            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+            ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping,
+                            policy=self.model.policy.ops)
 
     def _swap(self, src: KVCaches, dst: KVCaches, pairs: list[tuple[int, int]]) -> None:
         mapping = torch.tensor(pairs, dtype=torch.int64)
         for (src_k, src_v), (dst_k, dst_v) in zip(src, dst, strict=True):
-            ops.swap_blocks(src_k, dst_k, mapping)
-            ops.swap_blocks(src_v, dst_v, mapping)
+            ops.swap_blocks(src_k, dst_k, mapping, policy=self.model.policy.ops)
+            ops.swap_blocks(src_v, dst_v, mapping, policy=self.model.policy.ops)
 
     def prepare(self, scheduled: list[ScheduledSeq], sched: SchedulerOutput | None = None) -> StepBatch:
         """Prefill chunks first, then one decode row per decode sequence and 1 + k per speculative

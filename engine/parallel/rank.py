@@ -68,7 +68,6 @@ def rank_main(args: RankArgs) -> None:
 
 
 def _serve(args: RankArgs) -> None:
-    import ops
     from engine.model.capacity import engine_policy, num_device_blocks, num_host_blocks, profile_peak, resolve_compute
     from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
     from engine.model.loader import load_model, resolve_dtype
@@ -77,22 +76,20 @@ def _serve(args: RankArgs) -> None:
     from ops.build import prepare as prepare_kernels
 
     config = args.config
-    ops.set_backend(config.attention_backend)
     device = rank_device(args.device, args.rank)
-    ops.set_fixed_order(config.deterministic and device.type == "cpu")  # every rank rounds as rank 0
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if config.attention_backend == "auto":
         prepare_kernels(device)
     groups = join(args.rendezvous, args.rank)
     shard = TPShard(args.rank, groups.size, groups.compute)
-    policy = engine_policy(config, resolve_dtype(args.dtype), resolve_compute(config, device)[1])  # rank 0's
+    policy = engine_policy(config, resolve_dtype(args.dtype), resolve_compute(config, device)[1], device)  # rank 0's
     model = load_model(config.model, device=device, quantization=config.quantization, shard=shard, spec=args.spec,
                        policy=policy)
     if device.type == "cpu" and config.attention_backend == "auto":  # which threads kernels share, as on rank 0
         from engine.model.quant_linear import all_linears_quantized
         from ops.parallel import openmp_rows_for, set_openmp_rows
-        set_openmp_rows(openmp_rows_for(all_linears_quantized(model), ops.fixed_order()))
+        set_openmp_rows(openmp_rows_for(all_linears_quantized(model), policy.ops.fixed_order))
     kv_dtype = getattr(torch, args.kv_dtype)
     kv_spec = shard.kv_spec(model.spec)
     block_bytes = kv_bytes_per_block(kv_spec, config.block_size, kv_dtype)

@@ -23,18 +23,19 @@ from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
 from engine.sample.step_plan import BEAM, ModelOutput, StepPlan
 from engine.sched.output import StepSamples
 from engine.sched.sequence import Sequence, sample_stream
+from ops.policy import FASTEST, OpsPolicy
 
 
 class SampleStage:
     """Stateless across steps apart from the grammar compiler's caches and the penalty counts."""
 
     def __init__(self, eos_token_ids: set[int], grammars: GrammarCompiler | None,
-                 compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor], policy: OpsPolicy = FASTEST) -> None:
         self.eos_token_ids = eos_token_ids
         self.eos_list = sorted(eos_token_ids)
         self.grammars = grammars
         self.compute_logits = compute_logits
-        self.sampler = Sampler()
+        self.sampler = Sampler(policy)
         self.penalty_counts = PenaltyCounts()
 
     def __call__(self, plan: StepPlan, result: ModelOutput) -> StepSamples:

@@ -30,6 +30,7 @@ import torch
 
 import ops
 from common.sampling_params import SamplingParams
+from ops.policy import FASTEST, OpsPolicy
 
 
 def uniform(seed: int | None, stream: str, token_index: int) -> float:
@@ -112,14 +113,16 @@ class DrawTensors:
         return DrawTensors(self.inv_temperature[lo:hi].to(device), self.uniforms[lo:hi].to(device), filters)
 
 
-def draw(logits: torch.Tensor, draws: DrawTensors) -> torch.Tensor:
+def draw(logits: torch.Tensor, draws: DrawTensors, policy: OpsPolicy = FASTEST) -> torch.Tensor:
     """The inverse-CDF token of each row of `logits` (the random rows only, `draws`' device): one
     kernel, `ops.sample_filtered` when some row has a filter, else `ops.sample_from_logits` (the
-    same draw for a row without filters, so a row's token never depends on its batch-mates)."""
+    same draw for a row without filters, so a row's token never depends on its batch-mates);
+    `policy`: the engine's kernels or the reference."""
     if draws.filters is None:
-        return ops.sample_from_logits(logits, draws.inv_temperature, draws.uniforms)
+        return ops.sample_from_logits(logits, draws.inv_temperature, draws.uniforms, policy=policy)
     top_k, top_p, min_p, typical_p = draws.filters
-    return ops.sample_filtered(logits, draws.inv_temperature, top_k, top_p, min_p, draws.uniforms, typical_p)
+    return ops.sample_filtered(logits, draws.inv_temperature, top_k, top_p, min_p, draws.uniforms, typical_p,
+                               policy=policy)
 
 
 class SamplingBatch:
@@ -148,16 +151,17 @@ class TokenPlan:
     """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
     without keeping the logits: the argmax, and for the rows of `draws` (sorted) the inverse-CDF
     draw that `Sampler` makes for a random row (`draw`, the same `Draws`), so a row gets the same
-    token either way. Every other row is greedy."""
+    token either way (under the same `policy`). Every other row is greedy."""
 
-    def __init__(self, draws: Draws) -> None:
+    def __init__(self, draws: Draws, policy: OpsPolicy = FASTEST) -> None:
         self.draws = draws
+        self.policy = policy
         self.random_rows = draws.rows
         self.tensors = draws.tensors()
 
     def only_random(self) -> TokenPlan:
         """The plan of the random rows alone, renumbered from 0 in their order."""
-        return TokenPlan(self.draws.renumbered())
+        return TokenPlan(self.draws.renumbered(), self.policy)
 
     def __call__(self, logits: torch.Tensor, first_row: int) -> torch.Tensor:
         lo = bisect.bisect_left(self.random_rows, first_row)
@@ -165,25 +169,29 @@ class TokenPlan:
         if hi == lo:
             return argmax_tokens(logits)
         if hi - lo == logits.shape[0]:
-            return draw(logits, self.tensors.slice(lo, hi, logits.device))
+            return draw(logits, self.tensors.slice(lo, hi, logits.device), self.policy)
         tokens = argmax_tokens(logits)
         local = torch.tensor([r - first_row for r in self.random_rows[lo:hi]], dtype=torch.long, device=logits.device)
-        tokens[local] = draw(logits.index_select(0, local), self.tensors.slice(lo, hi, logits.device))
+        tokens[local] = draw(logits.index_select(0, local), self.tensors.slice(lo, hi, logits.device), self.policy)
         return tokens
 
 
 class Sampler:
-    """Stateless; one call per engine step. Returns int64 token ids, one per row."""
+    """Stateless; one call per engine step. Returns int64 token ids, one per row. `policy`: the
+    engine's (`ops.policy`), which the draws run under."""
+
+    def __init__(self, policy: OpsPolicy = FASTEST) -> None:
+        self.policy = policy
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if logits.dim() != 2 or logits.shape[0] != batch.size:
             raise ValueError(f"logits must be [{batch.size}, vocab], one row per spec; got {list(logits.shape)}")
         if len(batch.random_rows) == batch.size:
-            return draw(logits, batch.draws)
+            return draw(logits, batch.draws, self.policy)
         tokens = argmax_tokens(logits)  # greedy rows
         if batch.random_rows:
             rows = _rows(batch.random_rows, batch.size, logits.device)
-            tokens[rows] = draw(logits[rows], batch.draws)
+            tokens[rows] = draw(logits[rows], batch.draws, self.policy)
         return tokens
 
 

@@ -24,6 +24,7 @@ from engine.sample.processors import changes_logits
 from engine.sample.sampler import Draws, TokenPlan
 from engine.sched.output import ScheduledSeq, batch_order
 from engine.sched.sequence import Sequence
+from ops.policy import FASTEST, OpsPolicy
 
 
 class RowKind(Enum):
@@ -67,9 +68,11 @@ class StepPlan:
         return [i for i in range(len(self.sampling)) if i not in needs]
 
 
-def plan_step(scheduled: list[ScheduledSeq], eos_token_ids: list[int], pick_tokens: bool = True) -> StepPlan:
+def plan_step(scheduled: list[ScheduledSeq], eos_token_ids: list[int], pick_tokens: bool = True,
+              policy: OpsPolicy = FASTEST) -> StepPlan:
     """The plan of a step's scheduled chunks. `pick_tokens` False: every sampling row takes the
-    full logits path (the picker's rows give the same tokens either way; tests compare them)."""
+    full logits path (the picker's rows give the same tokens either way; tests compare them).
+    `policy`: the engine's, which the pickers' draws run under."""
     order = batch_order(scheduled)
     sampling = tuple(s for s in order if s.sample)
     spec = tuple(s for s in order if s.num_spec)
@@ -81,11 +84,11 @@ def plan_step(scheduled: list[ScheduledSeq], eos_token_ids: list[int], pick_toke
             logit_rows.append(i)
         else:
             draws.add(i - len(logit_rows), seq.request.params, seq.stream, seq.num_output_tokens)
-    picker = TokenPlan(draws) if len(logit_rows) < len(sampling) else None
+    picker = TokenPlan(draws, policy) if len(logit_rows) < len(sampling) else None
     widths = tuple(_width(sampling[i].seq) for i in logit_rows)
     pooling = tuple(s for s in order if s.seq.request.pooling is not None)
     return StepPlan(sampling=sampling, logit_rows=tuple(logit_rows), widths=widths, picker=picker, spec=spec,
-                    spec_picker=_verify_picker(spec),
+                    spec_picker=_verify_picker(spec, policy),
                     spec_logit_ranges=MappingProxyType(_spec_logit_ranges(spec, eos_token_ids)),
                     pooling=pooling)
 
@@ -97,7 +100,7 @@ def _width(seq: Sequence) -> Width:
     return request.params.num_candidates if request.needs_fork else 1
 
 
-def _verify_picker(items: tuple[ScheduledSeq, ...]) -> TokenPlan:
+def _verify_picker(items: tuple[ScheduledSeq, ...], policy: OpsPolicy) -> TokenPlan:
     """How to take the target's token at every position of the speculative rows (in order): the
     draw a plain row makes at the output-token index the position will have."""
     draws = Draws()
@@ -107,7 +110,7 @@ def _verify_picker(items: tuple[ScheduledSeq, ...]) -> TokenPlan:
         for j in range(item.num_spec + 1):
             draws.add(row, seq.request.params, seq.stream, seq.num_output_tokens + j)
             row += 1
-    return TokenPlan(draws)
+    return TokenPlan(draws, policy)
 
 
 def _spec_logit_ranges(items: tuple[ScheduledSeq, ...], eos_token_ids: list[int]) -> dict[int, tuple[int, int]]:

@@ -1,5 +1,5 @@
 """Every op in plain torch: slow, obviously correct, the oracle the kernels are tested against and
-what ``set_backend("reference")`` runs. Cache layout per layer: ``[num_blocks, num_kv_heads,
+what ``ops.REFERENCE`` (``OpsPolicy(reference=True)``) runs. Cache layout per layer: ``[num_blocks, num_kv_heads,
 block_size, head_size]``."""
 
 from ops.reference.attention import paged_attention, paged_prefill_attention

@@ -62,12 +62,9 @@ def test_out_argument_is_filled_and_returned() -> None:
 
 def test_reference_backend_is_used_when_asked() -> None:
     args = make_paged([3, 17], (9, 3), 64, 8, torch.float32, "cpu", 4)
-    ops.set_backend("reference")
-    try:
-        assert ops.get_backend() == "reference"
-        via_reference = ops.paged_attention(*args, 0.1)
-    finally:
-        ops.set_backend("auto")
+    policy = ops.OpsPolicy.of("reference")
+    assert policy.backend == "reference"
+    via_reference = ops.paged_attention(*args, 0.1, policy=policy)
     torch.testing.assert_close(via_reference, ops.reference.paged_attention(*args, 0.1), atol=0, rtol=0)
 
 

@@ -175,12 +175,7 @@ def test_empty_context_with_sinks_is_zero() -> None:
 def test_fixed_order_prefill_passes_the_sinks() -> None:
     args = windowed_prefill(prefill_batch(16), (9, 3), 64, 16, torch.float32, 17, 9)
     sinks = sinks_for(9, 2)
-    before = ops.fixed_order()
-    ops.set_fixed_order(True)
-    try:
-        fixed = ops.paged_prefill_attention(*args, 0.125, window=17, sinks=sinks)
-    finally:
-        ops.set_fixed_order(before)
+    fixed = ops.paged_prefill_attention(*args, 0.125, window=17, sinks=sinks, policy=ops.FIXED_ORDER)
     expected = ops.reference.paged_prefill_attention(*args, 0.125, window=17, sinks=sinks)
     torch.testing.assert_close(fixed, expected, atol=1e-5, rtol=1e-5)
 

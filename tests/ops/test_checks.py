@@ -38,12 +38,8 @@ def attention_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
 )
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_paged_attention_rejects(backend: str, override: dict, error: type[Exception], message: str) -> None:
-    ops.set_backend(backend)
-    try:
-        with pytest.raises(error, match=message):
-            ops.paged_attention(**attention_args(**override), scale=1.0)
-    finally:
-        ops.set_backend("auto")
+    with pytest.raises(error, match=message):
+        ops.paged_attention(**attention_args(**override), scale=1.0, policy=ops.OpsPolicy.of(backend))
 
 
 def test_paged_attention_rejects_wrong_out() -> None:
@@ -88,7 +84,7 @@ def test_out_of_range_block_is_an_error_not_a_crash() -> None:
 
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="unknown attention backend"):
-        ops.set_backend("flash")
+        ops.OpsPolicy.of("flash")
 
 
 def test_build_error_carries_compiler_output(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
@@ -132,12 +128,8 @@ def prefill_args(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_paged_prefill_attention_rejects(backend: str, override: dict, error: type[Exception], message: str) -> None:
     """Length errors come from the C++ kernel (auto) or from Python (reference), with one message."""
-    ops.set_backend(backend)
-    try:
-        with pytest.raises(error, match=message):
-            ops.paged_prefill_attention(**prefill_args(**override), scale=1.0)
-    finally:
-        ops.set_backend("auto")
+    with pytest.raises(error, match=message):
+        ops.paged_prefill_attention(**prefill_args(**override), scale=1.0, policy=ops.OpsPolicy.of(backend))
 
 
 def test_fused_ops_reject() -> None:

@@ -20,7 +20,7 @@ from ops.build import cpu_ops
 from ops.quant import FORMATS, IQ4_XS, Q2_K, Q3_K, Q4_K, Q4_KR8, Q5_K, Q6_K, Q6_KR8, QUANT_GEMV_MAX_ROWS, QuantFormat
 from ops.reference import formats
 from ops.reference import quant as ref
-from tests.ops.per_row_checks import per_row_bits_match_alone
+from tests.ops.per_row_checks import fixed_gemm_linear, per_row_bits_match_alone
 from tests.ops.test_formats import _random_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -125,20 +125,20 @@ def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantForm
     bias = torch.randn(n, generator=g)
     x = torch.randn(37, k, generator=g)
     for rows in (1, 5, 37):
-        got = ops.quant.quant_fixed_linear(x[:rows], qweight, fmt, bias)
+        got = fixed_gemm_linear(x[:rows], qweight, fmt, bias)
         assert torch.equal(got, ops.linear(x[:rows], weight, bias, fixed=ops.pack_fixed(weight))), rows
-        assert torch.equal(got, ops.quant.quant_fixed_linear(x, qweight, fmt, bias)[:rows]), rows
+        assert torch.equal(got, fixed_gemm_linear(x, qweight, fmt, bias)[:rows]), rows
 
 
 @pytest.mark.parametrize("fmt", LAYOUTS, ids=lambda f: f.name)
 def test_bf16_linear_has_k_quant_panels(fmt: QuantFormat) -> None:
     """The bf16 kernels dequantize K-quant blocks into their panels (tests/ops/test_quant_linear_bf16.py
-    runs the grid): `quant_linear_bf16` is the bf16 reference up to summation order, and a K that is
+    runs the grid): bf16 `quant_linear` is the bf16 reference up to summation order, and a K that is
     not a whole number of 256-weight blocks is refused by the kernel too."""
     qweight = _qweight(fmt, 40, 256, 3)
     x = torch.randn(6, 256)
     assert fmt.name in ops.quant.BF16_FORMATS
-    torch.testing.assert_close(ops.quant.quant_linear_bf16(x, qweight, fmt),
+    torch.testing.assert_close(ops.quant_linear(x, qweight, fmt, bf16=True),
                                ref.quant_linear_bf16(x, qweight, fmt.type_id), rtol=1e-5, atol=1e-5)
     if ops.quant.bf16_kernel() is not None:
         with pytest.raises(RuntimeError, match="multiple of 256"):
@@ -183,11 +183,11 @@ def test_r8_is_gguf_order_on_panels_and_close_on_other_rows(layout: QuantFormat,
     bias = torch.randn(n, generator=gen)
     torch.testing.assert_close(ops.quant_linear(x, r8, fmt, bias, int8_activations=False),
                                ops.quant_linear(x, qweight, base, bias, int8_activations=False), rtol=1e-5, atol=1e-5)
-    assert torch.equal(ops.quant.quant_fixed_linear(x, r8, fmt, bias),
-                       ops.quant.quant_fixed_linear(x, qweight, base, bias))
+    assert torch.equal(fixed_gemm_linear(x, r8, fmt, bias),
+                       fixed_gemm_linear(x, qweight, base, bias))
     if ops.quant.bf16_kernel() is not None:
-        assert torch.equal(ops.quant.quant_linear_bf16(x, r8, fmt, bias),
-                           ops.quant.quant_linear_bf16(x, qweight, base, bias))
+        assert torch.equal(ops.quant_linear(x, r8, fmt, bias, bf16=True),
+                           ops.quant_linear(x, qweight, base, bias, bf16=True))
     torch.testing.assert_close(ops.quant_linear(x, r8, fmt, bias), ops.quant_linear(x, qweight, base, bias),
                                rtol=1e-5, atol=1e-5)
 
@@ -211,7 +211,7 @@ def test_r8_groups_in_pairs_equal_groups_alone(layout: QuantFormat, m: int) -> N
 @pytest.mark.parametrize("layout", list(R8_BASE), ids=lambda f: f.name)
 @pytest.mark.parametrize(("m", "exact"), [(1, 0), (40, 7), (QUANT_GEMV_MAX_ROWS + 40, 0)])
 def test_r8_per_row_entry_keeps_every_count_on_the_kernel(layout: QuantFormat, m: int, exact: int) -> None:
-    """`quant_linear_per_row` (a MoE expert's grouped rows) on an r8 layout: each row is bit for bit what
+    """`quant_linear(..., per_row=True)` (a MoE expert's grouped rows) on an r8 layout: each row is bit for bit what
     it is alone at any count, past the oneDNN crossover too."""
     r8, fmt = ops.quant.interleave(_qweight(R8_BASE[layout], 64, 512, m), R8_BASE[layout])
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m + exact))

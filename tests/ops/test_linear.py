@@ -45,11 +45,7 @@ def test_other_cases_are_torch_exactly(x: torch.Tensor, weight: torch.Tensor) ->
 
 def test_reference_backend_is_torch() -> None:
     x, weight = torch.randn(3, 64), torch.randn(40, 64)
-    ops.set_backend("reference")
-    try:
-        assert torch.equal(ops.linear(x, weight), ops.reference.linear(x, weight))
-    finally:
-        ops.set_backend("auto")
+    assert torch.equal(ops.linear(x, weight, policy=ops.REFERENCE), ops.reference.linear(x, weight))
 
 
 def test_mismatched_shapes_are_rejected() -> None:

@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from ops.backend import get_backend, set_backend
 from ops.lora import kernel_applies, lora_rows
+from ops.policy import REFERENCE
 from ops.reference import lora as reference
 
 ROWS = [1, 2, 5, 17, 40]
@@ -85,13 +85,8 @@ def test_bad_slot_and_shapes_rejected() -> None:
 def test_reference_backend_and_other_dtypes_take_the_torch_path() -> None:
     out, x, a, b, slot = inputs(5, 64, 32, 8, seed=6)
     assert not kernel_applies(out.bfloat16(), x.bfloat16(), a.bfloat16())
-    previous = get_backend()
-    set_backend("reference")
-    try:
-        assert not kernel_applies(out, x, a)
-        got = lora_rows(out.clone(), x, a, b, slot)
-    finally:
-        set_backend(previous)
+    assert not kernel_applies(out, x, a, REFERENCE)
+    got = lora_rows(out.clone(), x, a, b, slot, policy=REFERENCE)
     assert torch.equal(got, reference.lora_rows(out.clone(), x, a, b, slot))
 
 

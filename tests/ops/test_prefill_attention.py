@@ -94,11 +94,7 @@ def test_out_argument_is_filled_and_returned() -> None:
 
 def test_reference_backend_is_used_when_asked() -> None:
     args = make_prefill([(3, 3), (2, 17)], (9, 3), 64, 8, torch.float32, "cpu", 7)
-    ops.set_backend("reference")
-    try:
-        via_reference = ops.paged_prefill_attention(*args, 0.1)
-    finally:
-        ops.set_backend("auto")
+    via_reference = ops.paged_prefill_attention(*args, 0.1, policy=ops.REFERENCE)
     torch.testing.assert_close(via_reference, ops.reference.paged_prefill_attention(*args, 0.1), atol=0, rtol=0)
 
 

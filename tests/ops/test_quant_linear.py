@@ -10,7 +10,7 @@ import torch
 import ops
 from ops.quant import FORMATS, INTERLEAVED, Q4_0, Q4_1, Q4_1R8, Q8_0, QUANT_GEMV_MAX_ROWS, QuantFormat, interleave
 from ops.reference import quant as ref
-from tests.ops.per_row_checks import per_row_bits_match_alone
+from tests.ops.per_row_checks import fixed_gemm_linear, per_row_bits_match_alone
 
 gguf = pytest.importorskip("gguf")
 GGML = {name: gguf.GGMLQuantizationType[name] for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4")}
@@ -146,11 +146,7 @@ def test_leading_dims_strided_and_empty() -> None:
 def test_reference_backend() -> None:
     qweight, _ = _packed(Q4_1, 40, 64, 4)
     x = torch.randn(2, 64)
-    ops.set_backend("reference")
-    try:
-        out = ops.quant_linear(x, qweight, Q4_1)
-    finally:
-        ops.set_backend("auto")
+    out = ops.quant_linear(x, qweight, Q4_1, policy=ops.REFERENCE)
     torch.testing.assert_close(out, ref.quant_linear(x, qweight, Q4_1.type_id))
 
 
@@ -295,7 +291,7 @@ def test_r8_groups_in_pairs_equal_groups_alone(name: str, m: int, with_bias: boo
 @pytest.mark.parametrize(("n", "k"), [(24, 64), (200, 96), (72, 576)])
 def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantFormat, interleaved: bool, n: int,
                                                                   k: int) -> None:
-    """`quant_fixed_linear` equals `ops.linear(..., fixed=pack_fixed(dequantize(W)))` bit for bit at
+    """`quant_fixed_gemm` equals `ops.linear(..., fixed=pack_fixed(dequantize(W)))` bit for bit at
     every row count (the exact rows' arithmetic in deterministic mode), odd N included."""
     g = torch.Generator().manual_seed(n + k)
     qweight = ref.quantize(torch.randn(n, k, generator=g), fmt.type_id)
@@ -305,16 +301,16 @@ def test_quant_fixed_gemm_is_fixed_gemm_on_the_dequantized_weight(fmt: QuantForm
     bias = torch.randn(n, generator=g)
     x = torch.randn(37, k, generator=g)
     for rows in (1, 5, 37):
-        got = ops.quant.quant_fixed_linear(x[:rows], qweight, fmt, bias)
+        got = fixed_gemm_linear(x[:rows], qweight, fmt, bias)
         assert torch.equal(got, ops.linear(x[:rows], weight, bias, fixed=ops.pack_fixed(weight))), rows
-        assert torch.equal(got, ops.quant.quant_fixed_linear(x, qweight, fmt, bias)[:rows]), rows
+        assert torch.equal(got, fixed_gemm_linear(x, qweight, fmt, bias)[:rows]), rows
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize(("m", "exact"), [(1, 0), (1, 1), (40, 7), (QUANT_GEMV_MAX_ROWS + 40, 0),
                                           (QUANT_GEMV_MAX_ROWS + 40, QUANT_GEMV_MAX_ROWS + 10)])
 def test_per_row_entry_keeps_every_count_on_the_kernel(name: str, m: int, exact: int) -> None:
-    """`quant_linear_per_row` (a MoE expert's grouped rows): at any count, past the oneDNN crossover
+    """`quant_linear(..., per_row=True)` (a MoE expert's grouped rows): at any count, past the oneDNN crossover
     too, each row is bit for bit what it is alone (its leading `exact` rows on fp32 activations), and
     close to the reference."""
     qweight, fmt = _laid_out(name, 64, 160, m)
@@ -323,7 +319,7 @@ def test_per_row_entry_keeps_every_count_on_the_kernel(name: str, m: int, exact:
     expected = ref.quant_linear(x, qweight, fmt.type_id)
     torch.testing.assert_close(got[:exact], expected[:exact], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[exact:], expected[exact:], rtol=0.05, atol=0.05)  # int8 activations
-    fp32 = ops.quant.quant_linear_per_row(x, qweight, fmt, False, 0)
+    fp32 = ops.quant_linear(x, qweight, fmt, int8_activations=False, per_row=True)
     torch.testing.assert_close(fp32, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -367,7 +363,7 @@ def test_r8_exact_rows_are_fixed_gemm_on_the_dequantized_weight(base: QuantForma
     for m in (1, 2, 5, 13, 37):
         for b in (bias, None):
             got = ops.quant_linear(x[:m], r8, fmt, b, exact_rows=m)
-            assert torch.equal(got, ops.quant.quant_fixed_linear(x[:m], r8, fmt, b)), (m, b is None)
+            assert torch.equal(got, fixed_gemm_linear(x[:m], r8, fmt, b)), (m, b is None)
             assert torch.equal(got, ops.linear(x[:m], dense, b, fixed=ops.pack_fixed(dense))), (m, b is None)
 
 

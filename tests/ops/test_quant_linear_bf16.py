@@ -1,4 +1,4 @@
-"""ops.quant.quant_linear_bf16: the compiled bf16 kernel (AMX-BF16 tiles, csrc/cpu/quant_amx.cpp, or
+"""ops.quant.quant_linear(..., bf16=True): the compiled bf16 kernel (AMX-BF16 tiles, csrc/cpu/quant_amx.cpp, or
 AVX512-BF16 dot products, csrc/cpu/quant_bf16_dot.cpp: whichever this CPU has) against the torch
 reference (weights dequantized and rounded to bf16, activations rounded to bf16, fp32 sums) over a
 grid of formats, shapes and row counts; its rows do not depend on the batch they run in."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ops
-from ops.quant import BF16_FORMATS, FORMATS, INTERLEAVED, QuantFormat, bf16_kernel, interleave, quant_linear_bf16
+from ops.quant import BF16_FORMATS, FORMATS, INTERLEAVED, QuantFormat, bf16_kernel, interleave, quant_linear
 from ops.reference import quant as ref
 
 # The layouts with bf16 panels: the 32-weight formats, their r8 layouts, and the K-quants (Q2_K-Q6_K, IQ4_XS).
@@ -44,7 +44,7 @@ def test_kernel_matches_reference(m: int, name: str, n: int, k: int, with_bias: 
     packed, fmt = _weight(name, n, k, seed=n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n) if with_bias else None
-    got = quant_linear_bf16(x, packed, fmt, bias)
+    got = quant_linear(x, packed, fmt, bias, bf16=True)
     want = _expected(x, packed, fmt, bias)
     # Same products, other summation order: fp32 rounding over k terms.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
@@ -56,7 +56,7 @@ def test_activation_blocks_past_l2_size() -> None:
     than a block, and a partial last block."""
     packed, fmt = _weight("Q4_1r8", 72, 1536, seed=1)
     x = torch.randn(1100, 1536)
-    torch.testing.assert_close(quant_linear_bf16(x, packed, fmt), _expected(x, packed, fmt, None),
+    torch.testing.assert_close(quant_linear(x, packed, fmt, bf16=True), _expected(x, packed, fmt, None),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -69,7 +69,7 @@ def test_panels_hold_the_reference_weights_in_bf16(name: str) -> None:
     packed, fmt = _weight(name, 37 if name not in BASE else 40, k, seed=6)
     x = torch.eye(k)
     want = ref.dequantize(packed, fmt.type_id).bfloat16().float().T
-    assert torch.equal(quant_linear_bf16(x, packed, fmt), want)
+    assert torch.equal(quant_linear(x, packed, fmt, bf16=True), want)
 
 
 @needs_kernel
@@ -80,10 +80,10 @@ def test_a_row_does_not_depend_on_its_batch(name: str) -> None:
     k = 768 if LAYOUTS[name].block_size == 256 else 576
     packed, fmt = _weight(name, 96, k, seed=2)
     x = torch.randn(70, k)
-    batch = quant_linear_bf16(x, packed, fmt)
+    batch = quant_linear(x, packed, fmt, bf16=True)
     for i in (0, 15, 16, 31, 32, 69):
-        assert torch.equal(quant_linear_bf16(x[i:i + 1], packed, fmt)[0], batch[i])
-    assert torch.equal(quant_linear_bf16(x[5:40], packed, fmt), batch[5:40])
+        assert torch.equal(quant_linear(x[i:i + 1], packed, fmt, bf16=True)[0], batch[i])
+    assert torch.equal(quant_linear(x[5:40], packed, fmt, bf16=True), batch[5:40])
 
 
 @needs_kernel
@@ -94,37 +94,26 @@ def test_r8_layouts_compute_as_gguf_order(name: str) -> None:
     gguf_order = ref.deinterleave(packed, fmt.type_id)
     x = torch.randn(45, 768)
     bias = torch.randn(136)
-    assert torch.equal(quant_linear_bf16(x, packed, fmt, bias), quant_linear_bf16(x, gguf_order, BASE[name], bias))
+    assert torch.equal(quant_linear(x, packed, fmt, bias, bf16=True),
+                       quant_linear(x, gguf_order, BASE[name], bias, bf16=True))
 
 
 def test_reference_backend_and_fallback_round_the_same_way() -> None:
     """The torch path (reference backend, or a CPU without a bf16 kernel) rounds like the kernel."""
     packed, fmt = _weight("Q4_1r8", 64, 128, seed=3)
     x = torch.randn(20, 128)
-    with _reference():
-        got = quant_linear_bf16(x, packed, fmt)
+    got = quant_linear(x, packed, fmt, bf16=True, policy=ops.REFERENCE)
     torch.testing.assert_close(got, _expected(x, packed, fmt, None), rtol=0, atol=0)
     if bf16_kernel() is not None:
-        torch.testing.assert_close(quant_linear_bf16(x, packed, fmt), got, rtol=1e-5, atol=1e-5)
-
-
-class _reference:
-    """The reference backend for the block (restores the previous one)."""
-
-    def __enter__(self) -> None:
-        self.previous = ops.get_backend()
-        ops.set_backend("reference")
-
-    def __exit__(self, *exc: object) -> None:
-        ops.set_backend(self.previous)
+        torch.testing.assert_close(quant_linear(x, packed, fmt, bf16=True), got, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_arguments_raise() -> None:
     packed, fmt = _weight("Q8_0", 32, 64, seed=4)
     with pytest.raises(ValueError, match="fp32"):
-        quant_linear_bf16(torch.randn(2, 64).bfloat16(), packed, fmt)
+        quant_linear(torch.randn(2, 64).bfloat16(), packed, fmt, bf16=True)
     with pytest.raises(ValueError, match="bytes"):
-        quant_linear_bf16(torch.randn(2, 96), packed, fmt)
+        quant_linear(torch.randn(2, 96), packed, fmt, bf16=True)
 
 
 @needs_kernel

@@ -179,11 +179,7 @@ def test_prefill_rows_equal_decode_rows(window: int) -> None:
                                   window=window)
     torch.testing.assert_close(ops.paged_prefill_attention(*args, 0.125, window=window), by_rows,
                                atol=1e-5, rtol=1e-5)
-    ops.set_fixed_order(True)
-    try:
-        fixed = ops.paged_prefill_attention(*args, 0.125, window=window)
-    finally:
-        ops.set_fixed_order(False)
+    fixed = ops.paged_prefill_attention(*args, 0.125, window=window, policy=ops.FIXED_ORDER)
     torch.testing.assert_close(fixed, by_rows, atol=0, rtol=0)
 
 

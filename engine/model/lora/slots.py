@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ops.lora import kernel_applies, lora_rows
+from ops.policy import FASTEST, OpsPolicy
 
 GATHER_ELEMENTS = 1 << 21  # elements of a gathered chunk of adapter weights (8 MiB in fp32)
 
@@ -74,9 +75,10 @@ class LoRASlots:
         self.a[slot, part * self.rank : part * self.rank + r].copy_(a)
         self.b[part][slot, :, :r].copy_(b)
 
-    def add(self, x: Tensor, out: Tensor, rows: LoRARows) -> Tensor:
-        """`out` (the base linear's `[T, out]`) plus each adapter row's product, in place; returns `out`."""
-        if kernel_applies(out, x, self.a):
+    def add(self, x: Tensor, out: Tensor, rows: LoRARows, policy: OpsPolicy = FASTEST) -> Tensor:
+        """`out` (the base linear's `[T, out]`) plus each adapter row's product, in place (on the CPU
+        kernel unless `policy` asks for the reference); returns `out`."""
+        if kernel_applies(out, x, self.a, policy):
             return self._add_kernel(x, out, rows)
         xs = x if rows.every_row else x.index_select(0, rows.index)
         xs = xs.to(self.a.dtype)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import ops
+from engine.model.execution_policy import LinearRows
 from engine.model.moe import SparseMoE, group_by_expert
 from engine.model.moe_spec import MoEConfigError, MoESpec, moe_spec_from_hf_config
 from engine.model.moe_weights import expected_moe_pieces, load_moe_tensor
@@ -144,15 +145,12 @@ def test_token_output_independent_of_its_step(model_type: str, overrides: dict[s
     x = inputs(40, 3, skew=True)
     other = torch.cat([inputs(70, 4, skew=False)[:30], x[7:8], x[:5]])
     fixed = moe.shared_expert is not None
-    ops.set_fixed_order(fixed)
-    try:
-        with torch.inference_mode():
-            step = moe(x)
-            for i in (0, 7, 39):
-                assert torch.equal(moe(x[i:i + 1])[0], step[i])
-            mixed = moe(other)
-    finally:
-        ops.set_fixed_order(False)
+    rows = LinearRows(ops=ops.OpsPolicy(fixed_order=fixed))
+    with torch.inference_mode():
+        step = moe(x, rows)
+        for i in (0, 7, 39):
+            assert torch.equal(moe(x[i:i + 1], rows)[0], step[i])
+        mixed = moe(other, rows)
     assert torch.equal(mixed[30], step[7])
     assert torch.equal(mixed[31:], step[:5])
 
@@ -162,12 +160,8 @@ def test_reference_backend_matches() -> None:
     block = hf_block(config, 0)
     moe = ours(config, block)
     x = inputs(19, 0, skew=False)
-    ops.set_backend("reference")
-    try:
-        with torch.inference_mode():
-            got = moe(x)
-    finally:
-        ops.set_backend("auto")
+    with torch.inference_mode():
+        got = moe(x, LinearRows(ops=ops.REFERENCE))
     with torch.inference_mode():
         torch.testing.assert_close(got, hf_forward(block, x), rtol=1e-5, atol=1e-5)
 

@@ -6,14 +6,12 @@ of unmapped MoE types refuse."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import ops
 from common.sampling_params import SamplingParams
 from engine.llm import LLM
 from engine.model import LlamaForCausalLM, ModelLoadError, ModelSpec, UnsupportedModelError, load_model
@@ -44,13 +42,6 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
 }
 SKEWED = "skewed"  # suffix of a model id: the router of every sparse layer tilted towards expert 0
-
-
-@pytest.fixture(autouse=True)
-def _restore_fixed_order() -> Iterator[None]:
-    before = ops.fixed_order()
-    yield
-    ops.set_fixed_order(before)
 
 
 def _mlp_inputs(model: Any, prompts: list[list[int]]) -> dict[int, torch.Tensor]:

@@ -104,7 +104,7 @@ def test_other_formats_and_activations_are_the_python_paths_bits(gate: str, up: 
 
 def test_the_skewed_expert_is_past_the_crossover() -> None:
     """The routing above sends expert 0 more than 128 rows at 300 tokens (oneDNN's crossover for dense
-    linears: the op must keep them on the kernel, as `quant_linear_per_row` does)."""
+    linears: the op must keep them on the kernel, as `quant_linear(..., per_row=True)` does)."""
     _, chosen, _ = _routing(300, SMALL[0], 4, 300)
     assert int((chosen == 0).sum()) > 128
 
@@ -129,14 +129,10 @@ def test_reference_backend_keeps_the_python_path() -> None:
     """Under the reference backend `routed` groups in Python and runs `forward` (the op is not called)."""
     experts = _q4_0_experts()
     x, chosen, weights = _routing(9, SMALL[0], 4, 3)
-    previous = ops.get_backend()
-    ops.set_backend("reference")
-    try:
-        with torch.inference_mode():
-            got = experts.routed(x, chosen, weights)
-            expected = experts(x, *group_by_expert(chosen, weights, EXPERTS))
-    finally:
-        ops.set_backend(previous)
+    rows = LinearRows(ops=ops.REFERENCE)
+    with torch.inference_mode():
+        got = experts.routed(x, chosen, weights, rows)
+        expected = experts(x, *group_by_expert(chosen, weights, EXPERTS), rows)
     assert torch.equal(got, expected)
 
 

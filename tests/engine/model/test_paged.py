@@ -10,6 +10,7 @@ import torch
 
 import ops
 from engine.model import AttentionMetadata, LlamaForCausalLM, allocate_kv_caches, load_model
+from engine.model.execution_policy import ExecutionPolicy
 from tests.fixtures.models import PagedHarness, Seq, make_tiny_model_dir
 
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -65,14 +66,12 @@ def test_chunked_prefill_matches_hf(tiny: LlamaForCausalLM, reference: dict[int,
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_prefill_then_decode_matches_hf(
-    backend: str, tiny: LlamaForCausalLM, reference: dict[int, torch.Tensor]
+    backend: str, tiny: LlamaForCausalLM, reference: dict[int, torch.Tensor], tiny_llama_dir: Path
 ) -> None:
-    harness, seq = PagedHarness(tiny, seed=2, block_size=8), Seq(_tokens(40, 1))
-    ops.set_backend(backend)
-    try:
-        steps = [harness.step([(seq, 13)], [])] + [harness.step([], [seq]) for _ in range(27)]
-    finally:
-        ops.set_backend("auto")
+    model = tiny if backend == "auto" else load_model(tiny_llama_dir,
+                                                       policy=ExecutionPolicy(ops=ops.OpsPolicy.of(backend)))
+    harness, seq = PagedHarness(model, seed=2, block_size=8), Seq(_tokens(40, 1))
+    steps = [harness.step([(seq, 13)], [])] + [harness.step([], [seq]) for _ in range(27)]
     _assert_close(torch.cat(steps), reference[1])
 
 

@@ -75,11 +75,7 @@ def test_fused_rope_matches_apply_rotary(case: str, backend: str) -> None:
     want_q, want_k = rope(positions, query, key)
     got_q, got_k = query.clone(), key.clone()
     empty = torch.empty(0, 2, 16, 64)
-    ops.set_backend(backend)
-    try:
-        ops.rotary_embedding_and_cache(positions, got_q, got_k, key.clone(), rope.table(positions), empty, empty,
-                                       torch.full((7,), -1))
-    finally:
-        ops.set_backend("auto")
+    ops.rotary_embedding_and_cache(positions, got_q, got_k, key.clone(), rope.table(positions), empty, empty,
+                                   torch.full((7,), -1), policy=ops.OpsPolicy.of(backend))
     torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_k, want_k, rtol=1e-5, atol=1e-5)
