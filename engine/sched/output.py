@@ -27,7 +27,7 @@ class ScheduledSeq:
     them slot -1. `num_prompt_logits` rows from the chunk's start predict prompt tokens and
     are kept for prompt logprobs (0 when not asked). `num_spec` > 0: a speculative row, the last
     `num_spec` tokens are proposals (not in `seq.token_ids`); every one of its 1 + num_spec
-    positions attends as a decode row and yields a target token (`engine.spec.verify`); `sample`
+    positions attends as a decode row and yields a target token (`engine.sample.verify`); `sample`
     is False."""
 
     seq: Sequence
