@@ -18,14 +18,14 @@ import torch
 
 from engine.sample.beam_step import beam_step
 from engine.sample.grammar import Grammar, GrammarCompiler
-from engine.sample.head import LogitsHead, choose_tokens
+from engine.sample.head import choose_tokens
 from engine.sample.penalty_counts import PenaltyCounts
 from engine.sample.processors import apply_processors
 from engine.sample.prompt_logprobs import chunk_prompt_logprobs
 from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
 from engine.sample.step_plan import BEAM, ModelOutput, StepPlan
 from engine.sample.verify import verify
-from engine.sched.output import SpecResult, StepSamples
+from engine.sched.output import StepSamples
 from engine.sched.sequence import Sequence, sample_stream
 
 
@@ -63,13 +63,9 @@ class SampleStage:
             out.token_ids += [[t] for t in tokens.tolist()]
             if out.logprobs is not None:
                 out.logprobs += [[0.0]] * len(picked)  # as `_sample` fills rows that asked for none
-        out.spec = self._verify(plan, spec_tokens, spec_logits)
+        if spec_tokens is not None:
+            out.spec = verify(plan, spec_tokens, spec_logits, self.sampler, self.eos_list, self.grammars)
         return out
-
-    def _verify(self, plan: StepPlan, tokens: torch.Tensor | None, logits: list[torch.Tensor]) -> list[SpecResult]:
-        if tokens is None:
-            return []
-        return verify(plan, tokens, logits, self.sampler, self.eos_list, self.grammars)
 
     def _from_logits(self, plan: StepPlan, logits: torch.Tensor, out: StepSamples) -> None:
         """Sample every logits row of the plan (`logits` row j is `plan.logit_rows[j]`'s)."""
@@ -147,9 +143,8 @@ def _spec_rows(plan: StepPlan, result: ModelOutput) -> tuple[torch.Tensor | None
     """The token of every speculative position by the plan's `spec_picker`, and the fp32 logits of
     each `spec_logit_ranges` range (one head call per range: a sequence's 1 + k positions, as many
     rows as plain decoding gives the lm_head); None and [] without speculative rows."""
-    hidden: torch.Tensor | None = result.spec_hidden
+    hidden, head = result.spec_hidden, result.head
     if hidden is None:
         return None, []
-    head: LogitsHead = result.head
     tokens = choose_tokens(head, hidden, plan.spec_picker)
     return tokens, [head.logits(hidden[lo:hi]) for lo, hi in plan.spec_logit_ranges.values()]

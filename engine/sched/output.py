@@ -1,7 +1,7 @@
 """The data a step hands between its stages, torch-free.
 
     Scheduler.schedule() ──SchedulerOutput──▶ plan_step (engine.sample.step_plan) ──StepPlan──▶
-    ModelRunner.execute() ──ModelOutput──▶ SampleStage (engine.sample), verify (engine.spec) ──StepSamples──▶
+    ModelRunner.execute() ──ModelOutput──▶ SampleStage (engine.sample: every token, verification too) ──StepSamples──▶
     Scheduler.update_from_output()   (the one place sequence and request state changes after a step)
 
 The runner reads only the plain fields of `ScheduledSeq` (never `seq`, never the block manager)
