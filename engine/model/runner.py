@@ -99,7 +99,7 @@ class ModelRunner:
         self.publish = publish
         self.tables = BlockTableBuffer()
         self.lora: LoRAManager | None = None  # the adapters' slots, where LoRA is enabled
-        self.model_seconds = 0.0  # cumulative time inside the model's forward (the head's: `SampleStage`)
+        self.model_seconds = 0.0  # cumulative time in the model's forward (its lm_head's: `SampleStage.head_seconds`)
         self.publish_seconds = 0.0  # cumulative time handing steps to the other ranks
 
     def run_inputs(self, inputs: StepInputs) -> Tensor:
@@ -120,8 +120,8 @@ class ModelRunner:
         self.move_blocks(batch.inputs)
         start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # exact ranges: in meta
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda" and not plan.sampling and batch.spec_rows is None:
+            torch.cuda.synchronize(self.device)  # else the sampling stage waits, after the lm_head's kernels
         self.model_seconds += time.perf_counter() - start
         out = ModelOutput(self.model.head)
         if plan.sampling:

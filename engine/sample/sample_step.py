@@ -47,7 +47,7 @@ class SampleStage:
         logits, tokens = _sampling_rows(plan, result)
         spec_tokens, spec_logits = _spec_rows(plan, result)
         hidden = result.sample_hidden if result.sample_hidden is not None else result.spec_hidden
-        if hidden is not None and hidden.is_cuda:  # the head's time, as the runner times the forward's
+        if hidden is not None and hidden.is_cuda:  # the forward's kernels and the head's end here: one wait a step
             torch.cuda.synchronize(hidden.device)
         self.head_seconds += time.perf_counter() - start
         out = StepSamples()
