@@ -55,7 +55,6 @@ from engine.sched.output import StepSamples
 from engine.sched.scheduler import Scheduler
 from engine.sched.sequence import Request, Sequence
 from engine.spec.speculator import Speculator
-from engine.spec.verify import verify
 from ops.build import prepare as prepare_kernels
 from ops.parallel import openmp_rows_for, set_openmp_rows
 
@@ -182,13 +181,13 @@ class LLMEngine:
                                    config.preemption_mode, self.eos_token_ids, self.max_model_len,
                                    self.speculator, config.max_loras if self.lora is not None else 0)
         self.grammars = GrammarCompiler(self.tokenizer_dir, self.vocab_size, sorted(self.eos_token_ids))
-        self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.model.compute_logits, self.policy.ops)
+        self.sampler = SampleStage(self.eos_token_ids, self.grammars, self.policy.ops)
         self.pooler = Pooler(self.pooler_config) if self.pooler_config is not None else None
         self.requests: dict[str, Request] = {}
         self.compiling: dict[str, Compiling] = {}  # request id -> its grammar's compile (not in the scheduler yet)
         self.refused: dict[str, tuple[str, str]] = {}  # request id -> (why, code): refused after add_request
         self.counters: Counter[str] = Counter()
-        self.step_seconds = 0.0  # cumulative wall time in step(); runner.model_seconds is the model's share
+        self.step_seconds = 0.0  # cumulative wall time in step(); stats' model_seconds is the model's share
         self.num_steps = 0
         self.last_step_decodes = 0  # sequences that decoded one token in the last step
         quiet_gc()
@@ -490,8 +489,7 @@ class LLMEngine:
                     assert pooling is not None
                     self.pooler.gather(item.seq.request.request_id, pooling.pooling_type, item.start,
                                        item.seq.num_prompt_tokens, rows)
-            samples = self.sampler(plan, result)
-            samples.spec = verify(plan, result, self.sampler.sampler, self.sampler.eos_list, self.grammars)
+            samples = self.sampler(plan, result)  # every token, the speculative rows' verified
             if self.speculator is not None and all(len(s.token_ids) == 1 or s.num_spec for s in sched.scheduled):
                 tokens = len(samples.seqs) + sum(len(r.tokens) for r in samples.spec)
                 self.speculator.observe_step(time.perf_counter() - start, tokens, bool(plan.spec))
@@ -530,7 +528,7 @@ class LLMEngine:
             "generation_tokens": self.counters["generation_tokens"],
             "num_steps": self.num_steps,
             "step_seconds": self.step_seconds,
-            "model_seconds": self.runner.model_seconds,
+            "model_seconds": self.runner.model_seconds + self.sampler.head_seconds,  # forward and lm_head
             "spec": self.speculator.stats() if self.speculator is not None else {},
             "spec_method": self.speculator.config.method if self.speculator is not None else "",
             "spec_accepted_lengths": self.speculator.accepted_lengths() if self.speculator is not None else {},

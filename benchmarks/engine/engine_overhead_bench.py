@@ -65,6 +65,11 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(100, SHAPE["vocab_size"] - 100, (n, length), generator=gen).tolist()
 
 
+def _model_seconds(engine: Any) -> float:
+    """Time inside the model so far: its forward (the runner's) and its lm_head (the sampling stage's)."""
+    return engine.runner.model_seconds + engine.sampler.head_seconds
+
+
 def decode(model: str, args: argparse.Namespace) -> None:
     llm = LLM(model, kv_cache_memory=2 << 30, max_num_batched_tokens=args.max_num_batched_tokens)
     engine, n, out_len = llm.engine, args.batch, args.output_len
@@ -77,10 +82,10 @@ def decode(model: str, args: argparse.Namespace) -> None:
     host, step_ms, tokens = [], [], 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        s0, m0 = engine.step_seconds, engine.runner.model_seconds
+        s0, m0 = engine.step_seconds, _model_seconds(engine)
         outs = engine.step()
         tokens += sum(len(c.token_ids) for o in outs for c in o.outputs)
-        step, model_s = engine.step_seconds - s0, engine.runner.model_seconds - m0
+        step, model_s = engine.step_seconds - s0, _model_seconds(engine) - m0
         if engine.last_step_decodes == n:
             host.append((step - model_s) * 1e3)
             step_ms.append(step * 1e3)

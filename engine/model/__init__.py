@@ -1,5 +1,5 @@
 """The Llama-family model on the paged KV cache, its loader, the model runner (a scheduled
-batch → flattened tensors → logits), KV-cache allocation and sizing, and the default-model
+batch → flattened tensors → hidden states and the model's head), KV-cache allocation and sizing, and the default-model
 fetch.
 
 May import torch, transformers and `ops`; never the scheduler, the block manager or the

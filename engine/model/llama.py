@@ -9,7 +9,7 @@ whose shards are stacked at load time by `load_weights`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,22 +29,6 @@ from engine.model.rope import RotaryEmbedding, partial_rotary_order
 from engine.model.sharding import SINGLE, TPShard
 from engine.model.spec import ModelSpec, UnsupportedModelError
 from ops.policy import FASTEST, OpsPolicy
-
-LOGITS_GROUP_BYTES = 24 << 20  # logits of one `pick_tokens` group: under a 32 MiB L3 with room to spare
-
-
-class TokenPicker(Protocol):
-    """How `pick_tokens` turns rows of logits into tokens (`engine.sample.sampler.TokenPlan`)."""
-
-    random_rows: list[int]  # sorted rows drawn from their logits; every other row is greedy (argmax)
-
-    def __call__(self, logits: Tensor, first_row: int) -> Tensor:
-        """The int64 tokens of the rows from `first_row` on, given their logits."""
-        ...
-
-    def only_random(self) -> TokenPicker:
-        """The picker of the random rows alone, renumbered from 0."""
-        ...
 
 
 def _mlp(spec: ModelSpec, shard: TPShard, layer: int) -> nn.Module:
@@ -222,8 +206,26 @@ _POLICY_FIELDS = frozenset({"use_logit_screen", "exact_prompt_rows", "bf16_linea
                             "fused", "fused_checked", "screen"})
 
 
+class LMHead:
+    """A model's lm_head as the sampler sees it (`engine.sample.head.LogitsHead`): fp32 logits of
+    hidden rows (`LlamaForCausalLM.compute_logits`) and the greedy screen (`logit_screen`). The
+    tokens are chosen in `engine.sample`. A view made per step: the model does not keep it, so
+    the two never hold each other."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self._model = model
+        self.vocab_size = model.spec.vocab_size
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self._model.compute_logits(hidden)
+
+    def greedy_screen(self) -> LogitScreen | QuantLogitScreen | None:
+        return self._model.logit_screen()
+
+
 class LlamaForCausalLM(nn.Module):
-    """The paged Llama-family model: `forward` gives final hidden states, `compute_logits` fp32 logits.
+    """The paged Llama-family model: `forward` gives final hidden states, `compute_logits` fp32 logits,
+    `head` what the sampler asks of the lm_head (the sampler chooses the tokens: `engine.sample.head`).
 
     With a `TPShard` of size N it is one rank's part (`engine.model.sharding`): rank 0 keeps the full
     lm_head (the others an empty one: they never compute logits). Its execution modes are its
@@ -303,6 +305,11 @@ class LlamaForCausalLM(nn.Module):
             self._fused_checked = True
         return self._fused
 
+    @property
+    def head(self) -> LMHead:
+        """The lm_head as the sampler asks it (`engine.sample.head`): logits and the greedy screen."""
+        return LMHead(self)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Logits `[N, vocab]` in fp32 for the selected hidden rows (a quantized lm_head computes in
@@ -310,26 +317,6 @@ class LlamaForCausalLM(nn.Module):
         bf16 = self.policy.bf16_linears and hidden.shape[0] >= ops.quant.BF16_MIN_ROWS
         logits = self.lm_head(hidden, LinearRows(bf16=bf16, ops=self.policy.ops)).float()
         return logits if self.spec.logits_scaling == 1.0 else logits / self.spec.logits_scaling
-
-    @torch.inference_mode()
-    def pick_tokens(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
-        """One int64 token per row, as `pick` would take it from the rows' fp32 logits, without
-        keeping the logits matrix. Greedy rows go through the bf16 logit screen where the CPU has
-        one (`LogitScreen`: the same argmax, a third of the GEMM); the other rows through
-        `_pick_in_groups`."""
-        screen = self.logit_screen()
-        if screen is None or len(pick.random_rows) == hidden.shape[0]:
-            return self._pick_in_groups(hidden, pick)
-        if not pick.random_rows:
-            return screen.argmax(hidden)
-        random = torch.tensor(pick.random_rows, dtype=torch.long)
-        greedy = torch.ones(hidden.shape[0], dtype=torch.bool)
-        greedy[random] = False
-        greedy_rows = greedy.nonzero().squeeze(1)
-        tokens = torch.empty(hidden.shape[0], dtype=torch.long)
-        tokens[greedy_rows] = screen.argmax(hidden.index_select(0, greedy_rows))
-        tokens[random] = self._pick_in_groups(hidden.index_select(0, random), pick.only_random())
-        return tokens
 
     def logit_screen(self) -> LogitScreen | QuantLogitScreen | None:
         """The lm_head's bf16 screen (a quantized lm_head's int8-activation one), made on first use
@@ -347,17 +334,6 @@ class LlamaForCausalLM(nn.Module):
         if not isinstance(self._screen, LogitScreen) or self._screen.weight.data_ptr() != weight.data_ptr():
             self._screen = LogitScreen(weight, self.policy.ops)
         return self._screen
-
-    def _pick_in_groups(self, hidden: Tensor, pick: TokenPicker) -> Tensor:
-        """The lm_head in groups of rows whose logits fit in a CPU's last-level cache
-        (`LOGITS_GROUP_BYTES`), each turned into tokens by `pick` while still cached, rather than
-        one GEMM writing every row's logits to memory and a second pass reading them back. The
-        logits are those of `compute_logits(hidden)` (the GEMM's rows do not depend on how
-        many rows it is given; the tests compare the two)."""
-        group = hidden.shape[0] if hidden.is_cuda else max(1, LOGITS_GROUP_BYTES // (4 * self.spec.vocab_size))
-        if hidden.shape[0] <= group:
-            return pick(self.compute_logits(hidden), 0)
-        return torch.cat([pick(self.compute_logits(part), i * group) for i, part in enumerate(hidden.split(group))])
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]], presliced: bool = False) -> None:

@@ -1,6 +1,7 @@
 """The model runner: a scheduler output becomes one flattened, unpadded batch; block copies
 and swaps run first; the model runs once; what the step's plan (`engine.sample.step_plan`) asks
-comes back: logits for the rows that need them, tokens for the rows the plan's picker takes.
+comes back: the model's head and the hidden states of the rows that sample (the sampling stage,
+`engine.sample`, takes their logits and tokens from the head).
 
 It reads only the scheduler's output (`engine.sched.output`): token ids, start positions and
 block tables. Slots are computed in bulk from the step's block-table tensor, which persists
@@ -9,8 +10,8 @@ across steps (`BlockTableBuffer`).
 A speculative row (`ScheduledSeq.num_spec` = k) runs among the decodes as 1 + k decode rows over
 the same block table, with context lengths L + 1 .. L + 1 + k: each position's attention sums run
 in exactly the order plain decoding runs them (bit for bit, so no near tie breaks differently in
-attention). Each of the
-k + 1 positions yields a token, taken by the plan's `spec_picker` as `ModelOutput.spec_tokens`."""
+attention). Each of the k + 1 positions' hidden states comes back (`ModelOutput.spec_hidden`):
+the sampling stage takes each position's token by the plan's `spec_picker`."""
 
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ class ModelRunner:
         self.publish = publish
         self.tables = BlockTableBuffer()
         self.lora: LoRAManager | None = None  # the adapters' slots, where LoRA is enabled
-        self.model_seconds = 0.0  # cumulative time inside the model (forward + logits)
+        self.model_seconds = 0.0  # cumulative time in the model's forward (its lm_head's: `SampleStage.head_seconds`)
         self.publish_seconds = 0.0  # cumulative time handing steps to the other ranks
 
     def run_inputs(self, inputs: StepInputs) -> Tensor:
@@ -108,11 +109,9 @@ class ModelRunner:
                           inputs.metadata(self.device))
 
     def execute(self, sched: SchedulerOutput, plan: StepPlan) -> ModelOutput:
-        """Move blocks, run the model; what `plan` asks: the fp32 logits of its `logit_rows` and
-        its picker's tokens of the other sampling rows, each speculative position's token by its
-        `spec_picker` and the fp32 logits of its `spec_logit_ranges` (one lm_head call per range:
-        a sequence's 1 + k positions, as many rows as plain decoding gives its lm_head), and the
-        hidden states of the rows that predict prompt tokens."""
+        """Move blocks, run the model; the model's head, the hidden states of the plan's sampling
+        rows and of every speculative position (the sampling stage takes their logits and tokens
+        from the head), and those of the rows that predict prompt tokens and of the pooling chunks."""
         batch = self.prepare(sched.scheduled, sched)
         if self.publish is not None:
             sent = time.perf_counter()
@@ -121,34 +120,18 @@ class ModelRunner:
         self.move_blocks(batch.inputs)
         start = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # exact ranges: in meta
-        out = ModelOutput(hidden.new_empty((0, 0), dtype=torch.float32))
-        if plan.sampling:
-            rows = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
-            out.logits, out.tokens = self._sample_rows(rows, plan)
-        if batch.spec_rows is not None:
-            spec_hidden = hidden.index_select(0, batch.spec_rows)
-            out.spec_tokens = self.model.pick_tokens(spec_hidden, plan.spec_picker)
-            out.spec_logits = [self.model.compute_logits(spec_hidden[lo:hi])
-                               for lo, hi in plan.spec_logit_ranges.values()]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda" and not plan.sampling and batch.spec_rows is None:
+            torch.cuda.synchronize(self.device)  # else the sampling stage waits, after the lm_head's kernels
         self.model_seconds += time.perf_counter() - start
+        out = ModelOutput(self.model.head)
+        if plan.sampling:
+            out.sample_hidden = hidden if batch.sample_rows is None else hidden.index_select(0, batch.sample_rows)
+        if batch.spec_rows is not None:
+            out.spec_hidden = hidden.index_select(0, batch.spec_rows)
         out.prompt_hidden = [(s, hidden[first : first + s.num_prompt_logits]) for s, first in batch.prompt_rows]
         if plan.pooling:
             out.pooled_hidden = _chunk_rows(hidden, sched.scheduled, plan.pooling)
         return out
-
-    def _sample_rows(self, rows: Tensor, plan: StepPlan) -> tuple[Tensor, Tensor | None]:
-        """The logits of the plan's `logit_rows` of the sampling rows' hidden states, and the
-        picker's tokens of the others (None without a picker)."""
-        if plan.picker is None:
-            return self.model.compute_logits(rows), None
-        if not plan.logit_rows:
-            return rows.new_empty((0, 0), dtype=torch.float32), self.model.pick_tokens(rows, plan.picker)
-        keep = torch.tensor(plan.logit_rows, dtype=torch.long, device=rows.device)
-        picked = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
-        picked[keep] = False
-        return self.model.compute_logits(rows.index_select(0, keep)), self.model.pick_tokens(rows[picked], plan.picker)
 
     def move_blocks(self, inputs: StepInputs) -> None:
         """Swap-outs first (their device blocks may be reused this step), then swap-ins, then CoW."""

@@ -11,7 +11,8 @@ argmax, with no softmax; random rows go to one inverse-CDF kernel that never wri
 probabilities out (`ops.sample_from_logits`, or `ops.sample_filtered` when a row has top-k,
 top-p, min-p or typical-p). The random rows' parameters are gathered in one place (`Draws`) and
 drawn by one function (`draw`), whoever asks: this sampler, and the `TokenPlan`s of the step's
-plan (`engine.sample.step_plan`) for the runner's picked rows and the speculative positions.
+plan (`engine.sample.step_plan`) for the picked rows and the speculative positions, which take
+their tokens straight from the model's head (`engine.sample.head`).
 
 Logprobs (`Logprobs`) are log_softmax of the logits *before* any processor (penalties, bias,
 grammar mask, temperature, filters), as the OpenAI API and vLLM report them: the model's own
@@ -78,7 +79,7 @@ class Draws:
 
     @classmethod
     def unfiltered(cls, rows: list[int], temperatures: list[float], uniforms: list[float]) -> Draws:
-        """Draws given outright (tests of the runner's picker): rows, temperatures, uniforms, no filter."""
+        """Draws given outright (tests of `engine.sample.head`): rows, temperatures, uniforms, no filter."""
         out = cls()
         out.rows, out.temperatures, out.uniforms = rows, temperatures, uniforms
         out.filters = [_filter_values(SamplingParams())] * len(rows)  # every filter at its default: off
@@ -148,7 +149,7 @@ def argmax_tokens(logits: torch.Tensor, first_row: int = 0) -> torch.Tensor:
 
 
 class TokenPlan:
-    """A step's tokens taken straight from each group of logits rows (`LlamaForCausalLM.pick_tokens`),
+    """A step's tokens taken straight from each group of logits rows (`engine.sample.head.choose_tokens`),
     without keeping the logits: the argmax, and for the rows of `draws` (sorted) the inverse-CDF
     draw that `Sampler` makes for a random row (`draw`, the same `Draws`), so a row gets the same
     token either way (under the same `policy`). Every other row is greedy."""

@@ -1,15 +1,15 @@
 """One step's plan, decided once from the scheduler's output, and the model's answer to it.
 
-    SchedulerOutput ──plan_step──▶ StepPlan ──▶ ModelRunner.execute ──ModelOutput──▶ SampleStage
-                                                                                └──▶ engine.spec.verify
+    SchedulerOutput ──plan_step──▶ StepPlan ──▶ ModelRunner.execute ──ModelOutput──▶ SampleStage ──▶ StepSamples
 
 The plan says, for the rows in the runner's order (`engine.sched.output.batch_order`), what each
 one needs: a sampling row either its logits (`needs_logits`: the full path of `SampleStage`) or a
 token taken straight from them (`picker`, a `TokenPlan`: greedy or an unfiltered-by-processors
 draw); a logits row its sample width (a request of n > 1 forks at its first token) or a beam
 search; a speculative row a token at each of its 1 + k positions (`spec_picker`) and, where it
-needs them, its positions' logits (`spec_logit_ranges`). The runner, the sampling stage and the
-verifier read it; none of them derives these rules again."""
+needs them, its positions' logits (`spec_logit_ranges`). The sampling stage asks the model's head
+for these (`engine.sample.head`) and the verifier reads them; the runner reads only which chunks
+sample and pool. None of them derives these rules again."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from types import MappingProxyType
 
 import torch
 
+from engine.sample.head import LogitsHead
 from engine.sample.processors import changes_logits
 from engine.sample.sampler import Draws, TokenPlan
 from engine.sched.output import ScheduledSeq, batch_order
@@ -39,7 +40,7 @@ Width = int | RowKind  # a logit row's sample rows (1, or n > 1 at a fork), or `
 
 def needs_logits(seq: Sequence, eos_token_ids: list[int]) -> bool:
     """Whether a row's token must come from its logits through the full path (`SampleStage`, or
-    for a speculative row `engine.spec.verify.draw_from_logits`) rather than a `TokenPlan`: more
+    for a speculative row `engine.sample.verify.draw_from_logits`) rather than a `TokenPlan`: more
     than one candidate or beams, logprobs, a grammar, or a processor changing its logits now."""
     p = seq.request.params
     return (p.num_candidates != 1 or p.use_beam_search or p.logprobs is not None or seq.grammar is not None
@@ -127,15 +128,14 @@ def _spec_logit_ranges(items: tuple[ScheduledSeq, ...], eos_token_ids: list[int]
 
 @dataclass(slots=True)
 class ModelOutput:
-    """The runner's answer to a `StepPlan`: fp32 `logits` of the plan's `logit_rows` (in order),
-    the picker's `tokens` of the other sampling rows (in order; None without a picker), the
-    hidden states of each chunk's rows that predict prompt tokens (prompt logprobs), the target's
-    token at every speculative position, the fp32 logits of each `spec_logit_ranges` range, and
-    the final-norm hidden states of every row of the plan's pooling chunks."""
+    """The runner's answer to a `StepPlan`: the model's `head` (`engine.sample.head`: the sampling
+    stage asks it for logits and tokens), the final-norm hidden states of the plan's sampling rows
+    (in order; None without one) and of every speculative position (in order; None without one),
+    the hidden states of each chunk's rows that predict prompt tokens (prompt logprobs), and those
+    of every row of the plan's pooling chunks."""
 
-    logits: torch.Tensor
-    tokens: torch.Tensor | None = None
+    head: LogitsHead
+    sample_hidden: torch.Tensor | None = None
+    spec_hidden: torch.Tensor | None = None
     prompt_hidden: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)
-    spec_tokens: torch.Tensor | None = None
-    spec_logits: list[torch.Tensor] = field(default_factory=list)
     pooled_hidden: list[tuple[ScheduledSeq, torch.Tensor]] = field(default_factory=list)  # per `StepPlan.pooling`

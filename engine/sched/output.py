@@ -1,7 +1,7 @@
 """The data a step hands between its stages, torch-free.
 
     Scheduler.schedule() ──SchedulerOutput──▶ plan_step (engine.sample.step_plan) ──StepPlan──▶
-    ModelRunner.execute() ──ModelOutput──▶ SampleStage (engine.sample), verify (engine.spec) ──StepSamples──▶
+    ModelRunner.execute() ──ModelOutput──▶ SampleStage (engine.sample: every token, verification too) ──StepSamples──▶
     Scheduler.update_from_output()   (the one place sequence and request state changes after a step)
 
 The runner reads only the plain fields of `ScheduledSeq` (never `seq`, never the block manager)
@@ -27,7 +27,7 @@ class ScheduledSeq:
     them slot -1. `num_prompt_logits` rows from the chunk's start predict prompt tokens and
     are kept for prompt logprobs (0 when not asked). `num_spec` > 0: a speculative row, the last
     `num_spec` tokens are proposals (not in `seq.token_ids`); every one of its 1 + num_spec
-    positions attends as a decode row and yields a target token (`engine.spec.verify`); `sample`
+    positions attends as a decode row and yields a target token (`engine.sample.verify`); `sample`
     is False."""
 
     seq: Sequence

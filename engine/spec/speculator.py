@@ -80,7 +80,7 @@ def steady_rate(steps: deque[tuple[float, int]]) -> float:
 def eligible(seq: Sequence) -> bool:
     """True when verification reproduces this sequence's sampling exactly: anything but beam
     search. Logprobs, n > 1 / best_of, grammars, penalties, logit bias and min_tokens take each
-    position's logits (`engine.spec.verify.draw_from_logits`)."""
+    position's logits (`engine.sample.verify.draw_from_logits`)."""
     return not seq.request.params.use_beam_search
 
 

@@ -151,26 +151,27 @@ def test_picked_tokens_equal_those_of_the_full_logits(tiny: LlamaForCausalLM, ti
     """The lm_head in row groups, each turned into tokens as it comes (argmax, and seeded draws
     for some rows), and greedy rows through the bf16 logit screen where this CPU has one, pick
     what the full logits pick."""
-    import engine.model.llama as llama
     import engine.model.logit_screen as logit_screen
+    import engine.sample.head as head
     from engine.model.execution_policy import ExecutionPolicy
+    from engine.sample.head import choose_tokens
     from engine.sample.sampler import Draws, TokenPlan
 
-    monkeypatch.setattr(llama, "LOGITS_GROUP_BYTES", group_rows * 4 * tiny.spec.vocab_size)
+    monkeypatch.setattr(head, "LOGITS_GROUP_BYTES", group_rows * 4 * tiny.spec.vocab_size)
     monkeypatch.setattr(logit_screen, "SCREEN_GROUP_BYTES", group_rows * 2 * tiny.spec.vocab_size)
     if not screen:  # the policy turns the screen off
         tiny = load_model(tiny_llama_dir, policy=ExecutionPolicy(logit_screen=False))
     assert (tiny.logit_screen() is not None) == (screen and ops.native_bf16())
     hidden = torch.randn(50, tiny.spec.hidden_size, generator=torch.Generator().manual_seed(3))
     logits = tiny.compute_logits(hidden)
-    got = tiny.pick_tokens(hidden, TokenPlan(Draws()))
+    got = choose_tokens(tiny.head, hidden, TokenPlan(Draws()))
     assert got.dtype == torch.int64 and torch.equal(got, logits.max(dim=-1).indices)
     random_rows = [0, 3, 7, 8, 30, 49]
     plan = TokenPlan(Draws.unfiltered(random_rows, [0.7 + 0.1 * i for i in range(6)],
                                       [0.05 + 0.15 * i for i in range(6)]))
     expected = plan(logits, 0)
-    assert torch.equal(tiny.pick_tokens(hidden, plan), expected)
+    assert torch.equal(choose_tokens(tiny.head, hidden, plan), expected)
     drawn = ops.sample_from_logits(logits[random_rows], plan.tensors.inv_temperature, plan.tensors.uniforms)
     assert torch.equal(expected[random_rows], drawn)
     everyone = TokenPlan(Draws.unfiltered(list(range(50)), [0.9] * 50, [0.5] * 50))
-    assert torch.equal(tiny.pick_tokens(hidden, everyone), everyone(logits, 0))
+    assert torch.equal(choose_tokens(tiny.head, hidden, everyone), everyone(logits, 0))

@@ -31,7 +31,7 @@ def test_only_beam_search_never_proposes() -> None:
     for params in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0, frequency_penalty=0.5),
                    SamplingParams(temperature=0.0, min_tokens=5), SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
                    SamplingParams(n=2, temperature=1.0), SamplingParams(n=1, best_of=3, temperature=1.0)):
-        assert eligible(_seq(params))  # drawn from each position's logits (engine.spec.verify)
+        assert eligible(_seq(params))  # drawn from each position's logits (engine.sample.verify)
     seq = _seq(SamplingParams(n=2, temperature=0.0, use_beam_search=True))
     assert not eligible(seq)
     assert Speculator(SpeculativeConfig(num_speculative_tokens=3)).propose(seq, 8) == []

@@ -31,7 +31,7 @@ from engine.sample.grammar import Grammar, GrammarCompiler
 from engine.sample.penalty_counts import PenaltyCounts
 from engine.sample.processors import apply_processors, changes_logits
 from engine.sample.sampler import Logprobs, Sampler, SamplingBatch
-from engine.sample.step_plan import ModelOutput, StepPlan
+from engine.sample.step_plan import StepPlan
 from engine.sched.output import ScheduledSeq, SpecResult
 from engine.sched.sequence import Sequence, TokenConstraint
 
@@ -73,15 +73,15 @@ def draw_from_logits(item: ScheduledSeq, logits: torch.Tensor, sampler: Sampler,
     return tokens, logprobs.gather(tokens)
 
 
-def verify(plan: StepPlan, result: ModelOutput, sampler: Sampler, eos_token_ids: list[int],
-           grammars: GrammarCompiler | None = None) -> list[SpecResult]:
-    """The verified speculative rows of a step: the runner's token at each position, those of the
-    rows that need their logits drawn from them (`draw_from_logits`), then `accept`."""
-    if not plan.spec or result.spec_tokens is None:
+def verify(plan: StepPlan, tokens: torch.Tensor, logits: list[torch.Tensor], sampler: Sampler,
+           eos_token_ids: list[int], grammars: GrammarCompiler | None = None) -> list[SpecResult]:
+    """The verified speculative rows of a step: the target's token at each position (`tokens`, by
+    the plan's `spec_picker`), those of the rows that need their logits drawn from them
+    (`draw_from_logits`; `logits` holds one tensor per `spec_logit_ranges` range), then `accept`."""
+    if not plan.spec:
         return []
-    tokens = result.spec_tokens
     chosen: dict[int, tuple[list[float], list[list[tuple[int, float]]]]] = {}
-    for (i, (lo, hi)), item_logits in zip(plan.spec_logit_ranges.items(), result.spec_logits, strict=True):
+    for (i, (lo, hi)), item_logits in zip(plan.spec_logit_ranges.items(), logits, strict=True):
         tokens[lo:hi], chosen[i] = draw_from_logits(plan.spec[i], item_logits, sampler, eos_token_ids, grammars)
     return accept(list(plan.spec), tokens, chosen)
 
