@@ -32,9 +32,9 @@ CPU_SOURCES = (
     "cpu/quant_bf16.cpp", "cpu/quant_bf16_dot.cpp", "cpu/quant_amx.cpp", "cpu/quant_int8_amx.cpp",
     "cpu/quant_screen.cpp", "cpu/decoder.cpp", "cpu/packed_moe.cpp", "cpu/lora.cpp", "cpu/registration.cpp",
 )
-CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h", "cpu/kv_quant.h", "cpu/quant_blocks.h",
-               "cpu/quant_interleaved.h", "cpu/quant_interleaved_q5q8.h", "cpu/quant_interleaved_k.h", "cpu/r8_lanes.h",
-               "cpu/row_passes.h", "cpu/quant_bf16.h", "cpu/quant_int8_amx.h", "cpu/amx_tiles.h")
+# Every header of the CPU kernels takes part in the build key, so editing any of them rebuilds: a list kept
+# by hand can miss one and reuse a stale library.
+CPU_HEADERS = tuple(sorted(f"cpu/{p.name}" for p in (CSRC / "cpu").glob("*.h")))
 CUDA_SOURCES = (
     "bindings.cpp", "paged_attention.cu", "prefill_attention.cu", "cache_kernels.cu", "fused_kernels.cu",
 )

@@ -25,6 +25,7 @@
 #include "fp32_panels.h"
 #include "ops.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "quant_blocks.h"
 #include "quant_int8_amx.h"
 #include "quant_interleaved.h"
@@ -85,6 +86,8 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* t0 = tiles0 + b * tb;
     const uint8_t* t1 = tiles1 + b * tb;
+    prefetch_ahead(t0, tb);
+    prefetch_ahead(t1, tb);
     const __m512 dw = halves_to_ps(t0, t1);
     const __m512 mw = F == kQuantQ4_1 ? halves_to_ps(t0 + 16, t1 + 16) : _mm512_mul_ps(dw, _mm512_set1_ps(-8.f));
     __m512i sums[M];
@@ -136,6 +139,7 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
     for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = tiles + b * tb;
+      prefetch_ahead(tile, tb);
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
       const __m256 mw = F == kQuantQ4_1
                             ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))

@@ -37,6 +37,7 @@
 #include "fp32_panels.h"
 #include "ops.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "quant_blocks.h"
 #include "r8_lanes.h"
 #include "row_passes.h"
@@ -119,6 +120,8 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* t0 = tiles0 + b * kTileBytes;
     const uint8_t* t1 = tiles1 + b * kTileBytes;
+    prefetch_ahead(t0, kTileBytes);
+    prefetch_ahead(t1, kTileBytes);
     const __m512 dw = halves_to_ps(t0, t1), mw = halves_to_ps(t0 + kMinOffset, t1 + kMinOffset);
     for (int c = 0; c < kSubs / 2; ++c) {
       __m512i lo_sums[M], hi_sums[M];
@@ -174,6 +177,7 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nsb,
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
       const uint8_t* tile = tiles + b * kTileBytes;
+      prefetch_ahead(tile, kTileBytes);
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
       const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kMinOffset)));
       for (int c = 0; c < kSubs / 2; ++c) {
@@ -257,6 +261,8 @@ void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* t0 = tiles0 + b * kQ6TileBytes;
     const uint8_t* t1 = tiles1 + b * kQ6TileBytes;
+    prefetch_ahead(t0, kQ6TileBytes);
+    prefetch_ahead(t1, kQ6TileBytes);
     const __m512 dw = halves_to_ps(t0, t1);
     for (int s = 0; s < kSubs; ++s) {
       const int h = s / 4, gs = s % 4;
@@ -298,6 +304,58 @@ void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64
 }
 #endif
 
+#if defined(__AVX2__)
+// The integer sums of one activation row against one Q6_Kr8 tile: sums[2 s + half] for sub-block s's
+// 16-weight half `half`. Each ql and qh chunk is loaded once and yields the four sub-blocks it holds (the
+// general pass below reloads them per sub-block, which a one-row GEMV cannot hide behind other rows).
+// Integer sums are exact in any order, so the fp32 steps that follow give the general pass's bits.
+inline void q6_row_sums(const uint8_t* tile, const int8_t* a, __m256i* sums) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* low0 = tile + kQ6LowAt + 32 * (16 * h);
+    const uint8_t* low1 = low0 + 32 * 8;
+    const uint8_t* high = tile + kQ6HighAt + 32 * (8 * h);
+    for (int half = 0; half < 2; ++half) {
+      __m256i s4[4];
+      for (int gs = 0; gs < 4; ++gs) s4[gs] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int i = 4 * half; i < 4 * half + 4; i += 2) {
+        __m256i t[4];
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; ++k) {
+          const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low0 + 32 * (i + k)));
+          const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low1 + 32 * (i + k)));
+          const __m256i hq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + 32 * (i + k)));
+          const __m256i u[4] = {
+              _mm256_or_si256(_mm256_and_si256(l0, nibble), _mm256_and_si256(_mm256_slli_epi16(hq, 4), top)),
+              _mm256_or_si256(_mm256_and_si256(l1, nibble), _mm256_and_si256(_mm256_slli_epi16(hq, 2), top)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nibble), _mm256_and_si256(hq, top)),
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nibble),
+                              _mm256_and_si256(_mm256_srli_epi16(hq, 2), top))};
+#pragma GCC unroll 4
+          for (int gs = 0; gs < 4; ++gs) {
+            const __m256i av = broadcast4(a + kBlock * (4 * h + gs) + 4 * (i + k));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+            s4[gs] = accumulate(s4[gs], u[gs], av);
+#else
+            // Two chunks' u8 x s8 pairs summed in int16 (|sum| <= 4 * 63 * 128 < 32767), widened once.
+            const __m256i p = _mm256_maddubs_epi16(u[gs], av);
+            t[gs] = k == 0 ? p : _mm256_add_epi16(t[gs], p);
+#endif
+          }
+        }
+#if !((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+        for (int gs = 0; gs < 4; ++gs) s4[gs] = _mm256_add_epi32(s4[gs], _mm256_madd_epi16(t[gs], _mm256_set1_epi16(1)));
+#else
+        (void)t;
+#endif
+      }
+      for (int gs = 0; gs < 4; ++gs) sums[2 * (4 * h + gs) + half] = s4[gs];
+    }
+  }
+}
+#endif
+
 // Q6_Kr8 groups [g_begin, g_end) of out[M][N] (quants q [M][K], block scales ad [M][K / 32], half-block
 // scaled sums ah [M][K / 16]: ActPlanes::h).
 template <int M>
@@ -314,7 +372,24 @@ void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t n
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nsb; ++b) {
       const uint8_t* tile = tiles + b * kQ6TileBytes;
+      prefetch_ahead(tile, kQ6TileBytes);
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+      if constexpr (M == 1) {
+        __m256i sums[2 * kSubs];
+        q6_row_sums(tile, q + b * kSuperBlock, sums);
+        for (int s = 0; s < kSubs; ++s) {
+          for (int half = 0; half < 2; ++half) {
+            const __m128i sc8 =
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 8 * (2 * s + half)));
+            const __m256 dj = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+            const int64_t at = b * kSubs + s;
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[2 * s + half]), _mm256_mul_ps(dj, _mm256_set1_ps(ad[at])),
+                                     acc[0]);
+            acc[0] = _mm256_fnmadd_ps(dj, _mm256_set1_ps(32.f * ah[2 * at + half]), acc[0]);
+          }
+        }
+        continue;
+      }
       for (int s = 0; s < kSubs; ++s) {
         const int h = s / 4, gs = s % 4;
         const uint8_t* low = tile + kQ6LowAt + 32 * (16 * h + 8 * (gs % 2));

@@ -33,6 +33,7 @@
 #include "fp32_panels.h"
 #include "ops.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "quant_blocks.h"
 #include "quant_int8_amx.h"
 #include "r8_lanes.h"
@@ -136,6 +137,8 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, const in
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* t0 = tiles0 + b * tb;
     const uint8_t* t1 = tiles1 + b * tb;
+    prefetch_ahead(t0, tb);
+    prefetch_ahead(t1, tb);
     const __m512 dw = halves_to_ps(t0, t1);
     __m512i sums[M];
     for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
@@ -207,6 +210,7 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, const int32_
     for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* tile = tiles + b * tb;
+      prefetch_ahead(tile, tb);
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
       __m256i sums[M];
       for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
