@@ -113,7 +113,7 @@ def main() -> None:
     formats = [f for f in args.formats.split(",") if f]
     for name in args.rungs.split(","):
         rung = RUNGS[name]
-        files = make_rung(rung, args.peer_python, formats, seed=0, threads=args.threads)
+        files = make_rung(rung, args.peer_python, formats, seed=0, threads=args.threads, hf="trace" in parts)
         for fmt in formats:
             base = {"rung": name, "format": fmt, "params": rung.params}
             if "decode" in parts:

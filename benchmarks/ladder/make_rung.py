@@ -196,14 +196,17 @@ def quantize(peer_python: str, source: Path, target: str, dest: Path, threads: i
 
 
 def make_rung(rung: Rung, peer_python: str | None, formats: list[str], seed: int, threads: int,
-              root: Path | None = None) -> dict[str, str]:
-    """Every file of `rung` (those already there are kept); their paths by kind (hf, F16, formats)."""
+              root: Path | None = None, hf: bool = True) -> dict[str, str]:
+    """Every file of `rung` (those already there are kept); their paths by kind (hf, F16, formats).
+    `hf` False: no HF folder (only vLLM reads it; at 8B it is 16 GB of disk)."""
     folder = (root or ladder_root()) / rung.name
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"hf": folder / "hf", "F16": folder / f"{rung.name}.F16.gguf"}
-    steps: list[tuple[str, Callable[[], None]]] = [
-        ("hf", lambda: write_hf(rung, paths["hf"], seed)),
-        ("F16", lambda: write_f16_gguf(rung, paths["F16"], seed))]
+    steps: list[tuple[str, Callable[[], None]]] = [("F16", lambda: write_f16_gguf(rung, paths["F16"], seed))]
+    if hf:
+        steps.insert(0, ("hf", lambda: write_hf(rung, paths["hf"], seed)))
+    else:
+        del paths["hf"]
     for fmt in formats:
         paths[fmt] = folder / f"{rung.name}.{fmt}.gguf"
         if peer_python is None:
@@ -228,10 +231,12 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF folder (only vLLM's trace reads it)")
     parser.add_argument("--out-root", type=Path, help="default: ${PAGEDSERVE_CACHE:-~/.cache/pagedserve}/ladder")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
-    paths = make_rung(RUNGS[args.rung], args.peer_python, formats, args.seed, args.threads, args.out_root)
+    paths = make_rung(RUNGS[args.rung], args.peer_python, formats, args.seed, args.threads, args.out_root,
+                      hf=not args.no_hf)
     print(json.dumps({"part": "rung", "rung": args.rung, "params": RUNGS[args.rung].params, "files": paths}))
 
 
