@@ -34,7 +34,7 @@ CPU_SOURCES = (
 )
 CPU_HEADERS = ("cpu/ops.h", "cpu/parallel.h", "cpu/vec.h", "cpu/kv_quant.h", "cpu/quant_blocks.h",
                "cpu/quant_interleaved.h", "cpu/quant_interleaved_q5q8.h", "cpu/quant_interleaved_k.h", "cpu/r8_lanes.h",
-               "cpu/row_passes.h", "cpu/quant_bf16.h", "cpu/quant_int8_amx.h", "cpu/amx_tiles.h")
+               "cpu/row_passes.h", "cpu/quant_bf16.h", "cpu/quant_int8_amx.h", "cpu/amx_tiles.h", "cpu/lora.h")
 CUDA_SOURCES = (
     "bindings.cpp", "paged_attention.cu", "prefill_attention.cu", "cache_kernels.cu", "fused_kernels.cu",
 )

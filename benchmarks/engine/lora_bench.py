@@ -7,8 +7,9 @@ hits both alike. A round: prefill everything, then the median decode step; the b
 tok/s = batch / step. The last line is the ratio (LoRA tok/s over base tok/s) and the load average.
 
     python benchmarks/engine/lora_bench.py [--batch 32] [--adapters 8] [--rank 16] [--rounds 3] [--steps 8]
-    python benchmarks/engine/lora_bench.py --model ~/.cache/pagedserve/ladder/smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf \
-        --tokenizer ~/.cache/pagedserve/ladder/smollm2-1.7b/hf --prompt-len 8 --rounds 2 --steps 3
+    python benchmarks/engine/lora_bench.py --model ~/.cache/pagedserve/ladder/smollm2-1.7b/smollm2-1.7b.Q4_K_M.gguf \\
+        --tokenizer ~/.cache/pagedserve/ladder/smollm2-1.7b/hf --kv-cache-memory 2147483648 --prompt-len 8 \\
+        --rounds 2 --steps 3
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--model", help="a GGUF file (default: the default SmolLM2-135M Q4_1 GGUF)")
     parser.add_argument("--tokenizer", help="the model's tokenizer folder (default: the GGUF's own folder)")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 28, help="KV cache bytes")
     args = parser.parse_args()
 
     from engine.llm import LLM
@@ -85,7 +87,8 @@ def main() -> None:
     model = Path(args.model).expanduser() if args.model else default_gguf_path()
     with tempfile.TemporaryDirectory(prefix="lora-bench-") as tmp:
         engine = LLM(str(model), tokenizer=args.tokenizer and str(Path(args.tokenizer).expanduser()),
-                     kv_cache_memory=1 << 28, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank).engine
+                     kv_cache_memory=args.kv_cache_memory, enable_lora=True, max_loras=args.adapters,
+                     max_lora_rank=args.rank).engine
         paths = write_adapters(engine.lora, Path(tmp), args.adapters, args.rank)
         requests = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(paths)]
         systems: dict[str, list[Any]] = {
