@@ -179,12 +179,15 @@ def _lora_schedule(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> list[torch
 @pytest.mark.parametrize("formats,repack,bias,v_format", [
     ([Q4_1], True, False, None), ([Q5_0], False, True, Q8_0),
 ], ids=["q4_1-r8", "v-shard-bias"])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("kv_dtype,rank", [(torch.float32, 4), (torch.int8, 4), (torch.float32, 9)])
 def test_fused_lora_rows_equal_the_modules_bit_for_bit(tiny_llama_dir: Path, formats: list[QuantFormat],
                                                        repack: bool, bias: bool, v_format: QuantFormat | None,
-                                                       kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                       kv_dtype: torch.dtype, rank: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps with adapter rows take the C++ decoder, which adds each row's product where the modules
-    do (after the linear's bias, slice by slice): the same bits for adapter and base rows."""
+    do (after the linear's bias, slice by slice; one call over a linear's slices, whose stacked A
+    rows it sums in blocks of eight across the slices' borders at ranks 4 and 9): the same bits for
+    adapter and base rows."""
     calls: list[bool] = []
     original = FusedDecoder.__call__
 
@@ -194,11 +197,11 @@ def test_fused_lora_rows_equal_the_modules_bit_for_bit(tiny_llama_dir: Path, for
 
     monkeypatch.setattr(FusedDecoder, "__call__", recording)
     fused_model = _quantized(tiny_llama_dir, formats, repack, bias, _policy(True), v_format=v_format)
-    _with_adapters(fused_model)
+    _with_adapters(fused_model, rank)
     fused = _lora_schedule(fused_model, kv_dtype)
     assert calls == [True] * 7 + [False]
     module_model = _quantized(tiny_llama_dir, formats, repack, bias, _policy(False), v_format=v_format)
-    _with_adapters(module_model)
+    _with_adapters(module_model, rank)
     modules = _lora_schedule(module_model, kv_dtype)
     plain = _quantized(tiny_llama_dir, formats, repack, bias, _policy(False), v_format=v_format)
     assert not torch.equal(_lora_schedule(plain, kv_dtype)[0], modules[0])  # the adapters change the logits
