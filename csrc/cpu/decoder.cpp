@@ -8,11 +8,14 @@
 // took longer than its kernels (engine/model/fused_decoder.py). Options: per-head q/k RMSNorm before
 // rotary (Qwen3), and per layer a dense SwiGLU or a sparse MoE block on packed experts (router on
 // fixed_gemm, moe_route, packed_moe_experts, Qwen2-MoE's shared expert behind its sigmoid gate).
+// Multi-LoRA rows: a linear with adapter slots adds each row's product after its own output (bias
+// included), slice by slice as lora_rows adds it on the module path (LoRASlots.add).
 #include <ATen/ATen.h>
 
 #include <utility>
 #include <vector>
 
+#include "lora.h"
 #include "ops.h"
 
 namespace pagedserve::cpu {
@@ -109,7 +112,9 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          at::TensorList biases, at::IntArrayRef formats, at::IntArrayRef int8_activations,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                          bool bf16_linears, at::IntArrayRef windows, at::IntArrayRef shards, at::TensorList qk_norms,
-                         at::IntArrayRef moe_layers, at::TensorList moe_tensors, at::IntArrayRef moe_config) {
+                         at::IntArrayRef moe_layers, at::TensorList moe_tensors, at::IntArrayRef moe_config,
+                         const c10::optional<at::Tensor>& lora_slots, at::TensorList lora_a, at::TensorList lora_b,
+                         at::IntArrayRef lora_slice_counts) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(moe_layers.empty() || static_cast<int64_t>(moe_layers.size()) == layers,
               "llama_decoder: one MLP kind per layer (0 dense, 1 MoE), or none at all");
@@ -145,6 +150,21 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
   TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers,
               "llama_decoder: q and k norm weights per layer, or none at all");
   const std::vector<MoELayer> moe = moe_layer_list(moe_layers, moe_tensors, moe_config);
+  const bool lora = lora_slots.has_value() && !lora_slice_counts.empty();
+  std::vector<int64_t> first_b(kLinears * layers + 1, 0);  // linear i: lora_b [first_b[i], first_b[i + 1])
+  if (lora) {
+    TORCH_CHECK(lora_slots->scalar_type() == at::kLong && lora_slots->dim() == 1 && lora_slots->size(0) == tokens,
+                "llama_decoder: lora_slots must be int64 [tokens]");
+    TORCH_CHECK(static_cast<int64_t>(lora_slice_counts.size()) == kLinears * layers &&
+                    static_cast<int64_t>(lora_a.size()) == kLinears * layers,
+                "llama_decoder: one LoRA slice count and A stack per linear (0 / numel 0: none)");
+    for (int64_t i = 0; i < kLinears * layers; ++i) {
+      TORCH_CHECK(lora_slice_counts[i] == 0 || (lora_a[i].dim() == 3 && lora_a[i].size(1) % lora_slice_counts[i] == 0),
+                  "llama_decoder: a linear's LoRA A is [slots, slices * rank, in]");
+      first_b[i + 1] = first_b[i] + lora_slice_counts[i];
+    }
+    TORCH_CHECK(first_b.back() == static_cast<int64_t>(lora_b.size()), "llama_decoder: one LoRA B per slice");
+  }
   const bool prefill = prefill_context_lens.size(0) > 0 && num_prefill_tokens > 0;
   const int64_t q_heads = num_heads, kv_heads = num_kv_heads, heads = q_heads + 2 * kv_heads;
   const auto shard = [&](int64_t index, int64_t s, const at::Tensor& x, const c10::optional<at::Tensor>& bias) {
@@ -157,12 +177,19 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
     }
     return out;
   };
-  const auto linear = [&](int64_t index, const at::Tensor& x) {
+  const auto base_linear = [&](int64_t index, const at::Tensor& x) {
     if (first[index + 1] - first[index] == 1) return shard(index, first[index], x, bias_of(biases[index]));
     std::vector<at::Tensor> parts;  // shards apart, then concatenated, then the bias: QuantLinear.forward
     for (int64_t s = first[index]; s < first[index + 1]; ++s) parts.push_back(shard(index, s, x, c10::nullopt));
     at::Tensor out = at::cat(parts, 1);
     if (biases[index].numel()) out.add_(biases[index]);
+    return out;
+  };
+  const auto linear = [&](int64_t index, const at::Tensor& x) {
+    at::Tensor out = base_linear(index, x);
+    if (!lora || lora_slice_counts[index] == 0) return out;
+    // LoRASlots._add_kernel's lora_rows per slice, in one call (the same bits)
+    lora_slices(out, x, lora_a[index], lora_b.slice(first_b[index], lora_slice_counts[index]), *lora_slots);
     return out;
   };
   const auto swiglu = [&](int64_t gate_up_index, const at::Tensor& x) {  // SwiGLU.forward

@@ -171,6 +171,10 @@ void dequantize_weight(const at::Tensor& out, const at::Tensor& qweight, int64_t
 // panels (numel 0: none), packed down [E, H, row_bytes], then its gate/up shards [E, rows, row_bytes],
 // and moe_config top_k, router (kMoESoftmaxTopk / kMoETopkSoftmax), norm_topk_prob, int8_activations,
 // down format, gate/up shard count, then one format per gate/up shard.
+// LoRA (lora_slots int64 [T], each row's adapter slot, < 0: none; lora_slices non-empty): per linear,
+// lora_slices its adapter slices (0: no slots), lora_a its stacked A [S, slices * rank, in] (numel 0:
+// none) and lora_b one B [S, out_slice, rank] per slice, in linear order; each row's product is
+// added to the linear's output after its bias (LoRASlots.add).
 at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, const at::Tensor& positions,
                          const at::Tensor& cos_sin, const at::Tensor& slot_mapping, at::TensorList key_caches,
                          at::TensorList value_caches, int64_t num_prefill_tokens, int64_t exact_rows,
@@ -181,7 +185,9 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                          bool bf16_linears, at::IntArrayRef windows = {}, at::IntArrayRef shards = {},
                          at::TensorList qk_norms = {}, at::IntArrayRef moe_layers = {},
-                         at::TensorList moe_tensors = {}, at::IntArrayRef moe_config = {});
+                         at::TensorList moe_tensors = {}, at::IntArrayRef moe_config = {},
+                         const c10::optional<at::Tensor>& lora_slots = c10::nullopt, at::TensorList lora_a = {},
+                         at::TensorList lora_b = {}, at::IntArrayRef lora_slices = {});
 // A sparse MoE block's packed experts (csrc/cpu/packed_moe.cpp): x fp32 [T, H], the router's
 // experts int64 [T, k] and weights fp32 [T, k] -> [T, H], bit for bit PackedExperts.forward on
 // group_by_expert's pairs. gate_up: each expert's gate/up shards [E, rows, row_bytes] (gate rows then

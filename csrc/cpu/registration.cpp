@@ -50,7 +50,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       "Tensor decode_block_tables, Tensor decode_context_lens, Tensor[] norm_weights, Tensor[] qweights, "
       "Tensor[] biases, int[] formats, int[] int8_activations, int num_heads, int num_kv_heads, int head_dim, "
       "float eps, float scale, bool bf16_linears, int[] windows, int[] shards, Tensor[] qk_norms, int[] moe_layers, "
-      "Tensor[] moe_tensors, int[] moe_config) -> Tensor");
+      "Tensor[] moe_tensors, int[] moe_config, Tensor? lora_slots, Tensor[] lora_a, Tensor[] lora_b, "
+      "int[] lora_slices) -> Tensor");
   m.def(
       "packed_moe_experts(Tensor x, Tensor experts, Tensor weights, Tensor[] gate_up, int[] gate_up_formats, "
       "Tensor down, int down_format, Tensor? exact_mask, bool int8_activations, int activation, float alpha, "

@@ -15,14 +15,15 @@ with Qwen3's per-head q/k RMSNorm, and sparse MoE MLPs (Qwen3-MoE, Qwen2-MoE wit
 expert, Mixtral; beside dense layers where the config mixes them) whose experts are `PackedExperts`
 with the SwiGLU activation and no expert biases. Anything else (fp32 experts, gpt-oss's attention
 sinks and clamped experts, q/k norm over the whole projection, the other layer options of
-`ModelSpec`) runs the modules.
+`ModelSpec`) runs the modules. Steps with LoRA rows run fused too where every adapter slot is fp32
+(the CPU kernel `ops.lora.lora_rows`, which the modules call on the same tensors in the same order).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -39,6 +40,9 @@ from ops.build import cpu_ops
 from ops.moe import MOE_SOFTMAX_TOPK, MOE_TOPK_SOFTMAX
 from ops.policy import FASTEST, OpsPolicy
 from ops.quant import QUANT_GEMV_MAX_ROWS
+
+if TYPE_CHECKING:
+    from engine.model.lora.slots import LoRASlots
 
 _NONE = torch.empty(0)  # "no bias" in the op's tensor list
 _NO_TABLES = torch.empty(0, dtype=torch.int32)  # a decode-only step's prefill tensors
@@ -78,6 +82,8 @@ class FusedDecoder:
         self.shard_counts = [len(parts) for parts in shards]
         self.biases = [_NONE if m is None or m.bias is None else m.bias.detach() for m in self.linears]
         self.windows = [layer.self_attn.attn.window for layer in layers]  # sliding windows (0: none)
+        self._lora_slots: list[LoRASlots | None] | None = None  # what `_lora` was made from
+        self._lora: tuple[list[Tensor], list[Tensor], list[int]] | None = None
 
     def _add_moe(self, block: SparseMoE) -> None:
         """`block`'s tensors and settings in `ops.llama_decoder`'s MoE lists (csrc/cpu/ops.h)."""
@@ -150,15 +156,33 @@ class FusedDecoder:
         return (hidden.is_cpu and hidden.dtype == torch.float32
                 and bool(kv_caches) and kv_caches[0][0].numel() > 0 and not policy.reference)
 
+    def lora_lists(self) -> tuple[list[Tensor], list[Tensor], list[int]] | None:
+        """The linears' adapter slots (`QuantLinear.lora`, attached after the model is built) as
+        `ops.llama_decoder`'s LoRA lists: per linear its stacked A (numel 0: none), then every
+        slice's B, and per linear its slice count; None where a slot is not fp32 on the CPU (the
+        modules then add the products on the torch path)."""
+        current = [None if m is None else m.lora for m in self.linears]
+        if self._lora_slots is None or any(x is not y for x, y in zip(self._lora_slots, current, strict=True)):
+            self._lora_slots = current
+            slots = [s for s in current if s is not None]
+            fp32 = all(t.dtype == torch.float32 and t.is_cpu for s in slots for t in (s.a, *s.b))
+            self._lora = ([_NONE if s is None else s.a for s in current], [t for s in slots for t in s.b],
+                          [0 if s is None else len(s.b) for s in current]) if fp32 else None
+        return self._lora
+
     def __call__(self, hidden: Tensor, rope: tuple[Tensor, Tensor], kv_caches: list[tuple[Tensor, Tensor]],
-                 meta: AttentionMetadata, exact_rows: int, bf16_linears: bool = False) -> tuple[Tensor, Tensor]:
+                 meta: AttentionMetadata, exact_rows: int, bf16_linears: bool = False,
+                 lora: tuple[list[Tensor], list[Tensor], list[int]] | None = None) -> tuple[Tensor, Tensor]:
         """`(last layer's MLP output, residual stream)` for the final norm; `hidden` (the
         embeddings, owned by the caller) is overwritten. Rows [0, exact_rows) keep fp32
         activations (`LinearRows.exact_rows` on the module path); with `bf16_linears` every linear
-        computes in bf16 (`LinearRows.bf16`)."""
+        computes in bf16 (`LinearRows.bf16`). `lora` (`lora_lists`): the linears add the adapter
+        products of the rows `meta.lora_slots` gives a slot."""
         positions, cos_sin = rope
         residual = torch.empty_like(hidden)
         prefill = meta.num_prefills > 0
+        lora_slots = None if lora is None else meta.lora_slots
+        lora_a, lora_b, lora_slices = ([], [], []) if lora_slots is None or lora is None else lora
         out = cpu_ops().llama_decoder(
             hidden.contiguous(), residual, positions.contiguous(), cos_sin, meta.slot_mapping.contiguous(),
             [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.num_prefill_tokens, exact_rows,
@@ -170,7 +194,8 @@ class FusedDecoder:
             [int(m is not None and m.int8_activations) for m in self.linears],
             self.num_heads, self.num_kv_heads, self.head_dim, self.eps, self.scale, bf16_linears, self.windows,
             self.shard_counts, self.qk_norms, self.moe_layers if self._moe_config else [], self.moe_tensors,
-            [v for head, experts, tail in self._moe_config for v in (*head, int(experts.int8_activations), *tail)])
+            [v for head, experts, tail in self._moe_config for v in (*head, int(experts.int8_activations), *tail)],
+            lora_slots, lora_a, lora_b, lora_slices)
         return out, residual
 
 

@@ -283,10 +283,11 @@ class LlamaForCausalLM(nn.Module):
         all_rows = ops.quant.bf16_all_rows(policy.ops)
         bf16 = policy.bf16_linears and (ops.quant.bf16_step(hidden.shape[0], meta.num_prefill_tokens) if all_rows
                                         else exact_rows > 0)
-        lora = LoRARows.of(meta.lora_slots)  # adapter rows: the modules add their products (not the C++ decoder)
-        if (fused is not None and lora is None and (all_rows or not bf16)
+        lora = LoRARows.of(meta.lora_slots)  # adapter rows: each linear holding slots adds their products
+        fused_lora = None if fused is None or lora is None else fused.lora_lists()
+        if (fused is not None and (lora is None or fused_lora is not None) and (all_rows or not bf16)
                 and fused.applies(hidden, kv_caches, meta, bf16, policy.ops)):
-            last, stream = fused(hidden, rope, kv_caches, meta, exact_rows, bf16)
+            last, stream = fused(hidden, rope, kv_caches, meta, exact_rows, bf16, fused_lora)
             return self.model.norm(last, stream, policy.ops)[0]
         rows = LinearRows(exact_rows, meta.exact_ranges if exact_rows else None, bf16, lora, policy.ops)
         residual: Tensor | None = None

@@ -2,9 +2,9 @@
 added to the packed linear's output; a step's prompt rows run the packed weights on fp32
 activations, so the prompt logprobs are those of transformers + PEFT on the file's dequantized
 weights up to fp32 summation order (the same 2e-3 bound the engine's own prompt-logprob test
-uses against transformers). Decode rows (int8 activations) and the fused C++ decoder are checked
-by the base rows: a base request beside adapter requests (the step then runs the modules, not the
-fused decoder) gets exactly the tokens it gets alone (the fused path)."""
+uses against transformers). Decode rows (int8 activations) are checked by the base rows: a base
+request beside adapter requests gets exactly the tokens it gets alone. Steps with adapter rows take
+the fused C++ decoder too (tests/engine/model/test_fused_decoder.py holds it to the modules' bits)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The decoder layers in one C++ call (`FusedDecoder`) against the module path: bit for bit the
-same hidden states over prefill chunks, decode rows and mixed steps, for every quantized layout
-and an int8 KV cache; and it stays out of the way where it does not apply."""
+same hidden states over prefill chunks, decode rows and mixed steps, for every quantized layout,
+an int8 KV cache and LoRA adapter rows beside base rows; and it stays out of the way where it does
+not apply."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 from torch import nn
 
 import ops
+from engine.model import allocate_kv_caches
 from engine.model.execution_policy import ExecutionPolicy
 from engine.model.fused_decoder import FusedDecoder
 from engine.model.llama import LlamaForCausalLM
 from engine.model.loader import load_model
+from engine.model.lora.manager import LoRAManager
 from engine.model.quant_linear import QuantLinear
 from ops.quant import Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, QuantFormat, interleave
 from ops.reference import quant as ref
@@ -142,3 +145,62 @@ def test_int8_prompt_rows_round_the_prompt_like_decode_rows(tiny_llama_dir: Path
         rounded = _run(_quantized(tiny_llama_dir, [Q4_1, Q8_0], True, policy=_policy(fused, False)), torch.float32)
         assert not torch.equal(exact[0], rounded[0])  # the first prefill chunk: rows rounded to int8
         assert (exact[0] - rounded[0]).abs().max() < 0.05 * exact[0].abs().max()  # ...by the int8 error only
+
+
+def _with_adapters(model: LlamaForCausalLM, rank: int = 4) -> None:
+    """Two random adapters of `rank` in the slots the engine's `LoRAManager` attaches to every
+    target linear (slice by slice; the same values for every model built from one directory)."""
+    manager = LoRAManager(model, max_loras=2, max_cpu_loras=2, max_rank=rank)
+    gen = torch.Generator().manual_seed(7)
+    for slots in manager.linears.values():
+        for slot in range(2):
+            for part, size in enumerate(slots.slice_sizes):
+                slots.set(slot, part, torch.randn(rank, slots.in_features, generator=gen) * 0.1,
+                          torch.randn(size, rank, generator=gen) * 0.1)
+
+
+def _lora_schedule(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Logits of a fixed schedule with a sequence on each adapter slot and one on the base: prefill
+    chunks beside decode rows, then decode steps of all three."""
+    harness = PagedHarness(model, num_blocks=96, block_size=4, seed=3)
+    if kv_dtype != torch.float32:
+        harness.kv_caches = allocate_kv_caches(model, 96, 4, kv_dtype)
+    gen = torch.Generator().manual_seed(5)
+    a, b, base = (Seq(torch.randint(0, 320, (30,), generator=gen).tolist(), lora_slot=slot) for slot in (1, 0, -1))
+    out = [harness.step([(a, 11), (base, 6)], []), harness.step([(b, 9)], [a]), harness.step([(base, 7)], [a, b])]
+    out += [harness.step([], [a, b, base]) for _ in range(4)]
+    out.append(harness.step([], [base]))  # base rows only: no LoRA lists
+    return out
+
+
+@pytest.mark.parametrize("formats,repack,bias,v_format", [
+    ([Q4_1], True, False, None), ([Q5_0], False, True, Q8_0),
+], ids=["q4_1-r8", "v-shard-bias"])
+@pytest.mark.parametrize("kv_dtype,rank", [(torch.float32, 4), (torch.int8, 4), (torch.float32, 9)])
+def test_fused_lora_rows_equal_the_modules_bit_for_bit(tiny_llama_dir: Path, formats: list[QuantFormat],
+                                                       repack: bool, bias: bool, v_format: QuantFormat | None,
+                                                       kv_dtype: torch.dtype, rank: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps with adapter rows take the C++ decoder, which adds each row's product where the modules
+    do (after the linear's bias, slice by slice; one call over a linear's slices, whose stacked A
+    rows it sums in blocks of eight across the slices' borders at ranks 4 and 9): the same bits for
+    adapter and base rows."""
+    calls: list[bool] = []
+    original = FusedDecoder.__call__
+
+    def recording(self: FusedDecoder, *args: object) -> object:
+        calls.append(args[-1] is not None)  # the LoRA lists
+        return original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FusedDecoder, "__call__", recording)
+    fused_model = _quantized(tiny_llama_dir, formats, repack, bias, _policy(True), v_format=v_format)
+    _with_adapters(fused_model, rank)
+    fused = _lora_schedule(fused_model, kv_dtype)
+    assert calls == [True] * 7 + [False]
+    module_model = _quantized(tiny_llama_dir, formats, repack, bias, _policy(False), v_format=v_format)
+    _with_adapters(module_model, rank)
+    modules = _lora_schedule(module_model, kv_dtype)
+    plain = _quantized(tiny_llama_dir, formats, repack, bias, _policy(False), v_format=v_format)
+    assert not torch.equal(_lora_schedule(plain, kv_dtype)[0], modules[0])  # the adapters change the logits
+    for step, (x, y) in enumerate(zip(fused, modules, strict=True)):
+        assert torch.equal(x, y), f"step {step}: max difference {(x - y).abs().max().item()}"
