@@ -203,7 +203,7 @@ def master_address(client: aioredis.Redis) -> str:
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
 
 
-_NO_RETRY = Retry(NoBackoff(), 0)
+NO_RETRY = Retry(NoBackoff(), 0)  # a pinned connection's: see `pinned`
 
 
 class _PinnedPool:
@@ -230,7 +230,7 @@ async def pinned(client: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
     WAIT there would confirm nothing): a WAIT confirms only the writes of its own connection."""
     pool = client.connection_pool
     connection = await pool.get_connection()
-    saved, connection.retry = connection.retry, _NO_RETRY
+    saved, connection.retry = connection.retry, NO_RETRY
     try:
         yield aioredis.Redis(connection_pool=_PinnedPool(pool, connection))  # type: ignore[arg-type]
     finally:

@@ -100,14 +100,14 @@ class Intake:
         """End a tracked request with an error for its client (the engine drops it next step)."""
         for tracked in self.drop([request_id]):
             self._pending.add(tracked.gateway, error_output(tracked, message, type_, code))
-            self._pending.end(request_id, tracked.entry_id, tracked.stream)
+            self._pending.end(request_id, tracked.entry_id, tracked.stream, tracked.gateway)
 
     def end(self, request_ids: list[str]) -> list[str]:
         """Stop serving these requests without a message (their client is gone): acknowledge
         their entries; returns those that were tracked."""
         dropped = self.drop(request_ids)
         for tracked in dropped:
-            self._pending.end(tracked.request_id, tracked.entry_id, tracked.stream)
+            self._pending.end(tracked.request_id, tracked.entry_id, tracked.stream, tracked.gateway)
         return [t.request_id for t in dropped]
 
     def lose(self, request_ids: set[str]) -> None:
@@ -118,8 +118,8 @@ class Intake:
     def forget_all(self) -> set[str]:
         """Redis lost its data: drop every request, and the checkpoints written since the loss."""
         lost = set(self._tracked)
-        self.drop(sorted(lost))
-        self._pending = Outbox(forget_progress=sorted(lost))
+        dropped = self.drop(sorted(lost))
+        self._pending = Outbox(forget_progress=sorted(lost), gateway_of={t.request_id: t.gateway for t in dropped})
         return lost
 
     def hand_back(self, outbox: Outbox) -> int:
@@ -142,7 +142,7 @@ class Intake:
         for request_id in result.aborted:
             aborted = self._tracked.pop(request_id, None)
             if aborted is not None:
-                outbox.end(request_id, aborted.entry_id, aborted.stream)
+                outbox.end(request_id, aborted.entry_id, aborted.stream, aborted.gateway)
         finished = []
         for out in result.outputs:
             live = self._tracked.get(out.request_id)
@@ -160,7 +160,7 @@ class Intake:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
             outbox.add(tracked.gateway, error_output(tracked, message, type_, code))
-            outbox.end(request_id, tracked.entry_id, tracked.stream)
+            outbox.end(request_id, tracked.entry_id, tracked.stream, tracked.gateway)
 
     # ----- admission ---------------------------------------------------------------------------
     async def admit(self, entries: list[StreamEntry], claimed: bool) -> None:
@@ -212,21 +212,21 @@ class Intake:
                 continue
             await self._sync_epoch(request.epoch)
             if request.id in self.recent_aborts:
-                self._pending.end(request.id, entry.entry_id, entry.stream)
+                self._pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
                 continue
             await self._start(request, entry, claimed)
 
     async def _start(self, request: EngineRequest, entry: StreamEntry, claimed: bool) -> None:
-        progress = await self._progress(request.id) if claimed or request.handoffs else Progress()
+        progress = await self._progress(request) if claimed or request.handoffs else Progress()
         resumed = resume(request, entry.entry_id, progress, entry.stream, self.stream.consumer)
         if resumed is None:  # its client already got everything
-            self._pending.end(request.id, entry.entry_id, entry.stream)
+            self._pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
             return
         tracked, job = resumed
         if request.deadline is not None and time.time() > request.deadline:
             self._pending.add(request.gateway, error_output(tracked, "request deadline passed", "timeout",
                                                             "timeout"))
-            self._pending.end(request.id, entry.entry_id, entry.stream)
+            self._pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
             return
         if tracked.resumed:
             log.info("resuming request", request_id=request.id, tokens=len(job.generated), seq=tracked.seq)
@@ -261,17 +261,18 @@ class Intake:
         await self.client.xadd(self.keys.dead(self.model), {REQUEST_FIELD: entry.payload or b"", "claims": claims,
                                                             "reason": f"taken over {claims} times"},
                                maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-        progress = await self._progress(request.id)
+        progress = await self._progress(request)
         tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1, stream=entry.stream,
                           engine=self.stream.consumer)
         message = (f"request abandoned after {claims} engine takeovers (each engine that ran it stopped); "
                    f"it was moved to {self.keys.dead(self.model)}")
         self._pending.add(request.gateway, error_output(tracked, message, "server_error", "request_dead_lettered"))
-        self._pending.end(request.id, entry.entry_id, entry.stream)
+        self._pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
 
-    async def _progress(self, request_id: str) -> Progress:
+    async def _progress(self, request: EngineRequest) -> Progress:
+        request_id = request.id
         try:
-            entries = await self.client.lrange(self.keys.progress(request_id), 0, -1)
+            entries = await self.client.lrange(self.keys.progress(request.gateway, request_id), 0, -1)
             return merge_progress([e if isinstance(e, bytes) else e.encode() for e in entries])
         except ProtocolError as exc:
             log.warning("unreadable progress, restarting request", request_id=request_id, error=str(exc))
@@ -285,7 +286,7 @@ class Intake:
         for job in self.jobs:
             if job.request_id in aborts:
                 tracked = self._tracked.pop(job.request_id)
-                self._pending.end(job.request_id, tracked.entry_id, tracked.stream)
+                self._pending.end(job.request_id, tracked.entry_id, tracked.stream, tracked.gateway)
         queued = {job.request_id for job in self.jobs}
         self.jobs = []
         return jobs, [rid for rid in aborts if rid in self.tracked] + [rid for rid in forced if rid not in queued]
@@ -410,7 +411,7 @@ class Intake:
         before it expired may still add to it for a moment, and that entry must not land on a
         stream nobody scans."""
         owner = stream.key.removeprefix(self.keys.routed(self.model, ""))
-        if await self.client.exists(self.keys.engine(owner)) or await self.client.xlen(stream.key):
+        if await self.client.exists(self.keys.alive(self.model, owner)) or await self.client.xlen(stream.key):
             return
         try:
             info = await self.client.xinfo_stream(stream.key)

@@ -61,7 +61,7 @@ def fleet(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[tuple[SentinelGroup,
 
 def _engine_ids(master: int) -> list[str]:
     with redis.Redis(port=master) as client:
-        return sorted(k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=KEYS.engine("*")))
+        return sorted(k.decode().split("{e:", 1)[1].rsplit("}:", 1)[0] for k in client.scan_iter(match=KEYS.engine_pattern))
 
 
 async def _restart(up: Up, load: Load, ups: list[Up]) -> dict[str, int]:
