@@ -44,6 +44,12 @@ def slot_moved(exc: BaseException) -> bool:
     return isinstance(exc, ResponseError) and any(mark in str(exc) for mark in _MOVED)
 
 
+def never_connected(exc: BaseException) -> bool:
+    """True when `exc` is a connection that could not be opened (refused, unreachable): no
+    command went out on it."""
+    return isinstance(exc, RedisConnectionError) and "connecting to" in str(exc)
+
+
 class SlotBatch:
     """Commands queued as on a MULTI/EXEC pipeline (``batch.set(...)``, ``batch.delete(...)``;
     the first argument of each is its key): `execute` runs them in one transaction on a single

@@ -41,9 +41,9 @@ from common.redis_conn import (
     NotReplicated,
     PoolBusy,
     ReplicaAck,
-    pinned,
     refused_by_demoted_master,
 )
+from common.redis_slots import never_connected, pinned_to, slot_moved
 from gateway.broker.collector import RequestCollector
 from gateway.broker.engines import EngineRegistry
 from gateway.broker.reader import Reader, Subscribed
@@ -102,7 +102,7 @@ class Broker:
                  ack: ReplicaAck | None = None, mode: str = "url") -> None:
         self.client = client
         self.ack = ack or ReplicaAck(0, 1)
-        self.mode = mode  # "url" or "sentinel", for /health
+        self.mode = mode  # "url", "sentinel" or "cluster": for /health and which failures are re-sent
         self.master = MasterView()
         self.new_reader = new_reader  # a fresh reader client, for `_swap` to replace a stuck or failed one
         self._reader = Reader(0, reader or client)  # the current generation; written by `_swap` alone
@@ -205,9 +205,10 @@ class Broker:
                             id=request.id, error=str(exc))
                 return await self._settle(request, stream, exc.args[1] if len(exc.args) > 1 else "")
             except RedisError as exc:
-                if self.mode != "sentinel" or not refused_by_demoted_master(exc) or time.monotonic() > deadline:
+                if not self._unsent(exc) or time.monotonic() > deadline:
                     raise BrokerUnavailable.of(exc) from exc
-                log.info("request refused by a demoted master; sending it to the new one", id=request.id)
+                log.info("request refused by a demoted master; sending it to the new one", id=request.id,
+                         error=str(exc)[:200])
                 await asyncio.sleep(RESEND_S)
                 continue
             if status == "OK":
@@ -218,6 +219,17 @@ class Broker:
             epoch_changes += 1
             if epoch_changes == 2:
                 raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
+
+    def _unsent(self, exc: RedisError) -> bool:
+        """A submit that certainly wrote nothing and may go again to the master of the moment:
+        refused by a demoted master (Sentinel, cluster), or on a cluster answered by a node that
+        no longer serves the slot, or not connected at all (its master is down until a replica
+        takes over)."""
+        if self.mode == "url":
+            return False
+        if refused_by_demoted_master(exc):
+            return True
+        return self.mode == "cluster" and (slot_moved(exc) or never_connected(exc))
 
     async def _submit_once(self, request: EngineRequest, stream: str) -> tuple[str, str]:
         """The submit script (adding to `stream`, bounding the model's queue), then, with replicas
@@ -230,7 +242,7 @@ class Broker:
         if not self.ack.enabled:
             status, value = await self._submit(keys=keys, args=args)
             return _text(status), _text(value)
-        async with pinned(self.client) as conn:
+        async with pinned_to(self.client, stream) as conn:
             status, value = await self._submit(keys=keys, args=args, client=conn)
             if _text(status) == "OK":
                 try:
