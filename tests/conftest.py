@@ -19,6 +19,7 @@ if _worker.startswith("gw"):
 pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.redis",
+    "tests.fixtures.redis_cluster",
 ]
 
 

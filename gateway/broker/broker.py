@@ -220,6 +220,10 @@ class Broker:
             if epoch_changes == 2:
                 raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
 
+    def submit_keys(self, model: str, stream: str) -> list[str]:
+        """The submit script's KEYS for adding to `stream` (all in `model`'s slot)."""
+        return [stream, self.keys.epoch(model), *dict.fromkeys([stream, *self.counted_streams(model)])]
+
     def _unsent(self, exc: RedisError) -> bool:
         """A submit that certainly wrote nothing and may go again to the master of the moment:
         refused by a demoted master (Sentinel, cluster), or on a cluster answered by a node that
@@ -235,8 +239,7 @@ class Broker:
         """The submit script (adding to `stream`, bounding the model's queue), then, with replicas
         to wait for, WAIT on the same connection. Raises NotReplicated with the entry id as its
         second argument when the connection was lost after the XADD."""
-        counted = self.counted_streams(request.model)
-        keys = [stream, self.keys.epoch(request.model), *dict.fromkeys([stream, *counted])]
+        keys = self.submit_keys(request.model, stream)
         args: list[str | bytes | int] = [self.keys.group, request.epoch, self.max_queued, REQUEST_FIELD,
                                          request.encode()]
         if not self.ack.enabled:
