@@ -92,7 +92,7 @@ def test_each_flush_transaction_touches_one_slot(gateway: str) -> None:
     pipe = _client().pipeline(transaction=True)
     _queue_model_writes(pipe, KEYS, KEYS.requests(model), outbox)
     pipe.get(KEYS.epoch(model))
-    keys = _queued_keys(pipe) + [KEYS.alive(model, "e")]  # + the WATCHed fence
+    keys = [*_queued_keys(pipe), KEYS.alive(model, "e")]  # + the WATCHed fence
     assert len(_slots(keys)) == 1 and KEYS.routed(model, "e") in keys
 
 
