@@ -274,8 +274,9 @@ async def _flush_sharded(client: aioredis.Redis, keys: Keys, stream: str, outbox
     probed = set(probe_gateways)
     alive: dict[str, str | None] = {}
     for gateway in dict.fromkeys([*outbox.by_gateway, *forgotten, *probe_gateways]):
-        async with _writer(client, keys.out(gateway), ack) as conn, conn.pipeline(transaction=True) as pipe:
-            messages = outbox.by_gateway.get(gateway)
+        messages = outbox.by_gateway.get(gateway)
+        writes = ack if messages or forgotten.get(gateway) else None  # a probe alone needs no WAIT
+        async with _writer(client, keys.out(gateway), writes) as conn, conn.pipeline(transaction=True) as pipe:
             if messages:
                 _queue_output(pipe, keys, gateway, messages, ended, progress_ttl_s, log, entries_after)
             if forgotten.get(gateway):
@@ -285,7 +286,8 @@ async def _flush_sharded(client: aioredis.Redis, keys: Keys, stream: str, outbox
             replies = await pipe.execute()
         if gateway in probed:
             alive[gateway] = _text(replies[-1])
-    async with _writer(client, stream, ack) as conn, conn.pipeline(transaction=True) as pipe:
+    writes = ack if outbox.requeue or outbox.acks(stream) else None
+    async with _writer(client, stream, writes) as conn, conn.pipeline(transaction=True) as pipe:
         if fence is not None:
             await pipe.watch(fence.key)
             if not await pipe.exists(fence.key) or not fence.fresh():
