@@ -1,6 +1,6 @@
 """Redis Cluster's hash slots, for the code that writes several keys at once: which slot a key
-is on, transactions that stay within one slot (`SlotBatch`), and a connection pinned to the
-master of one slot (`pinned_to`) so that a `WAIT` after a write confirms that write.
+is on, transactions that stay within one slot (`SlotBatch`, `slot_pipeline`), and a connection
+pinned to the master of one slot (`pinned_to`) so that a `WAIT` after a write confirms that write.
 
 On a cluster a MULTI/EXEC or a script may only touch keys of one slot (Redis answers CROSSSLOT
 otherwise); `common.protocol.Keys` gives every group of keys written together one hash tag. On
@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -80,13 +81,27 @@ class SlotBatch:
         groups = self.slots() if is_cluster(self.client) else {0: list(range(len(self.calls)))}
         replies: list[Any] = [None] * len(self.calls)
         for positions in groups.values():
-            async with self.client.pipeline(transaction=True) as pipe:
+            async with slot_pipeline(self.client, self.calls[positions[0]][1][0]) as pipe:
                 for i in positions:
                     name, args, kwargs = self.calls[i]
                     getattr(pipe, name)(*args, **kwargs)
                 for i, reply in zip(positions, await pipe.execute(), strict=True):
                     replies[i] = reply
         return replies
+
+
+@contextlib.asynccontextmanager
+async def slot_pipeline(client: aioredis.Redis, key: str) -> AsyncIterator[Pipeline]:
+    """A MULTI/EXEC pipeline for the slot of `key`: the client's own on a single Redis; on a
+    cluster, a plain one on a connection pinned to the slot's master (`pinned_to`), so WATCH
+    and the commands run right after it behave as on a single Redis (redis-py's cluster
+    pipeline resolves every queued command's slot on a private event loop in a thread)."""
+    if not is_cluster(client):
+        async with client.pipeline(transaction=True) as pipe:
+            yield pipe
+        return
+    async with pinned_to(client, key) as conn, conn.pipeline(transaction=True) as pipe:
+        yield pipe
 
 
 class _NodeConnection:

@@ -20,6 +20,7 @@ from common.log import get_logger
 from common.protocol import REQUEST_FIELD, AbortMessage, EngineRequest, Keys, Progress, ProtocolError, merge_progress
 from common.pubsub import subscribe_forever
 from common.redis_conn import Epoch
+from common.redis_slots import slot_pipeline
 from engine.outputs import RequestOutput
 from engine.worker.engine_thread import AddJob, StepResult
 from engine.worker.outbox import Outbox
@@ -422,7 +423,7 @@ class Intake:
         seconds, micros = await self.client.time()
         if int(seconds) * 1000 + int(micros) // 1000 - last_ms < ROUTED_QUIET_MS:
             return
-        async with self.client.pipeline(transaction=True) as pipe:
+        async with slot_pipeline(self.client, stream.key) as pipe:
             pipe.srem(self.keys.routed_streams(self.model), stream.key)
             pipe.delete(stream.key)
             await pipe.execute()

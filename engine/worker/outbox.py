@@ -247,14 +247,12 @@ def _written(log: CheckpointLog | None, entries_after: dict[str, int], ended: se
 
 @contextlib.asynccontextmanager
 async def _writer(client: aioredis.Redis, key: str, ack: ReplicaAck | None) -> AsyncIterator[aioredis.Redis]:
-    """The client to write `key`'s slot with: the cluster client, or with replicas to wait for
-    a connection pinned to the slot's master (then WAIT there on the way out)."""
-    if ack is None or not ack.enabled:
-        yield client
-        return
+    """A client on a connection pinned to the master of `key`'s slot (a transaction there is a
+    plain MULTI/EXEC); with replicas to wait for, WAIT there on the way out."""
     async with pinned_to(client, key) as conn:
         yield conn
-        await ack.wait(conn)
+        if ack is not None and ack.enabled:
+            await ack.wait(conn)
 
 
 async def _flush_sharded(client: aioredis.Redis, keys: Keys, stream: str, outbox: Outbox, progress_ttl_s: int,

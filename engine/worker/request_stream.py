@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from common.protocol import REQUEST_FIELD, Keys
+from common.redis_slots import slot_pipeline
 
 # KEYS: stream, liveness key of the dead consumer (`Keys.alive`: in the stream's slot).
 # ARGV: group, me, min idle ms, dead consumer, count.
@@ -224,7 +225,7 @@ class RequestStream:
     async def ack(self, entry_ids: list[str]) -> None:
         """Acknowledge and delete: a finished request leaves nothing in Redis."""
         if entry_ids:
-            async with self.client.pipeline(transaction=True) as pipe:
+            async with slot_pipeline(self.client, self.key) as pipe:
                 pipe.xack(self.key, self.keys.group, *entry_ids)
                 pipe.xdel(self.key, *entry_ids)
                 await pipe.execute()
