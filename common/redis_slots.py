@@ -18,7 +18,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redis_conn import NO_RETRY, pinned
@@ -78,15 +78,26 @@ class SlotBatch:
         return groups
 
     async def execute(self) -> list[Any]:
+        """The replies. On a cluster a slot whose master fails does not stop the others' writes
+        (a heartbeat's hash is still refreshed while its model's master is being replaced): the
+        first error is raised once every slot was tried."""
         groups = self.slots() if is_cluster(self.client) else {0: list(range(len(self.calls)))}
         replies: list[Any] = [None] * len(self.calls)
+        failed: Exception | None = None
         for positions in groups.values():
-            async with slot_pipeline(self.client, self.calls[positions[0]][1][0]) as pipe:
-                for i in positions:
-                    name, args, kwargs = self.calls[i]
-                    getattr(pipe, name)(*args, **kwargs)
-                for i, reply in zip(positions, await pipe.execute(), strict=True):
-                    replies[i] = reply
+            try:
+                async with slot_pipeline(self.client, self.calls[positions[0]][1][0]) as pipe:
+                    for i in positions:
+                        name, args, kwargs = self.calls[i]
+                        getattr(pipe, name)(*args, **kwargs)
+                    for i, reply in zip(positions, await pipe.execute(), strict=True):
+                        replies[i] = reply
+            except (RedisError, OSError) as exc:
+                if len(groups) == 1:
+                    raise
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return replies
 
 

@@ -43,7 +43,8 @@ class ClusterEngine(EngineProcess):
         self.group = group
         self.name = name
         super().__init__(model, "redis://127.0.0.1:1/0", engine_id, log_dir, "--redis-cluster", group.nodes_arg,
-                         "--served-model-name", name, "--kv-cache-memory", "8MiB", "--redis-wait-timeout", "2000")
+                         "--served-model-name", name, "--kv-cache-memory", "8MiB", "--redis-wait-timeout", "2000",
+                         "--heartbeat-interval", "1.0")  # heartbeats outlive a failover (5 s)
 
     def heartbeat(self) -> EngineHeartbeat | None:
         try:
@@ -90,6 +91,23 @@ async def _gateways(group: RedisClusterGroup) -> AsyncIterator[list[str]]:
         yield [a, b]
 
 
+async def _retrying(session: aiohttp.ClientSession, url: str, model: str, prompt: str,
+                    max_tokens: int) -> tuple[str, str | None, int]:
+    """`_stream`, sent again after a 503 before any token (Redis unreachable for a moment: a
+    balancer or a client retries), for up to a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await _stream(session, url, model, prompt, max_tokens)
+        except Unavailable:
+            assert time.monotonic() < deadline, "still refused a minute after the failover began"
+            await asyncio.sleep(0.2)
+
+
+class Unavailable(AssertionError):
+    """A 503 before the stream began."""
+
+
 async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int,
                   seen: list[int] | None = None) -> tuple[str, str | None, int]:
     """A greedy streamed completion: (text, finish_reason, completion_tokens); `seen[0]` counts
@@ -98,6 +116,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: 
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     text, finish, tokens = "", None, 0
     async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status == 503:
+            raise Unavailable(await resp.text())
         assert resp.status == 200, await resp.text()
         async for event in sse_events(resp):
             assert "error" not in event, event
@@ -179,8 +199,8 @@ async def test_streams_survive_the_loss_of_the_models_master(
         victim = group.master_of(KEYS.requests(MODEL))
         group.kill(victim)
         at_kill = [s[0] for s in seen]
-        # submitted while the model's master is down or just replaced: they wait for the new one
-        late = [asyncio.create_task(_stream(session, url, model, prompt, MAX_TOKENS)) for url, model, prompt in jobs]
+        # sent while the model's master is down or just replaced: served (after a 503 at most)
+        late = [asyncio.create_task(_retrying(session, url, model, prompt, MAX_TOKENS)) for url, model, prompt in jobs]
         new_master = group.wait_failover(victim, KEYS.requests(MODEL))
         results = await asyncio.wait_for(asyncio.gather(*running, *late), 300)
         assert any(n < MAX_TOKENS for n in at_kill), f"every stream had ended before the kill: {at_kill}"
