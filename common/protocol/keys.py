@@ -103,6 +103,11 @@ class Keys:
         transaction as the output they describe)."""
         return f"{self._gateway(gateway_id)}:progress:{request_id}"
 
+    @property
+    def progress_pattern(self) -> str:
+        """Pattern matching every request's checkpoints (for operators and tests)."""
+        return f"{self.prefix}:{{g:*}}:progress:*"
+
     def loras(self, model: str) -> str:
         """Hash of the LoRA adapters loaded over `model` at run time (name -> PEFT folder): what
         `POST /v1/load_lora_adapter` adds and every engine of the model applies."""
