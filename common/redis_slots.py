@@ -17,8 +17,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, ExecAbortError, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from common.redis_conn import NO_RETRY, pinned
@@ -41,7 +41,10 @@ def slot_of(key: str | bytes) -> int:
 def slot_moved(exc: BaseException) -> bool:
     """True when `exc` says the slot is served elsewhere now or the cluster is changing
     (MOVED, ASK, TRYAGAIN, CLUSTERDOWN, or a transaction aborted by one of them): nothing
-    was written."""
+    was written. redis-py raises its own classes for these (without the word in the message),
+    and a script's error carries the reply's text."""
+    if isinstance(exc, (AskError, TryAgainError, ClusterDownError, ExecAbortError)):
+        return True
     return isinstance(exc, ResponseError) and any(mark in str(exc) for mark in _MOVED)
 
 

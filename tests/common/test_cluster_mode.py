@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from common.engine_set import read_heartbeats
 from common.protocol import EngineRequest, Keys, OutputMessage, SeqOutput, decode_outputs
 from common.redis_conn import MasterView, ReplicaAck, pooled_client
-from common.redis_slots import is_cluster
+from common.redis_slots import is_cluster, pinned_to, slot_moved
 from common.redis_spec import RedisSpec
 from common.sampling_params import SamplingParams
 from engine.worker.heartbeat import Heartbeat
@@ -112,3 +113,28 @@ async def test_takeover_of_a_dead_engine_on_a_cluster(client: aioredis.Redis) ->
     await alive.remove()
     assert not await client.exists(KEYS.alive(MODEL, "e2"), KEYS.engine("e2"))
     assert await read_heartbeats(client, KEYS, None) == []
+
+
+async def test_a_write_to_a_master_that_does_not_serve_the_slot_is_seen_as_moved() -> None:
+    group = RedisClusterGroup(masters=3, replicas=0)
+    try:
+        key = KEYS.requests(MODEL)
+        wrong = next(port for port in group.masters() if port != group.master_of(key))
+        async with aioredis.Redis(port=wrong) as node:
+            with pytest.raises(RedisError) as plain:
+                await node.xadd(key, {"m": b"x"})
+            with pytest.raises(RedisError) as in_multi:
+                async with node.pipeline(transaction=True) as pipe:
+                    pipe.xadd(key, {"m": b"x"})
+                    pipe.get(KEYS.epoch(MODEL))
+                    await pipe.execute()
+        assert slot_moved(plain.value) and slot_moved(in_multi.value)  # nothing written: send it again
+        client = pooled_client(RedisSpec(cluster=group.addresses), 4, 5.0)
+        try:
+            async with pinned_to(client, key) as conn:  # the slot's own master: the write lands
+                assert await conn.xadd(key, {"m": b"x"})
+            assert await client.xlen(key) == 1
+        finally:
+            await client.aclose()
+    finally:
+        group.stop()
