@@ -1,14 +1,15 @@
 """The set of live engines, shared by both sides.
 
-``{prefix}:engines`` is a sorted set of engine ids scored by the wall-clock time (epoch
-seconds, the `time` field of the heartbeat) of each engine's last heartbeat; every beat
-writes it in the same MULTI/EXEC as the heartbeat hash ``{prefix}:engine:<id>`` (with its
-TTL). Readers take the set's members and read their hashes: discovery costs one ZRANGE and
-one HGETALL per engine, never a SCAN of a keyspace an application may share. A reader with
-an age bound first prunes members older than it, by score (atomic on the server: a beat that
-refreshed the member in between keeps it). A stopped engine removes its member and hash; a
-killed one drops out when its hash expires (a member without a hash is skipped) and leaves
-the set at the next reader's prune."""
+``{prefix}:engines`` is a sorted set of engine ids scored by the wall-clock time (epoch seconds,
+the `time` field of the heartbeat) of each engine's last heartbeat; every beat writes it with
+the heartbeat hash (`Keys.engine`, with its TTL) and the engine's liveness key in its model's
+slot (`Keys.alive`, same TTL): in one MULTI/EXEC on a single Redis, one per slot on a cluster
+(liveness key, hash, then set member). Readers take the set's members and read their hashes:
+discovery costs one ZRANGE and one HGETALL per engine, never a SCAN of a keyspace an application
+may share. A reader with an age bound first prunes members older than it, by score (atomic on
+the server: a beat that refreshed the member in between keeps it). A stopped engine removes its
+member and hash; a killed one drops out when its hash expires (a member without a hash is
+skipped) and leaves the set at the next reader's prune."""
 
 from __future__ import annotations
 
@@ -19,20 +20,24 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from common.protocol import EngineHeartbeat, Keys
+from common.redis_slots import SlotBatch
 
 
-def queue_beat(pipe: Pipeline, keys: Keys, beat: EngineHeartbeat, ttl_ms: int) -> None:
-    """Queue the heartbeat's writes on `pipe` (a MULTI/EXEC one: all or nothing): replace the
-    hash (stale stat fields disappear), set its TTL, score the engine in the set."""
+def queue_beat(pipe: Pipeline | SlotBatch, keys: Keys, beat: EngineHeartbeat, ttl_ms: int) -> None:
+    """Queue the heartbeat's writes on `pipe` (a MULTI/EXEC one: all or nothing): the liveness
+    key in the model's slot, then replace the hash (stale stat fields disappear), set its TTL,
+    score the engine in the set."""
     key = keys.engine(beat.engine_id)
+    pipe.set(keys.alive(beat.model, beat.engine_id), beat.time, px=ttl_ms)
     pipe.delete(key)
     pipe.hset(key, mapping=beat.to_hash())  # type: ignore[arg-type]
     pipe.pexpire(key, ttl_ms)
     pipe.zadd(keys.engines, {beat.engine_id: beat.time})
 
 
-def queue_removal(pipe: Pipeline, keys: Keys, engine_id: str) -> None:
-    """Queue the removal of an engine's hash and set member (a clean stop)."""
+def queue_removal(pipe: Pipeline | SlotBatch, keys: Keys, engine_id: str, model: str) -> None:
+    """Queue the removal of an engine's liveness key, hash and set member (a clean stop)."""
+    pipe.delete(keys.alive(model, engine_id))
     pipe.delete(keys.engine(engine_id))
     pipe.zrem(keys.engines, engine_id)
 

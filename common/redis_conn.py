@@ -10,6 +10,11 @@ READONLY reply (a demoted master) drops the connection (redis-py turns it into a
 error), so the caller's next attempt, or the client's own retry, asks again. A failover keeps
 the dataset (the epoch key replicates with the rest): it is not a data loss.
 
+With Redis Cluster (`RedisSpec.cluster`) the client is redis-py's `RedisCluster`, which finds
+each key's master by its slot and follows MOVED/ASK redirects and failovers; writes that must
+survive are sent, with their WAIT, on a connection pinned to the slot's master
+(`common.redis_slots.pinned_to`).
+
 Pool pressure is not an outage: redis-py's default pool raises "Too many connections" the
 moment a burst needs more connections than its limit. `MeteredPool` makes callers queue for
 up to `timeout` seconds and raises `PoolBusy` (not a connection error) when that runs out.
@@ -25,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool, ConnectionPool
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import (
@@ -165,11 +171,34 @@ def _sentinel(spec: RedisSpec, kwargs: dict[str, Any]) -> Sentinel:
     return Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs, **master_kwargs)
 
 
+class ClusterClient(RedisCluster):
+    """redis-py's `RedisCluster`, closed like a plain client (``aclose(close_connection_pool=...)``)."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose()
+
+
+def _cluster(spec: RedisSpec, max_connections: int, kwargs: dict[str, Any]) -> aioredis.Redis:
+    """A cluster client for `spec`: at most `max_connections` to each node."""
+    options = dict(kwargs)
+    if spec.password:
+        options["password"] = spec.password
+    if spec.username:
+        options["username"] = spec.username
+    if spec.tls:
+        options["ssl"] = True
+    nodes = [ClusterNode(host, port) for host, port in spec.cluster]
+    return ClusterClient(startup_nodes=nodes, max_connections=max_connections, **options)  # type: ignore[return-value]
+
+
 def pooled_client(spec: RedisSpec | str, max_connections: int, wait_timeout_s: float,
                   **kwargs: Any) -> aioredis.Redis:
     """A client on a `MeteredPool` for `spec` (a URL, or a `RedisSpec`: then with sentinels, on
-    the master they report, followed across failovers). kwargs: socket timeouts, retry, ..."""
+    the master they report, followed across failovers; with a cluster, a `ClusterClient`, which
+    holds up to `max_connections` per node and does not queue). kwargs: socket timeouts, retry, ..."""
     spec = _spec(spec)
+    if spec.uses_cluster:
+        return _cluster(spec, max_connections, kwargs)
     if not spec.uses_sentinel:
         pool = MeteredPool.from_url(spec.url, max_connections=max_connections, timeout=wait_timeout_s, **kwargs)
         return aioredis.Redis(connection_pool=pool)
@@ -181,6 +210,8 @@ def pooled_client(spec: RedisSpec | str, max_connections: int, wait_timeout_s: f
 def single_client(spec: RedisSpec | str, **kwargs: Any) -> aioredis.Redis:
     """A client on redis-py's plain pool for `spec` (a dedicated reader, a subscription)."""
     spec = _spec(spec)
+    if spec.uses_cluster:
+        return _cluster(spec, 100, kwargs)
     if not spec.uses_sentinel:
         return aioredis.Redis.from_url(spec.url, **kwargs)
     return _sentinel(spec, kwargs).master_for(spec.master, connection_pool_class=_SentinelPool,
@@ -203,7 +234,7 @@ def master_address(client: aioredis.Redis) -> str:
     return f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
 
 
-_NO_RETRY = Retry(NoBackoff(), 0)
+NO_RETRY = Retry(NoBackoff(), 0)  # a pinned connection's: see `pinned`
 
 
 class _PinnedPool:
@@ -230,7 +261,7 @@ async def pinned(client: aioredis.Redis) -> AsyncIterator[aioredis.Redis]:
     WAIT there would confirm nothing): a WAIT confirms only the writes of its own connection."""
     pool = client.connection_pool
     connection = await pool.get_connection()
-    saved, connection.retry = connection.retry, _NO_RETRY
+    saved, connection.retry = connection.retry, NO_RETRY
     try:
         yield aioredis.Redis(connection_pool=_PinnedPool(pool, connection))  # type: ignore[arg-type]
     finally:
@@ -347,11 +378,32 @@ class MasterView:
         self.changes = 0
 
     async def refresh(self, client: aioredis.Redis) -> bool:
+        if isinstance(client, RedisCluster):
+            return await self._refresh_cluster(client)
         server = await client.info("server")
         replication = await client.info("replication")
         self.address = master_address(client)
         self.replicas = int(replication.get("connected_slaves", 0))
         run_id = str(server.get("run_id", ""))
+        changed = self.run_id is not None and run_id != self.run_id
+        self.changes += changed
+        self.run_id = run_id
+        return changed
+
+    async def _refresh_cluster(self, client: RedisCluster) -> bool:
+        """A cluster's masters: their addresses, run ids (one changes when a replica takes over)
+        and replicas, each sorted by address."""
+        await client.initialize()
+        primaries = sorted(client.get_primaries(), key=lambda node: node.name)
+        run_ids, replicas = [], 0
+        for node in primaries:
+            server = await client.info("server", target_nodes=node)
+            replication = await client.info("replication", target_nodes=node)
+            run_ids.append(str(server.get("run_id", "")))
+            replicas += int(replication.get("connected_slaves", 0))
+        self.address = ",".join(node.name for node in primaries)
+        self.replicas = replicas
+        run_id = ",".join(run_ids)
         changed = self.run_id is not None and run_id != self.run_id
         self.changes += changed
         self.run_id = run_id

@@ -43,7 +43,7 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
     options: dict[str, Any] = {"socket_connect_timeout": 2.0, "socket_timeout": 10.0,
                                "health_check_interval": 10, "retry": retry}
     spec = cfg.redis_spec
-    if cfg.redis_pool == "plain" and not spec.uses_sentinel:  # redis-py's plain pool, kept to measure against
+    if cfg.redis_pool == "plain" and spec.mode == "url":  # redis-py's plain pool, kept to measure against
         client = aioredis.Redis.from_url(spec.url, max_connections=cfg.redis_pool_size, **options)
     else:
         client = pooled_client(spec, cfg.redis_pool_size, cfg.redis_pool_timeout_s, **options)
@@ -54,14 +54,14 @@ async def _redis_ctx(app: web.Application) -> AsyncIterator[None]:
 
     keys = Keys(cfg.redis_prefix)
     broker = Broker(client, keys, cfg.gateway_id, new_reader(), cfg.max_queued_per_model, new_reader,
-                    ack=ReplicaAck.of(spec), mode="sentinel" if spec.uses_sentinel else "url")
+                    ack=ReplicaAck.of(spec), mode=spec.mode)
     registry = EngineRegistry(client, keys, cfg.models, cfg.engine_stale_s)
     app[BROKER] = broker
     app[REGISTRY] = registry
     if cfg.routing:
         broker.use_router(router := Router(keys, cfg.route_load_slack), registry)
         app[METRICS].watch_router(router)
-    pool = client.connection_pool
+    pool = getattr(client, "connection_pool", None)  # a cluster client has one per node
     if isinstance(pool, MeteredPool):
         app[METRICS].watch_pool(pool)
     # the liveness key's refresh must not queue behind a burst in the pool: a connection of its own

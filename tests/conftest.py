@@ -16,4 +16,5 @@ if _worker.startswith("gw"):
 pytest_plugins = [
     "tests.fixtures.models",
     "tests.fixtures.redis",
+    "tests.fixtures.redis_cluster",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from common.ports import free_port
+from common.protocol import Keys
 from gateway.clients.sse_reader import SSE_DONE, sse_payloads
 from pagedserve.launch.redis_server import RedisServer
 
@@ -142,7 +143,7 @@ def _all_engines(redis_url: str, count: int) -> bool:
     import redis
 
     with redis.Redis.from_url(redis_url) as client:
-        return len(list(client.scan_iter(match="ps:engine:*"))) >= count
+        return len(list(client.scan_iter(match=Keys().engine_pattern))) >= count
 
 
 def main() -> None:

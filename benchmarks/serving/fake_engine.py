@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from common.redis_spec import RedisSpec, parse_cluster_nodes
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
@@ -142,17 +143,19 @@ class FakeEngineThread(EngineThread):
 
 
 def fake_worker(engine_id: str, model_name: str, model_dir: str, redis_url: str, tok_s: float,
-                max_num_seqs: int) -> EngineWorker:
-    """A real `EngineWorker` whose engine thread runs a `FakeLLMEngine`."""
+                max_num_seqs: int, redis: RedisSpec | None = None) -> EngineWorker:
+    """A real `EngineWorker` whose engine thread runs a `FakeLLMEngine` (on `redis` when given:
+    a Redis Cluster, say)."""
     return EngineWorker(WorkerConfig(engine_id=engine_id, model_name=model_name, redis_url=redis_url,
-                                     drain_timeout_s=5.0),
+                                     redis=redis, drain_timeout_s=5.0),
                         EngineConfig(model=model_dir, max_num_seqs=max_num_seqs),
                         thread_factory=lambda recovery, cached_limit: FakeEngineThread(recovery, tok_s, cached_limit))
 
 
 async def run_fleet(args: argparse.Namespace) -> None:
+    spec = RedisSpec(cluster=parse_cluster_nodes(args.redis_cluster)) if args.redis_cluster else None
     workers = [fake_worker(f"{args.id_prefix}-{i}", args.model_name, args.model_dir, args.redis_url, args.tok_s,
-                           args.max_num_seqs) for i in range(args.engines)]
+                           args.max_num_seqs, spec) for i in range(args.engines)]
     def drain() -> None:
         for worker in workers:
             worker.stop.set()
@@ -165,7 +168,8 @@ async def run_fleet(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--redis-cluster", metavar="HOST:PORT[,...]", help="a Redis Cluster instead of --redis-url")
     parser.add_argument("--model-name", default="bench")
     parser.add_argument("--model-dir", required=True, help="a model directory with tokenizer.json")
     parser.add_argument("--engines", type=int, default=1)

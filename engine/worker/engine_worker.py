@@ -61,7 +61,7 @@ class EngineWorker:
         self.closing = False  # set on the way out: the side tasks' loops end at their next turn
         self.stats: dict[str, Any] = {}  # the engine's figures after the last step (metrics, heartbeat)
         self.queues = Queues()
-        self.epoch = Epoch(self.keys.epoch)
+        self.epoch = Epoch(self.keys.epoch(config.model_name))
         self.ack = ReplicaAck.of(config.redis_spec)
         self._drain_deadline: float | None = None
 
@@ -190,14 +190,14 @@ class EngineWorker:
         client, intake, guards, beat = parts.client, parts.intake, parts.guards, parts.beat
         self.recovery.note_unsent(outbox)
         margin = min(1.0, beat.ttl_s / 4)
-        fence = Fence(beat.key, lambda: beat.fresh(margin_s=margin))
+        fence = Fence(beat.alive_key, lambda: beat.fresh(margin_s=margin))
         try:
             for _ in range(FENCE_TRIES):
                 try:
                     unsent = self.recovery.unsent
                     reply = await flush(client, self.keys, intake.stream.key, unsent,
                                         self.config.progress_ttl_s, guards.gateways_to_probe(), fence, self.ack,
-                                        self.recovery.checkpoints)
+                                        self.recovery.checkpoints, self.epoch.key)
                     break
                 except FenceLost:  # silent for too long: drop what other engines took over, then flush
                     await self._check_ownership(parts)

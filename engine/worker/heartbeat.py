@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from common.engine_set import queue_beat, queue_removal, read_heartbeats
 from common.protocol import EngineHeartbeat, Keys, ProtocolError
+from common.redis_slots import SlotBatch
 
 
 def flatten_stats(stats: dict[str, Any]) -> dict[str, float]:
@@ -65,10 +66,10 @@ def model_config_hash(model_dir: str) -> str:
 
 
 class Heartbeat:
-    """Writes ``{prefix}:engine:<id>`` with a TTL of `ttl_s` and its member of
-    ``{prefix}:engines``; `last_ok` is when a write last
-    succeeded (monotonic), `suspect` is set when the key may have expired in between (and
-    cleared by `ownership_checked`: only this object writes it).
+    """Writes the heartbeat hash (`Keys.engine`) and the liveness key in the model's slot
+    (`Keys.alive`) with a TTL of `ttl_s`, and its member of ``{prefix}:engines``; `last_ok` is
+    when a write last succeeded (monotonic), `suspect` is set when the key may have expired in
+    between (and cleared by `ownership_checked`: only this object writes it).
 
     With a `routed_block_size` the engine reads its own routed stream and each beat announces
     it with the cached keys (by that block size); None: no routing. `loras` are the adapters
@@ -82,6 +83,7 @@ class Heartbeat:
         self.client = client
         self.keys = keys
         self.key = keys.engine(engine_id)
+        self.alive_key = keys.alive(model, engine_id)  # what takeovers check and flushes are fenced on
         self.engine_id = engine_id
         self.model = model
         self.tokenizer = tokenizer
@@ -125,9 +127,9 @@ class Heartbeat:
         in the set of live engines, atomically (`common.engine_set`)."""
         heartbeat = self.build(stats, pool, extra)
         sent = time.monotonic()
-        async with self.client.pipeline(transaction=True) as pipe:
-            queue_beat(pipe, self.keys, heartbeat, self.ttl_ms)
-            await pipe.execute()
+        batch = SlotBatch(self.client)
+        queue_beat(batch, self.keys, heartbeat, self.ttl_ms)
+        await batch.execute()
         if self.beats and sent - self.last_ok >= self.ttl_s:
             self._suspect = True  # the key may have expired meanwhile: others may own our work now
         self.last_ok = sent
@@ -159,6 +161,6 @@ class Heartbeat:
 
     async def remove(self) -> None:
         """A clean stop: the hash and the set member go at once."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            queue_removal(pipe, self.keys, self.engine_id)
-            await pipe.execute()
+        batch = SlotBatch(self.client)
+        queue_removal(batch, self.keys, self.engine_id, self.model)
+        await batch.execute()

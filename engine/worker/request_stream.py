@@ -1,6 +1,7 @@
 """The engine's side of its model's request stream: consumer group, reads, takeovers, acks.
 
-Takeover only ever moves entries of a *dead* consumer (one whose heartbeat key is gone), in
+Takeover only ever moves entries of a *dead* consumer (one whose liveness key, `Keys.alive`,
+written with its heartbeat in the model's slot, is gone), in
 one Lua script that checks the key and claims atomically: an engine that comes back from a
 long pause first rewrites its heartbeat, and from then on nobody can take its entries, so
 one ownership check afterwards (`owned`) tells it exactly what it still owns. The claim's
@@ -17,8 +18,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from common.protocol import REQUEST_FIELD, Keys
+from common.redis_slots import slot_pipeline
 
-# KEYS: stream, heartbeat key of the dead consumer. ARGV: group, me, min idle ms, dead consumer, count.
+# KEYS: stream, liveness key of the dead consumer (`Keys.alive`: in the stream's slot).
+# ARGV: group, me, min idle ms, dead consumer, count.
 # Returns {{id, deliveries, payload}, ...}; entries deleted from the stream are acked and skipped.
 _CLAIM_SCRIPT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return {} end
@@ -89,6 +92,7 @@ class RequestStream:
                  register: str | None = None) -> None:
         self.client = client
         self.keys = keys
+        self.model = model
         self.key = key or keys.requests(model)
         self.consumer = consumer
         self.register = register
@@ -181,8 +185,8 @@ class RequestStream:
             start = "(" + _text(rows[-1]["message_id"])
 
     async def claim_from(self, dead: str, min_idle_ms: int, count: int = 100) -> list[StreamEntry]:
-        """Take over up to `count` idle entries of consumer `dead`, if its heartbeat is still gone."""
-        reply = await self._claim(keys=[self.key, self.keys.engine(dead)],
+        """Take over up to `count` idle entries of consumer `dead`, if its liveness key is still gone."""
+        reply = await self._claim(keys=[self.key, self.keys.alive(self.model, dead)],
                                   args=[self.keys.group, self.consumer, min_idle_ms, dead, count, REQUEST_FIELD])
         return [StreamEntry(entry_id=_text(entry_id), payload=payload, deliveries=int(deliveries), stream=self.key)
                 for entry_id, deliveries, payload in reply]
@@ -207,10 +211,10 @@ class RequestStream:
         return {_text(info["name"]): int(info["pending"]) for info in infos}
 
     async def dead_consumers(self) -> list[str]:
-        """Other consumers holding entries while their heartbeat key is gone (crashed engines)."""
+        """Other consumers holding entries while their liveness key is gone (crashed engines)."""
         dead = []
         for name, pending in (await self.consumers()).items():
-            if name != self.consumer and pending and not await self.client.exists(self.keys.engine(name)):
+            if name != self.consumer and pending and not await self.client.exists(self.keys.alive(self.model, name)):
                 dead.append(name)
         return dead
 
@@ -221,7 +225,7 @@ class RequestStream:
     async def ack(self, entry_ids: list[str]) -> None:
         """Acknowledge and delete: a finished request leaves nothing in Redis."""
         if entry_ids:
-            async with self.client.pipeline(transaction=True) as pipe:
+            async with slot_pipeline(self.client, self.key) as pipe:
                 pipe.xack(self.key, self.keys.group, *entry_ids)
                 pipe.xdel(self.key, *entry_ids)
                 await pipe.execute()

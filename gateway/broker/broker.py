@@ -41,9 +41,9 @@ from common.redis_conn import (
     NotReplicated,
     PoolBusy,
     ReplicaAck,
-    pinned,
     refused_by_demoted_master,
 )
+from common.redis_slots import never_connected, pinned_to, slot_moved
 from gateway.broker.collector import RequestCollector
 from gateway.broker.engines import EngineRegistry
 from gateway.broker.reader import Reader, Subscribed
@@ -55,7 +55,7 @@ READ_GRACE_S = 5.0  # seconds an XREAD may run past its BLOCK before it counts a
 CONFIRM_S = 30.0  # how long a submit whose WAIT was cut off waits for a master to settle it on
 RESEND_S = 0.1  # pause before a submit refused by a demoted master is sent to the new one
 
-# KEYS: the stream to add to, epoch key, then every stream of the model counted for the bound
+# KEYS: the stream to add to, the model's epoch key, then every stream of the model counted for the bound
 # (the shared one and the live engines' routed ones; the first one included).
 # ARGV: group, epoch token, max queued, field, payload.
 _SUBMIT_SCRIPT = """
@@ -102,7 +102,7 @@ class Broker:
                  ack: ReplicaAck | None = None, mode: str = "url") -> None:
         self.client = client
         self.ack = ack or ReplicaAck(0, 1)
-        self.mode = mode  # "url" or "sentinel", for /health
+        self.mode = mode  # "url", "sentinel" or "cluster": for /health and which failures are re-sent
         self.master = MasterView()
         self.new_reader = new_reader  # a fresh reader client, for `_swap` to replace a stuck or failed one
         self._reader = Reader(0, reader or client)  # the current generation; written by `_swap` alone
@@ -116,7 +116,7 @@ class Broker:
         self.token = secrets.token_hex(8)
         self.max_queued = max_queued
         self.collectors: dict[str, RequestCollector] = {}
-        self.epoch = Epoch(keys.epoch)
+        self.epochs: dict[str, Epoch] = {}  # by model: each model's keys (its epoch among them) share a slot
         self._submit = client.register_script(_SUBMIT_SCRIPT)
         self.router: Router | None = None  # cache-aware routing (`use_router`); None: the shared stream
         self.registry: EngineRegistry | None = None
@@ -192,9 +192,10 @@ class Broker:
         deadline = time.monotonic() + CONFIRM_S
         epoch_changes = 0
         while True:
-            if self.epoch.token is None:
-                await self.sync_epoch()
-            request.epoch = self.epoch.token or ""
+            epoch = self.epoch_of(request.model)
+            if epoch.token is None:
+                await self.sync_epoch(request.model)
+            request.epoch = epoch.token or ""
             try:
                 status, text = await self._submit_once(request, stream)
             except PoolBusy:
@@ -204,32 +205,47 @@ class Broker:
                             id=request.id, error=str(exc))
                 return await self._settle(request, stream, exc.args[1] if len(exc.args) > 1 else "")
             except RedisError as exc:
-                if self.mode != "sentinel" or not refused_by_demoted_master(exc) or time.monotonic() > deadline:
+                if not self._unsent(exc) or time.monotonic() > deadline:
                     raise BrokerUnavailable.of(exc) from exc
-                log.info("request refused by a demoted master; sending it to the new one", id=request.id)
+                log.info("request refused by a demoted master; sending it to the new one", id=request.id,
+                         error=str(exc)[:200])
                 await asyncio.sleep(RESEND_S)
                 continue
             if status == "OK":
                 return text
             if status == "FULL":
                 raise QueueFull(request.model, int(text))
-            await self.sync_epoch()  # EPOCH: Redis lost its data since we looked
+            await self.sync_epoch(request.model)  # EPOCH: Redis lost its data since we looked
             epoch_changes += 1
             if epoch_changes == 2:
                 raise BrokerUnavailable("cannot reach Redis: its dataset keeps changing")
+
+    def submit_keys(self, model: str, stream: str) -> list[str]:
+        """The submit script's KEYS for adding to `stream` (all in `model`'s slot)."""
+        return [stream, self.keys.epoch(model), *dict.fromkeys([stream, *self.counted_streams(model)])]
+
+    def _unsent(self, exc: RedisError) -> bool:
+        """A submit that certainly wrote nothing and may go again to the master of the moment:
+        refused by a demoted master (Sentinel, cluster), or on a cluster answered by a node that
+        no longer serves the slot, or not connected at all (its master is down until a replica
+        takes over)."""
+        if self.mode == "url":
+            return False
+        if refused_by_demoted_master(exc):
+            return True
+        return self.mode == "cluster" and (slot_moved(exc) or never_connected(exc))
 
     async def _submit_once(self, request: EngineRequest, stream: str) -> tuple[str, str]:
         """The submit script (adding to `stream`, bounding the model's queue), then, with replicas
         to wait for, WAIT on the same connection. Raises NotReplicated with the entry id as its
         second argument when the connection was lost after the XADD."""
-        counted = self.counted_streams(request.model)
-        keys = [stream, self.keys.epoch, *dict.fromkeys([stream, *counted])]
+        keys = self.submit_keys(request.model, stream)
         args: list[str | bytes | int] = [self.keys.group, request.epoch, self.max_queued, REQUEST_FIELD,
                                          request.encode()]
         if not self.ack.enabled:
             status, value = await self._submit(keys=keys, args=args)
             return _text(status), _text(value)
-        async with pinned(self.client) as conn:
+        async with pinned_to(self.client, stream) as conn:
             status, value = await self._submit(keys=keys, args=args, client=conn)
             if _text(status) == "OK":
                 try:
@@ -255,8 +271,8 @@ class Broker:
                     return text
                 if status == "FULL":
                     raise QueueFull(request.model, int(text))
-                await self.sync_epoch()
-                request.epoch = self.epoch.token or ""
+                await self.sync_epoch(request.model)
+                request.epoch = self.epoch_of(request.model).token or ""
             except NotReplicated as exc:
                 entry_id = exc.args[1] if len(exc.args) > 1 else entry_id
             except PoolBusy:
@@ -266,19 +282,30 @@ class Broker:
                     raise BrokerUnavailable.of(exc) from exc
             await asyncio.sleep(0.25)
 
-    async def sync_epoch(self) -> bool:
-        """Adopt the current epoch; when it changed, fail every in-flight request (Redis lost
-        them). Returns True when it changed."""
+    def epoch_of(self, model: str) -> Epoch:
+        """The dataset epoch of `model`'s keys (adopted at its first check)."""
+        epoch = self.epochs.get(model)
+        if epoch is None:
+            epoch = self.epochs[model] = Epoch(self.keys.epoch(model))
+        return epoch
+
+    async def sync_epoch(self, model: str | None = None) -> bool:
+        """Adopt the current epoch of `model` (None: of every model submitted to so far); where
+        one changed, fail every in-flight request of that model (Redis lost them). Returns True
+        when one changed."""
+        changed = []
         try:
-            changed = await self.epoch.check(self.client)
+            for name in [model] if model is not None else list(self.epochs):
+                if await self.epoch_of(name).check(self.client):
+                    changed.append(name)
         except RedisError as exc:
             raise BrokerUnavailable.of(exc) from exc
-        if changed:
+        for name in changed:
+            failed = self.fail_all(ErrorInfo("Redis restarted without persistence and lost this request; retry it",
+                                             "service_unavailable", "redis_restarted"), model=name)
             log.error("Redis lost its data (restart without persistence): failing in-flight requests",
-                      requests=len(self.collectors))
-            self.fail_all(ErrorInfo("Redis restarted without persistence and lost this request; retry it",
-                                    "service_unavailable", "redis_restarted"))
-        return changed
+                      model=name, requests=len(failed))
+        return bool(changed)
 
     async def check_master(self) -> None:
         """Refresh which master is in use; a new one (a failover) with the same epoch lost

@@ -131,7 +131,7 @@ class Watch:
         async with broker.client.pipeline(transaction=False) as pipe:
             for c in stalled:
                 pipe.xrange(c.stream or keys.requests(c.model), c.entry_id, c.entry_id)
-                pipe.exists(keys.progress(c.request_id))
+                pipe.exists(keys.progress(broker.gateway_id, c.request_id))
             pipe.xrevrange(keys.out(broker.gateway_id), count=1)
             replies = await pipe.execute()
         newest = replies[-1]

@@ -1,7 +1,8 @@
 """`pagedserve up`: Redis + one engine + the gateway on this machine, one command.
 
-Starts an embedded `redis-server` on a free loopback port (unless `--redis-url` or
-`--redis-sentinel`: then the children follow the master the sentinels report), fetches the
+Starts an embedded `redis-server` on a free loopback port (unless `--redis-url`,
+`--redis-sentinel`: then the children follow the master the sentinels report, or
+`--redis-cluster`: then they use that Redis Cluster), fetches the
 default model on first run (with progress), then runs `pagedserve engine` and
 `pagedserve gateway` as child processes in their own sessions. Ctrl-C (or SIGTERM) stops the
 gateway, then the engine, then Redis.
@@ -38,7 +39,7 @@ from typing import Any
 from common.log import get_logger
 from common.protocol import REASONING_PARSER_NAMES
 from common.redis_conn import redact_url
-from common.redis_spec import parse_sentinels
+from common.redis_spec import parse_cluster_nodes, parse_sentinels
 from pagedserve.launch.redis_server import RedisServer, RedisServerError
 
 log = get_logger("up")
@@ -76,7 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "starting a Redis")
     parser.add_argument("--redis-sentinel-master", default="mymaster", metavar="NAME",
                         help="the master's name in the sentinels' configuration (default %(default)s)")
-    parser.add_argument("--redis-password", help="password of the Sentinel-managed master (passed on by environment)")
+    parser.add_argument("--redis-cluster", metavar="HOST:PORT[,...]",
+                        help="use the Redis Cluster these nodes belong to (keys spread over its masters) instead of "
+                             "starting a Redis")
+    parser.add_argument("--redis-password", help="password of the Sentinel-managed master or the cluster's nodes "
+                                                 "(passed on by environment)")
     parser.add_argument("--redis-sentinel-password", help="password of the sentinels (passed on by environment)")
     parser.add_argument("--redis-tls", action="store_true", help="TLS to the sentinels and the master")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -336,8 +341,12 @@ def _banner(url: str, model: str, api_key: str | None) -> str:
 
 
 def _sentinel_env(args: argparse.Namespace) -> dict[str, str]:
-    """`--redis-sentinel*` options as the environment both children read (passwords never in argv)."""
-    env: dict[str, str] = {"PAGEDSERVE_REDIS_SENTINEL": ""}  # not inherited from this process' environment
+    """`--redis-sentinel*` and `--redis-cluster` options as the environment both children read
+    (passwords never in argv)."""
+    # not inherited from this process' environment
+    env: dict[str, str] = {"PAGEDSERVE_REDIS_SENTINEL": "", "PAGEDSERVE_REDIS_CLUSTER": ""}
+    if args.redis_cluster:
+        env["PAGEDSERVE_REDIS_CLUSTER"] = args.redis_cluster
     if args.redis_sentinel:
         env |= {"PAGEDSERVE_REDIS_SENTINEL": args.redis_sentinel,
                 "PAGEDSERVE_REDIS_SENTINEL_MASTER": args.redis_sentinel_master}
@@ -369,8 +378,12 @@ def run(args: argparse.Namespace) -> int:
                      reason="a GGUF served quantized: int8 rows hold 3.9x the tokens of its fp32 cache and decode "
                             "faster (docs/cpu-fast-path.md); --kv-cache-dtype float32 for the model dtype")
         secrets = _sentinel_env(args)
+        if args.redis_sentinel and args.redis_cluster:
+            raise ValueError("--redis-sentinel and --redis-cluster exclude each other")
         if args.redis_sentinel:
             parse_sentinels(args.redis_sentinel)  # a bad list fails here, once, not in both children
+        elif args.redis_cluster:
+            parse_cluster_nodes(args.redis_cluster)
         elif args.redis_url:
             secrets["PAGEDSERVE_REDIS_URL"] = args.redis_url
         else:

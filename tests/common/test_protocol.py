@@ -31,17 +31,23 @@ from common.sampling_params import SamplingParams
 
 def test_keys_follow_prefix() -> None:
     keys = Keys("tst")
-    assert keys.requests("smol") == "tst:requests:smol"  # one stream per served model name
-    assert keys.dead("smol") == "tst:dead:smol"
+    assert keys.requests("smol") == "tst:{m:smol}:requests"  # one stream per served model name
+    assert keys.dead("smol") == "tst:{m:smol}:dead"
+    assert keys.epoch("smol") == "tst:{m:smol}:epoch"
+    assert keys.alive("smol", "e0") == "tst:{m:smol}:alive:e0"
     assert keys.group == "engines"
-    assert keys.out("gw1") == "tst:out:gw1"
-    assert keys.gateway("gw1") == "tst:gateway:gw1"
-    assert keys.epoch == "tst:epoch"
+    assert keys.out("gw1") == "tst:{g:gw1}:out"
+    assert keys.gateway("gw1") == "tst:{g:gw1}:gateway"
+    assert keys.progress("gw1", "r1") == "tst:{g:gw1}:progress:r1"
     assert keys.abort == "tst:abort"
-    assert keys.engine("e0") == "tst:engine:e0"
-    assert keys.engine_pattern == "tst:engine:*"
-    assert keys.progress("r1") == "tst:progress:r1"
-    assert Keys().requests("m") == "ps:requests:m"
+    assert keys.engine("e0") == "tst:{e:e0}:engine"
+    assert keys.engine_pattern == "tst:{e:*}:engine"
+    assert Keys().requests("m") == "ps:{m:m}:requests"
+
+
+def test_a_prefix_with_braces_is_refused() -> None:
+    with pytest.raises(ValueError, match="braces"):
+        Keys("a{b}")
 
 
 def test_version_2_fields_round_trip_and_version_1_is_refused() -> None:

@@ -63,7 +63,7 @@ async def test_an_outbox_sent_twice_shows_nothing_twice(redis_server: str) -> No
         for box in (first, again, later):
             await flush(client, KEYS, KEYS.requests("m"), box, 60, [])
         entries = await client.xrange(KEYS.out("gw"))
-        progress = await client.lrange(KEYS.progress("r1"), 0, -1)
+        progress = await client.lrange(KEYS.progress("gw", "r1"), 0, -1)
     finally:
         await client.aclose()
     collector = RequestCollector("r1", 1)

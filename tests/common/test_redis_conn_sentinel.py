@@ -231,5 +231,8 @@ def test_up_passes_sentinel_options_by_environment() -> None:
     env = _sentinel_env(parser.parse_args(["--redis-sentinel", "a:1,b:2", "--redis-sentinel-master", "m",
                                            "--redis-password", "pw"]))
     assert env == {"PAGEDSERVE_REDIS_SENTINEL": "a:1,b:2", "PAGEDSERVE_REDIS_SENTINEL_MASTER": "m",
-                   "PAGEDSERVE_REDIS_PASSWORD": "pw"}
-    assert _sentinel_env(parser.parse_args([])) == {"PAGEDSERVE_REDIS_SENTINEL": ""}  # not inherited
+                   "PAGEDSERVE_REDIS_PASSWORD": "pw", "PAGEDSERVE_REDIS_CLUSTER": ""}
+    # not inherited
+    assert _sentinel_env(parser.parse_args([])) == {"PAGEDSERVE_REDIS_SENTINEL": "", "PAGEDSERVE_REDIS_CLUSTER": ""}
+    env = _sentinel_env(parser.parse_args(["--redis-cluster", "a:1,b:2"]))
+    assert env == {"PAGEDSERVE_REDIS_SENTINEL": "", "PAGEDSERVE_REDIS_CLUSTER": "a:1,b:2"}

@@ -161,7 +161,7 @@ class Cluster:
             routed = [m.decode() for m in client.smembers(KEYS.routed_streams(MODEL))]
             figures = {"xlen_requests": int(client.xlen(KEYS.requests(MODEL))),
                        "xlen_routed": sum(int(client.xlen(stream)) for stream in routed),
-                       "progress_keys": len(list(client.scan_iter(match=f"{KEYS.prefix}:progress:*"))),
+                       "progress_keys": len(list(client.scan_iter(match=KEYS.progress_pattern))),
                        "xlen_out_max": max((int(client.xlen(KEYS.out(g.gateway_id))) for g in self.gateways),
                                            default=0)}
         assert figures["xlen_requests"] == 0 and figures["xlen_routed"] == 0 and figures["progress_keys"] == 0, figures

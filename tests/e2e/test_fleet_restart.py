@@ -61,7 +61,8 @@ def fleet(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[tuple[SentinelGroup,
 
 def _engine_ids(master: int) -> list[str]:
     with redis.Redis(port=master) as client:
-        return sorted(k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=KEYS.engine("*")))
+        found = client.scan_iter(match=KEYS.engine_pattern)  # ps:{e:<id>}:engine
+        return sorted(k.decode().split("{e:", 1)[1].rsplit("}:", 1)[0] for k in found)
 
 
 async def _restart(up: Up, load: Load, ups: list[Up]) -> dict[str, int]:
@@ -127,4 +128,4 @@ async def test_every_engine_gateway_and_the_master_restarted_in_turn_under_load(
     with redis.Redis(port=master) as client:  # nothing left queued, pending or checkpointed
         routed = [m.decode() for m in client.smembers(KEYS.routed_streams(MODEL))]
         assert [client.xlen(s) for s in [KEYS.requests(MODEL), *routed]] == [0] * (1 + len(routed))
-        assert not list(client.scan_iter(match=f"{KEYS.prefix}:progress:*"))
+        assert not list(client.scan_iter(match=KEYS.progress_pattern))

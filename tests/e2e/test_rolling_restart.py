@@ -64,7 +64,8 @@ async def _restart_under_load(up: Up, load: Load, restarts: int) -> dict[str, in
 
 def _engine_ids(redis_url: str) -> list[str]:
     with redis.Redis.from_url(redis_url) as client:
-        return sorted(k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=KEYS.engine("*")))
+        found = client.scan_iter(match=KEYS.engine_pattern)  # ps:{e:<id>}:engine
+        return sorted(k.decode().split("{e:", 1)[1].rsplit("}:", 1)[0] for k in found)
 
 
 async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) -> None:
@@ -95,7 +96,7 @@ async def test_rolling_restart_of_up_under_steady_load(stack: tuple[Up, str]) ->
     assert _engine_ids(redis_url) == ["up-engine-0"]  # the old engine left; the second restart came back
     with redis.Redis.from_url(redis_url) as client:  # nothing left queued, pending or checkpointed
         assert client.xlen(KEYS.requests(MODEL)) == 0
-        assert not list(client.scan_iter(match=f"{KEYS.prefix}:progress:*"))
+        assert not list(client.scan_iter(match=KEYS.progress_pattern))
 
 
 def _port_pair() -> tuple[int, socket.socket]:

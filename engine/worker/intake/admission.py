@@ -69,21 +69,21 @@ class Admission:
                 continue
             await self._sync_epoch(request.epoch)
             if self.aborts.recently_aborted(request.id):
-                self.table.pending.end(request.id, entry.entry_id, entry.stream)
+                self.table.pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
                 continue
             await self._start(request, entry, claimed)
 
     async def _start(self, request: EngineRequest, entry: StreamEntry, claimed: bool) -> None:
-        progress = await self._progress(request.id) if claimed or request.handoffs else Progress()
+        progress = await self._progress(request) if claimed or request.handoffs else Progress()
         resumed = resume(request, entry.entry_id, progress, entry.stream, self.stream.consumer)
         pending = self.table.pending
         if resumed is None:  # its client already got everything
-            pending.end(request.id, entry.entry_id, entry.stream)
+            pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
             return
         tracked, job = resumed
         if request.deadline is not None and time.time() > request.deadline:
             pending.add(request.gateway, error_output(tracked, "request deadline passed", "timeout", "timeout"))
-            pending.end(request.id, entry.entry_id, entry.stream)
+            pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
             return
         if tracked.resumed:
             log.info("resuming request", request_id=request.id, tokens=len(job.generated), seq=tracked.seq)
@@ -117,18 +117,19 @@ class Admission:
         await self.client.xadd(self.keys.dead(self.model), {REQUEST_FIELD: entry.payload or b"", "claims": claims,
                                                             "reason": f"taken over {claims} times"},
                                maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-        progress = await self._progress(request.id)
+        progress = await self._progress(request)
         tracked = Tracked(request, entry.entry_id, seq=progress.last_seq + 1, stream=entry.stream,
                           engine=self.stream.consumer)
         message = (f"request abandoned after {claims} engine takeovers (each engine that ran it stopped); "
                    f"it was moved to {self.keys.dead(self.model)}")
         pending = self.table.pending
         pending.add(request.gateway, error_output(tracked, message, "server_error", "request_dead_lettered"))
-        pending.end(request.id, entry.entry_id, entry.stream)
+        pending.end(request.id, entry.entry_id, entry.stream, request.gateway)
 
-    async def _progress(self, request_id: str) -> Progress:
+    async def _progress(self, request: EngineRequest) -> Progress:
+        request_id = request.id
         try:
-            entries = await self.client.lrange(self.keys.progress(request_id), 0, -1)
+            entries = await self.client.lrange(self.keys.progress(request.gateway, request_id), 0, -1)
             return merge_progress([e if isinstance(e, bytes) else e.encode() for e in entries])
         except ProtocolError as exc:
             log.warning("unreadable progress, restarting request", request_id=request_id, error=str(exc))

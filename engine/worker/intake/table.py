@@ -62,14 +62,14 @@ class RequestTable:
         """End a tracked request with an error for its client (the engine drops it next step)."""
         for tracked in self.drop([request_id]):
             self._pending.add(tracked.gateway, error_output(tracked, message, type_, code))
-            self._pending.end(request_id, tracked.entry_id, tracked.stream)
+            self._pending.end(request_id, tracked.entry_id, tracked.stream, tracked.gateway)
 
     def end(self, request_ids: list[str]) -> list[str]:
         """Stop serving these requests without a message (their client is gone): acknowledge
         their entries; returns those that were tracked."""
         dropped = self.drop(request_ids)
         for tracked in dropped:
-            self._pending.end(tracked.request_id, tracked.entry_id, tracked.stream)
+            self._pending.end(tracked.request_id, tracked.entry_id, tracked.stream, tracked.gateway)
         return [t.request_id for t in dropped]
 
     def lose(self, request_ids: set[str]) -> None:
@@ -80,8 +80,8 @@ class RequestTable:
     def forget_all(self) -> set[str]:
         """Redis lost its data: drop every request, and the checkpoints written since the loss."""
         lost = set(self._tracked)
-        self.drop(sorted(lost))
-        self._pending = Outbox(forget_progress=sorted(lost))
+        dropped = self.drop(sorted(lost))
+        self._pending = Outbox(forget_progress=sorted(lost), gateway_of={t.request_id: t.gateway for t in dropped})
         return lost
 
     def hand_back(self, outbox: Outbox) -> int:
@@ -104,7 +104,7 @@ class RequestTable:
         for request_id in result.aborted:
             aborted = self._tracked.pop(request_id, None)
             if aborted is not None:
-                outbox.end(request_id, aborted.entry_id, aborted.stream)
+                outbox.end(request_id, aborted.entry_id, aborted.stream, aborted.gateway)
         finished = []
         for out in result.outputs:
             live = self._tracked.get(out.request_id)
@@ -122,7 +122,7 @@ class RequestTable:
         tracked = self._tracked.pop(request_id, None)
         if tracked is not None:
             outbox.add(tracked.gateway, error_output(tracked, message, type_, code))
-            outbox.end(request_id, tracked.entry_id, tracked.stream)
+            outbox.end(request_id, tracked.entry_id, tracked.stream, tracked.gateway)
 
     def take_jobs(self) -> tuple[list[AddJob], list[str]]:
         """Jobs and aborts for the next engine step; aborted jobs never reach the engine."""
@@ -132,7 +132,7 @@ class RequestTable:
         for job in self.jobs:
             if job.request_id in aborts:
                 tracked = self._tracked.pop(job.request_id)
-                self._pending.end(job.request_id, tracked.entry_id, tracked.stream)
+                self._pending.end(job.request_id, tracked.entry_id, tracked.stream, tracked.gateway)
         queued = {job.request_id for job in self.jobs}
         self.jobs = []
         return jobs, [rid for rid in aborts if rid in self.tracked] + [rid for rid in forced if rid not in queued]

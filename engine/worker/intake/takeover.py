@@ -9,6 +9,7 @@ from redis.exceptions import ResponseError
 
 from common.log import get_logger
 from common.protocol import Keys
+from common.redis_slots import slot_pipeline
 from engine.worker.intake.admission import Admission
 from engine.worker.intake.sources import Sources
 from engine.worker.request_stream import RequestStream
@@ -70,7 +71,7 @@ class Takeover:
         before it expired may still add to it for a moment, and that entry must not land on a
         stream nobody scans."""
         owner = stream.key.removeprefix(self.keys.routed(self.model, ""))
-        if await self.client.exists(self.keys.engine(owner)) or await self.client.xlen(stream.key):
+        if await self.client.exists(self.keys.alive(self.model, owner)) or await self.client.xlen(stream.key):
             return
         try:
             info = await self.client.xinfo_stream(stream.key)
@@ -81,7 +82,7 @@ class Takeover:
         seconds, micros = await self.client.time()
         if int(seconds) * 1000 + int(micros) // 1000 - last_ms < ROUTED_QUIET_MS:
             return
-        async with self.client.pipeline(transaction=True) as pipe:
+        async with slot_pipeline(self.client, stream.key) as pipe:
             pipe.srem(self.keys.routed_streams(self.model), stream.key)
             pipe.delete(stream.key)
             await pipe.execute()

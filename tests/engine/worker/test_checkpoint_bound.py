@@ -23,7 +23,7 @@ LIMIT = 8
 @pytest.fixture
 async def client(redis_server: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(redis_server)
-    await client.delete(*(KEYS.progress(r) for r in ("long", "resumed", "again", "ends")), KEYS.out("gw"))
+    await client.delete(*(KEYS.progress("gw", r) for r in ("long", "resumed", "again", "ends")), KEYS.out("gw"))
     yield client
     await client.aclose()
 
@@ -55,7 +55,7 @@ async def send(client: aioredis.Redis, message: OutputMessage, log: CheckpointLo
 
 
 async def entries(client: aioredis.Redis, request_id: str) -> list[bytes]:
-    return list(await client.lrange(KEYS.progress(request_id), 0, -1))
+    return list(await client.lrange(KEYS.progress("gw", request_id), 0, -1))
 
 
 async def test_a_long_generation_stays_bounded_and_resumes_exactly(client: aioredis.Redis) -> None:
@@ -112,4 +112,4 @@ async def test_an_ended_request_leaves_nothing_behind(client: aioredis.Redis) ->
     box.add("gw", gen.step(finish=True))
     box.end("ends", "0-1")
     await flush(client, KEYS, STREAM, box, 60, [], log=log)
-    assert len(log) == 0 and not await client.exists(KEYS.progress("ends"))
+    assert len(log) == 0 and not await client.exists(KEYS.progress("gw", "ends"))

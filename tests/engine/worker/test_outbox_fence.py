@@ -23,7 +23,7 @@ BEAT = KEYS.engine("eng-x")
 @pytest.fixture
 async def client(redis_server: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(redis_server)
-    await client.delete(BEAT, KEYS.progress("r1"), KEYS.out("gw"))
+    await client.delete(BEAT, KEYS.progress("gw", "r1"), KEYS.out("gw"))
     yield client
     await client.aclose()
 
@@ -41,7 +41,7 @@ async def _flush(client: aioredis.Redis, fence: Fence) -> None:
 async def test_writes_while_the_heartbeat_key_holds(client: aioredis.Redis) -> None:
     await client.set(BEAT, "1", px=10_000)
     await _flush(client, Fence(BEAT, lambda: True))
-    assert await client.exists(KEYS.progress("r1")) and await client.xlen(KEYS.out("gw")) == 1
+    assert await client.exists(KEYS.progress("gw", "r1")) and await client.xlen(KEYS.out("gw")) == 1
 
 
 async def test_a_missing_key_or_a_possible_lapse_writes_nothing(client: aioredis.Redis) -> None:
@@ -50,7 +50,7 @@ async def test_a_missing_key_or_a_possible_lapse_writes_nothing(client: aioredis
     await client.set(BEAT, "1", px=10_000)
     with pytest.raises(FenceLost):
         await _flush(client, Fence(BEAT, lambda: False))  # our clock says it may have lapsed
-    assert not await client.exists(KEYS.progress("r1")) and not await client.exists(KEYS.out("gw"))
+    assert not await client.exists(KEYS.progress("gw", "r1")) and not await client.exists(KEYS.out("gw"))
 
 
 @pytest.mark.parametrize("change", ["rewritten", "expired"])
@@ -74,4 +74,4 @@ async def test_a_key_that_changes_before_exec_aborts_the_flush(client: aioredis.
             await _flush(client, Fence(BEAT, fresh_then_change))
     finally:
         other.close()
-    assert not await client.exists(KEYS.progress("r1")) and not await client.exists(KEYS.out("gw"))
+    assert not await client.exists(KEYS.progress("gw", "r1")) and not await client.exists(KEYS.out("gw"))

@@ -37,7 +37,7 @@ async def test_untracked_pending_entries_are_resumed_or_acknowledged(client: aio
     await stream.read_new(2, None)  # delivered, but the replies are "lost": the engine never saw them
     done = OutputMessage(id="finished", seq=0, outputs=[SeqOutput(index=0, token_ids=[7, 7], offset=0,
                                                                   finish_reason="length")])
-    await client.rpush(KEYS.progress("finished"), done.checkpoint().encode())  # its client got it all
+    await client.rpush(KEYS.progress("gw", "finished"), done.checkpoint().encode())  # its client got it all
     ids["deleted"] = (await client.xadd(STREAM, {REQUEST_FIELD: _request("deleted").encode()})).decode()
     await stream.read_new(1, None)
     await client.xdel(STREAM, ids["deleted"])  # pending, but the entry itself is gone

@@ -41,10 +41,10 @@ async def test_takeover_only_from_a_consumer_whose_heartbeat_is_gone(client: aio
     await a.ensure_group()
     entry = await _add(client, b"work")
     await a.read_new(1, None)
-    await client.set(KEYS.engine("a"), "alive")
+    await client.set(KEYS.alive(MODEL, "a"), "alive")
     assert await b.dead_consumers() == []
     assert await b.claim_from("a", min_idle_ms=0) == []  # alive: nothing moves
-    await client.delete(KEYS.engine("a"))
+    await client.delete(KEYS.alive(MODEL, "a"))
     assert await b.dead_consumers() == ["a"]
     claimed = await b.claim_from("a", min_idle_ms=0)
     assert [(e.entry_id, e.payload, e.deliveries) for e in claimed] == [(entry, b"work", 2)]

@@ -76,7 +76,7 @@ async def test_takeover_scan_drops_a_gone_engines_empty_routed_stream(client: ai
     recent = routed(client, "recent")  # gone and empty, but a gateway added (and forgot) an entry just now
     await recent.ensure_group()
     await client.xdel(recent.key, _text(await client.xadd(recent.key, {REQUEST_FIELD: b"forgotten"})))
-    await client.set(KEYS.engine("live"), "alive")
+    await client.set(KEYS.alive(MODEL, "live"), "alive")
     intake = Intake(client, KEYS, shared, MODEL)
     assert await intake.claim(min_idle_ms=0) == 0
     members = {_text(m) for m in await client.smembers(ROUTED_SET)}

@@ -51,7 +51,7 @@ async def test_discovery_without_scan(redis_server: str, tiny_tokenizer_dir: Pat
         live, stopped, killed = engine("e-live", 30), engine("e-stopped", 30), engine("e-killed", 1)
         for beat in (live, stopped, killed):
             await beat.beat({}, [], {})
-        assert await client.dbsize() == UNRELATED_KEYS + 4  # 3 hashes + the set
+        assert await client.dbsize() == UNRELATED_KEYS + 7  # 3 hashes, 3 liveness keys, the set
         async with open_gateway(redis_server, tiny_tokenizer_dir, engine_stale_s=4.0) as gw:
             scans, zranges = await _calls(client, "scan"), await _calls(client, "zrange")
             assert await _health_engines(gw) == 3

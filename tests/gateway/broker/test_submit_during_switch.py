@@ -84,11 +84,11 @@ async def test_a_replica_by_url_is_refused_at_once(sentinel_group: SentinelGroup
     replica = next(port for port, proc in sentinel_group.nodes.items() if port != master and proc is not None)
     on_master = _broker(RedisSpec(sentinels=sentinel_group.sentinel_addresses, master=MASTER_NAME))
     try:
-        await on_master.sync_epoch()  # the dataset's epoch key, replicated: the replica's reads find it
+        await on_master.sync_epoch(MODEL)  # the model's epoch key, replicated: the replica's reads find it
     finally:
         await on_master.client.aclose()
     with redis.Redis(port=replica) as client:
-        await _until(lambda: client.get(KEYS.epoch) is not None, "the epoch key on the replica")
+        await _until(lambda: client.get(KEYS.epoch(MODEL)) is not None, "the epoch key on the replica")
     broker = _broker(RedisSpec(url=f"redis://127.0.0.1:{replica}/0"))
     sent = 0
     submit_once = broker._submit_once
