@@ -118,7 +118,7 @@ def main() -> None:
             base = {"rung": name, "format": fmt, "params": rung.params}
             if "decode" in parts:
                 before = read_bandwidth(args.threads)
-                lines = decode(args, files[fmt], files["hf"])
+                lines = decode(args, files[fmt], files["tokenizer"])
                 after = read_bandwidth(args.threads)
                 bandwidth, weights = max(before, after), weight_bytes_per_token(files[fmt])
                 limit = bandwidth / weights

@@ -90,8 +90,6 @@ def write_hf(rung: Rung, folder: Path, seed: int) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
-    from engine.model.fetch import default_model_dir
-
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     config = AutoConfig.for_model(rung.hf_arch, **rung.config, torch_dtype="float16")
@@ -112,11 +110,19 @@ def write_hf(rung: Rung, folder: Path, seed: int) -> None:
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, file)
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    copy_tokenizer(tmp)
+    tmp.rename(folder)
+
+
+def copy_tokenizer(folder: Path) -> None:
+    """SmolLM2's tokenizer files into `folder` (the tokenizer every rung's files are written with)."""
+    from engine.model.fetch import default_model_dir
+
+    folder.mkdir(parents=True, exist_ok=True)
     source = default_model_dir()
     for file in TOKENIZER_FILES:
         if (source / file).is_file():
-            (tmp / file).write_bytes((source / file).read_bytes())
-    tmp.rename(folder)
+            (folder / file).write_bytes((source / file).read_bytes())
 
 
 def _tokenizer_fields(writer: object, vocab: int) -> None:
@@ -197,16 +203,19 @@ def quantize(peer_python: str, source: Path, target: str, dest: Path, threads: i
 
 def make_rung(rung: Rung, peer_python: str | None, formats: list[str], seed: int, threads: int,
               root: Path | None = None, hf: bool = True) -> dict[str, str]:
-    """Every file of `rung` (those already there are kept); their paths by kind (hf, F16, formats).
-    `hf` False: no HF folder (only vLLM reads it; at 8B it is 16 GB of disk)."""
+    """Every file of `rung` (those already there are kept); their paths by kind (hf, tokenizer, F16,
+    formats). `hf` False: no HF folder (only vLLM reads it; at 8B it is 16 GB), the tokenizer files alone."""
     folder = (root or ladder_root()) / rung.name
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"hf": folder / "hf", "F16": folder / f"{rung.name}.F16.gguf"}
     steps: list[tuple[str, Callable[[], None]]] = [("F16", lambda: write_f16_gguf(rung, paths["F16"], seed))]
     if hf:
         steps.insert(0, ("hf", lambda: write_hf(rung, paths["hf"], seed)))
+        paths["tokenizer"] = paths["hf"]
     else:
         del paths["hf"]
+        paths["tokenizer"] = folder / "tokenizer"
+        steps.insert(0, ("tokenizer", lambda: copy_tokenizer(paths["tokenizer"])))
     for fmt in formats:
         paths[fmt] = folder / f"{rung.name}.{fmt}.gguf"
         if peer_python is None:

@@ -40,3 +40,14 @@ def test_real_rungs_have_their_published_sizes() -> None:
     published = {"qwen2.5-0.5b": 0.494e9, "smollm2-1.7b": 1.71e9, "llama3.2-3b": 3.21e9, "llama3.1-8b": 8.03e9}
     for name, count in published.items():
         assert abs(RUNGS[name].params / count - 1) < 0.03, (name, RUNGS[name].params)
+
+
+def test_rung_without_hf_folder_keeps_the_tokenizer(tmp_path: Path) -> None:
+    """`hf=False` (the 8B rung, which vLLM does not run here): no weights folder, the tokenizer files
+    alone, and the same F16 GGUF as with the folder."""
+    rung = TINY["llama"]
+    paths = make_rung(rung, None, [], seed=3, threads=1, root=tmp_path / "bare", hf=False)
+    full = make_rung(rung, None, [], seed=3, threads=1, root=tmp_path / "full")
+    assert "hf" not in paths and not (tmp_path / "bare" / rung.name / "hf").exists()
+    assert (Path(paths["tokenizer"]) / "tokenizer.json").is_file()
+    assert Path(paths["F16"]).read_bytes() == Path(full["F16"]).read_bytes()
