@@ -22,6 +22,7 @@ import torch
 from engine.model.moe import SparseMoE, group_by_expert
 from engine.model.moe_spec import MoESpec
 from ops.linear import fixed_linear
+from ops.policy import FIXED_ORDER
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -69,7 +70,7 @@ def main() -> None:
             def gemms() -> None:
                 for e, xe in rows:  # noqa: B023
                     h = fixed_linear(xe, w13[e], 2 * spec.intermediate_size)  # noqa: B023
-                    fixed_linear(moe.experts._activate(h), w2[e], args.hidden)  # noqa: B023
+                    fixed_linear(moe.experts._activate(h, FIXED_ORDER), w2[e], args.hidden)  # noqa: B023
 
             gemm = _median_ms(gemms, args.repeats)
         weight_mb = len(rows) * 3 * spec.intermediate_size * args.hidden * 4 / 1e6

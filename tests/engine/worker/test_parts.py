@@ -63,7 +63,7 @@ def _request(request_id: str, epoch: str) -> EngineRequest:
 async def test_a_request_of_a_new_epoch_drops_every_request_and_tells_the_hook(client: aioredis.Redis) -> None:
     stream = RequestStream(client, KEYS, MODEL, "eng-a")
     await stream.ensure_group()
-    epoch = Epoch(KEYS.epoch)
+    epoch = Epoch(KEYS.epoch(MODEL))
     await epoch.check(client)
     assert epoch.token is not None
     recovery = RecoveryState()
@@ -80,7 +80,7 @@ async def test_a_request_of_a_new_epoch_drops_every_request_and_tells_the_hook(c
     unsent = Outbox()
     unsent.add("gw", OutputMessage(id="old", seq=0, outputs=[]))
     recovery.note_unsent(unsent)
-    await client.set(KEYS.epoch, "after-a-restart")  # Redis came back without its data
+    await client.set(KEYS.epoch(MODEL), "after-a-restart")  # Redis came back without its data
     await client.xadd(KEYS.requests(MODEL), {REQUEST_FIELD: _request("new", "after-a-restart").encode()})
     assert await intake.pull(10, None) == 1
     assert heard == [{"old"}]
