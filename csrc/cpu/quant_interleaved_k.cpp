@@ -305,7 +305,7 @@ void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64
 #endif
 
 #if defined(__AVX2__)
-// The integer sums of one activation row against one Q6_Kr8 tile: sums[2 s + half] for sub-block s's
+// The integer sums of one activation row against one Q6_Kr8 tile: sums[2 * s + half] for sub-block s's
 // 16-weight half `half`. Each ql and qh chunk is loaded once and yields the four sub-blocks it holds (the
 // general pass below reloads them per sub-block, which a one-row GEMV cannot hide behind other rows).
 // Integer sums are exact in any order, so the fp32 steps that follow give the general pass's bits.
