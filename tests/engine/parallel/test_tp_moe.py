@@ -77,11 +77,11 @@ def _teacher_forced(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def _recording(route: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-               routes: list[torch.Tensor]) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def _recording(route: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+               routes: list[torch.Tensor]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """`route` that also appends each call's chosen experts to `routes`."""
-    def recorded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        weights, experts = route(x)
+    def recorded(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, experts = route(x, *args)
         routes.append(experts.clone())
         return weights, experts
     return recorded
