@@ -29,10 +29,9 @@ from redis.cluster import ClusterNode, RedisCluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 from benchmarks.serving.burst_bench import _healthy, _start
-from benchmarks.serving.redis_cost import _start_module
+from benchmarks.serving.redis_cost import _start_module, streamed_tokens
 from common.ports import free_port
 from common.protocol import Keys
-from gateway.clients.sse_reader import SSE_DONE, sse_payloads
 from tests.fixtures.redis_cluster import RedisClusterGroup
 
 
@@ -48,36 +47,14 @@ def master_counters(group: RedisClusterGroup) -> dict[int, tuple[int, float]]:
     return out
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, i: int, max_tokens: int) -> int:
-    """Generated tokens of one streamed completion (-1: it failed)."""
-    body = {"model": model, "prompt": f"spread request {i}", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    tokens, done = 0, False
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                await resp.read()
-                return -1
-            async for event in sse_payloads(resp.content):
-                if event == SSE_DONE:
-                    done = True
-                elif "error" in event:
-                    return -1
-                elif event.get("usage"):
-                    tokens = int(event["usage"]["completion_tokens"])
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return -1
-    return tokens if done else -1
-
-
 async def burst(urls: list[str], models: list[str], requests: int, concurrency: int, max_tokens: int) -> list[int]:
     limit = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(i: int) -> int:
             async with limit:
-                return await _one(session, urls[i % len(urls)], models[(i // len(urls)) % len(models)], i,
-                                  max_tokens)
+                return await streamed_tokens(session, urls[i % len(urls)], models[(i // len(urls)) % len(models)],
+                                             f"spread request {i}", max_tokens)
 
         return list(await asyncio.gather(*(one(i) for i in range(requests))))
 

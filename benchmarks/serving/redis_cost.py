@@ -162,9 +162,9 @@ def _round(values: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 4) for k, v in values.items()}
 
 
-async def _one(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> int:
+async def streamed_tokens(session: aiohttp.ClientSession, url: str, model: str, prompt: str, max_tokens: int) -> int:
     """Generated tokens of one streamed completion (-1: it failed)."""
-    body = {"model": MODEL, "prompt": f"Redis cost request {i}", "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     tokens, done = 0, False
     try:
@@ -192,7 +192,8 @@ async def burst(urls: list[str], requests: int, concurrency: int, max_tokens: in
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         async def one(i: int) -> int:
             async with limit:
-                tokens = await _one(session, urls[i % len(urls)], i, max_tokens)
+                tokens = await streamed_tokens(session, urls[i % len(urls)], MODEL, f"Redis cost request {i}",
+                                               max_tokens)
             bar.update(1)
             return tokens
 
