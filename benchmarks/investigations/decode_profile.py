@@ -6,6 +6,7 @@ Prints one JSON line per batch size: step time and the top operators' share of C
 
     python benchmarks/investigations/decode_profile.py --batches 1,32,64
     python benchmarks/investigations/decode_profile.py --gguf --by-shape --batches 32,1 --threads 2
+    python benchmarks/investigations/decode_profile.py --model FILE.gguf --modules --by-shape --batches 32
 
 ``--gguf`` profiles the default Q4_1 GGUF (quantized kernels) instead of the fp32 directory;
 ``--by-shape`` keys operators by their input shapes too (one ``quant_linear`` per layer kind:
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--gguf", action="store_true", help="the default Q4_1 GGUF instead of the fp32 directory")
     parser.add_argument("--by-shape", action="store_true", help="operators keyed by input shapes too")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--modules", action="store_true",
+                        help="the decoder's modules instead of its one fused C++ call (whose linears the "
+                             "profiler cannot tell apart), so --by-shape splits a step by layer kind")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,6 +78,11 @@ def main() -> None:
 
         args.model = str(default_gguf_path() if args.gguf else default_model_dir(progress=False))
     engine = make_engine(args.model, 1 << 30)
+    if args.modules:
+        import dataclasses
+
+        model = engine.runner.model
+        model._policy = dataclasses.replace(model.policy, fused_decoder=False)
     for batch in (int(b) for b in args.batches.split(",")):
         print(json.dumps(profile_batch(engine, batch, args.steps, args.top, args.by_shape)), flush=True)
 

@@ -161,6 +161,74 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
 }
 #endif
 
+#if defined(__AVX2__) && !defined(PAGEDSERVE_R8K_ZMM)
+#define PAGEDSERVE_R8K_YMM_PAIR 1
+// Groups g and g + 1 in one sweep of 256-bit registers, one sub-block at a time: each activation
+// broadcast (a load and a shuffle, dearer than the multiply-add it feeds on AMD cores) serves both
+// groups' chunks, half as many per product as the one-group pass below. Integer sums are exact in
+// any order, and every row's fp32 operations are the one-group pass's, in its order (the same bits).
+template <int M>
+void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int64_t nsb, const uint8_t* w,
+                         const float* bias, float* out, int64_t ldo, int64_t g) {
+  const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+  const uint8_t* tiles[2] = {w + g * nsb * kTileBytes, w + (g + 1) * nsb * kTileBytes};
+  // The fp32 sums live in memory, touched once per sub-block: held in registers across the integer
+  // loop they would push its int16 sums onto the stack, a store-to-load chain on every chunk.
+  alignas(32) float acc[M][2][kRows] = {};
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* t[2] = {tiles[0] + b * kTileBytes, tiles[1] + b * kTileBytes};
+    prefetch_ahead(t[0], kTileBytes);
+    prefetch_ahead(t[1], kTileBytes);
+    for (int j = 0; j < kSubs; ++j) {
+      const int c = j / 2;
+      const __m128i count = _mm_cvtsi32_si128(4 * (j % 2));
+      __m256i sums[M][2];
+      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+      const int8_t* a = q + b * kSuperBlock + kBlock * j;
+#pragma GCC unroll 1
+      for (int i = 0; i < 8; ++i) {
+        const __m256i w0 = _mm256_and_si256(
+            _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[0] + kQuantsAt + 256 * c + 32 * i)),
+                             count),
+            nibble);
+        const __m256i w1 = _mm256_and_si256(
+            _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[1] + kQuantsAt + 256 * c + 32 * i)),
+                             count),
+            nibble);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const __m256i av = broadcast4(a + m * k_len + 4 * i);
+          sums[m][0] = accumulate(sums[m][0], w0, av);
+          sums[m][1] = accumulate(sums[m][1], w1, av);
+        }
+      }
+      for (int p = 0; p < 2; ++p) {
+        const __m256 dj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p]))),
+                                        bytes_ps(t[p] + kScalesAt + 8 * j));
+        const __m256 mj =
+            _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p] + kMinOffset))),
+                          bytes_ps(t[p] + kMinsAt + 8 * j));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m][p]));
+          __m256 sum = _mm256_load_ps(acc[m][p]);
+          sum = _mm256_fmadd_ps(dot, _mm256_mul_ps(dj, _mm256_set1_ps(ad[m * nb + b * kSubs + j])), sum);
+          sum = _mm256_fnmadd_ps(mj, _mm256_set1_ps(as[m * nb + b * kSubs + j]), sum);
+          _mm256_store_ps(acc[m][p], sum);
+        }
+      }
+      asm volatile("" ::: "memory");  // keeps acc in memory (see above)
+    }
+  }
+  for (int p = 0; p < 2; ++p) {
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + (g + p) * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_ps(out + m * ldo + (g + p) * kRows, _mm256_add_ps(_mm256_load_ps(acc[m][p]), vb));
+  }
+}
+#endif
+
 // Groups [g_begin, g_end) of out[M][N] from M activation rows (quants q [M][K], block scales ad and
 // scaled sums as [M][K / 32]).
 template <int M>
@@ -169,6 +237,9 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nsb,
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
 #if defined(PAGEDSERVE_R8K_ZMM)
   for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair<M>(q, ad, as, nsb, w, bias, out, ldo, g_begin);
+#elif defined(PAGEDSERVE_R8K_YMM_PAIR)
+  if constexpr (M > 1)  // one row: memory-bound, where the one-group pass's single load of each chunk pays
+    for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair_ymm<M>(q, ad, as, nsb, w, bias, out, ldo, g_begin);
 #endif
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* tiles = w + g * nsb * kTileBytes;
@@ -356,6 +427,71 @@ inline void q6_row_sums(const uint8_t* tile, const int8_t* a, __m256i* sums) {
 }
 #endif
 
+#if defined(PAGEDSERVE_R8K_YMM_PAIR)
+// Q6_Kr8 groups g and g + 1 in one sweep of 256-bit registers (as int8_group_pair_ymm for Q4_Kr8):
+// each activation broadcast serves both groups; the fp32 sums stay in memory. The same bits as the
+// one-group pass.
+template <int M>
+void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
+                            const float* bias, float* out, int64_t ldo, int64_t g) {
+  const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
+  const uint8_t* tiles[2] = {w + g * nsb * kQ6TileBytes, w + (g + 1) * nsb * kQ6TileBytes};
+  alignas(32) float acc[M][2][kRows] = {};
+  const __m256i nibble = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* t[2] = {tiles[0] + b * kQ6TileBytes, tiles[1] + b * kQ6TileBytes};
+    prefetch_ahead(t[0], kQ6TileBytes);
+    prefetch_ahead(t[1], kQ6TileBytes);
+    for (int s = 0; s < kSubs; ++s) {
+      const int h = s / 4, gs = s % 4;
+      const int64_t low = kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)), high = kQ6HighAt + 32 * (8 * h);
+      const __m128i low_shift = _mm_cvtsi32_si128(4 * (gs / 2)), high_shift = _mm_cvtsi32_si128(2 * gs);
+      for (int half = 0; half < 2; ++half) {
+        __m256i sums[M][2];
+        for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+        const int8_t* a = q + b * kSuperBlock + kBlock * s;
+#pragma GCC unroll 1
+        for (int i = 4 * half; i < 4 * half + 4; ++i) {
+          __m256i u[2];
+          for (int p = 0; p < 2; ++p) {
+            const __m256i lraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + low + 32 * i));
+            const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + high + 32 * i));
+            u[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi16(lraw, low_shift), nibble),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hraw, high_shift), two_bits), 4));
+          }
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            const __m256i av = broadcast4(a + m * k_len + 4 * i);
+            sums[m][0] = accumulate32(sums[m][0], u[0], av);
+            sums[m][1] = accumulate32(sums[m][1], u[1], av);
+          }
+        }
+        for (int p = 0; p < 2; ++p) {
+          const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p])));
+          const __m128i sc8 =
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t[p] + kQ6ScalesAt + 8 * (2 * s + half)));
+          const __m256 dj = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+#pragma GCC unroll 4
+          for (int m = 0; m < M; ++m) {
+            const int64_t at = m * nb + b * kSubs + s;
+            __m256 sum = _mm256_load_ps(acc[m][p]);
+            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][p]), _mm256_mul_ps(dj, _mm256_set1_ps(ad[at])), sum);
+            sum = _mm256_fnmadd_ps(dj, _mm256_set1_ps(32.f * ah[2 * at + half]), sum);
+            _mm256_store_ps(acc[m][p], sum);
+          }
+        }
+        asm volatile("" ::: "memory");  // keeps acc in memory (int8_group_pair_ymm)
+      }
+    }
+  }
+  for (int p = 0; p < 2; ++p) {
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + (g + p) * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_ps(out + m * ldo + (g + p) * kRows, _mm256_add_ps(_mm256_load_ps(acc[m][p]), vb));
+  }
+}
+#endif
+
 // Q6_Kr8 groups [g_begin, g_end) of out[M][N] (quants q [M][K], block scales ad [M][K / 32], half-block
 // scaled sums ah [M][K / 16]: ActPlanes::h).
 template <int M>
@@ -364,6 +500,10 @@ void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t n
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
 #if defined(PAGEDSERVE_R8K_ZMM)
   for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair_q6<M>(q, ad, ah, nsb, w, bias, out, ldo, g_begin);
+#elif defined(PAGEDSERVE_R8K_YMM_PAIR)
+  if constexpr (M > 1)  // one row: q6_row_sums below loads each chunk once, which a memory-bound pass needs
+    for (; g_begin + 1 < g_end; g_begin += 2)
+      int8_group_pair_q6_ymm<M>(q, ad, ah, nsb, w, bias, out, ldo, g_begin);
 #endif
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* tiles = w + g * nsb * kQ6TileBytes;
