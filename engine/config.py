@@ -132,9 +132,6 @@ class EngineConfig:
             raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (adapters are not "
-                             "split across ranks); serve LoRA adapters with tensor_parallel_size 1")
 
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed speculative-decoding settings, None when off."""

@@ -194,16 +194,17 @@ class LLMEngine:
 
     def _start_lora(self, config: EngineConfig) -> LoRAManager | None:
         """The adapters' slots in the model and the `lora_modules` served from start-up (None
-        without `enable_lora`); logs the memory the slots take."""
+        without `enable_lora`); logs the memory the slots take (one rank's, under tensor
+        parallelism: every rank holds its part of each slot)."""
         if not config.enable_lora:
             return None
         manager = LoRAManager(self.model, config.max_loras, config.max_cpu_loras or config.max_loras,
-                              config.max_lora_rank)
+                              config.max_lora_rank, self.parallel.place_lora if self.parallel is not None else None)
         for name, path in (config.lora_modules or {}).items():
             manager.register(name, path)
         log.info("lora slots", max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
                  bytes_per_adapter=manager.slot_bytes, total_bytes=manager.slot_bytes * config.max_loras,
-                 adapters=manager.names())
+                 tensor_parallel_size=config.tensor_parallel_size, adapters=manager.names())
         return manager
 
     def lora_names(self) -> list[str]:

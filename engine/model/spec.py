@@ -28,15 +28,18 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
     return int(config.num_hidden_layers), kv_heads, head_dim
 
 
-def lora_slot_elements(config: Any, max_lora_rank: int) -> int:
+def lora_slot_elements(config: Any, max_lora_rank: int, tensor_parallel_size: int = 1) -> int:
     """Elements of one LoRA adapter slot (`engine.model.lora.manager.LoRAManager`) over a model of
-    HF config `config`: per layer, A `[slices x rank, in]` and B `[out, rank]` of the qkv (three
-    slices), o, gate_up (two) and down projections, at rank max(2, `max_lora_rank`). The engine's
-    slots and `pagedserve plan` both use it (an MoE model's sparse layers hold no MLP slots: for
-    them it is an upper bound)."""
+    HF config `config`, on one rank of `tensor_parallel_size`: per layer, A `[slices x rank, in]`
+    and B `[out, rank]` of the qkv (three slices), o, gate_up (two) and down projections, at rank
+    max(2, `max_lora_rank`), each cut like its layer (`engine.model.lora.placement`: the split side
+    of q/k/v and gate/up's B and of o and down's A; KV heads kept whole where they are replicated).
+    The engine's slots and `pagedserve plan` both use it (an MoE model's sparse layers hold no MLP
+    slots: for them it is an upper bound)."""
     layers, kv_heads, head_dim = kv_geometry(config)
-    hidden, inter = int(config.hidden_size), int(config.intermediate_size)
-    q, kv = int(config.num_attention_heads) * head_dim, kv_heads * head_dim
+    n = tensor_parallel_size
+    hidden, inter = int(config.hidden_size), int(config.intermediate_size) // n
+    q, kv = int(config.num_attention_heads) // n * head_dim, max(1, kv_heads // n) * head_dim
     per_rank = (3 * hidden + q + 2 * kv) + (q + hidden) + (2 * hidden + 2 * inter) + (inter + hidden)
     return layers * max(2, max_lora_rank) * per_rank
 

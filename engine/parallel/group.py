@@ -22,6 +22,8 @@ import torch
 from common.log import get_logger
 from common.ports import free_port
 from engine.config import EngineConfig
+from engine.model.lora.mirror import encode as encode_lora
+from engine.model.lora.placement import Weights
 from engine.model.sharding import TPShard
 from engine.model.spec import ModelSpec
 from engine.model.step_inputs import StepInputs
@@ -88,8 +90,15 @@ class TensorParallelGroup:
 
     def publish(self, inputs: StepInputs) -> None:
         """Send one step's inputs to ranks 1..N-1 (the runner's `StepPublisher`)."""
+        self._send(pack(inputs))
+
+    def place_lora(self, slot: int, weights: Weights) -> None:
+        """Put an adapter's whole `weights` in `slot` on ranks 1..N-1 (none: empty it), each rank
+        keeping its own part (`LoRAManager`'s mirror; `engine.model.lora.mirror`)."""
+        self._send(control(Command.LORA, encode_lora(slot, weights)))
+
+    def _send(self, message: torch.Tensor) -> None:
         self._check()
-        message = pack(inputs)
         self._sending_since = time.monotonic()
         try:
             self.groups.send(message)

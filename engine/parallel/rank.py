@@ -1,5 +1,6 @@
 """A rank other than 0: load this rank's part of the model, allocate the KV cache of its heads
-with the group's block count, then run every step rank 0 sends until SHUTDOWN.
+with the group's block count, then run every step rank 0 sends until SHUTDOWN (and put the LoRA
+adapters it places in this rank's slots: `engine.model.lora.mirror`).
 
 Any failure ends the process (rank 0's watcher then fails the group); so does rank 0's death
 (a collective on its closed connections raises, and a parent watch catches the rest).
@@ -18,7 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model.spec import ModelSpec
 from engine.parallel.channel import Rendezvous, join
-from engine.parallel.step_message import Command, header, unpack
+from engine.parallel.step_message import Command, control_payload, header, unpack
 
 PARENT_POLL_S = 0.5
 
@@ -71,6 +72,7 @@ def _serve(args: RankArgs) -> None:
     from engine.model.capacity import engine_policy, num_device_blocks, num_host_blocks, profile_peak, resolve_compute
     from engine.model.kv_cache import allocate_kv_caches, kv_bytes_per_block
     from engine.model.loader import load_model, resolve_dtype
+    from engine.model.lora.mirror import RankLoRA
     from engine.model.runner import ModelRunner
     from engine.model.sharding import TPShard
     from ops.build import prepare as prepare_kernels
@@ -90,11 +92,13 @@ def _serve(args: RankArgs) -> None:
         from engine.model.quant_linear import all_linears_quantized
         from ops.parallel import openmp_rows_for, set_openmp_rows
         set_openmp_rows(openmp_rows_for(all_linears_quantized(model), policy.ops.fixed_order))
+    # the adapter slots before the profile, as on rank 0 (it counts them and their products)
+    lora = RankLoRA(model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
     kv_dtype = getattr(torch, args.kv_dtype)
     kv_spec = shard.kv_spec(model.spec)
     block_bytes = kv_bytes_per_block(kv_spec, config.block_size, kv_dtype)
     peak = (profile_peak(model, args.profile_tokens, config.max_num_seqs, kv_spec, config.block_size, kv_dtype,
-                         device) if device.type == "cuda" else 0)
+                         device, lora is not None) if device.type == "cuda" else 0)
     num_blocks = groups.all_reduce_min(num_device_blocks(config, block_bytes, device, peak))
     num_cpu = groups.all_reduce_min(num_host_blocks(config, block_bytes))
     kv = allocate_kv_caches(kv_spec, num_blocks, config.block_size, kv_dtype, device)
@@ -103,7 +107,13 @@ def _serve(args: RankArgs) -> None:
     with torch.inference_mode():
         while True:
             message = groups.receive()
-            if header(message)["command"] == Command.SHUTDOWN:
+            command = header(message)["command"]
+            if command == Command.SHUTDOWN:
                 break
+            if command == Command.LORA:
+                if lora is None:
+                    raise RuntimeError("rank 0 placed a LoRA adapter, but this rank has no adapter slots")
+                lora.apply(control_payload(message))
+                continue
             runner.run_inputs(unpack(message))
     groups.close()

@@ -3,7 +3,9 @@
 Layout: a fixed header (`Header`), then the payload in this order: input ids, positions, slots
 [T each], prefill query starts [P + 1], prefill context lengths [P], prefill rows at prompt
 positions [P] (-1 each: all of them), block tables [rows x width]
-(prefill rows first), decode context lengths [D], swap-out, swap-in and copy pairs [2 each].
+(prefill rows first), decode context lengths [D], swap-out, swap-in and copy pairs [2 each], and
+each row's LoRA adapter slot [T] where the step has adapters (`lora` in the header: T, else 0).
+A LORA message carries an adapter placement instead (`engine.model.lora.mirror`).
 The message is sent as a fixed-size first part (`FIRST_PART` int64) and, only when it is longer,
 the rest in a second broadcast (`engine.parallel.channel`), so a step costs one broadcast unless
 its block tables are large.
@@ -26,10 +28,11 @@ class Command(IntEnum):
 
     STEP = 1  # move blocks, run the model over the inputs
     SHUTDOWN = 2
+    LORA = 3  # put an adapter's weights in a slot, or empty it (payload: `engine.model.lora.mirror`)
 
 
 HEADER = ("command", "length", "num_tokens", "num_prefills", "num_prefill_tokens", "num_decodes", "width",
-          "num_swap_out", "num_swap_in", "num_copy")
+          "num_swap_out", "num_swap_in", "num_copy", "lora")
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> Tensor:
@@ -45,16 +48,26 @@ def pack(inputs: StepInputs, command: Command = Command.STEP) -> Tensor:
                           + (inputs.prefill_exact_lens or [-1] * p), dtype=torch.int64),
              inputs.block_tables.reshape(-1).long(), inputs.decode_context_lens.long(),
              _pairs(inputs.swap_out), _pairs(inputs.swap_in), _pairs(inputs.copy)]
+    lora = 0
+    if inputs.lora_slots is not None:
+        parts.append(inputs.lora_slots)
+        lora = int(inputs.lora_slots.shape[0])
     payload = torch.cat([x.reshape(-1).to(torch.int64) for x in parts])
     header = [int(command), len(HEADER) + int(payload.shape[0]), t, p, inputs.prefill_query_start[-1], d, width,
-              len(inputs.swap_out), len(inputs.swap_in), len(inputs.copy)]
+              len(inputs.swap_out), len(inputs.swap_in), len(inputs.copy), lora]
     return torch.cat([torch.tensor(header, dtype=torch.int64), payload])
 
 
-def control(command: Command) -> Tensor:
-    """A message without step inputs (SHUTDOWN)."""
-    header = [int(command), len(HEADER)] + [0] * (len(HEADER) - 2)
-    return torch.tensor(header, dtype=torch.int64)
+def control(command: Command, payload: Tensor | None = None) -> Tensor:
+    """A message without step inputs: SHUTDOWN, or LORA with its `payload` (int64)."""
+    size = 0 if payload is None else int(payload.shape[0])
+    header = torch.tensor([int(command), len(HEADER) + size] + [0] * (len(HEADER) - 2), dtype=torch.int64)
+    return header if payload is None else torch.cat([header, payload])
+
+
+def control_payload(message: Tensor) -> Tensor:
+    """What follows the header of a control message."""
+    return message[len(HEADER) : header(message)["length"]]
 
 
 def header(message: Tensor) -> dict[str, int]:
@@ -66,8 +79,9 @@ def unpack(message: Tensor) -> StepInputs:
     """The `StepInputs` of a STEP message (views into `message` where the dtype allows)."""
     h = header(message)
     t, p, d, width = h["num_tokens"], h["num_prefills"], h["num_decodes"], h["width"]
-    sizes = [t, t, t, 3 * p + 1, (p + d) * width, d, 2 * h["num_swap_out"], 2 * h["num_swap_in"], 2 * h["num_copy"]]
-    ids, positions, slots, prefill, tables, ctx, out, into, copy = message[len(HEADER) : h["length"]].split(sizes)
+    sizes = [t, t, t, 3 * p + 1, (p + d) * width, d, 2 * h["num_swap_out"], 2 * h["num_swap_in"], 2 * h["num_copy"],
+             h["lora"]]
+    ids, positions, slots, prefill, tables, ctx, out, into, copy, lora = message[len(HEADER) : h["length"]].split(sizes)
     prefill_values = prefill.tolist()
 
     def pairs(x: Tensor) -> list[tuple[int, int]]:
@@ -79,4 +93,5 @@ def unpack(message: Tensor) -> StepInputs:
                       prefill_context_lens=prefill_values[p + 1 : 2 * p + 1],
                       block_tables=tables.to(torch.int32).reshape(p + d, width),
                       decode_context_lens=ctx.to(torch.int32), swap_out=pairs(out), swap_in=pairs(into),
-                      copy=pairs(copy), prefill_exact_lens=None if not exact or -1 in exact else exact)
+                      copy=pairs(copy), prefill_exact_lens=None if not exact or -1 in exact else exact,
+                      lora_slots=lora if h["lora"] else None)

@@ -100,10 +100,11 @@ def read_model_dir(path: Path) -> ModelInfo:
     return ModelInfo(shape, dtype, weights, int(max_len) if max_len else None, config=config)
 
 
-def lora_slot_bytes(model: ModelInfo, max_loras: int, max_lora_rank: int) -> int:
-    """Bytes the engine's `max_loras` adapter slots at `max_lora_rank` take over this model."""
+def lora_slot_bytes(model: ModelInfo, max_loras: int, max_lora_rank: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes the engine's `max_loras` adapter slots at `max_lora_rank` take over this model (on each
+    rank of `tensor_parallel_size`: its part of every slot)."""
     try:
-        elements = lora_slot_elements(SimpleNamespace(**(model.config or {})), max_lora_rank)
+        elements = lora_slot_elements(SimpleNamespace(**(model.config or {})), max_lora_rank, tensor_parallel_size)
     except (AttributeError, TypeError, ValueError) as exc:
         raise PlanError(f"the model config lacks a field LoRA slots are sized by: {exc}") from None
     return max_loras * elements * model.shape.dtype_bytes

@@ -39,7 +39,7 @@ class Plan:
     max_seqs_contiguous: int
     gain: float | None  # paged / contiguous concurrency; None when contiguous fits nothing
     tensor_parallel_size: int = 1  # ranks (GPUs); pool, block and per-token bytes above are one rank's
-    lora_bytes: int = 0  # the engine's LoRA adapter slots (--max-loras x one slot at --max-lora-rank)
+    lora_bytes: int = 0  # one rank's LoRA adapter slots (--max-loras x one slot at --max-lora-rank)
 
 
 def rank_shape(shape: KVShape, tensor_parallel_size: int) -> KVShape:
@@ -79,11 +79,11 @@ def plan_capacity(
     """The plan for one model shape and budget; raises PlanError on nonsensical input. With
     `tensor_parallel_size` N, `gpu_memory` is each GPU's and the weights split N ways; every rank
     holds its heads' share of every block, so the group has one rank's block count. `lora_bytes`:
-    the LoRA adapter slots, taken from the pool like the weights (no tensor parallelism with LoRA)."""
+    one rank's LoRA adapter slots (its part of each adapter), taken from its pool like the weights."""
     _check_inputs(gpu_memory, utilization, weights, workspace, block_size, avg_tokens, max_model_len)
     shape = rank_shape(shape, tensor_parallel_size)
-    if lora_bytes < 0 or (lora_bytes and tensor_parallel_size > 1):
-        raise PlanError("LoRA adapters are served with --tensor-parallel-size 1 only")
+    if lora_bytes < 0:
+        raise PlanError("lora_bytes must not be negative")
     pool = kv_pool_bytes(gpu_memory, utilization, -(-weights // tensor_parallel_size) + lora_bytes, workspace)
     block_bytes = shape.bytes_per_token * block_size
     if pool < block_bytes:
@@ -209,7 +209,7 @@ def _plan_from_args(args: argparse.Namespace) -> tuple[KVShape, Plan]:
         if model is None or args.max_loras < 0 or args.max_lora_rank < 1:
             raise PlanError("--max-loras needs --model (the slots are sized by its projections) and "
                             "--max-lora-rank >= 1")
-        loras = lora_slot_bytes(model, args.max_loras, args.max_lora_rank)
+        loras = lora_slot_bytes(model, args.max_loras, args.max_lora_rank, max(1, args.tensor_parallel_size))
     max_len = args.max_model_len
     if max_len is None:
         max_len = (model.max_model_len if model else None) or DEFAULT_MAX_MODEL_LEN

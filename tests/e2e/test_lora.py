@@ -12,21 +12,17 @@ import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from openai import AsyncOpenAI
 
 from pagedserve.launch.redis_server import RedisServer
+from tests.e2e.lora_support import MAX_TOKENS, MODEL, PROMPTS, expected_texts, openai_client, post
 from tests.e2e.support import EngineProcess, serve_gateway, start_engines
 from tests.engine.lora.adapters import make_adapter
 
-MODEL = "tiny"
 ADAPTERS = ("a0", "a1", "a2")
-PROMPTS = ["Once upon a time", "The paged cache", "LoRA adapters"]
-MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -51,34 +47,12 @@ def stack(tiny_llama_dir: Path, adapters: dict[str, Path],
             engine.stop()
 
 
-def _expected(model_dir: Path, adapters: dict[str, Path], names: tuple[str, ...] = (MODEL, *ADAPTERS)
-              ) -> dict[tuple[str, str], str]:
-    """The in-process engine's greedy text per (model or adapter, prompt), decoded as the gateway does."""
-    from common.sampling_params import SamplingParams
-    from engine.llm import LLM
-    from engine.model.lora import LoRARequest
-    from gateway.text.tokenizer import ModelTokenizer
-
-    tok = ModelTokenizer(str(model_dir))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(str(model_dir), dtype="float32", kv_cache_memory=8 << 20, enable_lora=True, max_loras=4,
-             max_lora_rank=8) as llm:
-        keys = [(name, prompt) for name in names for prompt in PROMPTS]
-        loras = [None if name == MODEL else LoRARequest(name, 1, str(adapters[name])) for name, _ in keys]
-        outs = llm.generate([prompt for _, prompt in keys], params, lora_request=loras)
-    return {key: tok.decode(out.outputs[0].token_ids) for key, out in zip(keys, outs, strict=True)}
-
-
-def _client(url: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
 async def test_adapters_by_model_name(stack: tuple[str, EngineProcess], tiny_llama_dir: Path,
                                       adapters: dict[str, Path]) -> None:
     redis_url, engine = stack
-    expected = _expected(tiny_llama_dir, adapters)
+    expected = expected_texts(tiny_llama_dir, adapters, (MODEL, *ADAPTERS))
     assert len({expected[(name, PROMPTS[0])] for name in (MODEL, *ADAPTERS)}) == 4  # each adapter answers its own
-    async with serve_gateway(redis_url) as url, _client(url) as client:
+    async with serve_gateway(redis_url) as url, openai_client(url) as client:
         models = {m.id: m for m in (await client.models.list()).data}
         assert sorted(models) == sorted([MODEL, *ADAPTERS])
         assert (models[MODEL].model_extra or {}).get("parent", "absent") is None
@@ -99,18 +73,13 @@ async def test_adapters_by_model_name(stack: tuple[str, EngineProcess], tiny_lla
     engine.wait_drained()
 
 
-async def _post(session: aiohttp.ClientSession, url: str, route: str, body: dict[str, Any]) -> tuple[int, Any]:
-    async with session.post(f"{url}/v1/{route}", json=body) as resp:
-        return resp.status, (await resp.text() if resp.status == 200 else (await resp.json())["error"])
-
-
 async def test_load_and_unload_at_run_time(stack: tuple[str, EngineProcess], tiny_llama_dir: Path,
                                            tmp_path: Path) -> None:
     redis_url, engine = stack
     dyn = make_adapter(tiny_llama_dir, tmp_path / "dyn", seed=77, r=8)
-    expected = _expected(tiny_llama_dir, {"dyn": dyn}, ("dyn",))
-    async with serve_gateway(redis_url) as url, _client(url) as client, aiohttp.ClientSession() as session:
-        status, text = await _post(session, url, "load_lora_adapter", {"lora_name": "dyn", "lora_path": str(dyn)})
+    expected = expected_texts(tiny_llama_dir, {"dyn": dyn}, ("dyn",))
+    async with serve_gateway(redis_url) as url, openai_client(url) as client, aiohttp.ClientSession() as session:
+        status, text = await post(session, url, "load_lora_adapter", {"lora_name": "dyn", "lora_path": str(dyn)})
         assert (status, text) == (200, "Success: LoRA adapter 'dyn' added successfully.")
         models = {m.id: m for m in (await client.models.list()).data}
         assert models["dyn"].model_extra is not None and models["dyn"].model_extra["parent"] == MODEL
@@ -118,22 +87,22 @@ async def test_load_and_unload_at_run_time(stack: tuple[str, EngineProcess], tin
                                               extra_body={"ignore_eos": True})
         assert out.choices[0].text == expected[("dyn", PROMPTS[0])]
 
-        status, error = await _post(session, url, "load_lora_adapter", {"lora_name": "dyn", "lora_path": str(dyn)})
+        status, error = await post(session, url, "load_lora_adapter", {"lora_name": "dyn", "lora_path": str(dyn)})
         assert (status, error["code"]) == (400, "lora_already_loaded")
-        status, error = await _post(session, url, "load_lora_adapter",
+        status, error = await post(session, url, "load_lora_adapter",
                                     {"lora_name": "bad", "lora_path": str(tmp_path / "nowhere")})
         assert (status, error["code"]) == (400, "lora_invalid") and "does not exist" in error["message"]
-        status, error = await _post(session, url, "load_lora_adapter", {"lora_name": "x"})
+        status, error = await post(session, url, "load_lora_adapter", {"lora_name": "x"})
         assert (status, error["param"]) == (400, "lora_path")
-        status, error = await _post(session, url, "unload_lora_adapter", {"lora_name": "a0"})
+        status, error = await post(session, url, "unload_lora_adapter", {"lora_name": "a0"})
         assert (status, error["code"]) == (400, "lora_static")
 
-        status, text = await _post(session, url, "unload_lora_adapter", {"lora_name": "dyn"})
+        status, text = await post(session, url, "unload_lora_adapter", {"lora_name": "dyn"})
         assert (status, text) == (200, "Success: LoRA adapter 'dyn' removed successfully.")
         assert "dyn" not in {m.id for m in (await client.models.list()).data}
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="dyn", prompt="x", max_tokens=2)
-        status, error = await _post(session, url, "unload_lora_adapter", {"lora_name": "dyn"})
+        status, error = await post(session, url, "unload_lora_adapter", {"lora_name": "dyn"})
         assert (status, error["code"]) == (404, "lora_not_found")
     engine.wait_drained()
 
@@ -142,7 +111,7 @@ async def test_responses_route_runs_the_adapter(stack: tuple[str, EngineProcess]
     """/v1/responses goes through the same generation path: by adapter name it answers what chat
     completions answers for that adapter (greedy, one user message), not the base model's text."""
     redis_url, engine = stack
-    async with serve_gateway(redis_url) as url, _client(url) as client:
+    async with serve_gateway(redis_url) as url, openai_client(url) as client:
         texts: dict[str, tuple[str, str]] = {}
         for name in (MODEL, "a1"):
             resp = await client.responses.create(model=name, input=PROMPTS[1], max_output_tokens=MAX_TOKENS,

@@ -2,41 +2,36 @@
 `LoRARequest`), up to `max_cpu_loras` kept read in host memory (least recently used dropped,
 read again from their folder when asked), up to `max_loras` placed in the model's slots for a
 step (`LoRASlots` attached to each target linear as its `lora`). The scheduler never puts more
-than `max_loras` distinct adapters in one step, so a step's adapters always find slots."""
+than `max_loras` distinct adapters in one step, so a step's adapters always find slots. Under
+tensor parallelism each rank's slots hold its part of each adapter (`placement`, `mirror`)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from common.log import get_logger
-from engine.model.layers import SwiGLU
 from engine.model.lora.loader import LoRAAdapter, load_adapter
+from engine.model.lora.placement import TARGETS, Weights, attach_slots, full_shape, place_weights, shard_weights
 from engine.model.lora.request import LoRAError
-from engine.model.lora.slots import LoRASlots
 
 log = get_logger("lora")
 
-# PEFT module name -> (block, this model's linear, slice of its stacked output)
-TARGETS = {
-    "q_proj": ("self_attn", "qkv_proj", 0), "k_proj": ("self_attn", "qkv_proj", 1),
-    "v_proj": ("self_attn", "qkv_proj", 2), "o_proj": ("self_attn", "o_proj", 0),
-    "gate_proj": ("mlp", "gate_up_proj", 0), "up_proj": ("mlp", "gate_up_proj", 1),
-    "down_proj": ("mlp", "down_proj", 0),
-}
+LoRAMirror = Callable[[int, Weights], None]  # rank 0 of a tensor-parallel group: place in a slot on the others
 
 
 class LoRAManager:
-    """Adapters by name for one model (`engine.model.llama.LlamaForCausalLM`, no tensor parallelism)."""
+    """Adapters by name for one model (`engine.model.llama.LlamaForCausalLM`). Under tensor
+    parallelism this is rank 0's: it reads and checks every adapter, keeps its own part in its
+    slots and hands each placement to `mirror` (`TensorParallelGroup.place_lora`), which gives
+    every other rank its part of the same slot (`engine.model.lora.placement`)."""
 
-    def __init__(self, model: Any, max_loras: int, max_cpu_loras: int, max_rank: int) -> None:
-        if model.shard.size > 1:
-            raise LoRAError("LoRA adapters are not supported with tensor parallelism (tensor_parallel_size > 1)",
-                            "lora_unsupported")
+    def __init__(self, model: Any, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 mirror: LoRAMirror | None = None) -> None:
         if model.spec.rotary_dim is not None:
             raise LoRAError(f"{model.spec.model_type}: LoRA is not supported with partial rotary embeddings",
                             "lora_unsupported")
@@ -44,25 +39,9 @@ class LoRAManager:
             raise ValueError("max_loras and max_lora_rank must be >= 1 and max_cpu_loras >= max_loras")
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.num_layers = len(model.model.layers)
-        weight = next(model.model.layers[0].self_attn.qkv_proj.buffers(), None)
-        param = next(model.parameters())
-        device = param.device if weight is None else weight.device
-        dtype = model.policy.dtype
-        width = max(2, max_rank)  # never a single-element reduction (torch splits those across threads)
-        self.linears: dict[tuple[int, str], LoRASlots] = {}
-        for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-            shapes: dict[str, tuple[Any, list[int]]] = {"qkv_proj": (attn.qkv_proj, [q, kv, kv]),
-                                                        "o_proj": (attn.o_proj, [attn.o_proj.out_features])}
-            if isinstance(mlp, SwiGLU):
-                size = mlp.intermediate_size
-                shapes |= {"gate_up_proj": (mlp.gate_up_proj, [size, size]),
-                           "down_proj": (mlp.down_proj, [mlp.down_proj.out_features])}
-            for name, (linear, sizes) in shapes.items():
-                slots = LoRASlots(linear.in_features, sizes, max_loras, width, dtype, device)
-                linear.lora = slots
-                self.linears[(i, name)] = slots
+        self.shard, self.spec = model.shard, model.spec
+        self.mirror = mirror
+        self.linears = attach_slots(model, max_loras, max_rank)
         self.paths: dict[str, str] = {}
         self.resident: OrderedDict[str, LoRAAdapter] = OrderedDict()  # host copies, least recent first
         self.placed: list[str | None] = [None] * max_loras
@@ -71,7 +50,8 @@ class LoRAManager:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes one adapter slot takes in the model (every target linear at `max_lora_rank`)."""
+        """Bytes one adapter slot takes in the model (every target linear at `max_lora_rank`; under
+        tensor parallelism this rank's part, which every rank holds alike)."""
         return sum(s.nbytes_per_slot for s in self.linears.values())
 
     def names(self) -> list[str]:
@@ -95,8 +75,9 @@ class LoRAManager:
         self.resident.pop(name, None)
         if name in self.placed:
             slot = self.placed.index(name)
-            for slots in self.linears.values():
-                slots.clear(slot)
+            place_weights(self.linears, slot, {})
+            if self.mirror is not None:
+                self.mirror(slot, {})
             self.placed[slot] = None
         return True
 
@@ -149,25 +130,25 @@ class LoRAManager:
         return adapter
 
     def _check_shapes(self, adapter: LoRAAdapter) -> None:
+        """Against the whole model's projections (under tensor parallelism too: each rank's part is
+        cut from a whole that fits)."""
         for (layer, module), (a, b) in adapter.weights.items():
-            _, linear, part = TARGETS[module]
+            _, linear, _ = TARGETS[module]
             if layer >= self.num_layers:
                 raise LoRAError(f"adapter {adapter.name!r} targets layer {layer}; the model has {self.num_layers}",
                                 "lora_invalid")
-            slots = self.linears.get((layer, linear))
-            if slots is None:
+            if (layer, linear) not in self.linears:
                 raise LoRAError(f"adapter {adapter.name!r} targets {module} of layer {layer}, which this model "
                                 "lacks (a sparse MoE MLP)", "lora_unsupported")
-            if a.shape[1] != slots.in_features or b.shape[0] != slots.slice_sizes[part]:
+            out, into = full_shape(self.spec, module)
+            if a.shape[1] != into or b.shape[0] != out:
                 raise LoRAError(f"adapter {adapter.name!r} layer {layer} {module}: A {tuple(a.shape)}, "
-                                f"B {tuple(b.shape)} do not fit the model's [{slots.slice_sizes[part]}, "
-                                f"{slots.in_features}] projection (another base model?)", "lora_invalid")
+                                f"B {tuple(b.shape)} do not fit the model's [{out}, {into}] projection "
+                                "(another base model?)", "lora_invalid")
 
     def _place(self, slot: int, adapter: LoRAAdapter) -> None:
-        for slots in self.linears.values():
-            slots.clear(slot)
-        for (layer, module), (a, b) in adapter.weights.items():
-            _, linear, part = TARGETS[module]
-            self.linears[(layer, linear)].set(slot, part, a, b)
+        place_weights(self.linears, slot, shard_weights(adapter.weights, self.shard, self.spec))
+        if self.mirror is not None:
+            self.mirror(slot, adapter.weights)
         self.placed[slot] = adapter.name
         log.info("lora placed", lora=adapter.name, slot=slot, rank=adapter.rank)

@@ -30,9 +30,16 @@ def test_lora_slots_come_out_of_the_pool(tmp_path: Path, capsys: pytest.CaptureF
     assert plain["pool_bytes"] - lora["pool_bytes"] == lora["lora_bytes"]
 
 
-def test_lora_needs_the_model_and_one_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tensor_parallel_slots_are_one_ranks_part(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = _plan(tmp_path, capsys, "--tensor-parallel-size", "2")
+    lora = _plan(tmp_path, capsys, "--tensor-parallel-size", "2", "--max-loras", "3", "--max-lora-rank", "8")
+    # per layer and rank on one of 2 ranks: qkv (3 x 64 in, 32 + 2 x 16 out), o (32 in, 64 out),
+    # gate_up (2 x 64 in, 2 x 64 out), down (64 in, 64 out)
+    per_rank = (3 * 64 + 32 + 2 * 16) + (32 + 64) + (2 * 64 + 128) + (64 + 64)
+    assert lora["lora_bytes"] == 3 * 2 * 8 * per_rank * 4
+    assert plain["pool_bytes"] - lora["pool_bytes"] == lora["lora_bytes"]
+
+
+def test_lora_needs_the_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--max-loras", "2"]) == 2
     assert "--max-loras needs --model" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    assert main(["plan", "--model", str(tmp_path), "--max-loras", "2", "--tensor-parallel-size", "2"]) == 2
-    assert "tensor-parallel-size 1" in capsys.readouterr().err
