@@ -27,10 +27,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def make_engine(model: str, kv_cache_memory: int) -> Any:
+def make_engine(model: str, kv_cache_memory: int, kv_cache_dtype: str = "auto") -> Any:
     from engine.llm import LLM
 
-    return LLM(model, kv_cache_memory=kv_cache_memory, max_num_batched_tokens=4096).engine
+    return LLM(model, kv_cache_memory=kv_cache_memory, max_num_batched_tokens=4096,
+               kv_cache_dtype=kv_cache_dtype).engine
 
 
 def add_requests(engine: Any, name: str, num: int, prompt_len: int, max_tokens: int, seed: int) -> None:

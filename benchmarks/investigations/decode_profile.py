@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--modules", action="store_true",
                         help="the decoder's modules instead of its one fused C++ call (whose linears the "
                              "profiler cannot tell apart), so --by-shape splits a step by layer kind")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 (what `up` serves a GGUF with)")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -77,7 +79,7 @@ def main() -> None:
         from engine.model.fetch import default_gguf_path, default_model_dir
 
         args.model = str(default_gguf_path() if args.gguf else default_model_dir(progress=False))
-    engine = make_engine(args.model, 1 << 30)
+    engine = make_engine(args.model, args.kv_cache_memory, args.kv_cache_dtype)
     if args.modules:
         import dataclasses
 
