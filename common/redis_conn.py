@@ -22,6 +22,7 @@ Torch-free."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import uuid
@@ -171,11 +172,33 @@ def _sentinel(spec: RedisSpec, kwargs: dict[str, Any]) -> Sentinel:
     return Sentinel(list(spec.sentinels), sentinel_kwargs=sentinel_kwargs, **master_kwargs)
 
 
+class _LastFreeFirst(collections.deque[Any]):
+    """A cluster node's free connections, handed out last released first."""
+
+    def popleft(self) -> Any:
+        return self.pop()
+
+
 class ClusterClient(RedisCluster):
-    """redis-py's `RedisCluster`, closed like a plain client (``aclose(close_connection_pool=...)``)."""
+    """redis-py's `RedisCluster`, closed like a plain client (``aclose(close_connection_pool=...)``),
+    whose ASK redirects land.
+
+    redis-py follows an ASK by sending ASKING, then the command, each on a connection taken from
+    the node's free list and put back (first in, first out): with two or more free connections
+    the command goes out on another connection than its ASKING, the importing node answers it
+    MOVED back to the source, and the command fails once its redirects run out. Every node
+    `get_node` returns (that is how the ASK's node is found) hands out the connection released
+    last: the one the ASKING went out on (nothing runs between the two on the event loop)."""
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
         await super().aclose()
+
+    def get_node(self, host: str | None = None, port: int | None = None,
+                 node_name: str | None = None) -> ClusterNode | None:
+        node = super().get_node(host, port, node_name)
+        if node is not None and not isinstance(node._free, _LastFreeFirst):
+            node._free = _LastFreeFirst(node._free, maxlen=node._free.maxlen)
+        return node
 
 
 def _cluster(spec: RedisSpec, max_connections: int, kwargs: dict[str, Any]) -> aioredis.Redis:

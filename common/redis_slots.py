@@ -1,6 +1,8 @@
 """Redis Cluster's hash slots, for the code that writes several keys at once: which slot a key
 is on, transactions that stay within one slot (`SlotBatch`, `slot_pipeline`), and a connection
-pinned to the master of one slot (`pinned_to`) so that a `WAIT` after a write confirms that write.
+pinned to the master of one slot (`pinned_to`) so that a `WAIT` after a write confirms that write,
+following a slot migration's ASK and TRYAGAIN (redis-py's cluster client follows them only for
+the plain commands it routes itself).
 
 On a cluster a MULTI/EXEC or a script may only touch keys of one slot (Redis answers CROSSSLOT
 otherwise); `common.protocol.Keys` gives every group of keys written together one hash tag. On
@@ -9,6 +11,7 @@ client's own pinned connection. Torch-free."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,6 +29,10 @@ from common.redis_conn import NO_RETRY, pinned
 # replies of a node that does not (or no longer) serve a slot, or a cluster in the middle of a
 # change: nothing was written, the same write may go again once the slot map is refreshed
 _MOVED = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN", "EXECABORT")
+# a pinned script or transaction answered TRYAGAIN (its keys split between the two nodes of a
+# slot migration) is sent again this many times in all, pausing a little longer each time
+TRYAGAIN_TRIES = 5
+TRYAGAIN_PAUSE_S = 0.05
 
 
 def is_cluster(client: Any) -> bool:
@@ -118,19 +125,80 @@ async def slot_pipeline(client: aioredis.Redis, key: str) -> AsyncIterator[Pipel
         yield pipe
 
 
-class _NodeConnection:
-    """The pool of a client pinned to one connection of a cluster node (never handed back here:
-    `pinned_to` returns it to its node)."""
+class _Asking:
+    """A connection to the node an ASK named, for the rest of one pinned operation: that node
+    serves a slot it is importing only to a command right after ASKING (outside a transaction
+    the flag lasts one command; inside MULTI, up to EXEC), so every command, or a transaction's
+    MULTI, goes out after one, whose OK is read off before the command's own reply."""
 
     def __init__(self, connection: Any) -> None:
         self.connection = connection
+        self.unread = 0  # ASKING replies still to read
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connection, name)
+
+    async def send_command(self, *args: Any, **kwargs: Any) -> None:
+        await self.send_packed_command(self.connection.pack_command(*args), kwargs.get("check_health", True))
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        chunks = [command.encode() if isinstance(command, str) else command] \
+            if isinstance(command, (str, bytes)) else list(command)
+        await self.connection.send_packed_command([*self.connection.pack_command("ASKING"), *chunks], check_health)
+        self.unread += 1
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        while self.unread:
+            self.unread -= 1
+            await self.connection.read_response()
+        return await self.connection.read_response(*args, **kwargs)
+
+
+class _NodeConnection:
+    """The pool of a client pinned to one connection of a cluster node (never handed back here:
+    `pinned_to` returns it to its node). After an ASK (`redirect`), the connection is one to
+    the node the ASK named, used through `_Asking`."""
+
+    def __init__(self, cluster: RedisCluster, connection: Any) -> None:
+        self.cluster = cluster
+        self.connection = connection
         self.connection_kwargs: dict[str, Any] = {}
+        self.redirected: tuple[Any, Any, Any] | None = None  # (node, its connection, that one's retry) after an ASK
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         return self.connection
 
     async def release(self, connection: Any) -> None:
         return None
+
+    def redirect(self, exc: AskError) -> bool:
+        """Go on, for the rest of the operation, on a connection to the node `exc` names, each
+        command after ASKING. False (the caller raises) after an earlier redirect, or when that
+        node is not known yet: the slot map is refreshed and the caller's next attempt retries."""
+        if self.redirected is not None:
+            return False
+        node = self.cluster.get_node(exc.host, exc.port)
+        if node is None:
+            self.cluster._request_refresh()
+            return False
+        connection = node.acquire_connection()
+        self.redirected = (node, connection, connection.retry)
+        connection.retry = NO_RETRY
+        self.connection = _Asking(connection)
+        return True
+
+    async def hand_back(self, failed: bool) -> None:
+        """Return the redirect's connection to its node (the one pinned first is `pinned_to`'s);
+        after a failure, or with a reply left unread, closed first: it is not reusable."""
+        if self.redirected is not None:
+            node, connection, retry = self.redirected
+            self.redirected = None
+            try:
+                if failed or (isinstance(self.connection, _Asking) and self.connection.unread):
+                    await connection.disconnect()
+            finally:
+                connection.retry = retry
+                node.release(connection)
 
     def get_encoder(self) -> Any:
         return self.connection.encoder
@@ -145,13 +213,73 @@ class _NodeConnection:
         return None
 
 
+def _redirect(client: aioredis.Redis, exc: AskError) -> bool:
+    """`_NodeConnection.redirect` of a pinned client's pool."""
+    pool = client.connection_pool
+    return isinstance(pool, _NodeConnection) and pool.redirect(exc)
+
+
+class _SlotPipeline(Pipeline):
+    """A pinned transaction that follows one ASK (the slot is being migrated and a key it
+    touches is on the target already) by sending it again, after ASKING, to the target, and
+    sends it again after TRYAGAIN (its keys are split between the two nodes for a moment). A
+    transaction under WATCH is not sent again: its watch was on the first node."""
+
+    async def immediate_execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return await super().immediate_execute_command(*args, **options)
+        except AskError as exc:
+            if self.watching or not _redirect(self, exc):
+                raise
+        self.connection = await self.connection_pool.get_connection()
+        return await super().immediate_execute_command(*args, **options)
+
+    async def _execute_transaction(self, connection: Any, commands: Any, raise_on_error: bool) -> Any:
+        for attempt in range(TRYAGAIN_TRIES):
+            try:
+                return await super()._execute_transaction(connection, commands, raise_on_error)
+            except AskError as exc:
+                if self.watching or not _redirect(self, exc):
+                    raise
+                connection = self.connection = await self.connection_pool.get_connection()
+            except TryAgainError:
+                if self.watching or attempt == TRYAGAIN_TRIES - 1:
+                    raise
+                await asyncio.sleep(TRYAGAIN_PAUSE_S * (attempt + 1))
+        raise TryAgainError("TRYAGAIN the slot kept moving")
+
+
+class _SlotClient(aioredis.Redis):
+    """A client pinned to the master of one slot whose commands and scripts follow one ASK to
+    the node importing the slot, and are sent again after TRYAGAIN (a script whose keys are
+    split between the two nodes ran nothing); its pipelines are `_SlotPipeline`s."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        for attempt in range(TRYAGAIN_TRIES):
+            try:
+                return await super().execute_command(*args, **options)
+            except AskError as exc:
+                if not _redirect(self, exc):
+                    raise
+            except TryAgainError:
+                if attempt == TRYAGAIN_TRIES - 1:
+                    raise
+                await asyncio.sleep(TRYAGAIN_PAUSE_S * (attempt + 1))
+        raise TryAgainError("TRYAGAIN the slot kept moving")
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> _SlotPipeline:
+        return _SlotPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
 @contextlib.asynccontextmanager
 async def pinned_to(client: aioredis.Redis, key: str) -> AsyncIterator[aioredis.Redis]:
     """`common.redis_conn.pinned` on the master that owns `key`'s slot: a plain client whose
     commands, scripts and transactions all run on one connection to that master, without
     retries, so a `WAIT` there confirms exactly what it wrote. On a cluster, a lost connection
     or a reply saying the slot moved asks the cluster client to refresh its slot map (the
-    caller's next attempt goes to the slot's new master)."""
+    caller's next attempt goes to the slot's new master). While the slot is being migrated, an
+    ASK moves the rest of the operation to the importing node (its `WAIT` included, which then
+    confirms the writes made there), and TRYAGAIN sends a script or transaction again."""
     if not is_cluster(client):
         async with pinned(client) as conn:
             yield conn
@@ -163,8 +291,11 @@ async def pinned_to(client: aioredis.Redis, key: str) -> AsyncIterator[aioredis.
         raise RedisConnectionError(f"no master serves the slot of {key!r}")
     connection = node.acquire_connection()
     saved, connection.retry = connection.retry, NO_RETRY
+    pool = _NodeConnection(cluster, connection)
+    failed = True
     try:
-        yield aioredis.Redis(connection_pool=_NodeConnection(connection))  # type: ignore[arg-type]
+        yield _SlotClient(connection_pool=pool)  # type: ignore[arg-type]
+        failed = False
     except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
         cluster._request_refresh(last_failed_node_name=node.name)
         await connection.disconnect()
@@ -176,5 +307,6 @@ async def pinned_to(client: aioredis.Redis, key: str) -> AsyncIterator[aioredis.
             cluster._request_refresh()
         raise
     finally:
+        await pool.hand_back(failed)
         connection.retry = saved
         node.release(connection)
