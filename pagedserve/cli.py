@@ -79,7 +79,8 @@ COMMANDS: dict[str, tuple[Callable[[], Subcommand], str]] = {
     "up": (_up, "run redis + engine + gateway on this machine (default model, port 8000)"),
     "engine": (_engine, "run an engine worker consuming the Redis request stream"),
     "gateway": (_gateway, "run the OpenAI-compatible HTTP gateway"),
-    "switch-master": (_switch_master, "move a Sentinel-managed Redis master to a replica on purpose, no write lost"),
+    "switch-master": (_switch_master, "move a Redis master (Sentinel-managed, or a cluster's) to a replica on "
+                                      "purpose, no write lost"),
     "fetch-model": (_fetch_model, "download the default model (SmolLM2-135M-Instruct)"),
     "simulate": (_simulate, "replay a request trace through contiguous and paged KV allocators"),
     "plan": (_plan, "KV-cache capacity arithmetic: blocks and max concurrency"),

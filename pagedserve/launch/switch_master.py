@@ -1,5 +1,5 @@
 """`pagedserve switch-master`: move a Sentinel-managed Redis master to one of its replicas on
-purpose, losing no write.
+purpose, losing no write (with `--redis-cluster`, a cluster master: `cluster_switch`).
 
 A bare `SENTINEL FAILOVER` promotes a replica while the old master keeps running: the sentinels
 demote it only after they have seen it still claim the role for a while, and every client still
@@ -32,7 +32,9 @@ from typing import Any
 import redis
 
 from common.log import get_logger
-from common.redis_spec import DEFAULT_MASTER, parse_sentinels
+from common.protocol import Keys
+from common.redis_spec import DEFAULT_MASTER, parse_cluster_nodes, parse_sentinels
+from pagedserve.launch.cluster_switch import ClusterNode, ClusterSwitch, ClusterSwitchError, slot_ranges
 
 log = get_logger("switch-master")
 
@@ -47,28 +49,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the sentinels (default $PAGEDSERVE_REDIS_SENTINEL)")
     parser.add_argument("--redis-sentinel-master", default=env("PAGEDSERVE_REDIS_SENTINEL_MASTER", DEFAULT_MASTER),
                         metavar="NAME", help="the master's name in the sentinels' configuration (default %(default)s)")
-    parser.add_argument("--redis-password", default=None, help="the master's password "
+    parser.add_argument("--redis-cluster", default=env("PAGEDSERVE_REDIS_CLUSTER"), metavar="HOST:PORT[,...]",
+                        help="instead of sentinels, some nodes of a Redis Cluster (default $PAGEDSERVE_REDIS_CLUSTER): "
+                             "one master's slots move to its replica by CLUSTER FAILOVER")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--master", default=None, metavar="HOST:PORT",
+                        help="with --redis-cluster: the master to move")
+    target.add_argument("--model", default=None, metavar="NAME",
+                        help="with --redis-cluster: move the master holding this served model's request stream "
+                             "(its slot also holds the model's engines' liveness keys and dead letters)")
+    parser.add_argument("--redis-password", default=None, help="the master's or the cluster nodes' password "
                                                                "(default $PAGEDSERVE_REDIS_PASSWORD)")
+    parser.add_argument("--redis-username", default=None, help="ACL user of the master or the cluster's nodes")
     parser.add_argument("--redis-sentinel-password", default=None,
                         help="the sentinels' password (default $PAGEDSERVE_REDIS_SENTINEL_PASSWORD)")
     parser.add_argument("--redis-tls", action="store_true", help="TLS to the sentinels and the nodes")
     parser.add_argument("--pause", type=float, default=10.0, metavar="SECONDS",
                         help="longest the master's writes are paused (CLIENT PAUSE's timeout; default %(default)s): "
-                             "past it a stuck switch lets writes go on")
+                             "past it a stuck switch lets writes go on (Sentinel only: a cluster master pauses "
+                             "itself during CLUSTER FAILOVER)")
     parser.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="longest wait for the sentinels to report the new master (default %(default)s)")
+                        help="longest wait for the sentinels, or every cluster node, to report the new master "
+                             "(default %(default)s)")
 
 
 class Switch:
     """The nodes of one Sentinel setup, and the switch itself."""
 
     def __init__(self, sentinels: tuple[tuple[str, int], ...], master: str, password: str | None,
-                 sentinel_password: str | None, tls: bool) -> None:
+                 sentinel_password: str | None, tls: bool, username: str | None = None) -> None:
         self.sentinels = sentinels
         self.master = master
-        self.node_kwargs: dict[str, Any] = {"password": password, "ssl": tls, "socket_timeout": 5.0,
-                                            "socket_connect_timeout": 5.0}
-        self.sentinel_kwargs: dict[str, Any] = {**self.node_kwargs, "password": sentinel_password}
+        self.node_kwargs: dict[str, Any] = {"password": password, "username": username, "ssl": tls,
+                                            "socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+        self.sentinel_kwargs: dict[str, Any] = {**self.node_kwargs, "password": sentinel_password, "username": None}
 
     def _sentinel(self, host: str, port: int) -> redis.Redis:
         return redis.Redis(host=host, port=port, **self.sentinel_kwargs)
@@ -167,17 +181,48 @@ def _until(condition: Callable[[], bool], deadline: float, what: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Switch the master; 0 and one line naming both nodes, 1 with the reason when it did not happen."""
+    if args.redis_cluster:
+        return run_cluster(args)
     env = os.environ.get
     try:
         if not args.redis_sentinel:
-            raise ValueError("--redis-sentinel (or $PAGEDSERVE_REDIS_SENTINEL) is required")
+            raise ValueError("--redis-sentinel or --redis-cluster (or $PAGEDSERVE_REDIS_SENTINEL, "
+                             "$PAGEDSERVE_REDIS_CLUSTER) is required")
+        if args.master or args.model:
+            raise ValueError("--master and --model pick a cluster master: they need --redis-cluster")
         switch = Switch(parse_sentinels(args.redis_sentinel), args.redis_sentinel_master,
                         args.redis_password or env("PAGEDSERVE_REDIS_PASSWORD") or None,
                         args.redis_sentinel_password or env("PAGEDSERVE_REDIS_SENTINEL_PASSWORD") or None,
-                        args.redis_tls)
+                        args.redis_tls, args.redis_username)
         old, new = switch.run(args.pause, args.timeout)
     except (ValueError, SwitchError, redis.RedisError, OSError) as exc:
         print(f"pagedserve switch-master: error: {exc}", file=sys.stderr)
         return 1
     print(f"master {args.redis_sentinel_master!r} moved from {old[0]}:{old[1]} to {new[0]}:{new[1]}", flush=True)
+    return 0
+
+
+def run_cluster(args: argparse.Namespace) -> int:
+    """The cluster form: the master given by --master or --model moves to its best replica."""
+    try:
+        if args.redis_sentinel:
+            raise ValueError("--redis-sentinel and --redis-cluster exclude each other")
+        if not (args.master or args.model):
+            raise ValueError("with --redis-cluster, name the master to move: --master HOST:PORT or --model NAME")
+        switch = ClusterSwitch(parse_cluster_nodes(args.redis_cluster),
+                               args.redis_password or os.environ.get("PAGEDSERVE_REDIS_PASSWORD") or None,
+                               args.redis_username, args.redis_tls)
+        master: ClusterNode
+        if args.master:
+            addresses = parse_cluster_nodes(args.master)
+            if len(addresses) != 1:
+                raise ValueError(f"--master takes one address, not {args.master!r}")
+            master = switch.master_at(addresses[0])
+        else:
+            master = switch.master_of_key(Keys().requests(args.model))
+        new = switch.run(master, args.timeout)
+    except (ValueError, ClusterSwitchError, redis.RedisError, OSError) as exc:
+        print(f"pagedserve switch-master: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"master of slots {slot_ranges(master.slots)} moved from {master.describe()} to {new.describe()}", flush=True)
     return 0

@@ -14,6 +14,7 @@ Verdicts, per request:
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class Outcome:
     error: str | None = None
     dropped: bool = False  # the connection broke without an error event
     tokens: int = 0
+    refused: bool = False  # the connect itself was refused: no gateway got the request
 
 
 @dataclass
@@ -88,6 +90,7 @@ async def stream_one(session: aiohttp.ClientSession, url: str, text: str, max_to
                         started.set()
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
         out.dropped, out.error = True, f"connection: {type(exc).__name__}"
+        out.refused = isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno == errno.ECONNREFUSED
     if started is not None:
         started.set()
     return out

@@ -77,6 +77,10 @@ class Load:
     open_now: int = 0
     stop: asyncio.Event = field(default_factory=asyncio.Event)
 
+    async def send(self, session: aiohttp.ClientSession, index: int) -> Outcome:
+        """One streamed request of prompt `index` (a subclass may send it elsewhere than `url`)."""
+        return await stream_one(session, self.url, prompt(index), MAX_TOKENS)
+
     async def client(self, k: int, limit: int | None = None) -> None:
         """Client `k` streams prompts one after another until `stop` (or `limit` requests)."""
         timeout = aiohttp.ClientTimeout(total=300, sock_read=120)
@@ -87,7 +91,7 @@ class Load:
                 i += 1
                 self.open_now += 1
                 try:
-                    out = await stream_one(session, self.url, prompt(index), MAX_TOKENS)
+                    out = await self.send(session, index)
                 finally:
                     self.open_now -= 1
                 self.results.append((index, out))
@@ -99,7 +103,7 @@ class Load:
         async with aiohttp.ClientSession(timeout=timeout) as session:
 
             async def one(index: int) -> None:
-                self.results.append((index, await stream_one(session, self.url, prompt(index), MAX_TOKENS)))
+                self.results.append((index, await self.send(session, index)))
 
             started = []
             while not until.done() and len(started) < most:
