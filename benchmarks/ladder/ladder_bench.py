@@ -4,7 +4,7 @@ machine's measured memory-bandwidth limit. JSON lines.
 
     .venv/bin/python benchmarks/ladder/ladder_bench.py --rungs smollm2-1.7b --formats Q4_K_M,Q4_0 \\
         --peer-python ~/.cache/pagedserve/peer/llama-cpp-venv/bin/python \\
-        [--vllm-venv ~/.cache/pagedserve/peer/vllm-venv] [--parts decode,trace]
+        [--vllm-venv ~/.cache/pagedserve/peer/vllm-venv] [--vllm-dtype bfloat16] [--parts decode,trace]
 
 Per rung (``make_rung.py`` makes its files first, once) and format:
 - ``decode``: ``peer/llama_cpp_engine.py`` on the file, one stream and a batch of 32, rounds
@@ -80,9 +80,9 @@ def decode(args: argparse.Namespace, gguf_path: str, tokenizer: str) -> list[dic
 
 
 def trace(args: argparse.Namespace, hf: str, gguf_path: str) -> list[dict[str, Any]]:
-    """``peer_bench.py --only offline``: pagedserve on the GGUF against vLLM bf16 on the folder."""
+    """``peer_bench.py --only offline``: pagedserve on the GGUF against vLLM (``--vllm-dtype``) on the folder."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "peer" / "peer_bench.py"), "--only", "offline",
-           "--model", hf, "--pagedserve-model", gguf_path, "--vllm-dtype", "bfloat16",
+           "--model", hf, "--pagedserve-model", gguf_path, "--vllm-dtype", args.vllm_dtype,
            "--pagedserve-dtype", "auto", "--pagedserve-kv-cache-dtype", "int8",
            "--num-requests", str(args.num_requests), "--repeats", "1"]
     if args.vllm_venv:
@@ -103,6 +103,10 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--peer-python", required=True, help="python of the llama-cpp venv (setup_llama_cpp.sh)")
     parser.add_argument("--vllm-venv", help="vLLM's venv for the trace (default: peer_bench.py's)")
+    parser.add_argument("--vllm-dtype", default="bfloat16",
+                        help="vLLM's dtype in the trace: bfloat16 (as its CPU users run it where the CPU has "
+                             "AVX512-BF16 or AMX); float32 on an AVX2-only CPU, where its bf16 is emulated and "
+                             "a real-size prefill step outlasts any fair comparison")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=16)
