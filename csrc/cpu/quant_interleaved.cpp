@@ -122,6 +122,70 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
 }
 #endif
 
+#if defined(__AVX2__) && !defined(PAGEDSERVE_R8_ZMM)
+#define PAGEDSERVE_R8_YMM_PAIR 1
+// Groups g and g + 1 in one sweep of 256-bit registers, low nibbles then high ones: each activation
+// broadcast (a load and a shuffle, dearer than the multiply-add it feeds on AMD cores) serves both
+// groups' chunks, half as many per product as the one-group pass below. The fp32 sums live in
+// memory, touched once per block: held in registers across the integer loop they would push its
+// int16 sums onto the stack, a store-to-load chain on every chunk. Integer sums are exact in any
+// order and every row's fp32 operations are the one-group pass's, in its order (the same bits).
+template <int64_t F, int M>
+void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w,
+                         const float* bias, float* out, int64_t ldo, int64_t g) {
+  constexpr int64_t tb = tile_bytes<F>();
+  const int64_t k_len = nb * kBlock;
+  const uint8_t* tiles[2] = {w + g * nb * tb, w + (g + 1) * nb * tb};
+  alignas(32) float acc[M][2][kRows] = {}, macc[M][2][kRows] = {};
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t[2] = {tiles[0] + b * tb, tiles[1] + b * tb};
+    prefetch_ahead(t[0], tb);
+    prefetch_ahead(t[1], tb);
+    __m256i sums[M][2];
+    for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+    const int8_t* a = q + b * kBlock;
+#pragma GCC unroll 1
+    for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
+      for (int j = 0; j < 4; ++j) {
+        __m256i wq[2];
+        for (int p = 0; p < 2; ++p) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + quants_offset<F>() + 32 * j));
+          wq[p] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, nibble);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const __m256i av = broadcast4(a + m * k_len + kBlock / 2 * h + 4 * j);
+          sums[m][0] = accumulate(sums[m][0], wq[0], av);
+          sums[m][1] = accumulate(sums[m][1], wq[1], av);
+        }
+      }
+    }
+    for (int p = 0; p < 2; ++p) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p])));
+      const __m256 mw = F == kQuantQ4_1
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p] + 16)))
+                            : _mm256_mul_ps(dw, _mm256_set1_ps(-8.f));
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m][p]));
+        _mm256_store_ps(acc[m][p], _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(ad[m * nb + b])),
+                                                   _mm256_load_ps(acc[m][p])));
+        _mm256_store_ps(macc[m][p], _mm256_fmadd_ps(mw, _mm256_set1_ps(as[m * nb + b]), _mm256_load_ps(macc[m][p])));
+      }
+    }
+    asm volatile("" ::: "memory");  // keeps acc and macc in memory (see above)
+  }
+  for (int p = 0; p < 2; ++p) {
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + (g + p) * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_ps(out + m * ldo + (g + p) * kRows,
+                       _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(acc[m][p]), _mm256_load_ps(macc[m][p])), vb));
+  }
+}
+#endif
+
 // Groups [g_begin, g_end) of out[M][N] from M activation rows (quants q [M][nb * 32], block scales
 // ad and scaled sums as [M][nb]).
 template <int64_t F, int M>
@@ -131,6 +195,9 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nb, 
   const int64_t k_len = nb * kBlock;
 #if defined(PAGEDSERVE_R8_ZMM)
   for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair<F, M>(q, ad, as, nb, w, bias, out, ldo, g_begin);
+#elif defined(PAGEDSERVE_R8_YMM_PAIR)
+  if constexpr (M > 1)  // one row: memory-bound, where the one-group pass's single load of each chunk pays
+    for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair_ymm<F, M>(q, ad, as, nb, w, bias, out, ldo, g_begin);
 #endif
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* tiles = w + g * nb * tb;

@@ -186,7 +186,7 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
       __m256i sums[M][2];
       for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
       const int8_t* a = q + b * kSuperBlock + kBlock * j;
-#pragma GCC unroll 1
+#pragma GCC unroll 2
       for (int i = 0; i < 8; ++i) {
         const __m256i w0 = _mm256_and_si256(
             _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[0] + kQuantsAt + 256 * c + 32 * i)),
@@ -450,7 +450,7 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
         __m256i sums[M][2];
         for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
         const int8_t* a = q + b * kSuperBlock + kBlock * s;
-#pragma GCC unroll 1
+#pragma GCC unroll 2
         for (int i = 4 * half; i < 4 * half + 4; ++i) {
           __m256i u[2];
           for (int p = 0; p < 2; ++p) {
