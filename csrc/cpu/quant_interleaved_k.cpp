@@ -180,45 +180,45 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
     const uint8_t* t[2] = {tiles[0] + b * kTileBytes, tiles[1] + b * kTileBytes};
     prefetch_ahead(t[0], kTileBytes);
     prefetch_ahead(t[1], kTileBytes);
-    for (int j = 0; j < kSubs; ++j) {
-      const int c = j / 2;
-      const __m128i count = _mm_cvtsi32_si128(4 * (j % 2));
-      __m256i sums[M][2];
-      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
-      const int8_t* a = q + b * kSuperBlock + kBlock * j;
+    for (int c = 0; c < kSubs / 2; ++c) {
 #pragma GCC unroll 2
-      for (int i = 0; i < 8; ++i) {
-        const __m256i w0 = _mm256_and_si256(
-            _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[0] + kQuantsAt + 256 * c + 32 * i)),
-                             count),
-            nibble);
-        const __m256i w1 = _mm256_and_si256(
-            _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[1] + kQuantsAt + 256 * c + 32 * i)),
-                             count),
-            nibble);
+      for (int h = 0; h < 2; ++h) {  // low nibbles (sub-block 2c), then high (2c + 1): an immediate shift
+        const int j = 2 * c + h;
+        __m256i sums[M][2];
+        for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+        const int8_t* a = q + b * kSuperBlock + kBlock * j;
+#pragma GCC unroll 2
+        for (int i = 0; i < 8; ++i) {
+          __m256i wq[2];
+          for (int p = 0; p < 2; ++p) {
+            const __m256i raw =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + kQuantsAt + 256 * c + 32 * i));
+            wq[p] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, nibble);
+          }
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          const __m256i av = broadcast4(a + m * k_len + 4 * i);
-          sums[m][0] = accumulate(sums[m][0], w0, av);
-          sums[m][1] = accumulate(sums[m][1], w1, av);
+          for (int m = 0; m < M; ++m) {
+            const __m256i av = broadcast4(a + m * k_len + 4 * i);
+            sums[m][0] = accumulate(sums[m][0], wq[0], av);
+            sums[m][1] = accumulate(sums[m][1], wq[1], av);
+          }
         }
-      }
-      for (int p = 0; p < 2; ++p) {
-        const __m256 dj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p]))),
-                                        bytes_ps(t[p] + kScalesAt + 8 * j));
-        const __m256 mj =
-            _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p] + kMinOffset))),
-                          bytes_ps(t[p] + kMinsAt + 8 * j));
+        for (int p = 0; p < 2; ++p) {
+          const __m256 dj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p]))),
+                                          bytes_ps(t[p] + kScalesAt + 8 * j));
+          const __m256 mj =
+              _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p] + kMinOffset))),
+                            bytes_ps(t[p] + kMinsAt + 8 * j));
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m][p]));
-          __m256 sum = _mm256_load_ps(acc[m][p]);
-          sum = _mm256_fmadd_ps(dot, _mm256_mul_ps(dj, _mm256_set1_ps(ad[m * nb + b * kSubs + j])), sum);
-          sum = _mm256_fnmadd_ps(mj, _mm256_set1_ps(as[m * nb + b * kSubs + j]), sum);
-          _mm256_store_ps(acc[m][p], sum);
+          for (int m = 0; m < M; ++m) {
+            const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m][p]));
+            __m256 sum = _mm256_load_ps(acc[m][p]);
+            sum = _mm256_fmadd_ps(dot, _mm256_mul_ps(dj, _mm256_set1_ps(ad[m * nb + b * kSubs + j])), sum);
+            sum = _mm256_fnmadd_ps(mj, _mm256_set1_ps(as[m * nb + b * kSubs + j]), sum);
+            _mm256_store_ps(acc[m][p], sum);
+          }
         }
+        asm volatile("" ::: "memory");  // keeps acc in memory (see above)
       }
-      asm volatile("" ::: "memory");  // keeps acc in memory (see above)
     }
   }
   for (int p = 0; p < 2; ++p) {
