@@ -18,11 +18,16 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
   cached bf16 weights (what a bf16 checkpoint runs) and the fp32 prompt-row path (`exact_rows`);
 - `amx_int8` (CPUs with AMX-INT8 only): a SmolLM2-shaped linear pair (576 -> 1536, 1536 -> 576) in
   Q4_1r8 and Q8_0r8 at 1 to 128 int8 rows, 1 and 2 threads, the AMX-INT8 tiles (`PAGEDSERVE_INT8_AMX=all`) against the
-  VNNI kernel (`=0`): the same bits (tests/ops/test_quant_int8_amx.py). `--amx-int8-only` runs just this.
+  VNNI kernel (`=0`): the same bits (tests/ops/test_quant_int8_amx.py). `--amx-int8-only` runs just this;
+- `format_rows`: each r8 format of `--formats` (the K-quants too) at `--format-rows` rows on one thread, a
+  real-size weight (`--n` x `--k`, 4096 x 2048) held in cache, timed in the thread's CPU time (another
+  process's load slows it little): GMAC/s, the arithmetic's rate where a batch of 32 is compute-bound.
+  `--format-rows-only` runs just this (run it in two checkouts to compare kernels).
 
 Prints one JSON object per line.
 
     .venv/bin/python benchmarks/kernels/quant_rows_bench.py [--iters 300] [--amx-int8-only]
+    .venv/bin/python benchmarks/kernels/quant_rows_bench.py --format-rows-only [--formats Q4_K,Q6_K,Q4_0,Q8_0]
 """
 
 from __future__ import annotations
@@ -57,10 +62,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=300)
     parser.add_argument("--amx-int8-only", action="store_true", help="only the AMX-INT8 against VNNI lines")
+    parser.add_argument("--format-rows-only", action="store_true", help="only the per-format GMAC/s lines")
+    parser.add_argument("--formats", default="Q4_K,Q6_K,Q4_0,Q8_0", help="format_rows: r8 formats by base name")
+    parser.add_argument("--format-rows", default="1,4,32", help="format_rows: row counts")
+    parser.add_argument("--n", type=int, default=4096, help="format_rows: the weight's rows")
+    parser.add_argument("--k", type=int, default=2048, help="format_rows: the weight's columns")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
+    rows_list = [int(r) for r in args.format_rows.split(",")]
     if args.amx_int8_only:
         amx_int8_rows(gen, max(20, args.iters // 3))
+        return
+    if args.format_rows_only:
+        format_rows(args.formats.split(","), rows_list, args.n, args.k)
         return
     raw_layer = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for n, k in SHAPES]
     raw_model = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for _ in range(LAYERS) for n, k in SHAPES]
@@ -138,6 +152,33 @@ def main() -> None:
     if oq.amx_bf16():
         amx_rows(layer["r8"], gen, max(5, args.iters // 30))
     amx_int8_rows(gen, max(20, args.iters // 3))
+    format_rows(args.formats.split(","), rows_list, args.n, args.k)
+
+
+def format_rows(formats: list[str], rows_list: list[int], n: int, k: int, rounds: int = 5, calls: int = 4) -> None:
+    """Per r8 format and row count: the best of `rounds` runs of `calls` passes through one cached
+    [n, k] weight on one thread, in GMAC/s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in formats:
+            gen = torch.Generator().manual_seed(0)
+            base = oq.FORMATS[name]
+            w, fmt = oq.interleave(rq.quantize(torch.randn(n, k, generator=gen) * 0.05, base.type_id), base)
+            for rows in rows_list:
+                x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
+                oq.quant_linear(x, w, fmt, per_row=True, checked=True, out=out)  # warm the cache and the kernel
+                best = float("inf")
+                for _ in range(rounds):
+                    start = time.thread_time()
+                    for _ in range(calls):
+                        oq.quant_linear(x, w, fmt, per_row=True, checked=True, out=out)
+                    best = min(best, time.thread_time() - start)
+                print(json.dumps({"bench": "format_rows", "format": name, "layout": fmt.name, "rows": rows, "n": n,
+                                  "k": k, "threads": 1, "gmac_s": round(rows * n * k * calls / best / 1e9, 2)}),
+                      flush=True)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def amx_int8_rows(gen: torch.Generator, iters: int) -> None:
