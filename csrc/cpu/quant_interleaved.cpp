@@ -28,6 +28,7 @@
 #include "prefetch.h"
 #include "quant_blocks.h"
 #include "quant_int8_amx.h"
+#include "r8_asm.h"
 #include "quant_interleaved.h"
 #include "quant_interleaved_q5q8.h"
 #include "quant_interleaved_k.h"
@@ -145,6 +146,13 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
     __m256i sums[M][2];
     for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
     const int8_t* a = q + b * kBlock;
+#if defined(PAGEDSERVE_R8_ASM_M4)
+    if constexpr (M == 4) {  // the same sums, scheduled by hand (r8_asm.h)
+      const int8_t* const rows[4] = {a, a + k_len, a + 2 * k_len, a + 3 * k_len};
+      pair_sums_m4<Sweep::kQ4_0>(t[0] + quants_offset<F>(), t[1] + quants_offset<F>(), rows, sums);
+    } else
+#endif
+    {
 #pragma GCC unroll 1
     for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 2
@@ -161,6 +169,7 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
           sums[m][1] = accumulate(sums[m][1], wq[1], av);
         }
       }
+    }
     }
     for (int p = 0; p < 2; ++p) {
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p])));

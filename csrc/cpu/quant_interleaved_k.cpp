@@ -39,6 +39,7 @@
 #include "parallel.h"
 #include "prefetch.h"
 #include "quant_blocks.h"
+#include "r8_asm.h"
 #include "r8_lanes.h"
 #include "row_passes.h"
 
@@ -187,6 +188,18 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
         __m256i sums[M][2];
         for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
         const int8_t* a = q + b * kSuperBlock + kBlock * j;
+#if defined(PAGEDSERVE_R8_ASM_M4)
+        if constexpr (M == 4) {  // the same sums, scheduled by hand (r8_asm.h)
+          const int8_t* const rows[4] = {a, a + k_len, a + 2 * k_len, a + 3 * k_len};
+          const uint8_t* w0 = t[0] + kQuantsAt + 256 * c;
+          const uint8_t* w1 = t[1] + kQuantsAt + 256 * c;
+          if (h)
+            pair_sums_m4<Sweep::kHigh8>(w0, w1, rows, sums);
+          else
+            pair_sums_m4<Sweep::kLow8>(w0, w1, rows, sums);
+        } else
+#endif
+        {
 #pragma GCC unroll 2
         for (int i = 0; i < 8; ++i) {
           __m256i wq[2];
@@ -201,6 +214,7 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
             sums[m][0] = accumulate(sums[m][0], wq[0], av);
             sums[m][1] = accumulate(sums[m][1], wq[1], av);
           }
+        }
         }
         for (int p = 0; p < 2; ++p) {
           const __m256 dj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p]))),
@@ -450,6 +464,20 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
         __m256i sums[M][2];
         for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
         const int8_t* a = q + b * kSuperBlock + kBlock * s;
+#if defined(PAGEDSERVE_R8_ASM_M4)
+        if constexpr (M == 4) {  // the same sums, scheduled by hand (r8_asm.h)
+          const int8_t* const rows[4] = {a + 16 * half, a + 16 * half + k_len, a + 16 * half + 2 * k_len,
+                                         a + 16 * half + 3 * k_len};
+          const int64_t at = 128 * half;
+          const uint8_t *l0 = t[0] + low + at, *h0 = t[0] + high + at, *l1 = t[1] + low + at, *h1 = t[1] + high + at;
+          switch (gs) {
+            case 0: q6_pair_sums_m4<0, 0>(l0, h0, l1, h1, rows, sums); break;
+            case 1: q6_pair_sums_m4<0, 2>(l0, h0, l1, h1, rows, sums); break;
+            case 2: q6_pair_sums_m4<4, 4>(l0, h0, l1, h1, rows, sums); break;
+            default: q6_pair_sums_m4<4, 6>(l0, h0, l1, h1, rows, sums); break;
+          }
+        } else
+#endif
 #pragma GCC unroll 2
         for (int i = 4 * half; i < 4 * half + 4; ++i) {
           __m256i u[2];
