@@ -3,12 +3,11 @@
 //
 // The sweep that feeds a batch of rows is `vpmaddubsw` + `vpaddw` per row, group and chunk. GCC's
 // schedule of those intrinsics keeps an accumulator or the nibble mask on the stack and copies
-// between registers, and reaches about 0.7 multiply-adds a cycle on a Zen 3 (the core issues two);
-// written out, the eight int16 sums, the two groups' nibbles, the mask and one broadcast stay in
-// registers. The loop is kept short (two chunks a turn, one index register) so that it runs from
-// the decoded-op cache: fully unrolled, the same instructions ran 15% slower or faster with where
-// the compiler happened to place them. The integer sums are the same in any order, so every output
-// bit is the intrinsics'.
+// between registers, well short of the two multiply-adds a cycle the core issues; written out, the
+// eight int16 sums, the two groups' nibbles, the mask and one broadcast stay in registers. The loop
+// is kept short (two chunks a turn, one index register) so that it runs from the decoded-op cache:
+// fully unrolled, its speed depended on where the compiler placed the code (docs/results-log.md).
+// The integer sums are the same in any order, so every output bit is the intrinsics'.
 #pragma once
 
 #include <immintrin.h>
