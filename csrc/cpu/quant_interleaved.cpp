@@ -154,22 +154,23 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
 #endif
     {
 #pragma GCC unroll 1
-    for (int h = 0; h < 2; ++h) {
+      for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 2
-      for (int j = 0; j < 4; ++j) {
-        __m256i wq[2];
-        for (int p = 0; p < 2; ++p) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + quants_offset<F>() + 32 * j));
-          wq[p] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, nibble);
-        }
+        for (int j = 0; j < 4; ++j) {
+          __m256i wq[2];
+          for (int p = 0; p < 2; ++p) {
+            const __m256i raw =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + quants_offset<F>() + 32 * j));
+            wq[p] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, nibble);
+          }
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          const __m256i av = broadcast4(a + m * k_len + kBlock / 2 * h + 4 * j);
-          sums[m][0] = accumulate(sums[m][0], wq[0], av);
-          sums[m][1] = accumulate(sums[m][1], wq[1], av);
+          for (int m = 0; m < M; ++m) {
+            const __m256i av = broadcast4(a + m * k_len + kBlock / 2 * h + 4 * j);
+            sums[m][0] = accumulate(sums[m][0], wq[0], av);
+            sums[m][1] = accumulate(sums[m][1], wq[1], av);
+          }
         }
       }
-    }
     }
     for (int p = 0; p < 2; ++p) {
       const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p])));

@@ -201,20 +201,20 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
 #endif
         {
 #pragma GCC unroll 2
-        for (int i = 0; i < 8; ++i) {
-          __m256i wq[2];
-          for (int p = 0; p < 2; ++p) {
-            const __m256i raw =
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + kQuantsAt + 256 * c + 32 * i));
-            wq[p] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, nibble);
-          }
+          for (int i = 0; i < 8; ++i) {
+            __m256i wq[2];
+            for (int p = 0; p < 2; ++p) {
+              const __m256i raw =
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + kQuantsAt + 256 * c + 32 * i));
+              wq[p] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, nibble);
+            }
 #pragma GCC unroll 4
-          for (int m = 0; m < M; ++m) {
-            const __m256i av = broadcast4(a + m * k_len + 4 * i);
-            sums[m][0] = accumulate(sums[m][0], wq[0], av);
-            sums[m][1] = accumulate(sums[m][1], wq[1], av);
+            for (int m = 0; m < M; ++m) {
+              const __m256i av = broadcast4(a + m * k_len + 4 * i);
+              sums[m][0] = accumulate(sums[m][0], wq[0], av);
+              sums[m][1] = accumulate(sums[m][1], wq[1], av);
+            }
           }
-        }
         }
         for (int p = 0; p < 2; ++p) {
           const __m256 dj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p]))),

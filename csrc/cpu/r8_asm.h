@@ -151,7 +151,6 @@ inline void q6_pair_sums_m4(const uint8_t* low0, const uint8_t* high0, const uin
 #undef PS_R8_SHIFT_LS
 #undef PS_R8_SHIFT_HS
 #undef PS_R8_Q6_ROW
-#undef PS_R8_Q6_ROWS
 #undef PS_R8_Q6_TURN
 #undef PS_R8_Q6_ASM
 
