@@ -192,12 +192,22 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& fn, bool openmp = false)
 
 // Rows per chunk for row-wise work of `row_elems` elements each: whole rows, at least
 // `min_elems` elements per chunk (below that a second thread costs more than it saves), and
-// otherwise about eight chunks per thread (small chunks: a helper preempted mid-chunk delays
-// the caller by little).
-inline int64_t row_chunk(int64_t rows, int64_t row_elems, int64_t min_elems) {
+// otherwise about `per_thread` chunks per thread (small chunks: a helper preempted mid-chunk
+// delays the caller by little).
+inline int64_t row_chunk(int64_t rows, int64_t row_elems, int64_t min_elems, int64_t per_thread = 8) {
   const int64_t floor_rows = std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
-  const int64_t spread = (rows + 8 * at::get_num_threads() - 1) / (8 * at::get_num_threads());
+  const int64_t parts = per_thread * at::get_num_threads();
+  const int64_t spread = (rows + parts - 1) / parts;
   return std::max(floor_rows, spread);
 }
+
+// Chunks per thread for a pass that streams its weights once (a one-row GEMV): each chunk starts a
+// new stream that the prefetchers must pick up again, so such a pass takes fewer, longer chunks than
+// row_chunk's default, at the cost of a longer wait when a helper is preempted mid-chunk.
+constexpr int64_t kStreamChunksPerThread = 2;
+
+// Chunks per thread for an `m_len`-row pass over weights: kStreamChunksPerThread for one row, else
+// row_chunk's default.
+inline int64_t weight_chunks_per_thread(int64_t m_len) { return m_len == 1 ? kStreamChunksPerThread : 8; }
 
 }  // namespace pagedserve::cpu

@@ -363,8 +363,9 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   const int64_t tile_rows = act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
   amx_int8::PackedRows packed;
   if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
-  // Chunks of at least ~64 KiB of packed weights, about eight per thread (whole pairs for the tiles).
-  int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
+  // Chunks of at least ~64 KiB of packed weights, about eight per thread, two for one row
+  // (weight_chunks_per_thread; whole pairs for the tiles).
+  int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024, weight_chunks_per_thread(m_len));
   if (tile_rows) chunk += chunk % 2;
   if (exact) chunk = panels::whole_panels(chunk);
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {

@@ -696,7 +696,8 @@ void interleaved_k_linear(const at::Tensor& out, const at::Tensor& x, const uint
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
   if (act && q6) act->add_half_sums();
-  int64_t chunk = row_chunk(groups, nsb * (q6 ? kQ6TileBytes : kTileBytes), 64 * 1024);
+  int64_t chunk = row_chunk(groups, nsb * (q6 ? kQ6TileBytes : kTileBytes), 64 * 1024,
+                            weight_chunks_per_thread(m_len));
   if (exact) chunk = panels::whole_panels(chunk);
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {

@@ -351,7 +351,7 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   const int64_t tile_rows = F == kQuantQ8_0 && act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
   amx_int8::PackedRows packed;
   if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
-  int64_t chunk = row_chunk(groups, nb * kTileBytes<F>, 64 * 1024);
+  int64_t chunk = row_chunk(groups, nb * kTileBytes<F>, 64 * 1024, weight_chunks_per_thread(m_len));
   if (tile_rows) chunk += chunk % 2;
   if (exact) chunk = panels::whole_panels(chunk);
   parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
