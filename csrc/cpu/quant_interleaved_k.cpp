@@ -23,6 +23,10 @@
 // half-block sums): per 16 weights acc += isum * ((d sc) a), acc -= (d sc) (32 h) (h = a * sum of quants).
 // Integer sums in int32 (maddubs pairs widened at once on AVX2: 8 products of 63 x 127 would overflow int16).
 //
+// A batch of several four-row passes on AVX2 runs one group pair at a time through all of them: the pair's
+// fp32 sub-block scales (and for Q6_Kr8 its quants unpacked to bytes) are computed once and shared, the
+// same values every pass would compute, so the bits do not change.
+//
 // fp32 activations (exact rows) and dequantization rebuild the group's eight GGUF rows and dequantize
 // them with the GGUF-order code (quant_blocks.h: dequant_block, the same values as Q4_K's / Q6_K's);
 // the exact rows then run the fp32 panel kernel (fp32_panels.h).
@@ -164,13 +168,83 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
 
 #if defined(__AVX2__) && !defined(PAGEDSERVE_R8K_ZMM)
 #define PAGEDSERVE_R8K_YMM_PAIR 1
+// Sub-block j's eight scales d sc_j and mins dmin m_j of Q4_Kr8 tile `tile`, in fp32.
+inline void q4k_scales(const uint8_t* tile, int j, __m256& dj, __m256& mj) {
+  dj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile))),
+                     bytes_ps(tile + kScalesAt + 8 * j));
+  mj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kMinOffset))),
+                     bytes_ps(tile + kMinsAt + 8 * j));
+}
+
+// Groups g and g + 1's q4k_scales for every block and sub-block, once for all of a step's row passes:
+// out[8 * (4 * (b * 8 + j) + 2 * p + {0: scale, 1: min})]. nsb * 256 floats.
+inline void q4k_pair_scales(const uint8_t* w, int64_t nsb, int64_t g, float* out) {
+  for (int64_t b = 0; b < nsb; ++b)
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* tile = w + (g + p) * nsb * kTileBytes + b * kTileBytes;
+      for (int j = 0; j < kSubs; ++j) {
+        __m256 dj, mj;
+        q4k_scales(tile, j, dj, mj);
+        _mm256_storeu_ps(out + kRows * (4 * (b * kSubs + j) + 2 * p), dj);
+        _mm256_storeu_ps(out + kRows * (4 * (b * kSubs + j) + 2 * p + 1), mj);
+      }
+    }
+}
+
+// The eight scales d sc of Q6_Kr8 tile `tile`'s sub-block s, 16-weight half `half`, in fp32.
+inline __m256 q6_scales(const uint8_t* tile, int s, int half) {
+  const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+  const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 8 * (2 * s + half)));
+  return _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+}
+
+// Groups g and g + 1's q6_scales for every block, sub-block s and half, once for all of a step's row
+// passes: out[8 * (2 * (b * 16 + 2 * s + half) + p)]. nsb * 256 floats.
+inline void q6_pair_scales(const uint8_t* w, int64_t nsb, int64_t g, float* out) {
+  for (int64_t b = 0; b < nsb; ++b)
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* tile = w + (g + p) * nsb * kQ6TileBytes + b * kQ6TileBytes;
+      for (int s = 0; s < kSubs; ++s)
+        for (int half = 0; half < 2; ++half)
+          _mm256_storeu_ps(out + kRows * (2 * (b * 2 * kSubs + 2 * s + half) + p), q6_scales(tile, s, half));
+    }
+}
+
+// Q6_Kr8 chunk i (of 8) of sub-block s's quants in tile `tile`, as bytes 0..63.
+inline __m256i q6_chunk_bytes(const uint8_t* tile, int s, int i) {
+  const int h = s / 4, gs = s % 4;
+  const __m256i lraw = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(tile + kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)) + 32 * i));
+  const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kQ6HighAt + 32 * (8 * h) + 32 * i));
+  return _mm256_or_si256(
+      _mm256_and_si256(shift_right16(lraw, 4 * (gs / 2)), _mm256_set1_epi8(0x0F)),
+      _mm256_slli_epi16(_mm256_and_si256(shift_right16(hraw, 2 * gs), _mm256_set1_epi8(3)), 4));
+}
+
+// Groups g and g + 1's Q6_Kr8 quants as bytes, unpacked once for all of a step's row passes:
+// chunk 4 half + i of sub-block s, group p at out + 256 * (b * 16 + 2 * s + half) + 128 * p + 32 * i.
+// nsb * 4096 bytes.
+inline void q6_expand_pair(const uint8_t* w, int64_t nsb, int64_t g, uint8_t* out) {
+  for (int64_t b = 0; b < nsb; ++b)
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* tile = w + (g + p) * nsb * kQ6TileBytes + b * kQ6TileBytes;
+      for (int s = 0; s < kSubs; ++s)
+        for (int i = 0; i < 8; ++i)
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(out + 256 * (b * 2 * kSubs + 2 * s + i / 4) + 128 * p + 32 * (i % 4)),
+              q6_chunk_bytes(tile, s, i));
+    }
+}
 // Groups g and g + 1 in one sweep of 256-bit registers, one sub-block at a time: each activation
 // broadcast (a load and a shuffle, dearer than the multiply-add it feeds on AMD cores) serves both
 // groups' chunks, half as many per product as the one-group pass below. Integer sums are exact in
 // any order, and every row's fp32 operations are the one-group pass's, in its order (the same bits).
+//
+// `scales`: the pair's sub-block scales and mins as q4k_pair_scales wrote them (the same fp32 values this
+// pass would compute), or null to compute them here.
 template <int M>
 void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int64_t nsb, const uint8_t* w,
-                         const float* bias, float* out, int64_t ldo, int64_t g) {
+                         const float* bias, float* out, int64_t ldo, int64_t g, const float* scales = nullptr) {
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
   const uint8_t* tiles[2] = {w + g * nsb * kTileBytes, w + (g + 1) * nsb * kTileBytes};
   // The fp32 sums live in memory, touched once per sub-block: held in registers across the integer
@@ -217,11 +291,13 @@ void int8_group_pair_ymm(const int8_t* q, const float* ad, const float* as, int6
           }
         }
         for (int p = 0; p < 2; ++p) {
-          const __m256 dj = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p]))),
-                                          bytes_ps(t[p] + kScalesAt + 8 * j));
-          const __m256 mj =
-              _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p] + kMinOffset))),
-                            bytes_ps(t[p] + kMinsAt + 8 * j));
+          __m256 dj, mj;
+          if (scales != nullptr) {
+            dj = _mm256_loadu_ps(scales + kRows * (4 * (b * kSubs + j) + 2 * p));
+            mj = _mm256_loadu_ps(scales + kRows * (4 * (b * kSubs + j) + 2 * p + 1));
+          } else {
+            q4k_scales(t[p], j, dj, mj);
+          }
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m) {
             const __m256 dot = _mm256_cvtepi32_ps(lanes_to_int32(sums[m][p]));
@@ -447,7 +523,8 @@ inline void q6_row_sums(const uint8_t* tile, const int8_t* a, __m256i* sums) {
 // one-group pass.
 template <int M>
 void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
-                            const float* bias, float* out, int64_t ldo, int64_t g) {
+                            const float* bias, float* out, int64_t ldo, int64_t g, const float* scales = nullptr,
+                            const uint8_t* expanded = nullptr) {
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
   const uint8_t* tiles[2] = {w + g * nsb * kQ6TileBytes, w + (g + 1) * nsb * kQ6TileBytes};
   alignas(32) float acc[M][2][kRows] = {};
@@ -464,17 +541,23 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
         __m256i sums[M][2];
         for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
         const int8_t* a = q + b * kSuperBlock + kBlock * s;
+        const uint8_t* bytes = expanded != nullptr ? expanded + 256 * (b * 2 * kSubs + 2 * s + half) : nullptr;
 #if defined(PAGEDSERVE_R8_ASM_M4)
         if constexpr (M == 4) {  // the same sums, scheduled by hand (r8_asm.h)
           const int8_t* const rows[4] = {a + 16 * half, a + 16 * half + k_len, a + 16 * half + 2 * k_len,
                                          a + 16 * half + 3 * k_len};
-          const int64_t at = 128 * half;
-          const uint8_t *l0 = t[0] + low + at, *h0 = t[0] + high + at, *l1 = t[1] + low + at, *h1 = t[1] + high + at;
-          switch (gs) {
-            case 0: q6_pair_sums_m4<0, 0>(l0, h0, l1, h1, rows, sums); break;
-            case 1: q6_pair_sums_m4<0, 2>(l0, h0, l1, h1, rows, sums); break;
-            case 2: q6_pair_sums_m4<4, 4>(l0, h0, l1, h1, rows, sums); break;
-            default: q6_pair_sums_m4<4, 6>(l0, h0, l1, h1, rows, sums); break;
+          if (bytes != nullptr) {
+            q6_pair_sums_m4_expanded(bytes, bytes + 128, rows, sums);
+          } else {
+            const int64_t at = 128 * half;
+            const uint8_t *l0 = t[0] + low + at, *h0 = t[0] + high + at, *l1 = t[1] + low + at,
+                          *h1 = t[1] + high + at;
+            switch (gs) {
+              case 0: q6_pair_sums_m4<0, 0>(l0, h0, l1, h1, rows, sums); break;
+              case 1: q6_pair_sums_m4<0, 2>(l0, h0, l1, h1, rows, sums); break;
+              case 2: q6_pair_sums_m4<4, 4>(l0, h0, l1, h1, rows, sums); break;
+              default: q6_pair_sums_m4<4, 6>(l0, h0, l1, h1, rows, sums); break;
+            }
           }
         } else
 #endif
@@ -482,6 +565,10 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
         for (int i = 4 * half; i < 4 * half + 4; ++i) {
           __m256i u[2];
           for (int p = 0; p < 2; ++p) {
+            if (bytes != nullptr) {
+              u[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 128 * p + 32 * (i % 4)));
+              continue;
+            }
             const __m256i lraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + low + 32 * i));
             const __m256i hraw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[p] + high + 32 * i));
             u[p] = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi16(lraw, low_shift), nibble),
@@ -495,10 +582,9 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
           }
         }
         for (int p = 0; p < 2; ++p) {
-          const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p])));
-          const __m128i sc8 =
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t[p] + kQ6ScalesAt + 8 * (2 * s + half)));
-          const __m256 dj = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+          const __m256 dj = scales != nullptr
+                                ? _mm256_loadu_ps(scales + kRows * (2 * (b * 2 * kSubs + 2 * s + half) + p))
+                                : q6_scales(t[p], s, half);
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m) {
             const int64_t at = m * nb + b * kSubs + s;
@@ -629,17 +715,57 @@ void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t n
 void int8_chunk(int64_t format, const at::Tensor& out, const ActPlanes& act, int64_t m_len, int64_t nsb,
                 const uint8_t* w, const float* bias, int64_t g_begin, int64_t g_end) {
   const int64_t nb = act.nb, ldo = out.stride(0);
-  for_row_passes<false>(m_len, [&](auto rows, int64_t row0) {
-    constexpr int M = decltype(rows)::value;
-    const int8_t* q = act.q.data() + row0 * nb * kBlock;
-    float* o = out.data_ptr<float>() + row0 * ldo;
-    if (format == kQuantQ6_KR8) {
-      int8_groups_q6<M>(q, act.d.data() + row0 * nb, act.h.data() + row0 * 2 * nb, nsb, w, bias, o, ldo, g_begin,
-                        g_end);
-    } else {
-      int8_groups<M>(q, act.d.data() + row0 * nb, act.s.data() + row0 * nb, nsb, w, bias, o, ldo, g_begin, g_end);
+  const bool q6 = format == kQuantQ6_KR8;
+  // Every row pass over groups [g0, g1); `scales`: the pair g0, g0 + 1's table (then g1 = g0 + 2).
+  const auto passes = [&](int64_t g0, int64_t g1, [[maybe_unused]] const float* scales,
+                          [[maybe_unused]] const uint8_t* expanded) {
+    for_row_passes<false>(m_len, [&](auto rows, int64_t row0) {
+      constexpr int M = decltype(rows)::value;
+      const int8_t* q = act.q.data() + row0 * nb * kBlock;
+      const float* ad = act.d.data() + row0 * nb;
+      float* o = out.data_ptr<float>() + row0 * ldo;
+#if defined(PAGEDSERVE_R8K_YMM_PAIR)
+      if constexpr (M > 1) {
+        if (scales != nullptr) {
+          if (q6)
+            int8_group_pair_q6_ymm<M>(q, ad, act.h.data() + row0 * 2 * nb, nsb, w, bias, o, ldo, g0, scales,
+                                      expanded);
+          else
+            int8_group_pair_ymm<M>(q, ad, act.s.data() + row0 * nb, nsb, w, bias, o, ldo, g0, scales);
+          return;
+        }
+      }
+#endif
+      if (q6)
+        int8_groups_q6<M>(q, ad, act.h.data() + row0 * 2 * nb, nsb, w, bias, o, ldo, g0, g1);
+      else
+        int8_groups<M>(q, ad, act.s.data() + row0 * nb, nsb, w, bias, o, ldo, g0, g1);
+    });
+  };
+#if defined(PAGEDSERVE_R8K_YMM_PAIR)
+  // Several row passes: one group pair at a time, its scales computed once for all of them (the same
+  // fp32 values each pass would compute), Q6_K's quants unpacked to bytes once (the same integers; Q4_K's
+  // nibbles cost the sweep less than reading twice the bytes would), its tiles kept in cache across them.
+  if (m_len > 4) {
+    thread_local std::vector<float> table;
+    thread_local std::vector<uint8_t> bytes;
+    table.resize(nsb * 256);
+    if (q6) bytes.resize(nsb * 4096);
+    int64_t g = g_begin;
+    for (; g + 1 < g_end; g += 2) {
+      if (q6) {
+        q6_pair_scales(w, nsb, g, table.data());
+        q6_expand_pair(w, nsb, g, bytes.data());
+      } else {
+        q4k_pair_scales(w, nsb, g, table.data());
+      }
+      passes(g, g + 2, table.data(), q6 ? bytes.data() : nullptr);
     }
-  });
+    if (g < g_end) passes(g, g_end, nullptr, nullptr);
+    return;
+  }
+#endif
+  passes(g_begin, g_end, nullptr, nullptr);
 }
 
 // Rows [0, m_len) of x with fp32 activations over groups [g_begin, g_end): each group's GGUF rows

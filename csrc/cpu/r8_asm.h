@@ -146,6 +146,29 @@ inline void q6_pair_sums_m4(const uint8_t* low0, const uint8_t* high0, const uin
   }
 }
 
+// sums[m][p] += group p's four Q6_Kr8 chunks already expanded to bytes (q6_expand_pair in
+// quant_interleaved_k.cpp: four chunks of 32 at w_p) against row m's 16 activation quants at a[m]: the
+// sweep above without its unpacking, which a batch of row passes does once per group pair.
+inline void q6_pair_sums_m4_expanded(const uint8_t* w0, const uint8_t* w1, const int8_t* const (&a)[4],
+                                     __m256i (&sums)[4][2]) {
+  int64_t x;
+  __asm__(PS_R8_LOOP("vmovdqu (%[w0], %[x], 8), %%ymm8\n\t"
+                     "vmovdqu (%[w1], %[x], 8), %%ymm9\n\t"
+                     "vmovdqu 32(%[w0], %[x], 8), %%ymm10\n\t"
+                     "vmovdqu 32(%[w1], %[x], 8), %%ymm11\n\t"
+                     PS_R8_Q6_ROW(a0, s00, s01) PS_R8_Q6_ROW(a1, s10, s11) PS_R8_Q6_ROW(a2, s20, s21)
+                     PS_R8_Q6_ROW(a3, s30, s31), 16)
+          : [s00] "+x"(sums[0][0]), [s01] "+x"(sums[0][1]), [s10] "+x"(sums[1][0]), [s11] "+x"(sums[1][1]),
+            [s20] "+x"(sums[2][0]), [s21] "+x"(sums[2][1]), [s30] "+x"(sums[3][0]), [s31] "+x"(sums[3][1]),
+            [x] "=&r"(x)
+          : [w0] "r"(w0), [w1] "r"(w1), [a0] "r"(a[0]), [a1] "r"(a[1]), [a2] "r"(a[2]), [a3] "r"(a[3]),
+            [ones] "m"(kQ6Consts[2]), "m"(*reinterpret_cast<const uint8_t(*)[128]>(w0)),
+            "m"(*reinterpret_cast<const uint8_t(*)[128]>(w1)), "m"(*reinterpret_cast<const int8_t(*)[16]>(a[0])),
+            "m"(*reinterpret_cast<const int8_t(*)[16]>(a[1])), "m"(*reinterpret_cast<const int8_t(*)[16]>(a[2])),
+            "m"(*reinterpret_cast<const int8_t(*)[16]>(a[3]))
+          : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+}
+
 #undef PS_R8_Q6_UNPACK
 #undef PS_R8_SHIFT_NONE
 #undef PS_R8_SHIFT_LS

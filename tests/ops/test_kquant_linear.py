@@ -209,6 +209,25 @@ def test_r8_groups_in_pairs_equal_groups_alone(layout: QuantFormat, m: int) -> N
 
 
 @pytest.mark.parametrize("layout", list(R8_BASE), ids=lambda f: f.name)
+@pytest.mark.parametrize("m", [13, 32, 35])
+def test_r8_every_row_of_a_batch_is_that_row_alone(layout: QuantFormat, m: int) -> None:
+    """A batch of several four-row passes runs one group pair at a time with the pair's scales and
+    unpacked quants shared by every pass (AVX2): every row, in a full pass or the last partial one (1 or
+    3 rows), and every group, the odd last one too (nine groups), is bit for bit that row alone."""
+    n, k = 72, 1536
+    r8, fmt = ops.quant.interleave(_qweight(R8_BASE[layout], n, k, m), R8_BASE[layout])
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen)
+    x[:, 5] *= 30  # an outlier: a coarse activation scale in the first block
+    bias = torch.randn(n, generator=gen)
+    whole = ops.quant_linear(x, r8, fmt, bias)
+    for i in range(m):
+        assert torch.equal(whole[i:i + 1], ops.quant_linear(x[i:i + 1], r8, fmt, bias)), i
+    torch.testing.assert_close(whole, ref.quant_linear(ref.int8_activations(x), r8, fmt.type_id) + bias,
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", list(R8_BASE), ids=lambda f: f.name)
 @pytest.mark.parametrize(("m", "exact"), [(1, 0), (40, 7), (QUANT_GEMV_MAX_ROWS + 40, 0)])
 def test_r8_per_row_entry_keeps_every_count_on_the_kernel(layout: QuantFormat, m: int, exact: int) -> None:
     """`quant_linear(..., per_row=True)` (a MoE expert's grouped rows) on an r8 layout: each row is bit for bit what
