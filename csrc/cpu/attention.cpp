@@ -4,7 +4,8 @@
 // GQA group. Inner loops are `omp simd` so the compiler vectorizes them without -ffast-math.
 // An int8 cache (rows of head_size values and an fp16 scale, kv_quant.h) is dequantized a row at
 // a time into the same fp32 scratch the bf16/fp16 rows are widened into; on AVX-512 blocks of 16
-// tokens of an int8 cache take a register-blocked path instead (block_i8_avx512).
+// tokens of an int8 cache take a register-blocked path instead (block_i8_avx512; on AVX2,
+// block_i8_avx2, for head sizes 64 / 80 / 96 / 128 and any GQA group).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -324,6 +325,154 @@ inline BlockI8 block_i8_kernel(int64_t dim, int64_t group, int64_t block_size) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Eight 8-lane vectors v[0..7] -> one vector whose lane t is the sum of v[t]'s lanes (a tree of
+// horizontal adds, then the two 128-bit halves added).
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// 8 int8 cache values as fp32.
+inline __m256 widen8_ps(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The fp16 scales of rows [t0, t0 + 8) of n int8 rows `rs` apart, as fp32; 0 past n.
+inline __m256 row_scales8(const int8_t* rows, int64_t t0, int64_t n, int64_t rs, int64_t dim) {
+  alignas(16) uint16_t bits[8] = {};
+  for (int64_t t = t0; t < std::min(n, t0 + 8); ++t) std::memcpy(&bits[t - t0], rows + t * rs + dim, sizeof(uint16_t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(bits)));
+}
+
+// The largest / the sum of a vector's eight lanes.
+inline float max_lanes8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float add_lanes8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline __m256 exp8(__m256 x) {
+  vec::Vec v;
+  std::memcpy(&v, &x, sizeof v);
+  v = vec::exp(v);
+  std::memcpy(&x, &v, sizeof v);
+  return x;
+}
+
+// One block (n <= 16 tokens) of an int8 cache for HG <= 4 heads of a GQA group, head size 8 * NV, in
+// 256-bit registers: each K row is widened once for the HG heads, TT rows at a time (TT * HG independent
+// FMA chains); the dot products' partial vectors are reduced eight tokens at once (sum_lanes8); the
+// online softmax runs on eight logits per vector; V rows are widened once per J-vector slice of the
+// head, whose HG x J accumulators stay in registers across the block's rows.
+template <int NV, int HG>
+void block_i8_avx2(const float* q, const int8_t* k_rows, const int8_t* v_rows, int64_t n, int64_t rs,
+                   const int8_t* next_k, const int8_t* next_v, float* maxes, float* sums, float* acc) {
+  constexpr int64_t dim = 8 * NV;
+  constexpr int TT = HG == 1 ? 8 : HG == 4 ? 2 : 4;
+  constexpr int J = HG == 1 ? (NV % 8 == 0 ? 8 : NV % 4 == 0 ? 4 : 2) : HG == 2 && NV % 4 == 0 ? 4 : 2;
+  static_assert(NV % J == 0 && 16 % TT == 0, "block_i8_avx2 tiling");
+  const int64_t halves = n > 8 ? 2 : 1;  // eight-token halves of the block holding its rows
+  __m256 part[HG][16];  // per head and token: the dot product's eight partial sums
+  for (int64_t t0 = 0; t0 < 8 * halves; t0 += TT) {
+    const int8_t* kr[TT];
+    for (int tt = 0; tt < TT; ++tt) kr[tt] = k_rows + std::min<int64_t>(t0 + tt, n - 1) * rs;  // past n: masked
+    __m256 a[TT][HG];
+    for (int tt = 0; tt < TT; ++tt)
+      for (int h = 0; h < HG; ++h) a[tt][h] = _mm256_setzero_ps();
+    for (int j = 0; j < NV; ++j)
+      for (int tt = 0; tt < TT; ++tt) {
+        const __m256 kv = widen8_ps(kr[tt] + 8 * j);
+        for (int h = 0; h < HG; ++h) a[tt][h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * dim + 8 * j), kv, a[tt][h]);
+      }
+    for (int tt = 0; tt < TT; ++tt)
+      for (int h = 0; h < HG; ++h) part[h][t0 + tt] = a[tt][h];
+    if (next_k)
+      for (int tt = 0; tt < TT; ++tt) prefetch_rows(next_k + (t0 + tt) * rs, rs);
+  }
+  if (next_k && halves == 1)
+    for (int64_t t = 8; t < 16; ++t) prefetch_rows(next_k + t * rs, rs);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m256 valid[2] = {_mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ),
+                           _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - 8)), _CMP_LT_OQ)};
+  const __m256 k_scales[2] = {row_scales8(k_rows, 0, n, rs, dim), row_scales8(k_rows, 8, n, rs, dim)};
+  const __m256 v_scales[2] = {row_scales8(v_rows, 0, n, rs, dim), row_scales8(v_rows, 8, n, rs, dim)};
+  alignas(32) float weights[HG][16];
+  __m256 alpha[HG];
+  for (int h = 0; h < HG; ++h) {
+    __m256 l[2] = {neg_inf, neg_inf};
+    for (int64_t i = 0; i < halves; ++i)
+      l[i] = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(sum_lanes8(part[h] + 8 * i), k_scales[i]), valid[i]);
+    const float block_max = max_lanes8(_mm256_max_ps(l[0], l[1]));
+    const float new_max = std::max(maxes[h], block_max);
+    alpha[h] = _mm256_set1_ps(1.f);
+    if (new_max > maxes[h]) {
+      const float a = std::exp(maxes[h] - new_max);  // exp(-inf) == 0 on the first block
+      sums[h] *= a;
+      alpha[h] = _mm256_set1_ps(a);
+      maxes[h] = new_max;
+    }
+    const __m256 m = _mm256_set1_ps(new_max);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t i = 0; i < 2; ++i) {
+      const __m256 e = i < halves ? _mm256_and_ps(valid[i], exp8(_mm256_sub_ps(l[i], m))) : _mm256_setzero_ps();
+      total = _mm256_add_ps(total, e);
+      _mm256_store_ps(weights[h] + 8 * i, _mm256_mul_ps(e, v_scales[i]));  // the V rows' scales folded in
+    }
+    sums[h] += add_lanes8(total);
+  }
+  for (int j0 = 0; j0 < NV; j0 += J) {
+    __m256 av[HG][J];
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < J; ++j) av[h][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * dim + 8 * (j0 + j)), alpha[h]);
+    for (int64_t t = 0; t < n; ++t) {
+      const int8_t* v = v_rows + t * rs + 8 * j0;
+      __m256 w[HG];
+      for (int h = 0; h < HG; ++h) w[h] = _mm256_broadcast_ss(&weights[h][t]);
+      for (int j = 0; j < J; ++j) {
+        const __m256 vv = widen8_ps(v + 8 * j);
+        for (int h = 0; h < HG; ++h) av[h][j] = _mm256_fmadd_ps(vv, w[h], av[h][j]);
+      }
+      if (next_v && j0 == 0) prefetch_rows(next_v + t * rs, rs);
+    }
+    for (int h = 0; h < HG; ++h)
+      for (int j = 0; j < J; ++j) _mm256_storeu_ps(acc + h * dim + 8 * (j0 + j), av[h][j]);
+  }
+  if (next_v)
+    for (int64_t t = n; t < 16; ++t) prefetch_rows(next_v + t * rs, rs);
+}
+
+using BlockI8x8 = void (*)(const float*, const int8_t*, const int8_t*, int64_t, int64_t, const int8_t*,
+                           const int8_t*, float*, float*, float*);
+
+template <int NV>
+constexpr BlockI8x8 kBlockI8x8[4] = {&block_i8_avx2<NV, 1>, &block_i8_avx2<NV, 2>, &block_i8_avx2<NV, 3>,
+                                     &block_i8_avx2<NV, 4>};
+
+// The 256-bit register-blocked int8 kernels for this head size (index: heads per call - 1), or null (then
+// the generic loop): blocks of 16 tokens, head size 64, 80, 96 or 128; a group of more than four heads
+// runs four at a time.
+inline const BlockI8x8* block_i8x8_kernels(int64_t dim, int64_t block_size) {
+  if (block_size != 16) return nullptr;
+  switch (dim) {
+    case 64: return kBlockI8x8<8>;
+    case 80: return kBlockI8x8<10>;
+    case 96: return kBlockI8x8<12>;
+    case 128: return kBlockI8x8<16>;
+    default: return nullptr;
+  }
+}
+#define PAGEDSERVE_BLOCK_I8_AVX2 1
+#endif
+
 // T: the query/out dtype; C: the cache element (T, or int8_t for a quantized cache).
 template <typename T, typename C>
 void attend_group(T* out, const T* query, const C* key_cache, const C* value_cache, const int32_t* table,
@@ -349,6 +498,13 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
   [[maybe_unused]] BlockI8 fast = nullptr;
   if constexpr (std::is_same_v<C, int8_t>) fast = block_i8_kernel(dim, group, bs);
 #endif
+#if defined(PAGEDSERVE_BLOCK_I8_AVX2)
+  [[maybe_unused]] const BlockI8x8* fast8 = nullptr;
+  if constexpr (std::is_same_v<C, int8_t>) fast8 = block_i8x8_kernels(dim, bs);
+#if defined(__AVX512F__)
+  if (fast) fast8 = nullptr;
+#endif
+#endif
   for (int64_t b = first_block + 1; b < std::min(num_used, first_block + kPrefetchAhead); ++b) {
     const int64_t first = (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * bs * rs;
     if (table[b] >= 0 && table[b] < s.num_blocks) prefetch_block(key_cache + first, value_cache + first, bs * rs);
@@ -373,6 +529,19 @@ void attend_group(T* out, const T* query, const C* key_cache, const C* value_cac
     if constexpr (std::is_same_v<C, int8_t>) {
       if (fast) {
         fast(q, key_cache + base, value_cache + base, n, rs, next_k, next_v, logits, maxes, sums, acc);
+        continue;
+      }
+    }
+#endif
+#if defined(PAGEDSERVE_BLOCK_I8_AVX2)
+    if constexpr (std::is_same_v<C, int8_t>) {
+      if (fast8) {
+        for (int64_t h0 = 0; h0 < group; h0 += 4) {
+          const bool first = h0 == 0;  // the next block is prefetched once
+          fast8[std::min<int64_t>(4, group - h0) - 1](q + h0 * dim, key_cache + base, value_cache + base, n, rs,
+                                                      first ? next_k : nullptr, first ? next_v : nullptr,
+                                                      maxes + h0, sums + h0, acc + h0 * dim);
+        }
         continue;
       }
     }
