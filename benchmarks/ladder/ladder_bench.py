@@ -6,6 +6,10 @@ machine's measured memory-bandwidth limit. JSON lines.
         --peer-python ~/.cache/pagedserve/peer/llama-cpp-venv/bin/python \\
         [--vllm-venv ~/.cache/pagedserve/peer/vllm-venv] [--vllm-dtype bfloat16] [--parts decode,trace]
 
+``--rungs`` also takes ``config.json`` paths (a Llama, Mistral or Qwen2 decoder's shape, random weights as
+for the ladder's own rungs), and ``--gguf FILE[,FILE]`` runs the decode part on files of one's own (their
+embedded tokenizer unless ``--tokenizer``), so any shape or file is measured the same way.
+
 Per rung (``make_rung.py`` makes its files first, once) and format:
 - ``decode``: ``peer/llama_cpp_engine.py`` on the file, one stream and a batch of 32, rounds
   interleaved with llama.cpp's (pagedserve as ``up`` serves a GGUF: dtype auto, int8 KV);
@@ -33,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ladder.make_rung import make_rung  # noqa: E402
-from benchmarks.ladder.shapes import FORMATS, RUNGS  # noqa: E402
+from benchmarks.ladder.shapes import FORMATS, RUNGS, resolve_rung  # noqa: E402
 
 PARTS = ("decode", "trace")
 
@@ -70,12 +74,13 @@ def _json_lines(out: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def decode(args: argparse.Namespace, gguf_path: str, tokenizer: str) -> list[dict[str, Any]]:
-    """``llama_cpp_engine.py`` on one file: its engine and ratio lines."""
+def decode(args: argparse.Namespace, gguf_path: str, tokenizer: str | None) -> list[dict[str, Any]]:
+    """``llama_cpp_engine.py`` on one file: its engine and ratio lines (`tokenizer` None: the file's own)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "peer" / "llama_cpp_engine.py"), "--gguf", gguf_path,
            "--peer-python", args.peer_python, "--batches", args.batches, "--rounds", str(args.rounds),
-           "--steps", str(args.steps), "--threads", str(args.threads), "--kv-cache-dtype", "int8",
-           "--tokenizer", tokenizer]
+           "--steps", str(args.steps), "--threads", str(args.threads), "--kv-cache-dtype", "int8"]
+    if tokenizer:
+        cmd += ["--tokenizer", tokenizer]
     return _json_lines(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT).stdout)
 
 
@@ -96,9 +101,29 @@ def shares(lines: list[dict[str, Any]], limit_tok_s: float) -> list[dict[str, An
             for line in lines if line.get("part") == "engine" and line.get("batch") == 1]
 
 
+def decode_with_share(args: argparse.Namespace, base: dict[str, Any], gguf_path: str, tokenizer: str | None) -> None:
+    """The decode part of one file, between two reads of the machine's bandwidth: its engine lines,
+    the limit (the higher read over the file's bytes per token) and each one stream's share of it."""
+    before = read_bandwidth(args.threads)
+    lines = decode(args, gguf_path, tokenizer)
+    after = read_bandwidth(args.threads)
+    bandwidth, weights = max(before, after), weight_bytes_per_token(gguf_path)
+    limit = bandwidth / weights
+    print(json.dumps({"part": "bandwidth", **base, "read_gb_s": round(bandwidth / 1e9, 2),
+                      "reads_gb_s": [round(before / 1e9, 2), round(after / 1e9, 2)],
+                      "weight_bytes_per_token": weights, "limit_tok_s": round(limit, 2)}), flush=True)
+    for line in lines:
+        print(json.dumps({**base, **line}), flush=True)
+    for share in shares(lines, limit):
+        print(json.dumps({"part": "share", **base, **share}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rungs", default="smollm2-1.7b", help=f"comma-separated, of {', '.join(RUNGS)}")
+    parser.add_argument("--rungs", default="smollm2-1.7b",
+                        help=f"comma-separated, of {', '.join(RUNGS)} or config.json paths; empty with --gguf")
+    parser.add_argument("--gguf", default="", help="comma-separated GGUF files of one's own: the decode part on each")
+    parser.add_argument("--tokenizer", help="with --gguf: a tokenizer folder (default: each file's own)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--peer-python", required=True, help="python of the llama-cpp venv (setup_llama_cpp.sh)")
@@ -115,24 +140,18 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     formats = [f for f in args.formats.split(",") if f]
-    for name in args.rungs.split(","):
-        rung = RUNGS[name]
+    try:
+        rungs = [resolve_rung(spec) for spec in args.rungs.split(",") if spec]
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    for path in (p for p in args.gguf.split(",") if p):
+        decode_with_share(args, {"file": path}, path, args.tokenizer)
+    for rung in rungs:
         files = make_rung(rung, args.peer_python, formats, seed=0, threads=args.threads, hf="trace" in parts)
         for fmt in formats:
-            base = {"rung": name, "format": fmt, "params": rung.params}
+            base = {"rung": rung.name, "format": fmt, "params": rung.params}
             if "decode" in parts:
-                before = read_bandwidth(args.threads)
-                lines = decode(args, files[fmt], files["tokenizer"])
-                after = read_bandwidth(args.threads)
-                bandwidth, weights = max(before, after), weight_bytes_per_token(files[fmt])
-                limit = bandwidth / weights
-                print(json.dumps({"part": "bandwidth", **base, "read_gb_s": round(bandwidth / 1e9, 2),
-                                  "reads_gb_s": [round(before / 1e9, 2), round(after / 1e9, 2)],
-                                  "weight_bytes_per_token": weights, "limit_tok_s": round(limit, 2)}), flush=True)
-                for line in lines:
-                    print(json.dumps({**base, **line}), flush=True)
-                for share in shares(lines, limit):
-                    print(json.dumps({"part": "share", **base, **share}), flush=True)
+                decode_with_share(args, base, files[fmt], files["tokenizer"])
             if "trace" in parts:
                 for line in trace(args, files["hf"], files[fmt]):
                     print(json.dumps({**base, **{k: v for k, v in line.items() if k != "config"}}), flush=True)

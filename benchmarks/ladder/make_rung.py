@@ -4,6 +4,9 @@ llama.cpp's own quantizations of it, JSON lines.
     .venv/bin/python benchmarks/ladder/make_rung.py --rung smollm2-1.7b \\
         --peer-python ~/.cache/pagedserve/peer/llama-cpp-venv/bin/python [--formats Q4_K_M,Q4_0,Q8_0]
 
+``--rung`` also takes a model's ``config.json`` (a Llama, Mistral or Qwen2 decoder: ``shapes.rung_from_config``),
+for shapes beyond the ladder's four.
+
 Every tensor is drawn from a generator seeded by its name, N(0, 0.02) (norms 1), in fp16, and the
 same values go to both files: the HF folder (fp16 safetensors shards, what vLLM loads in bf16) and
 the F16 GGUF (Q/K rows permuted as llama.cpp's converter permutes a Llama's). The GGUF's tokenizer
@@ -33,7 +36,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ladder.shapes import FORMATS, RUNGS, Rung  # noqa: E402
+from benchmarks.ladder.shapes import FORMATS, RUNGS, Rung, resolve_rung  # noqa: E402
 
 SHARD_BYTES = 2 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
@@ -235,7 +238,7 @@ def make_rung(rung: Rung, peer_python: str | None, formats: list[str], seed: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rung", choices=sorted(RUNGS), required=True)
+    parser.add_argument("--rung", required=True, help=f"one of {', '.join(RUNGS)}, or a config.json path")
     parser.add_argument("--peer-python", help="python of the llama-cpp venv (setup_llama_cpp.sh), for the quantizer")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--seed", type=int, default=0)
@@ -244,9 +247,12 @@ def main() -> None:
     parser.add_argument("--out-root", type=Path, help="default: ${PAGEDSERVE_CACHE:-~/.cache/pagedserve}/ladder")
     args = parser.parse_args()
     formats = [f for f in args.formats.split(",") if f]
-    paths = make_rung(RUNGS[args.rung], args.peer_python, formats, args.seed, args.threads, args.out_root,
-                      hf=not args.no_hf)
-    print(json.dumps({"part": "rung", "rung": args.rung, "params": RUNGS[args.rung].params, "files": paths}))
+    try:
+        rung = resolve_rung(args.rung)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    paths = make_rung(rung, args.peer_python, formats, args.seed, args.threads, args.out_root, hf=not args.no_hf)
+    print(json.dumps({"part": "rung", "rung": rung.name, "params": rung.params, "files": paths}))
 
 
 if __name__ == "__main__":

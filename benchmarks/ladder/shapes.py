@@ -8,7 +8,9 @@ left out: it changes neither the bytes read nor the work per token.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -57,3 +59,45 @@ RUNGS: dict[str, Rung] = {r.name: r for r in (
 
 # What llama.cpp's users download, and what its quantizer makes from the F16 file.
 FORMATS = ("Q4_K_M", "Q4_0", "Q8_0")
+
+# transformers' model_type -> (the architecture the HF folder is written as, llama.cpp's, q/k/v biases).
+# Mistral's converter output is a Llama GGUF; its sliding window (where set) is left out, as RoPE
+# scaling is: at the ladder's 64 + 16 positions it changes no read and no work.
+CONFIG_ARCHS: dict[str, tuple[str, str, bool]] = {
+    "llama": ("llama", "llama", False),
+    "mistral": ("llama", "llama", False),
+    "qwen2": ("qwen2", "qwen2", True),
+}
+
+
+def rung_from_config(path: Path, name: str | None = None) -> Rung:
+    """A rung of any model's shape from its ``config.json`` (a Llama, Mistral or Qwen2 decoder), so
+    the ladder runs shapes beyond its own four; named after the file's folder unless `name`."""
+    config = json.loads(Path(path).read_text())
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_ARCHS:
+        raise ValueError(f"{path}: model_type {model_type!r} is not one the ladder writes "
+                         f"(one of {', '.join(sorted(CONFIG_ARCHS))})")
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = config.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise ValueError(f"{path}: head_dim {head_dim} x {heads} heads != hidden_size {hidden}; "
+                         "the ladder's files have head_dim = hidden_size / heads")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError(f"{path}: attention or MLP biases beyond Qwen2's q/k/v are not written by the ladder")
+    hf_arch, gguf_arch, bias = CONFIG_ARCHS[model_type]
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    shape = _llama(hidden, int(config["intermediate_size"]), int(config["num_hidden_layers"]), heads,
+                   int(config.get("num_key_value_heads") or heads), int(config["vocab_size"]),
+                   bool(config.get("tie_word_embeddings", False)), float(theta),
+                   float(config.get("rms_norm_eps", 1e-6)))
+    return Rung(name or Path(path).resolve().parent.name, hf_arch, gguf_arch, shape, qkv_bias=bias)
+
+
+def resolve_rung(spec: str) -> Rung:
+    """A rung by its ladder name, or from a ``config.json`` path (`rung_from_config`)."""
+    if spec in RUNGS:
+        return RUNGS[spec]
+    if Path(spec).is_file():
+        return rung_from_config(Path(spec))
+    raise ValueError(f"{spec!r} is neither a rung ({', '.join(RUNGS)}) nor a config.json file")
