@@ -24,6 +24,22 @@ namespace {
 constexpr int64_t kLinears = 4;  // per layer: qkv, o, gate_up, down
 constexpr int64_t kNorms = 2;    // per layer: input, post-attention
 
+// out[m][n] += bias[n] on the calling thread: the same one fp32 add per element as `out.add_(bias)`,
+// without ATen's parallel region, which for a batch's rows wakes OpenMP's threads while the kernels'
+// own pool still holds the cores.
+void add_bias_rows(at::Tensor& out, const at::Tensor& bias) {
+  if (out.scalar_type() != at::kFloat || bias.scalar_type() != at::kFloat || !out.is_contiguous() ||
+      !bias.is_contiguous()) {
+    out.add_(bias);
+    return;
+  }
+  const int64_t rows = out.size(0), cols = out.size(1);
+  float* o = out.data_ptr<float>();
+  const float* b = bias.data_ptr<float>();
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t n = 0; n < cols; ++n) o[m * cols + n] += b[n];
+}
+
 c10::optional<at::Tensor> bias_of(const at::Tensor& bias) {
   return bias.numel() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
 }
@@ -182,7 +198,7 @@ at::Tensor llama_decoder(const at::Tensor& hidden, const at::Tensor& residual, c
     std::vector<at::Tensor> parts;  // shards apart, then concatenated, then the bias: QuantLinear.forward
     for (int64_t s = first[index]; s < first[index + 1]; ++s) parts.push_back(shard(index, s, x, c10::nullopt));
     at::Tensor out = at::cat(parts, 1);
-    if (biases[index].numel()) out.add_(biases[index]);
+    if (biases[index].numel()) add_bias_rows(out, biases[index]);
     return out;
   };
   const auto linear = [&](int64_t index, const at::Tensor& x) {
