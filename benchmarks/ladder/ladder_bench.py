@@ -120,8 +120,8 @@ def decode_with_share(args: argparse.Namespace, base: dict[str, Any], gguf_path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rungs", default="smollm2-1.7b",
-                        help=f"comma-separated, of {', '.join(RUNGS)} or config.json paths; empty with --gguf")
+    parser.add_argument("--rungs", help=f"comma-separated, of {', '.join(RUNGS)} or config.json paths "
+                                        "(default: smollm2-1.7b, none with --gguf)")
     parser.add_argument("--gguf", default="", help="comma-separated GGUF files of one's own: the decode part on each")
     parser.add_argument("--tokenizer", help="with --gguf: a tokenizer folder (default: each file's own)")
     parser.add_argument("--formats", default=",".join(FORMATS))
@@ -141,7 +141,8 @@ def main() -> None:
     parts = set(args.parts.split(","))
     formats = [f for f in args.formats.split(",") if f]
     try:
-        rungs = [resolve_rung(spec) for spec in args.rungs.split(",") if spec]
+        specs = args.rungs if args.rungs is not None else ("" if args.gguf else "smollm2-1.7b")
+        rungs = [resolve_rung(spec) for spec in specs.split(",") if spec]
     except ValueError as exc:
         raise SystemExit(str(exc)) from exc
     for path in (p for p in args.gguf.split(",") if p):

@@ -547,7 +547,7 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
           const int8_t* const rows[4] = {a + 16 * half, a + 16 * half + k_len, a + 16 * half + 2 * k_len,
                                          a + 16 * half + 3 * k_len};
           if (bytes != nullptr) {
-            q6_pair_sums_m4_expanded(bytes, bytes + 128, rows, sums);
+            expanded_pair_sums_m4(bytes, bytes + 128, rows, sums);
           } else {
             const int64_t at = 128 * half;
             const uint8_t *l0 = t[0] + low + at, *h0 = t[0] + high + at, *l1 = t[1] + low + at,

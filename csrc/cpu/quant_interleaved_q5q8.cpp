@@ -36,6 +36,7 @@
 #include "prefetch.h"
 #include "quant_blocks.h"
 #include "quant_int8_amx.h"
+#include "r8_asm.h"
 #include "r8_lanes.h"
 #include "row_passes.h"
 
@@ -193,6 +194,93 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, const in
 }
 #endif
 
+#if defined(__AVX2__) && !defined(PAGEDSERVE_R8Q_DOT) && !defined(PAGEDSERVE_R8Q_ZMM)
+#define PAGEDSERVE_R8Q5_PAIR 1
+// A Q5 tile's chunk i (0..7) as bytes 0..31, against activation quants 4i..4i+3: the low (i < 4) or high
+// nibbles of quant chunk i % 4 with their fifth bits (mask i).
+template <int64_t F>
+inline __m256i q5_chunk_bytes(const uint8_t* tile, int i) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + kQuantsAt<F> + 32 * (i % 4)));
+  const __m256i nibbles = _mm256_and_si256(i < 4 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+  return _mm256_or_si256(nibbles, fifth256(tile + kHeadBytes<F> + 4 * i));
+}
+
+// Groups g and g + 1's Q5 quants as bytes, unpacked once for all of a step's row passes: block b's
+// chunks 4h..4h+3 of group g + p at out + 512 b + 256 h + 128 p.
+template <int64_t F>
+void q5_expand_pair(const uint8_t* w, int64_t nb, int64_t g, uint8_t* out) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* tile = w + ((g + p) * nb + b) * kTileBytes<F>;
+      for (int i = 0; i < 8; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 512 * b + 256 * (i / 4) + 128 * p + 32 * (i % 4)),
+                            q5_chunk_bytes<F>(tile, i));
+    }
+}
+
+// Groups g and g + 1 of a Q5 layout from their bytes (q5_expand_pair) on AVX2 without dot products: each
+// activation broadcast serves both groups, and the fifth bits are not rebuilt per row pass. Integer sums
+// are exact in any order and each row's fp32 operations are int8_groups' in its order (the same bits).
+// The fp32 sums live in memory, as in quant_interleaved.cpp's int8_group_pair_ymm.
+template <int64_t F, int M>
+void int8_group_pair_q5(const int8_t* q, const float* ad, const float* as, int64_t nb, const uint8_t* w,
+                        const uint8_t* bytes, const float* bias, float* out, int64_t ldo, int64_t g) {
+  constexpr int64_t tb = kTileBytes<F>;
+  const int64_t k_len = nb * kBlock;
+  const uint8_t* tiles[2] = {w + g * nb * tb, w + (g + 1) * nb * tb};
+  alignas(32) float acc[M][2][kRows] = {}, macc[M][2][kRows] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* u = bytes + 512 * b;
+    const int8_t* a = q + b * kBlock;
+    __m256i sums[M][2];
+    for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+#if defined(PAGEDSERVE_R8_ASM_M4)
+    if constexpr (M == 4) {  // the same sums, scheduled by hand (r8_asm.h)
+      for (int h = 0; h < 2; ++h) {
+        const int8_t* const rows[4] = {a + 16 * h, a + k_len + 16 * h, a + 2 * k_len + 16 * h, a + 3 * k_len + 16 * h};
+        expanded_pair_sums_m4(u + 256 * h, u + 256 * h + 128, rows, sums);
+      }
+    } else
+#endif
+    {
+#pragma GCC unroll 2
+      for (int i = 0; i < 8; ++i) {
+        const uint8_t* chunk = u + 256 * (i / 4) + 32 * (i % 4);
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 128));
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const __m256i av = broadcast4(a + m * k_len + 4 * i);
+          sums[m][0] = accumulate32(sums[m][0], v0, av);
+          sums[m][1] = accumulate32(sums[m][1], v1, av);
+        }
+      }
+    }
+    for (int p = 0; p < 2; ++p) {
+      const uint8_t* tile = tiles[p] + b * tb;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+      const __m256 mw = F == kQuantQ5_1
+                            ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 16)))
+                            : _mm256_mul_ps(dw, _mm256_set1_ps(-16.f));
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        const __m256 dot = _mm256_cvtepi32_ps(sums[m][p]);
+        _mm256_store_ps(acc[m][p], _mm256_fmadd_ps(dot, _mm256_mul_ps(dw, _mm256_set1_ps(ad[m * nb + b])),
+                                                   _mm256_load_ps(acc[m][p])));
+        _mm256_store_ps(macc[m][p], _mm256_fmadd_ps(mw, _mm256_set1_ps(as[m * nb + b]), _mm256_load_ps(macc[m][p])));
+      }
+    }
+    asm volatile("" ::: "memory");  // keeps acc and macc in memory (see above)
+  }
+  for (int p = 0; p < 2; ++p) {
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + (g + p) * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_ps(out + m * ldo + (g + p) * kRows,
+                       _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(acc[m][p]), _mm256_load_ps(macc[m][p])), vb));
+  }
+}
+#endif
+
 // Groups [g_begin, g_end) of out[M][N] from M activation rows (quants q [M][nb * 32], block scales
 // ad, scaled sums as and integer sums qsum [M][nb]).
 template <int64_t F, int M>
@@ -303,6 +391,26 @@ template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, const std::vector<int32_t>& qsum, int64_t m_len,
                 const uint8_t* w, const float* bias, int64_t g_begin, int64_t g_end, int64_t m_begin = 0) {
   const int64_t nb = act.nb, ldo = out.stride(0);
+#if defined(PAGEDSERVE_R8Q5_PAIR)
+  // Several row passes over a Q5 layout: one group pair at a time, its quants unpacked to bytes once for
+  // all of them (the same integers) and its tiles kept in cache across them.
+  if constexpr (kIsQ5<F>) {
+    if (m_len - m_begin > 4) {
+      thread_local std::vector<uint8_t> bytes;
+      bytes.resize(nb * 512);
+      for (; g_begin + 1 < g_end; g_begin += 2) {
+        q5_expand_pair<F>(w, nb, g_begin, bytes.data());
+        for_row_passes<false>(m_len - m_begin, [&](auto rows, int64_t pass_row) {
+          const int64_t row0 = m_begin + pass_row;
+          int8_group_pair_q5<F, decltype(rows)::value>(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb,
+                                                       act.s.data() + row0 * nb, nb, w, bytes.data(), bias,
+                                                       out.data_ptr<float>() + row0 * ldo, ldo, g_begin);
+        });
+      }
+      if (g_begin == g_end) return;
+    }
+  }
+#endif
   for_row_passes<false>(m_len - m_begin, [&](auto rows, int64_t pass_row) {
     const int64_t row0 = m_begin + pass_row;
     int8_groups<F, decltype(rows)::value>(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb,

@@ -146,10 +146,11 @@ inline void q6_pair_sums_m4(const uint8_t* low0, const uint8_t* high0, const uin
   }
 }
 
-// sums[m][p] += group p's four Q6_Kr8 chunks already expanded to bytes (q6_expand_pair in
-// quant_interleaved_k.cpp: four chunks of 32 at w_p) against row m's 16 activation quants at a[m]: the
-// sweep above without its unpacking, which a batch of row passes does once per group pair.
-inline void q6_pair_sums_m4_expanded(const uint8_t* w0, const uint8_t* w1, const int8_t* const (&a)[4],
+// sums[m][p] += group p's four chunks already expanded to bytes of at most 63 (four chunks of 32 at w_p:
+// Q6_Kr8's quants from q6_expand_pair in quant_interleaved_k.cpp, Q5's from q5_expand_pair in
+// quant_interleaved_q5q8.cpp) against row m's 16 activation quants at a[m]: the sweep above without its
+// unpacking, which a batch of row passes does once per group pair.
+inline void expanded_pair_sums_m4(const uint8_t* w0, const uint8_t* w1, const int8_t* const (&a)[4],
                                      __m256i (&sums)[4][2]) {
   int64_t x;
   __asm__(PS_R8_LOOP("vmovdqu (%[w0], %[x], 8), %%ymm8\n\t"
