@@ -195,7 +195,7 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, const in
 #endif
 
 #if defined(__AVX2__) && !defined(PAGEDSERVE_R8Q_DOT) && !defined(PAGEDSERVE_R8Q_ZMM)
-#define PAGEDSERVE_R8Q5_PAIR 1
+#define PAGEDSERVE_R8Q_YMM_PAIR 1
 // A Q5 tile's chunk i (0..7) as bytes 0..31, against activation quants 4i..4i+3: the low (i < 4) or high
 // nibbles of quant chunk i % 4 with their fifth bits (mask i).
 template <int64_t F>
@@ -277,6 +277,51 @@ void int8_group_pair_q5(const int8_t* q, const float* ad, const float* as, int64
     for (int m = 0; m < M; ++m)
       _mm256_storeu_ps(out + m * ldo + (g + p) * kRows,
                        _mm256_add_ps(_mm256_add_ps(_mm256_load_ps(acc[m][p]), _mm256_load_ps(macc[m][p])), vb));
+  }
+}
+
+// Q8_0r8 groups g and g + 1 on AVX2 without dot products: each activation broadcast serves both groups'
+// |w| x (a with w's sign) multiply-adds, the tiles read once for a step's rows. Integer sums are exact
+// and each row's fp32 operations are int8_groups' in its order (the same bits).
+template <int M>
+void int8_group_pair_q8(const int8_t* q, const float* ad, int64_t nb, const uint8_t* w, const float* bias,
+                        float* out, int64_t ldo, int64_t g) {
+  constexpr int64_t tb = kTileBytes<kQuantQ8_0>;
+  const int64_t k_len = nb * kBlock;
+  const uint8_t* tiles[2] = {w + g * nb * tb, w + (g + 1) * nb * tb};
+  alignas(32) float acc[M][2][kRows] = {};
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t[2] = {tiles[0] + b * tb, tiles[1] + b * tb};
+    const int8_t* a = q + b * kBlock;
+    __m256i sums[M][2];
+    for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int j = 0; j < 8; ++j) {
+      const __m256i raw0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[0] + kQuantsAt<kQuantQ8_0> + 32 * j));
+      const __m256i raw1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t[1] + kQuantsAt<kQuantQ8_0> + 32 * j));
+      const __m256i u0 = _mm256_abs_epi8(raw0), u1 = _mm256_abs_epi8(raw1);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        const __m256i av = broadcast4(a + m * k_len + 4 * j);
+        sums[m][0] = _mm256_add_epi32(sums[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(av, raw0)), ones));
+        sums[m][1] = _mm256_add_epi32(sums[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(av, raw1)), ones));
+      }
+    }
+    for (int p = 0; p < 2; ++p) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[p])));
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m)
+        _mm256_store_ps(acc[m][p], _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][p]),
+                                                   _mm256_mul_ps(dw, _mm256_set1_ps(ad[m * nb + b])),
+                                                   _mm256_load_ps(acc[m][p])));
+    }
+    asm volatile("" ::: "memory");  // keeps acc in memory (see int8_group_pair_q5)
+  }
+  for (int p = 0; p < 2; ++p) {
+    const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + (g + p) * kRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m)
+      _mm256_storeu_ps(out + m * ldo + (g + p) * kRows, _mm256_add_ps(_mm256_load_ps(acc[m][p]), vb));
   }
 }
 #endif
@@ -391,9 +436,9 @@ template <int64_t F>
 void int8_chunk(const at::Tensor& out, const ActPlanes& act, const std::vector<int32_t>& qsum, int64_t m_len,
                 const uint8_t* w, const float* bias, int64_t g_begin, int64_t g_end, int64_t m_begin = 0) {
   const int64_t nb = act.nb, ldo = out.stride(0);
-#if defined(PAGEDSERVE_R8Q5_PAIR)
-  // Several row passes over a Q5 layout: one group pair at a time, its quants unpacked to bytes once for
-  // all of them (the same integers) and its tiles kept in cache across them.
+#if defined(PAGEDSERVE_R8Q_YMM_PAIR)
+  // Several row passes: one group pair at a time through all of them, its tiles kept in cache across
+  // them; a Q5 layout's quants unpacked to bytes once for all of them (the same integers).
   if constexpr (kIsQ5<F>) {
     if (m_len - m_begin > 4) {
       thread_local std::vector<uint8_t> bytes;
@@ -407,6 +452,17 @@ void int8_chunk(const at::Tensor& out, const ActPlanes& act, const std::vector<i
                                                        out.data_ptr<float>() + row0 * ldo, ldo, g_begin);
         });
       }
+      if (g_begin == g_end) return;
+    }
+  }
+  if constexpr (F == kQuantQ8_0) {
+    if (m_len - m_begin > 4) {
+      for (; g_begin + 1 < g_end; g_begin += 2)
+        for_row_passes<false>(m_len - m_begin, [&](auto rows, int64_t pass_row) {
+          const int64_t row0 = m_begin + pass_row;
+          int8_group_pair_q8<decltype(rows)::value>(act.q.data() + row0 * nb * kBlock, act.d.data() + row0 * nb, nb,
+                                                    w, bias, out.data_ptr<float>() + row0 * ldo, ldo, g_begin);
+        });
       if (g_begin == g_end) return;
     }
   }
