@@ -223,6 +223,8 @@ struct ActPlanes {
   std::vector<int8_t> q;
   std::vector<float> d, s;
   std::vector<float> h;  // [M][2 nb]: d[b] * sum of quants 0..15, then 16..31, of each block b
+  std::vector<int32_t> h32;  // [M][2 nb]: 32 * the sum of quants 0..15, then 16..31, of each block b (exact)
+  std::vector<int32_t> hpair;  // [M][nb]: the same two sums as the int16 pair (low, high) of one int32
 
   // Fills h from the quants (each half's integer sum, scaled as s is: one rounding).
   void add_half_sums() {
@@ -236,6 +238,24 @@ struct ActPlanes {
       }
       h[2 * b] = d[b] * static_cast<float>(lo);
       h[2 * b + 1] = d[b] * static_cast<float>(hi);
+    }
+  }
+
+  // Fills h32 and hpair from the quants (Q6_Kr8's - 32 offset, applied in integers).
+  void add_half_sums32() {
+    h32.resize(2 * d.size());
+    hpair.resize(d.size());
+    for (size_t b = 0; b < d.size(); ++b) {
+      const int8_t* qb = &q[b * kBlock];
+      int lo = 0, hi = 0;
+      for (int i = 0; i < kBlock / 2; ++i) {
+        lo += qb[i];
+        hi += qb[i + kBlock / 2];
+      }
+      h32[2 * b] = 32 * lo;
+      h32[2 * b + 1] = 32 * hi;
+      hpair[b] = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16) |
+                                      static_cast<uint16_t>(lo));  // |sum| <= 16 * 127
     }
   }
 

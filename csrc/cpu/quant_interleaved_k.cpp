@@ -20,8 +20,10 @@
 // then ql in 32 chunks (chunk 16h + 8p + i: row r's ql bytes 64h + 32p + 4i..+3 at 4r) and qh in 16
 // (chunk 8h + i: qh bytes 32h + 4i..+3). Sub-block s = 4h + g: unsigned q = nibble g / 2 of the ql
 // chunks p = g % 2, bits 2g of the qh chunks above it (0..63, the - 32 applied through the activations'
-// half-block sums): per 16 weights acc += isum * ((d sc) a), acc -= (d sc) (32 h) (h = a * sum of quants).
-// Integer sums in int32 (maddubs pairs widened at once on AVX2: 8 products of 63 x 127 would overflow int16).
+// half-block sums). Per sub-block, in integers: dot = sc_0 (isum_0 - 32 asum_0) + sc_1 (isum_1 - 32 asum_1)
+// over its two 16-weight halves (exact, |dot| < 2^24), then one fp32 step acc += float(dot) (d a), on
+// every path. Integer sums in int32 (maddubs pairs widened at once on AVX2: 8 products of 63 x 127 would
+// overflow int16).
 //
 // A batch of several four-row passes on AVX2 runs one group pair at a time through all of them: the pair's
 // fp32 sub-block scales (and for Q6_Kr8 its quants unpacked to bytes) are computed once and shared, the
@@ -166,6 +168,30 @@ void int8_group_pair(const int8_t* q, const float* ad, const float* as, int64_t 
 }
 #endif
 
+#if defined(__AVX2__)
+// Q6_Kr8's per-sub-block steps (every AVX2 pass; the AVX-512 pair does the same in 16 lanes).
+// Row r's scale of sub-block s's 16-weight half `half` of tile `tile`, in int32 lane r.
+inline __m256i q6_scales32(const uint8_t* tile, int s, int half) {
+  return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 8 * (2 * s + half))));
+}
+
+// The eight rows' fp16 d of tile `tile`, in fp32.
+inline __m256 q6_d(const uint8_t* tile) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+}
+
+// One half's share of a sub-block's integer dot product: sc (isum - 32 asum), isum the half's sum over the
+// unsigned quants, off = 32 asum (ActPlanes::h32). Exact: |sc (isum - off)| <= 128 * 16 * 32 * 127.
+inline __m256i q6_half_dot(__m256i isum, __m256i sc, int32_t off) {
+  return _mm256_mullo_epi32(_mm256_sub_epi32(isum, _mm256_set1_epi32(off)), sc);
+}
+
+// A sub-block's fp32 step: acc + float(dot) (d a), dot its two halves' q6_half_dot (below 2^24: exact in fp32).
+inline __m256 q6_step(__m256 acc, __m256i dot, __m256 dw, float a) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a)), acc);
+}
+#endif
+
 #if defined(__AVX2__) && !defined(PAGEDSERVE_R8K_ZMM)
 #define PAGEDSERVE_R8K_YMM_PAIR 1
 // Sub-block j's eight scales d sc_j and mins dmin m_j of Q4_Kr8 tile `tile`, in fp32.
@@ -191,22 +217,45 @@ inline void q4k_pair_scales(const uint8_t* w, int64_t nsb, int64_t g, float* out
     }
 }
 
-// The eight scales d sc of Q6_Kr8 tile `tile`'s sub-block s, 16-weight half `half`, in fp32.
-inline __m256 q6_scales(const uint8_t* tile, int s, int half) {
-  const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+// Row r's 16-weight scale of sub-block s's half `half` twice, the int16 pair of lane r: the multiplier
+// that widens the pair passes' int16 sums (r8_asm.h: PS_R8_Q6_ROW) into scaled int32 sums.
+inline __m256i q6_scale_pairs16(const uint8_t* tile, int s, int half) {
   const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 8 * (2 * s + half)));
-  return _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8, sc8));
 }
 
-// Groups g and g + 1's q6_scales for every block, sub-block s and half, once for all of a step's row
-// passes: out[8 * (2 * (b * 16 + 2 * s + half) + p)]. nsb * 256 floats.
-inline void q6_pair_scales(const uint8_t* w, int64_t nsb, int64_t g, float* out) {
+// Lane r's int16 pair (-32 sc_0, -32 sc_1) of sub-block s (|32 sc| <= 4096): against a row's half sums
+// (asum_0, asum_1) (ActPlanes::hpair) one multiply-add gives the sub-block's - 32 term.
+inline __m256i q6_offsets16(const uint8_t* tile, int s) {
+  const __m128i both = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 16 * s));
+  const __m256i pairs = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(both, _mm_srli_si128(both, 8)));
+  return _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(pairs, 5));
+}
+
+// Groups g and g + 1's q6_scale_pairs16, q6_offsets16 and q6_d for every block, once for all of a step's
+// row passes, as 32-bit words: the scale pairs of (b, s, half) at 8 * (2 * (b * 16 + 2 * s + half) + p),
+// the offsets of (b, s) at nsb * 256 + 8 * (2 * (b * 8 + s) + p), d at nsb * 384 + 8 * (2 * b + p).
+constexpr int64_t q6_table_words(int64_t nsb) { return nsb * 400; }
+inline const __m256i* q6_table_scales(const int32_t* table, int64_t b, int s, int half, int p) {
+  return reinterpret_cast<const __m256i*>(table + kRows * (2 * (b * 2 * kSubs + 2 * s + half) + p));
+}
+inline const __m256i* q6_table_offsets(const int32_t* table, int64_t nsb, int64_t b, int s, int p) {
+  return reinterpret_cast<const __m256i*>(table + nsb * 256 + kRows * (2 * (b * kSubs + s) + p));
+}
+inline const float* q6_table_d(const int32_t* table, int64_t nsb, int64_t b, int p) {
+  return reinterpret_cast<const float*>(table + nsb * 384 + kRows * (2 * b + p));
+}
+inline void q6_pair_scales(const uint8_t* w, int64_t nsb, int64_t g, int32_t* out) {
   for (int64_t b = 0; b < nsb; ++b)
     for (int p = 0; p < 2; ++p) {
       const uint8_t* tile = w + (g + p) * nsb * kQ6TileBytes + b * kQ6TileBytes;
-      for (int s = 0; s < kSubs; ++s)
+      for (int s = 0; s < kSubs; ++s) {
         for (int half = 0; half < 2; ++half)
-          _mm256_storeu_ps(out + kRows * (2 * (b * 2 * kSubs + 2 * s + half) + p), q6_scales(tile, s, half));
+          _mm256_storeu_si256(const_cast<__m256i*>(q6_table_scales(out, b, s, half, p)),
+                              q6_scale_pairs16(tile, s, half));
+        _mm256_storeu_si256(const_cast<__m256i*>(q6_table_offsets(out, nsb, b, s, p)), q6_offsets16(tile, s));
+      }
+      _mm256_storeu_ps(const_cast<float*>(q6_table_d(out, nsb, b, p)), q6_d(tile));
     }
 }
 
@@ -412,7 +461,7 @@ void int8_groups(const int8_t* q, const float* ad, const float* as, int64_t nsb,
 // Q6_Kr8 groups g and g + 1 in 512-bit registers: every lane runs the 256-bit pass's integer sums and fp32
 // operations in the same order (the same bits).
 template <int M>
-void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
+void int8_group_pair_q6(const int8_t* q, const float* ad, const int32_t* ah, int64_t nsb, const uint8_t* w,
                         const float* bias, float* out, int64_t ldo, int64_t g) {
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
   const uint8_t* tiles0 = w + g * nsb * kQ6TileBytes;
@@ -429,6 +478,7 @@ void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64
       const int h = s / 4, gs = s % 4;
       const int64_t low = kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)), high = kQ6HighAt + 32 * (8 * h);
       const __m128i low_shift = _mm_cvtsi32_si128(4 * (gs / 2)), high_shift = _mm_cvtsi32_si128(2 * gs);
+      __m512i dots[M];
       for (int half = 0; half < 2; ++half) {
         __m512i sums[M];
         for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_si512();
@@ -450,14 +500,18 @@ void int8_group_pair_q6(const int8_t* q, const float* ad, const float* ah, int64
         const int64_t sc_at = kQ6ScalesAt + 8 * (2 * s + half);
         const __m128i sc8 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t0 + sc_at)),
                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t1 + sc_at)));
-        const __m512 dj = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+        const __m512i sc = _mm512_cvtepi8_epi32(sc8);
 #pragma GCC unroll 4
-        for (int m = 0; m < M; ++m) {
-          const int64_t at = m * nb + b * kSubs + s;
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m]), _mm512_mul_ps(dj, _mm512_set1_ps(ad[at])), acc[m]);
-          acc[m] = _mm512_fnmadd_ps(dj, _mm512_set1_ps(32.f * ah[2 * at + half]), acc[m]);
+        for (int m = 0; m < M; ++m) {  // q6_half_dot
+          const __m512i part = _mm512_mullo_epi32(
+              _mm512_sub_epi32(sums[m], _mm512_set1_epi32(ah[2 * (m * nb + b * kSubs + s) + half])), sc);
+          dots[m] = half == 0 ? part : _mm512_add_epi32(dots[m], part);
         }
       }
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m)  // q6_step
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[m]),
+                                 _mm512_mul_ps(dw, _mm512_set1_ps(ad[m * nb + b * kSubs + s])), acc[m]);
     }
   }
   const __m512 vb = bias != nullptr ? _mm512_loadu_ps(bias + g * kRows) : _mm512_setzero_ps();
@@ -519,15 +573,18 @@ inline void q6_row_sums(const uint8_t* tile, const int8_t* a, __m256i* sums) {
 
 #if defined(PAGEDSERVE_R8K_YMM_PAIR)
 // Q6_Kr8 groups g and g + 1 in one sweep of 256-bit registers (as int8_group_pair_ymm for Q4_Kr8):
-// each activation broadcast serves both groups; the fp32 sums stay in memory. The same bits as the
-// one-group pass.
+// each activation broadcast serves both groups; each 16-weight half's int16 sums are widened by a
+// multiply-add with the rows' scales (q6_scale_pairs16), so a sub-block's scaled sum builds up in int32
+// and its - 32 term is one more multiply-add (q6_offsets16 against ActPlanes::hpair). The fp32 sums stay
+// in memory. The same integers and fp32 steps as the one-group pass (the same bits).
 template <int M>
-void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
-                            const float* bias, float* out, int64_t ldo, int64_t g, const float* scales = nullptr,
+void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const int32_t* hpair, int64_t nsb, const uint8_t* w,
+                            const float* bias, float* out, int64_t ldo, int64_t g, const int32_t* table = nullptr,
                             const uint8_t* expanded = nullptr) {
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
   const uint8_t* tiles[2] = {w + g * nsb * kQ6TileBytes, w + (g + 1) * nsb * kQ6TileBytes};
   alignas(32) float acc[M][2][kRows] = {};
+  alignas(32) __m256i own[2][2];  // the pair's scale pairs of one half when there is no table
   const __m256i nibble = _mm256_set1_epi8(0x0F), two_bits = _mm256_set1_epi8(3);
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* t[2] = {tiles[0] + b * kQ6TileBytes, tiles[1] + b * kQ6TileBytes};
@@ -537,30 +594,39 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
       const int h = s / 4, gs = s % 4;
       const int64_t low = kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)), high = kQ6HighAt + 32 * (8 * h);
       const __m128i low_shift = _mm_cvtsi32_si128(4 * (gs / 2)), high_shift = _mm_cvtsi32_si128(2 * gs);
+      __m256i sums[M][2];
+      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+      const int8_t* a = q + b * kSuperBlock + kBlock * s;
       for (int half = 0; half < 2; ++half) {
-        __m256i sums[M][2];
-        for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
-        const int8_t* a = q + b * kSuperBlock + kBlock * s;
+        // Both groups' scale pairs, side by side (r8_asm.h reads group 1's 32 bytes after group 0's).
+        const __m256i* sc = own[half];
+        if (table != nullptr) {
+          sc = q6_table_scales(table, b, s, half, 0);
+        } else {
+          for (int p = 0; p < 2; ++p) own[half][p] = q6_scale_pairs16(t[p], s, half);
+        }
         const uint8_t* bytes = expanded != nullptr ? expanded + 256 * (b * 2 * kSubs + 2 * s + half) : nullptr;
 #if defined(PAGEDSERVE_R8_ASM_M4)
         if constexpr (M == 4) {  // the same sums, scheduled by hand (r8_asm.h)
           const int8_t* const rows[4] = {a + 16 * half, a + 16 * half + k_len, a + 16 * half + 2 * k_len,
                                          a + 16 * half + 3 * k_len};
           if (bytes != nullptr) {
-            expanded_pair_sums_m4(bytes, bytes + 128, rows, sums);
+            expanded_pair_sums_m4(bytes, bytes + 128, rows, sc, sums);
           } else {
             const int64_t at = 128 * half;
             const uint8_t *l0 = t[0] + low + at, *h0 = t[0] + high + at, *l1 = t[1] + low + at,
                           *h1 = t[1] + high + at;
             switch (gs) {
-              case 0: q6_pair_sums_m4<0, 0>(l0, h0, l1, h1, rows, sums); break;
-              case 1: q6_pair_sums_m4<0, 2>(l0, h0, l1, h1, rows, sums); break;
-              case 2: q6_pair_sums_m4<4, 4>(l0, h0, l1, h1, rows, sums); break;
-              default: q6_pair_sums_m4<4, 6>(l0, h0, l1, h1, rows, sums); break;
+              case 0: q6_pair_sums_m4<0, 0>(l0, h0, l1, h1, rows, sc, sums); break;
+              case 1: q6_pair_sums_m4<0, 2>(l0, h0, l1, h1, rows, sc, sums); break;
+              case 2: q6_pair_sums_m4<4, 4>(l0, h0, l1, h1, rows, sc, sums); break;
+              default: q6_pair_sums_m4<4, 6>(l0, h0, l1, h1, rows, sc, sums); break;
             }
           }
-        } else
+          continue;
+        }
 #endif
+        const __m256i scale[2] = {_mm256_loadu_si256(sc), _mm256_loadu_si256(sc + 1)};
 #pragma GCC unroll 2
         for (int i = 4 * half; i < 4 * half + 4; ++i) {
           __m256i u[2];
@@ -577,25 +643,23 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m) {
             const __m256i av = broadcast4(a + m * k_len + 4 * i);
-            sums[m][0] = accumulate32(sums[m][0], u[0], av);
-            sums[m][1] = accumulate32(sums[m][1], u[1], av);
+            for (int p = 0; p < 2; ++p)  // |pair sum| <= 2 * 63 * 127: times the scale, exact in int32
+              sums[m][p] = _mm256_add_epi32(sums[m][p], _mm256_madd_epi16(_mm256_maddubs_epi16(u[p], av), scale[p]));
           }
         }
-        for (int p = 0; p < 2; ++p) {
-          const __m256 dj = scales != nullptr
-                                ? _mm256_loadu_ps(scales + kRows * (2 * (b * 2 * kSubs + 2 * s + half) + p))
-                                : q6_scales(t[p], s, half);
-#pragma GCC unroll 4
-          for (int m = 0; m < M; ++m) {
-            const int64_t at = m * nb + b * kSubs + s;
-            __m256 sum = _mm256_load_ps(acc[m][p]);
-            sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m][p]), _mm256_mul_ps(dj, _mm256_set1_ps(ad[at])), sum);
-            sum = _mm256_fnmadd_ps(dj, _mm256_set1_ps(32.f * ah[2 * at + half]), sum);
-            _mm256_store_ps(acc[m][p], sum);
-          }
-        }
-        asm volatile("" ::: "memory");  // keeps acc in memory (int8_group_pair_ymm)
       }
+      for (int p = 0; p < 2; ++p) {
+        const __m256i off = table != nullptr ? _mm256_loadu_si256(q6_table_offsets(table, nsb, b, s, p))
+                                             : q6_offsets16(t[p], s);
+        const __m256 dw = table != nullptr ? _mm256_loadu_ps(q6_table_d(table, nsb, b, p)) : q6_d(t[p]);
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = m * nb + b * kSubs + s;
+          const __m256i dot = _mm256_add_epi32(sums[m][p], _mm256_madd_epi16(off, _mm256_set1_epi32(hpair[at])));
+          _mm256_store_ps(acc[m][p], q6_step(_mm256_load_ps(acc[m][p]), dot, dw, ad[at]));
+        }
+      }
+      asm volatile("" ::: "memory");  // keeps acc in memory (int8_group_pair_ymm)
     }
   }
   for (int p = 0; p < 2; ++p) {
@@ -606,18 +670,19 @@ void int8_group_pair_q6_ymm(const int8_t* q, const float* ad, const float* ah, i
 }
 #endif
 
-// Q6_Kr8 groups [g_begin, g_end) of out[M][N] (quants q [M][K], block scales ad [M][K / 32], half-block
-// scaled sums ah [M][K / 16]: ActPlanes::h).
+// Q6_Kr8 groups [g_begin, g_end) of out[M][N] (quants q [M][K], block scales ad [M][K / 32], 32 x the
+// half-block sums ah [M][K / 16] and the same sums as int16 pairs hpair [M][K / 32]: ActPlanes::h32, hpair).
 template <int M>
-void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t nsb, const uint8_t* w,
-                    const float* bias, float* out, int64_t ldo, int64_t g_begin, int64_t g_end) {
+void int8_groups_q6(const int8_t* q, const float* ad, const int32_t* ah, [[maybe_unused]] const int32_t* hpair,
+                    int64_t nsb, const uint8_t* w, const float* bias, float* out, int64_t ldo, int64_t g_begin,
+                    int64_t g_end) {
   const int64_t k_len = nsb * kSuperBlock, nb = nsb * kSubs;
 #if defined(PAGEDSERVE_R8K_ZMM)
   for (; g_begin + 1 < g_end; g_begin += 2) int8_group_pair_q6<M>(q, ad, ah, nsb, w, bias, out, ldo, g_begin);
 #elif defined(PAGEDSERVE_R8K_YMM_PAIR)
   if constexpr (M > 1)  // one row: q6_row_sums below loads each chunk once, which a memory-bound pass needs
     for (; g_begin + 1 < g_end; g_begin += 2)
-      int8_group_pair_q6_ymm<M>(q, ad, ah, nsb, w, bias, out, ldo, g_begin);
+      int8_group_pair_q6_ymm<M>(q, ad, hpair, nsb, w, bias, out, ldo, g_begin);
 #endif
   for (int64_t g = g_begin; g < g_end; ++g) {
     const uint8_t* tiles = w + g * nsb * kQ6TileBytes;
@@ -627,20 +692,15 @@ void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t n
     for (int64_t b = 0; b < nsb; ++b) {
       const uint8_t* tile = tiles + b * kQ6TileBytes;
       prefetch_ahead(tile, kQ6TileBytes);
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)));
+      const __m256 dw = q6_d(tile);
       if constexpr (M == 1) {
         __m256i sums[2 * kSubs];
         q6_row_sums(tile, q + b * kSuperBlock, sums);
         for (int s = 0; s < kSubs; ++s) {
-          for (int half = 0; half < 2; ++half) {
-            const __m128i sc8 =
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 8 * (2 * s + half)));
-            const __m256 dj = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
-            const int64_t at = b * kSubs + s;
-            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[2 * s + half]), _mm256_mul_ps(dj, _mm256_set1_ps(ad[at])),
-                                     acc[0]);
-            acc[0] = _mm256_fnmadd_ps(dj, _mm256_set1_ps(32.f * ah[2 * at + half]), acc[0]);
-          }
+          const int64_t at = b * kSubs + s;
+          const __m256i dot = _mm256_add_epi32(q6_half_dot(sums[2 * s], q6_scales32(tile, s, 0), ah[2 * at]),
+                                               q6_half_dot(sums[2 * s + 1], q6_scales32(tile, s, 1), ah[2 * at + 1]));
+          acc[0] = q6_step(acc[0], dot, dw, ad[at]);
         }
         continue;
       }
@@ -648,6 +708,7 @@ void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t n
         const int h = s / 4, gs = s % 4;
         const uint8_t* low = tile + kQ6LowAt + 32 * (16 * h + 8 * (gs % 2));
         const uint8_t* high = tile + kQ6HighAt + 32 * (8 * h);
+        __m256i dots[M];
         for (int half = 0; half < 2; ++half) {
           __m256i sums[M];
           for (int m = 0; m < M; ++m) sums[m] = _mm256_setzero_si256();
@@ -662,15 +723,15 @@ void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t n
             for (int m = 0; m < M; ++m)
               sums[m] = accumulate32(sums[m], u, broadcast4(q + m * k_len + b * kSuperBlock + kBlock * s + 4 * i));
           }
-          const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + kQ6ScalesAt + 8 * (2 * s + half)));
-          const __m256 dj = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+          const __m256i sc = q6_scales32(tile, s, half);
 #pragma GCC unroll 4
           for (int m = 0; m < M; ++m) {
-            const int64_t at = m * nb + b * kSubs + s;
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[m]), _mm256_mul_ps(dj, _mm256_set1_ps(ad[at])), acc[m]);
-            acc[m] = _mm256_fnmadd_ps(dj, _mm256_set1_ps(32.f * ah[2 * at + half]), acc[m]);
+            const __m256i part = q6_half_dot(sums[m], sc, ah[2 * (m * nb + b * kSubs + s) + half]);
+            dots[m] = half == 0 ? part : _mm256_add_epi32(dots[m], part);
           }
         }
+#pragma GCC unroll 4
+        for (int m = 0; m < M; ++m) acc[m] = q6_step(acc[m], dots[m], dw, ad[m * nb + b * kSubs + s]);
       }
     }
     const __m256 vb = bias != nullptr ? _mm256_loadu_ps(bias + g * kRows) : _mm256_setzero_ps();
@@ -685,21 +746,22 @@ void int8_groups_q6(const int8_t* q, const float* ad, const float* ah, int64_t n
         const float d = half_to_float(hd);
         for (int s = 0; s < kSubs; ++s) {
           const int h = s / 4, gs = s % 4;
-          for (int half = 0; half < 2; ++half) {
-            const float dj = d * static_cast<float>(static_cast<int8_t>(tile[kQ6ScalesAt + 8 * (2 * s + half) + r]));
-            for (int m = 0; m < M; ++m) {
-              const int8_t* a = q + m * k_len + b * kSuperBlock + kBlock * s;
+          for (int m = 0; m < M; ++m) {
+            const int8_t* a = q + m * k_len + b * kSuperBlock + kBlock * s;
+            const int64_t at = m * nb + b * kSubs + s;
+            int32_t dot = 0;
+            for (int half = 0; half < 2; ++half) {
+              const int sc = static_cast<int8_t>(tile[kQ6ScalesAt + 8 * (2 * s + half) + r]);
               int32_t sum = 0;
               for (int l = 16 * half; l < 16 * half + 16; ++l) {
-                const int at = 32 * (l / 4) + 4 * r + l % 4;
-                const int lo = (tile[kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)) + at] >> (4 * (gs / 2))) & 0x0F;
-                const int hi = (tile[kQ6HighAt + 32 * (8 * h) + at] >> (2 * gs)) & 3;
+                const int byte = 32 * (l / 4) + 4 * r + l % 4;
+                const int lo = (tile[kQ6LowAt + 32 * (16 * h + 8 * (gs % 2)) + byte] >> (4 * (gs / 2))) & 0x0F;
+                const int hi = (tile[kQ6HighAt + 32 * (8 * h) + byte] >> (2 * gs)) & 3;
                 sum += (lo | (hi << 4)) * a[l];
               }
-              const int64_t at = m * nb + b * kSubs + s;
-              acc[m][r] = std::fma(static_cast<float>(sum), dj * ad[at], acc[m][r]);
-              acc[m][r] = std::fma(-dj, 32.f * ah[2 * at + half], acc[m][r]);
+              dot += sc * (sum - ah[2 * at + half]);
             }
+            acc[m][r] = std::fma(static_cast<float>(dot), d * ad[at], acc[m][r]);
           }
         }
       }
@@ -728,8 +790,8 @@ void int8_chunk(int64_t format, const at::Tensor& out, const ActPlanes& act, int
       if constexpr (M > 1) {
         if (scales != nullptr) {
           if (q6)
-            int8_group_pair_q6_ymm<M>(q, ad, act.h.data() + row0 * 2 * nb, nsb, w, bias, o, ldo, g0, scales,
-                                      expanded);
+            int8_group_pair_q6_ymm<M>(q, ad, act.hpair.data() + row0 * nb, nsb, w, bias, o, ldo, g0,
+                                      reinterpret_cast<const int32_t*>(scales), expanded);
           else
             int8_group_pair_ymm<M>(q, ad, act.s.data() + row0 * nb, nsb, w, bias, o, ldo, g0, scales);
           return;
@@ -737,7 +799,8 @@ void int8_chunk(int64_t format, const at::Tensor& out, const ActPlanes& act, int
       }
 #endif
       if (q6)
-        int8_groups_q6<M>(q, ad, act.h.data() + row0 * 2 * nb, nsb, w, bias, o, ldo, g0, g1);
+        int8_groups_q6<M>(q, ad, act.h32.data() + row0 * 2 * nb, act.hpair.data() + row0 * nb, nsb, w, bias, o,
+                          ldo, g0, g1);
       else
         int8_groups<M>(q, ad, act.s.data() + row0 * nb, nsb, w, bias, o, ldo, g0, g1);
     });
@@ -749,12 +812,12 @@ void int8_chunk(int64_t format, const at::Tensor& out, const ActPlanes& act, int
   if (m_len > 4) {
     thread_local std::vector<float> table;
     thread_local std::vector<uint8_t> bytes;
-    table.resize(nsb * 256);
+    table.resize(q6 ? q6_table_words(nsb) : nsb * 256);  // Q6_Kr8's words: int16 pairs and fp32 d
     if (q6) bytes.resize(nsb * 4096);
     int64_t g = g_begin;
     for (; g + 1 < g_end; g += 2) {
       if (q6) {
-        q6_pair_scales(w, nsb, g, table.data());
+        q6_pair_scales(w, nsb, g, reinterpret_cast<int32_t*>(table.data()));
         q6_expand_pair(w, nsb, g, bytes.data());
       } else {
         q4k_pair_scales(w, nsb, g, table.data());
@@ -821,7 +884,7 @@ void interleaved_k_linear(const at::Tensor& out, const at::Tensor& x, const uint
   const bool q6 = format == kQuantQ6_KR8;
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
-  if (act && q6) act->add_half_sums();
+  if (act && q6) act->add_half_sums32();
   int64_t chunk = row_chunk(groups, nsb * (q6 ? kQ6TileBytes : kTileBytes), 64 * 1024,
                             weight_chunks_per_thread(m_len));
   if (exact) chunk = panels::whole_panels(chunk);

@@ -238,7 +238,7 @@ void int8_group_pair_q5(const int8_t* q, const float* ad, const float* as, int64
     if constexpr (M == 4) {  // the same sums, scheduled by hand (r8_asm.h)
       for (int h = 0; h < 2; ++h) {
         const int8_t* const rows[4] = {a + 16 * h, a + k_len + 16 * h, a + 2 * k_len + 16 * h, a + 3 * k_len + 16 * h};
-        expanded_pair_sums_m4(u + 256 * h, u + 256 * h + 128, rows, sums);
+        expanded_pair_sums_m4(u + 256 * h, u + 256 * h + 128, rows, kInt16Ones, sums);
       }
     } else
 #endif

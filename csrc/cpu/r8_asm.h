@@ -95,19 +95,20 @@ inline void pair_sums_m4(const uint8_t* w0, const uint8_t* w1, const int8_t* con
 #define PS_R8_SHIFT_HS(U) "vpsrlw %[hs], %%" #U ", %%" #U "\n\t"
 // Row R against two chunks (ymm8 / ymm9: the first chunk of groups 0 / 1, ymm10 / ymm11: the
 // second): each group's two products summed in int16 (|sum| <= 4 * 63 * 128 < 32767), widened
-// once into the int32 sums S0, S1.
+// once into the int32 sums S0, S1 by a multiply-add with the group's int16 pairs at (%[sc]) / 32(%[sc])
+// (ones, or each row's 16-weight scale twice: |sum| <= 2 * 32767 * 128).
 #define PS_R8_Q6_ROW(R, S0, S1)                                      \
   "vpbroadcastd (%[" #R "], %[x]), %%ymm12\n\t"                     \
   "vpbroadcastd 4(%[" #R "], %[x]), %%ymm13\n\t"                    \
   "vpmaddubsw %%ymm12, %%ymm8, %%ymm14\n\t"                          \
   "vpmaddubsw %%ymm13, %%ymm10, %%ymm15\n\t"                         \
   "vpaddw %%ymm15, %%ymm14, %%ymm14\n\t"                             \
-  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                           \
+  "vpmaddwd (%[sc]), %%ymm14, %%ymm14\n\t"                           \
   "vpaddd %%ymm14, %[" #S0 "], %[" #S0 "]\n\t"                       \
   "vpmaddubsw %%ymm12, %%ymm9, %%ymm14\n\t"                          \
   "vpmaddubsw %%ymm13, %%ymm11, %%ymm15\n\t"                         \
   "vpaddw %%ymm15, %%ymm14, %%ymm14\n\t"                             \
-  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                           \
+  "vpmaddwd 32(%[sc]), %%ymm14, %%ymm14\n\t"                         \
   "vpaddd %%ymm14, %[" #S1 "], %[" #S1 "]\n\t"
 #define PS_R8_Q6_TURN(LSHIFT, HSHIFT)                                 \
   PS_R8_Q6_UNPACK(0, LSHIFT, HSHIFT, wl0, wh0, ymm8)                  \
@@ -122,18 +123,22 @@ inline void pair_sums_m4(const uint8_t* w0, const uint8_t* w1, const int8_t* con
             [x] "=&r"(x)                                                                                     \
           : [wl0] "r"(low0), [wh0] "r"(high0), [wl1] "r"(low1), [wh1] "r"(high1), [a0] "r"(a[0]),            \
             [a1] "r"(a[1]), [a2] "r"(a[2]), [a3] "r"(a[3]), [nib] "m"(kQ6Consts[0]), [three] "m"(kQ6Consts[1]), \
-            [ones] "m"(kQ6Consts[2]), [ls] "i"(kLow), [hs] "i"(kHigh)                                        \
+            [sc] "r"(sc), [ls] "i"(kLow), [hs] "i"(kHigh)                                                     \
           : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc",                     \
             "memory")  /* reads the chunks and rows: too many for "m" operands */
 
-// The masks and the int16 ones of q6_pair_sums_m4, as memory operands (every register is taken).
-alignas(32) inline const __m256i kQ6Consts[3] = {_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi16(1)};
+// The masks of q6_pair_sums_m4, as memory operands (every register is taken), and int16 ones for both
+// groups (kInt16Ones: the multipliers of unscaled sums).
+alignas(32) inline const __m256i kQ6Consts[4] = {_mm256_set1_epi8(0x0F), _mm256_set1_epi8(3), _mm256_set1_epi16(1),
+                                                 _mm256_set1_epi16(1)};
+inline const __m256i* const kInt16Ones = &kQ6Consts[2];
 
-// sums[m][p] (int32 lanes, as `accumulate32`) += group p's four Q6_Kr8 chunks (ql at low_p, qh at
-// high_p, shifted right by kLow and kHigh) against row m's 16 activation quants at a[m].
+// sums[m][p] (int32 lanes) += group p's four Q6_Kr8 chunks (ql at low_p, qh at high_p, shifted right by
+// kLow and kHigh) against row m's 16 activation quants at a[m], each row's int16 pair sums times the int16
+// pairs at sc[p] (kInt16Ones: `accumulate32`'s sums).
 template <int kLow, int kHigh>
 inline void q6_pair_sums_m4(const uint8_t* low0, const uint8_t* high0, const uint8_t* low1, const uint8_t* high1,
-                            const int8_t* const (&a)[4], __m256i (&sums)[4][2]) {
+                            const int8_t* const (&a)[4], const __m256i* sc, __m256i (&sums)[4][2]) {
   int64_t x;
   if constexpr (kLow == 0 && kHigh == 0) {
     PS_R8_Q6_ASM(PS_R8_SHIFT_NONE, PS_R8_SHIFT_NONE);
@@ -148,10 +153,10 @@ inline void q6_pair_sums_m4(const uint8_t* low0, const uint8_t* high0, const uin
 
 // sums[m][p] += group p's four chunks already expanded to bytes of at most 63 (four chunks of 32 at w_p:
 // Q6_Kr8's quants from q6_expand_pair in quant_interleaved_k.cpp, Q5's from q5_expand_pair in
-// quant_interleaved_q5q8.cpp) against row m's 16 activation quants at a[m]: the sweep above without its
-// unpacking, which a batch of row passes does once per group pair.
+// quant_interleaved_q5q8.cpp) against row m's 16 activation quants at a[m], times sc[p] as above: the
+// sweep above without its unpacking, which a batch of row passes does once per group pair.
 inline void expanded_pair_sums_m4(const uint8_t* w0, const uint8_t* w1, const int8_t* const (&a)[4],
-                                     __m256i (&sums)[4][2]) {
+                                  const __m256i* sc, __m256i (&sums)[4][2]) {
   int64_t x;
   __asm__(PS_R8_LOOP("vmovdqu (%[w0], %[x], 8), %%ymm8\n\t"
                      "vmovdqu (%[w1], %[x], 8), %%ymm9\n\t"
@@ -163,11 +168,9 @@ inline void expanded_pair_sums_m4(const uint8_t* w0, const uint8_t* w1, const in
             [s20] "+x"(sums[2][0]), [s21] "+x"(sums[2][1]), [s30] "+x"(sums[3][0]), [s31] "+x"(sums[3][1]),
             [x] "=&r"(x)
           : [w0] "r"(w0), [w1] "r"(w1), [a0] "r"(a[0]), [a1] "r"(a[1]), [a2] "r"(a[2]), [a3] "r"(a[3]),
-            [ones] "m"(kQ6Consts[2]), "m"(*reinterpret_cast<const uint8_t(*)[128]>(w0)),
-            "m"(*reinterpret_cast<const uint8_t(*)[128]>(w1)), "m"(*reinterpret_cast<const int8_t(*)[16]>(a[0])),
-            "m"(*reinterpret_cast<const int8_t(*)[16]>(a[1])), "m"(*reinterpret_cast<const int8_t(*)[16]>(a[2])),
-            "m"(*reinterpret_cast<const int8_t(*)[16]>(a[3]))
-          : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+            [sc] "r"(sc)
+          : "xmm8", "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc",
+            "memory");  /* reads the chunks, rows and scales: too many for "m" operands */
 }
 
 #undef PS_R8_Q6_UNPACK
