@@ -22,7 +22,8 @@ in GGUF order (`gguf`) and in the kernel's eight-row layout (`r8`, `ops.quant.in
 - `format_rows`: each r8 format of `--formats` (the K-quants too) at `--format-rows` rows on one thread, a
   real-size weight (`--n` x `--k`, 4096 x 2048) held in cache, timed in the thread's CPU time (another
   process's load slows it little): GMAC/s, the arithmetic's rate where a batch of 32 is compute-bound.
-  `--format-rows-only` runs just this (run it in two checkouts to compare kernels).
+  `--format-rows-only` runs just this (run it in two checkouts to compare kernels); `--format-rounds`
+  takes the best of more rounds on a noisy machine.
 
 Prints one JSON object per line.
 
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--format-rows-only", action="store_true", help="only the per-format GMAC/s lines")
     parser.add_argument("--formats", default="Q4_K,Q6_K,Q4_0,Q8_0", help="format_rows: r8 formats by base name")
     parser.add_argument("--format-rows", default="1,4,32", help="format_rows: row counts")
+    parser.add_argument("--format-rounds", type=int, default=5, help="format_rows: best of this many rounds")
     parser.add_argument("--n", type=int, default=4096, help="format_rows: the weight's rows")
     parser.add_argument("--k", type=int, default=2048, help="format_rows: the weight's columns")
     args = parser.parse_args()
@@ -74,7 +76,7 @@ def main() -> None:
         amx_int8_rows(gen, max(20, args.iters // 3))
         return
     if args.format_rows_only:
-        format_rows(args.formats.split(","), rows_list, args.n, args.k)
+        format_rows(args.formats.split(","), rows_list, args.n, args.k, args.format_rounds)
         return
     raw_layer = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for n, k in SHAPES]
     raw_model = [(rq.quantize(torch.randn(n, k, generator=gen), rq.Q4_1), k) for _ in range(LAYERS) for n, k in SHAPES]
@@ -152,7 +154,7 @@ def main() -> None:
     if oq.amx_bf16():
         amx_rows(layer["r8"], gen, max(5, args.iters // 30))
     amx_int8_rows(gen, max(20, args.iters // 3))
-    format_rows(args.formats.split(","), rows_list, args.n, args.k)
+    format_rows(args.formats.split(","), rows_list, args.n, args.k, args.format_rounds)
 
 
 def format_rows(formats: list[str], rows_list: list[int], n: int, k: int, rounds: int = 5, calls: int = 4) -> None:
