@@ -227,6 +227,31 @@ def test_r8_every_row_of_a_batch_is_that_row_alone(layout: QuantFormat, m: int) 
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("low", "high"), [(0x00, 0x00), (0xFF, 0xFF)], ids=["q-32", "q+31"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_q6_k_sub_block_integers_reach_their_bound_exactly(low: int, high: int, sign: float) -> None:
+    """Q6_Kr8 finishes a sub-block in integers (sc_0 (isum_0 - 32 asum_0) + sc_1 (isum_1 - 32 asum_1)): with
+    every scale -128, every quant at an end (q - 32 = -32 or 31) and every activation quant +-127 the sum
+    reaches 2 * 128 * 16 * 32 * 127, just under 2^24, and must still be exact. One row, the pair passes
+    without (2-4 rows) and with their shared table (40 rows) and an odd last group, against the reference
+    on the int8-rounded activations and against GGUF order."""
+    n, k = 24, 512  # three groups: a pair and one alone
+    blocks = torch.zeros((n, k // 256, 210), dtype=torch.uint8)
+    blocks[..., 0:128], blocks[..., 128:192] = low, high  # ql, qh: every quant 0 or 63
+    blocks[..., 192:208] = 0x80  # int8 scales -128
+    blocks[..., 208:210] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    packed = blocks.reshape(n, -1).contiguous()
+    r8, fmt = ops.quant.interleave(packed, Q6_K)
+    assert fmt == Q6_KR8
+    for m in (1, 2, 3, 4, 40):
+        x = torch.full((m, k), sign)
+        expected = ref.quant_linear(ref.int8_activations(x), packed, Q6_K.type_id)
+        got = ops.quant_linear(x, r8, fmt)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0, msg=f"{m} rows against the reference")
+        torch.testing.assert_close(got, ops.quant_linear(x, packed, Q6_K), rtol=1e-6, atol=0,
+                                   msg=f"{m} rows against GGUF order")
+
+
 @pytest.mark.parametrize("layout", list(R8_BASE), ids=lambda f: f.name)
 @pytest.mark.parametrize(("m", "exact"), [(1, 0), (40, 7), (QUANT_GEMV_MAX_ROWS + 40, 0)])
 def test_r8_per_row_entry_keeps_every_count_on_the_kernel(layout: QuantFormat, m: int, exact: int) -> None:
