@@ -226,16 +226,22 @@ struct ActPlanes {
   std::vector<int32_t> h32;  // [M][2 nb]: 32 * the sum of quants 0..15, then 16..31, of each block b (exact)
   std::vector<int32_t> hpair;  // [M][nb]: the same two sums as the int16 pair (low, high) of one int32
 
+  // The integer sums of block b's quants 0..15 (lo) and 16..31 (hi).
+  void half_sums(size_t b, int& lo, int& hi) const {
+    const int8_t* qb = &q[b * kBlock];
+    lo = hi = 0;
+    for (int i = 0; i < kBlock / 2; ++i) {
+      lo += qb[i];
+      hi += qb[i + kBlock / 2];
+    }
+  }
+
   // Fills h from the quants (each half's integer sum, scaled as s is: one rounding).
   void add_half_sums() {
     h.resize(2 * d.size());
     for (size_t b = 0; b < d.size(); ++b) {
-      const int8_t* qb = &q[b * kBlock];
-      int lo = 0, hi = 0;
-      for (int i = 0; i < kBlock / 2; ++i) {
-        lo += qb[i];
-        hi += qb[i + kBlock / 2];
-      }
+      int lo, hi;
+      half_sums(b, lo, hi);
       h[2 * b] = d[b] * static_cast<float>(lo);
       h[2 * b + 1] = d[b] * static_cast<float>(hi);
     }
@@ -246,12 +252,8 @@ struct ActPlanes {
     h32.resize(2 * d.size());
     hpair.resize(d.size());
     for (size_t b = 0; b < d.size(); ++b) {
-      const int8_t* qb = &q[b * kBlock];
-      int lo = 0, hi = 0;
-      for (int i = 0; i < kBlock / 2; ++i) {
-        lo += qb[i];
-        hi += qb[i + kBlock / 2];
-      }
+      int lo, hi;
+      half_sums(b, lo, hi);
       h32[2 * b] = 32 * lo;
       h32[2 * b + 1] = 32 * hi;
       hpair[b] = static_cast<int32_t>((static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16) |
