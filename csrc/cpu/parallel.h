@@ -201,29 +201,13 @@ inline int64_t row_chunk(int64_t rows, int64_t row_elems, int64_t min_elems, int
   return std::max(floor_rows, spread);
 }
 
-// Calls fn(begin, end) over [0, n) rows of `row_elems` elements each (or bytes: any unit) on the caller
-// and the pool's helpers, for a pass that streams its weights once (a one-row GEMV), in chunks that
-// shrink toward the end: each a 1 / (2 x threads) share of the rows left, at least `min_elems` elements.
-// The first chunks are long (each starts a stream the prefetchers must pick up again), the last short:
-// with equal chunks the thread that ran out first waited up to a whole chunk for the other.
-template <typename F>
-void parallel_streams(int64_t n, int64_t row_elems, int64_t min_elems, const F& fn) {
-  if (n <= 0) return;
-  const int64_t threads = at::get_num_threads();
-  const int64_t min_rows = std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
-  std::vector<int64_t> bounds{0};
-  for (int64_t at = 0; at < n;) {
-    const int64_t left = n - at;
-    at += std::min(left, std::max(min_rows, left / (2 * threads)));
-    bounds.push_back(at);
-  }
-  const int64_t num_chunks = static_cast<int64_t>(bounds.size()) - 1;
-  const int helpers = static_cast<int>(std::min(threads, num_chunks)) - 1;
-  if (helpers <= 0) {
-    fn(0, n);
-    return;
-  }
-  ChunkPool::instance().run(num_chunks, helpers, [&](int64_t c) { fn(bounds[c], bounds[c + 1]); });
-}
+// Chunks per thread for a pass that streams its weights once (a one-row GEMV): each chunk starts a
+// new stream that the prefetchers must pick up again, so such a pass takes fewer, longer chunks than
+// row_chunk's default, at the cost of a longer wait when a helper is preempted mid-chunk.
+constexpr int64_t kStreamChunksPerThread = 2;
+
+// Chunks per thread for an `m_len`-row pass over weights: kStreamChunksPerThread for one row, else
+// row_chunk's default.
+inline int64_t weight_chunks_per_thread(int64_t m_len) { return m_len == 1 ? kStreamChunksPerThread : 8; }
 
 }  // namespace pagedserve::cpu

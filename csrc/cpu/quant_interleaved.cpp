@@ -363,7 +363,12 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   const int64_t tile_rows = act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
   amx_int8::PackedRows packed;
   if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
-  const auto rows = [&](int64_t g_begin, int64_t g_end) {
+  // Chunks of at least ~64 KiB of packed weights, about eight per thread, two for one row
+  // (weight_chunks_per_thread; whole pairs for the tiles).
+  int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024, weight_chunks_per_thread(m_len));
+  if (tile_rows) chunk += chunk % 2;
+  if (exact) chunk = panels::whole_panels(chunk);
+  parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
                      g_begin, g_end);
@@ -377,14 +382,7 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
       g_begin = pairs_end;
     }
     if (g_begin < g_end) int8_chunk<F>(out_int8, *act, int8_rows, w, bias, g_begin, g_end);
-  };
-  // One row streams its weights once (parallel_streams); more rows take chunks of at least ~64 KiB of
-  // packed weights, about eight per thread (whole pairs for the tiles).
-  if (m_len == 1 && !exact && !tile_rows) return parallel_streams(groups, nb * tile_bytes<F>(), 64 * 1024, rows);
-  int64_t chunk = row_chunk(groups, nb * tile_bytes<F>(), 64 * 1024);
-  if (tile_rows) chunk += chunk % 2;
-  if (exact) chunk = panels::whole_panels(chunk);
-  parallel_chunks(groups, chunk, rows, /*openmp=*/m_len >= openmp_rows());
+  }, /*openmp=*/m_len >= openmp_rows());
 }
 
 template <int64_t F>

@@ -885,19 +885,17 @@ void interleaved_k_linear(const at::Tensor& out, const at::Tensor& x, const uint
   std::optional<ActPlanes> act;
   if (exact < m_len) act.emplace(x.narrow(0, exact, m_len - exact), k_len);
   if (act && q6) act->add_half_sums32();
-  const int64_t group_bytes = nsb * (q6 ? kQ6TileBytes : kTileBytes);
-  const auto rows = [&](int64_t g_begin, int64_t g_end) {
+  int64_t chunk = row_chunk(groups, nsb * (q6 ? kQ6TileBytes : kTileBytes), 64 * 1024,
+                            weight_chunks_per_thread(m_len));
+  if (exact) chunk = panels::whole_panels(chunk);
+  parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       const auto exact_rows = q6 ? fp32_chunk<kQuantQ6_K> : fp32_chunk<kQuantQ4_K>;
       exact_rows(x.data_ptr<float>(), x.stride(0), exact, nsb, w, bias, out.data_ptr<float>(), out.stride(0),
                  g_begin, g_end);
     }
     if (act) int8_chunk(format, out_int8, *act, m_len - exact, nsb, w, bias, g_begin, g_end);
-  };
-  if (m_len == 1 && !exact) return parallel_streams(groups, group_bytes, 64 * 1024, rows);
-  int64_t chunk = row_chunk(groups, group_bytes, 64 * 1024);
-  if (exact) chunk = panels::whole_panels(chunk);
-  parallel_chunks(groups, chunk, rows, /*openmp=*/m_len >= openmp_rows());
+  }, /*openmp=*/m_len >= openmp_rows());
 }
 
 void interleaved_k_dequantize_rows(float* out, const uint8_t* w, int64_t format, int64_t k_len, int64_t n0,

@@ -515,7 +515,10 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
   const int64_t tile_rows = F == kQuantQ8_0 && act && groups >= 2 ? amx_int8::tile_rows(int8_rows) : 0;
   amx_int8::PackedRows packed;
   if (tile_rows) amx_int8::pack_rows(act->q.data(), act->d.data(), act->s.data(), tile_rows, k_len, packed);
-  const auto rows = [&](int64_t g_begin, int64_t g_end) {
+  int64_t chunk = row_chunk(groups, nb * kTileBytes<F>, 64 * 1024, weight_chunks_per_thread(m_len));
+  if (tile_rows) chunk += chunk % 2;
+  if (exact) chunk = panels::whole_panels(chunk);
+  parallel_chunks(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
     if (exact) {
       fp32_groups<F>(x.data_ptr<float>(), x.stride(0), exact, nb, w, bias, out.data_ptr<float>(), out.stride(0),
                      g_begin, g_end);
@@ -529,12 +532,7 @@ void run_interleaved(const at::Tensor& out, const at::Tensor& x, const uint8_t* 
       g_begin = pairs_end;
     }
     if (g_begin < g_end) int8_chunk<F>(out_int8, *act, qsum, int8_rows, w, bias, g_begin, g_end);
-  };
-  if (m_len == 1 && !exact && !tile_rows) return parallel_streams(groups, nb * kTileBytes<F>, 64 * 1024, rows);
-  int64_t chunk = row_chunk(groups, nb * kTileBytes<F>, 64 * 1024);
-  if (tile_rows) chunk += chunk % 2;
-  if (exact) chunk = panels::whole_panels(chunk);
-  parallel_chunks(groups, chunk, rows, /*openmp=*/m_len >= openmp_rows());
+  }, /*openmp=*/m_len >= openmp_rows());
 }
 
 // Groups [g_begin, g_end) as fp32 rows of out [N][K]: the GGUF-order blocks' values (dequant_block).
