@@ -30,17 +30,16 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout's root: benchmarks.* importable
 from benchmarks.quality.quant_quality import PASSAGE, PROMPTS
+from ops.reference.quant import int8_activations
 
 
 def round_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    """``x [..., K]`` rounded per ``block`` values to int8 with scale ``max|x| / 127`` (a last partial
-    block where K is no multiple of ``block``: SmolLM2-135M's 576 = 2 x 256 + 64)."""
+    """``x [..., K]`` rounded per ``block`` values as the int8-activation kernels round per 32
+    (``ops.reference.quant.int8_activations``), a last partial block where K is no multiple of ``block``
+    (SmolLM2-135M's 576 = 2 x 256 + 64: zeros pad it, which leaves its max unchanged)."""
     k = x.shape[-1]
-    padded = F.pad(x.float(), (0, -k % block))
-    blocks = padded.reshape(*x.shape[:-1], -1, block)
-    d = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d > 0, 1.0 / d, 0.0)
-    return (torch.round(blocks * inv) * d).reshape(padded.shape)[..., :k].to(x.dtype)
+    padded = F.pad(x.float().reshape(-1, k), (0, -k % block))
+    return int8_activations(padded, block)[:, :k].reshape(x.shape).to(x.dtype)
 
 
 @contextmanager

@@ -207,10 +207,11 @@ def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
     return bits.sum(-1).to(torch.uint8)
 
 
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
+def int8_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """``x [M, K]`` as the int8-activation kernel sees it: per 32-block ``d * round(x / d)`` with
-    ``d = max|x| / 127`` (the kernel's only rounding besides fp32 sums)."""
-    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    ``d = max|x| / 127`` (the kernel's only rounding besides fp32 sums). ``block``: another block size
+    (K a multiple of it)."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(d > 0, 1.0 / d, 0.0)
     return (torch.round(blocks * inv) * d).reshape(x.shape)
